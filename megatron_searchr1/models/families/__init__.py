@@ -1,0 +1,44 @@
+"""Per-family HF <-> Megatron weight mapping (used by the checkpoint converter and the rollout weight sync).
+
+    family = get_family(hf_config)                       # the class, from `architectures` / `model_type`
+    mapping = family.from_hf_config(hf_config, padded_vocab_size=640)
+    full = mapping.hf_to_megatron("decoder.layers.0.self_attention.linear_qkv.weight", hf_tensors)
+    shards = tp_split("decoder.layers.0.self_attention.linear_qkv.weight", full, tp=2)
+    pairs = mapping.megatron_to_hf(name, tp_merge(name, shards))   # [(hf_name, tensor), ...]
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from megatron_searchr1.models.families.base import (  # noqa: F401  (re-exported API)
+    EMBEDDING, FINAL_NORM, OUTPUT_LAYER, ModelDims, ModelFamily, config_get, deinterleave_qkv,
+    global_to_local_layer, global_to_local_name, interleave_qkv, local_to_global_name, local_to_te_name,
+    pad_vocab, pp_layer_range, split_layer_name, stack_gate_up, te_to_local_name, tp_kind, tp_merge, tp_split,
+    trim_vocab, unstack_gate_up,
+)
+from megatron_searchr1.models.families.llama import LlamaFamily
+from megatron_searchr1.models.families.qwen2 import Qwen2Family
+
+FAMILIES: tuple[type[ModelFamily], ...] = (Qwen2Family, LlamaFamily)
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(a for f in FAMILIES for a in f.architectures)
+
+
+def get_family(hf_config_or_arch: Any) -> type[ModelFamily]:
+    """The family class for a `transformers` config, a config.json dict, or an architecture / model_type string."""
+    if isinstance(hf_config_or_arch, str):
+        wanted = [hf_config_or_arch]
+    else:
+        wanted = list(config_get(hf_config_or_arch, "architectures", None) or [])
+        model_type = config_get(hf_config_or_arch, "model_type", None)
+        if model_type:
+            wanted.append(model_type)
+    for family in FAMILIES:
+        if any(w in family.architectures or w in family.model_types for w in wanted):
+            return family
+    raise ValueError(f"unsupported model architecture {wanted or '(none given)'}; supported architectures: "
+                     f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+
+
+def mapping_for(hf_config: Any, padded_vocab_size: int | None = None) -> ModelFamily:
+    """`get_family(hf_config).from_hf_config(hf_config, padded_vocab_size)`."""
+    return get_family(hf_config).from_hf_config(hf_config, padded_vocab_size)

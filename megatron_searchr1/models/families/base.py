@@ -1,0 +1,459 @@
+"""Hugging Face <-> Megatron-core weight mapping shared by the dense decoder families (Qwen2, Llama).
+
+Everything here is a pure tensor function over names and tensors: no torch.distributed, no Megatron import. The
+checkpoint converter and the rollout weight sync both use it, one tensor (or one layer) at a time, so a converter
+can stream safetensors shards and a weight sync can go bucket by bucket.
+
+Conventions
+- A *Megatron name* is the name in a GPTModel's `state_dict()` built with Megatron's local layer spec, with a GLOBAL
+  layer index (`decoder.layers.{i}.self_attention.linear_qkv.weight`). A pipeline stage's own state dict uses
+  stage-LOCAL layer indices: convert with `local_to_global_name` / `global_to_local_name`.
+  The Transformer Engine spec fuses the pre-attention / pre-MLP norms into the next linear
+  (`linear_qkv.layer_norm_weight`, `linear_fc1.layer_norm_weight`): `te_to_local_name` / `local_to_te_name`.
+- A *full* Megatron tensor is the TP-merged tensor (what TP=1 holds), with the vocab padded to `padded_vocab_size`.
+  `tp_split` / `tp_merge` go between a full tensor and the per-TP-rank shards.
+
+Layouts (h = hidden, d = head dim, nq = query heads, ng = query groups = kv heads, f = ffn hidden)
+- linear_qkv.weight (ng * (nq/ng + 2) * d, h): rows grouped per query group, each group [q heads of the group, k, v].
+- linear_fc1.weight (2f, h): [gate; up] stacked; a TP rank holds [gate_r; up_r] (each split, then stacked).
+- embedding / output_layer (padded_vocab, h): vocab rows, split over TP; padding rows are zeros.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping
+
+import torch
+
+Tensor = torch.Tensor
+
+# ----------------------------------------------------------------------------------------------------------------
+# Names
+# ----------------------------------------------------------------------------------------------------------------
+EMBEDDING = "embedding.word_embeddings.weight"
+FINAL_NORM = "decoder.final_layernorm.weight"
+OUTPUT_LAYER = "output_layer.weight"
+_LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_HF_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+
+# Per-layer Megatron suffixes and how each is split over tensor-parallel ranks.
+#   "column": rows (dim 0) split; "row": columns (dim 1) split; "replicated": every rank holds it all;
+#   "fc1": gate and up each split on rows then stacked per rank; "vocab": padded vocab rows split.
+TP_KIND_BY_SUFFIX = {
+    "input_layernorm.weight": "replicated",
+    "self_attention.linear_qkv.weight": "column",
+    "self_attention.linear_qkv.bias": "column",
+    "self_attention.linear_proj.weight": "row",
+    "self_attention.linear_proj.bias": "replicated",
+    "pre_mlp_layernorm.weight": "replicated",
+    "mlp.linear_fc1.weight": "fc1",
+    "mlp.linear_fc1.bias": "fc1",
+    "mlp.linear_fc2.weight": "row",
+    "mlp.linear_fc2.bias": "replicated",
+}
+TP_KIND_NON_LAYER = {EMBEDDING: "vocab", OUTPUT_LAYER: "vocab", FINAL_NORM: "replicated"}
+
+# Transformer Engine spec: the norm lives inside the following fused linear.
+_TE_RENAMES = {
+    "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+    "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
+}
+
+
+def split_layer_name(name: str) -> tuple[int, str] | None:
+    """`decoder.layers.3.mlp.linear_fc2.weight` -> (3, 'mlp.linear_fc2.weight'); None for non-layer names."""
+    m = _LAYER_RE.match(name)
+    return (int(m.group(1)), m.group(2)) if m else None
+
+
+def layer_name(index: int, suffix: str) -> str:
+    return f"decoder.layers.{index}.{suffix}"
+
+
+def te_to_local_name(name: str) -> str:
+    """Transformer Engine spec name -> local spec name (identity for names that do not differ)."""
+    for local, te in _TE_RENAMES.items():
+        if name.endswith("." + te):
+            return name[: -len(te)] + local
+    return name
+
+
+def local_to_te_name(name: str) -> str:
+    """Local spec name -> Transformer Engine spec name."""
+    for local, te in _TE_RENAMES.items():
+        if name.endswith("." + local) and name.startswith("decoder.layers."):
+            return name[: -len(local)] + te
+    return name
+
+
+def tp_kind(name: str) -> str:
+    """How a Megatron tensor is split over TP ranks: 'column', 'row', 'fc1', 'vocab' or 'replicated'."""
+    name = te_to_local_name(name)
+    if name in TP_KIND_NON_LAYER:
+        return TP_KIND_NON_LAYER[name]
+    parsed = split_layer_name(name)
+    if parsed is None or parsed[1] not in TP_KIND_BY_SUFFIX:
+        raise KeyError(f"no tensor-parallel rule for Megatron parameter {name!r}")
+    return TP_KIND_BY_SUFFIX[parsed[1]]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# QKV interleave and gate/up stacking
+# ----------------------------------------------------------------------------------------------------------------
+def interleave_qkv(q: Tensor, k: Tensor, v: Tensor, num_heads: int, num_kv_heads: int) -> Tensor:
+    """HF q/k/v projections -> Megatron linear_qkv (weight or bias).
+
+    q: (nq*d, ...), k and v: (ng*d, ...) -> (ng * (nq/ng + 2) * d, ...), per group [q heads of the group; k; v].
+    """
+    d = k.shape[0] // num_kv_heads
+    rest = q.shape[1:]
+    per_group = num_heads // num_kv_heads
+    q = q.reshape(num_kv_heads, per_group * d, *rest)
+    k = k.reshape(num_kv_heads, d, *rest)
+    v = v.reshape(num_kv_heads, d, *rest)
+    return torch.cat([q, k, v], dim=1).reshape(-1, *rest)
+
+
+def deinterleave_qkv(qkv: Tensor, num_heads: int, num_kv_heads: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Megatron linear_qkv (weight or bias) -> HF (q, k, v); inverse of `interleave_qkv`."""
+    per_group = num_heads // num_kv_heads
+    rest = qkv.shape[1:]
+    d = qkv.shape[0] // (num_kv_heads * (per_group + 2))
+    grouped = qkv.reshape(num_kv_heads, (per_group + 2) * d, *rest)
+    q, k, v = torch.split(grouped, [per_group * d, d, d], dim=1)
+    return q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)
+
+
+def stack_gate_up(gate: Tensor, up: Tensor) -> Tensor:
+    """HF gate_proj, up_proj (f, h) -> Megatron linear_fc1 (2f, h) = [gate; up]."""
+    return torch.cat([gate, up], dim=0)
+
+
+def unstack_gate_up(fc1: Tensor) -> tuple[Tensor, Tensor]:
+    """Megatron linear_fc1 (2f, h) -> (gate, up)."""
+    gate, up = torch.chunk(fc1, 2, dim=0)
+    return gate, up
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Tensor parallelism
+# ----------------------------------------------------------------------------------------------------------------
+def _check_divisible(name: str, size: int, tp: int) -> None:
+    if size % tp != 0:
+        raise ValueError(f"{name}: dimension {size} is not divisible by tensor-parallel size {tp}")
+
+
+def tp_split(name: str, full: Tensor, tp: int) -> list[Tensor]:
+    """A full Megatron tensor -> the `tp` shards (index = TP rank) Megatron's layers hold.
+
+    The QKV rows are already grouped per query group, so a plain row split hands each rank whole groups (or, when
+    tp > ng, a contiguous slice of one group, which is also what Megatron's attention expects).
+    """
+    kind = tp_kind(name)
+    if tp == 1 or kind == "replicated":
+        return [full] * tp
+    if kind in ("column", "vocab"):
+        _check_divisible(name, full.shape[0], tp)
+        return list(torch.chunk(full, tp, dim=0))
+    if kind == "row":
+        _check_divisible(name, full.shape[1], tp)
+        return list(torch.chunk(full, tp, dim=1))
+    # fc1: gate and up are split separately so every rank gets matching gate/up rows.
+    gate, up = unstack_gate_up(full)
+    _check_divisible(name, gate.shape[0], tp)
+    return [stack_gate_up(g, u) for g, u in zip(torch.chunk(gate, tp, dim=0), torch.chunk(up, tp, dim=0))]
+
+
+def tp_merge(name: str, shards: list[Tensor]) -> Tensor:
+    """The per-TP-rank shards (in TP rank order) -> the full Megatron tensor; inverse of `tp_split`."""
+    kind = tp_kind(name)
+    if len(shards) == 1 or kind == "replicated":
+        return shards[0]
+    if kind in ("column", "vocab"):
+        return torch.cat(shards, dim=0)
+    if kind == "row":
+        return torch.cat(shards, dim=1)
+    gates, ups = zip(*(unstack_gate_up(s) for s in shards))
+    return stack_gate_up(torch.cat(gates, dim=0), torch.cat(ups, dim=0))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Pipeline parallelism (uniform split of layers over stages)
+# ----------------------------------------------------------------------------------------------------------------
+def pp_layer_range(num_layers: int, pp: int, pp_rank: int) -> range:
+    """Global indices of the layers stage `pp_rank` holds (uniform split, as Megatron does without a layout)."""
+    if num_layers % pp != 0:
+        raise ValueError(f"num_layers={num_layers} is not divisible by pipeline-parallel size {pp}")
+    per_stage = num_layers // pp
+    return range(pp_rank * per_stage, (pp_rank + 1) * per_stage)
+
+
+def global_to_local_layer(index: int, num_layers: int, pp: int) -> tuple[int, int]:
+    """Global layer index -> (pp_rank, index within that stage)."""
+    per_stage = pp_layer_range(num_layers, pp, 0).stop
+    return index // per_stage, index % per_stage
+
+
+def local_to_global_name(name: str, num_layers: int, pp: int, pp_rank: int) -> str:
+    """A stage's state-dict name (local layer index) -> the global Megatron name."""
+    parsed = split_layer_name(name)
+    if parsed is None:
+        return name
+    return layer_name(pp_layer_range(num_layers, pp, pp_rank).start + parsed[0], parsed[1])
+
+
+def global_to_local_name(name: str, num_layers: int, pp: int) -> tuple[int | None, str]:
+    """Global Megatron name -> (pp_rank owning the layer, stage-local name); pp_rank None for non-layer names."""
+    parsed = split_layer_name(name)
+    if parsed is None:
+        return None, name
+    stage, local = global_to_local_layer(parsed[0], num_layers, pp)
+    return stage, layer_name(local, parsed[1])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Vocab padding
+# ----------------------------------------------------------------------------------------------------------------
+def pad_vocab(t: Tensor, padded_vocab_size: int) -> Tensor:
+    """(vocab, h) -> (padded_vocab, h) with zero rows appended (Megatron splits the vocab evenly over TP)."""
+    if t.shape[0] > padded_vocab_size:
+        raise ValueError(f"vocab rows {t.shape[0]} exceed padded_vocab_size {padded_vocab_size}")
+    if t.shape[0] == padded_vocab_size:
+        return t
+    return torch.cat([t, t.new_zeros(padded_vocab_size - t.shape[0], *t.shape[1:])], dim=0)
+
+
+def trim_vocab(t: Tensor, vocab_size: int) -> Tensor:
+    """(padded_vocab, h) -> (vocab, h): drop the padding rows."""
+    if t.shape[0] < vocab_size:
+        raise ValueError(f"vocab rows {t.shape[0]} are fewer than vocab_size {vocab_size}")
+    return t[:vocab_size]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The model dimensions a mapping needs
+# ----------------------------------------------------------------------------------------------------------------
+def config_get(cfg: Any, key: str, default: Any = None) -> Any:
+    """Read a field from a `transformers` config object or a config.json dict."""
+    if isinstance(cfg, Mapping):
+        return cfg.get(key, default)
+    return getattr(cfg, key, default)
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    """What the mapping needs to know about a model."""
+
+    num_layers: int
+    """Number of transformer layers."""
+    hidden_size: int
+    """Model width h."""
+    num_heads: int
+    """Query heads nq."""
+    num_kv_heads: int
+    """Key/value heads = Megatron query groups ng."""
+    head_dim: int
+    """Per-head width d (may differ from h / nq)."""
+    ffn_hidden_size: int
+    """MLP width f."""
+    vocab_size: int
+    """True vocabulary size (HF)."""
+    padded_vocab_size: int
+    """Megatron embedding rows (>= vocab_size; padding rows are zeros)."""
+    tie_embeddings: bool
+    """Output layer shares the input embedding."""
+    qkv_bias: bool
+    """q/k/v projections have a bias."""
+    proj_bias: bool = False
+    """o_proj has a bias (Llama attention_bias)."""
+    mlp_bias: bool = False
+    """gate/up/down have a bias (Llama mlp_bias)."""
+
+
+class ModelFamily:
+    """Name and tensor mapping for a dense decoder; subclasses set the architectures and read their config."""
+
+    architectures: tuple[str, ...] = ()
+    model_types: tuple[str, ...] = ()
+
+    def __init__(self, dims: ModelDims):
+        self.dims = dims
+
+    # -- construction -------------------------------------------------------------------------------------------
+    @classmethod
+    def qkv_bias(cls, hf_config: Any) -> bool:
+        """Whether q/k/v projections carry a bias in this family."""
+        raise NotImplementedError
+
+    @classmethod
+    def proj_bias(cls, hf_config: Any) -> bool:
+        """Whether o_proj carries a bias in this family."""
+        return False
+
+    @classmethod
+    def from_hf_config(cls, hf_config: Any, padded_vocab_size: int | None = None) -> "ModelFamily":
+        """Bind the mapping to a model: `padded_vocab_size` defaults to the unpadded vocab size."""
+        g = lambda k, d=None: config_get(hf_config, k, d)  # noqa: E731
+        num_heads = g("num_attention_heads")
+        vocab = g("vocab_size")
+        dims = ModelDims(
+            num_layers=g("num_hidden_layers"), hidden_size=g("hidden_size"), num_heads=num_heads,
+            num_kv_heads=g("num_key_value_heads") or num_heads,
+            head_dim=g("head_dim") or g("hidden_size") // num_heads, ffn_hidden_size=g("intermediate_size"),
+            vocab_size=vocab, padded_vocab_size=padded_vocab_size or vocab,
+            tie_embeddings=bool(g("tie_word_embeddings", False)), qkv_bias=cls.qkv_bias(hf_config),
+            proj_bias=cls.proj_bias(hf_config),
+            mlp_bias=bool(g("mlp_bias", False)),
+        )
+        if dims.num_heads % dims.num_kv_heads != 0:
+            raise ValueError(f"num_attention_heads={num_heads} is not a multiple of "
+                             f"num_key_value_heads={dims.num_kv_heads}")
+        return cls(dims)
+
+    # -- the names ----------------------------------------------------------------------------------------------
+    # Per-layer Megatron suffix -> the HF suffixes it is built from (within `model.layers.{i}.`).
+    def layer_sources(self) -> dict[str, list[str]]:
+        d = self.dims
+        m = {
+            "input_layernorm.weight": ["input_layernorm.weight"],
+            "self_attention.linear_qkv.weight": ["self_attn.q_proj.weight", "self_attn.k_proj.weight",
+                                                 "self_attn.v_proj.weight"],
+            "self_attention.linear_proj.weight": ["self_attn.o_proj.weight"],
+            "pre_mlp_layernorm.weight": ["post_attention_layernorm.weight"],
+            "mlp.linear_fc1.weight": ["mlp.gate_proj.weight", "mlp.up_proj.weight"],
+            "mlp.linear_fc2.weight": ["mlp.down_proj.weight"],
+        }
+        if d.qkv_bias:
+            m["self_attention.linear_qkv.bias"] = ["self_attn.q_proj.bias", "self_attn.k_proj.bias",
+                                                   "self_attn.v_proj.bias"]
+        if d.proj_bias:
+            m["self_attention.linear_proj.bias"] = ["self_attn.o_proj.bias"]
+        if d.mlp_bias:
+            m["mlp.linear_fc1.bias"] = ["mlp.gate_proj.bias", "mlp.up_proj.bias"]
+            m["mlp.linear_fc2.bias"] = ["mlp.down_proj.bias"]
+        return m
+
+    def megatron_names(self, with_output_layer: bool | None = None) -> list[str]:
+        """Every Megatron parameter name (global layer indices) of the full model.
+
+        `with_output_layer`: default = not tied. Megatron keeps an `output_layer.weight` copy on the last stage when
+        embeddings are tied and PP > 1; pass True to list it.
+        """
+        if with_output_layer is None:
+            with_output_layer = not self.dims.tie_embeddings
+        names = [EMBEDDING]
+        for i in range(self.dims.num_layers):
+            names += [layer_name(i, s) for s in self.layer_sources()]
+        names.append(FINAL_NORM)
+        if with_output_layer:
+            names.append(OUTPUT_LAYER)
+        return names
+
+    def hf_names(self) -> list[str]:
+        """Every HF tensor name of the full model (no lm_head when tied)."""
+        names = ["model.embed_tokens.weight"]
+        for i in range(self.dims.num_layers):
+            for srcs in self.layer_sources().values():
+                names += [f"model.layers.{i}.{s}" for s in srcs]
+        names.append("model.norm.weight")
+        if not self.dims.tie_embeddings:
+            names.append("lm_head.weight")
+        return names
+
+    def hf_sources(self, name: str) -> list[str]:
+        """The HF tensor names a Megatron tensor is built from (global name; local or TE spec)."""
+        name = te_to_local_name(name)
+        if name == EMBEDDING:
+            return ["model.embed_tokens.weight"]
+        if name == FINAL_NORM:
+            return ["model.norm.weight"]
+        if name == OUTPUT_LAYER:
+            # Tied: the output layer is the embedding (an HF checkpoint has no lm_head then).
+            return ["model.embed_tokens.weight"] if self.dims.tie_embeddings else ["lm_head.weight"]
+        parsed = split_layer_name(name)
+        sources = self.layer_sources()
+        if parsed is None or parsed[1] not in sources:
+            raise KeyError(f"{type(self).__name__} has no HF source for Megatron parameter {name!r}")
+        i, suffix = parsed
+        if i >= self.dims.num_layers:
+            raise KeyError(f"{name!r}: layer {i} does not exist (num_layers={self.dims.num_layers})")
+        return [f"model.layers.{i}.{s}" for s in sources[suffix]]
+
+    # -- the tensors --------------------------------------------------------------------------------------------
+    def hf_to_megatron(self, name: str, hf_tensors: Mapping[str, Tensor]) -> Tensor:
+        """Build one full Megatron tensor `name` (global name) from the HF tensors listed by `hf_sources(name)`."""
+        d = self.dims
+        srcs = self.hf_sources(name)
+        missing = [s for s in srcs if s not in hf_tensors]
+        if missing:
+            raise KeyError(f"building {name!r} needs HF tensors {missing} which were not given")
+        ts = [hf_tensors[s] for s in srcs]
+        local = te_to_local_name(name)
+        if local in (EMBEDDING, OUTPUT_LAYER):
+            self._check_shape(srcs[0], ts[0], (d.vocab_size, d.hidden_size))
+            return pad_vocab(ts[0], d.padded_vocab_size)
+        if local.endswith("linear_qkv.weight") or local.endswith("linear_qkv.bias"):
+            self._check_shape(srcs[0], ts[0], (d.num_heads * d.head_dim,) + tuple(ts[0].shape[1:]))
+            self._check_shape(srcs[1], ts[1], (d.num_kv_heads * d.head_dim,) + tuple(ts[0].shape[1:]))
+            return interleave_qkv(ts[0], ts[1], ts[2], d.num_heads, d.num_kv_heads)
+        if local.endswith("linear_fc1.weight") or local.endswith("linear_fc1.bias"):
+            self._check_shape(srcs[0], ts[0], (d.ffn_hidden_size,) + tuple(ts[0].shape[1:]))
+            return stack_gate_up(ts[0], ts[1])
+        return ts[0]
+
+    def megatron_to_hf(self, name: str, tensor: Tensor) -> list[tuple[str, Tensor]]:
+        """One full Megatron tensor (global name, TP-merged, vocab-padded) -> its HF (name, tensor) pairs.
+
+        A tied model's `output_layer.weight` maps to nothing (HF ties lm_head to embed_tokens itself).
+        """
+        d = self.dims
+        local = te_to_local_name(name)
+        if local == EMBEDDING:
+            return [("model.embed_tokens.weight", trim_vocab(tensor, d.vocab_size))]
+        if local == OUTPUT_LAYER:
+            return [] if d.tie_embeddings else [("lm_head.weight", trim_vocab(tensor, d.vocab_size))]
+        srcs = self.hf_sources(local)
+        if local.endswith("linear_qkv.weight") or local.endswith("linear_qkv.bias"):
+            return list(zip(srcs, deinterleave_qkv(tensor, d.num_heads, d.num_kv_heads)))
+        if local.endswith("linear_fc1.weight") or local.endswith("linear_fc1.bias"):
+            return list(zip(srcs, unstack_gate_up(tensor)))
+        return [(srcs[0], tensor)]
+
+    # -- whole state dicts (tests, small models) ----------------------------------------------------------------
+    def hf_to_megatron_state(self, hf: Mapping[str, Tensor], names: Iterable[str] | None = None) -> dict[str, Tensor]:
+        """HF state dict -> full Megatron state dict (global names)."""
+        return {n: self.hf_to_megatron(n, hf) for n in (names if names is not None else self.megatron_names())}
+
+    def megatron_to_hf_state(self, mg: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        """Full Megatron state dict (global names) -> HF state dict."""
+        out: dict[str, Tensor] = {}
+        for n, t in mg.items():
+            out.update(self.megatron_to_hf(n, t))
+        return out
+
+    def megatron_shape(self, name: str) -> tuple[int, ...]:
+        """Full (TP-merged) shape of a Megatron tensor, to check a config against the tensors."""
+        d = self.dims
+        local = te_to_local_name(name)
+        h, f, hd = d.hidden_size, d.ffn_hidden_size, d.head_dim
+        qkv_rows = (d.num_heads + 2 * d.num_kv_heads) * hd
+        if local in (EMBEDDING, OUTPUT_LAYER):
+            return (d.padded_vocab_size, h)
+        if local == FINAL_NORM:
+            return (h,)
+        suffix = split_layer_name(local)[1]
+        return {
+            "input_layernorm.weight": (h,), "pre_mlp_layernorm.weight": (h,),
+            "self_attention.linear_qkv.weight": (qkv_rows, h), "self_attention.linear_qkv.bias": (qkv_rows,),
+            "self_attention.linear_proj.weight": (h, d.num_heads * hd), "self_attention.linear_proj.bias": (h,),
+            "mlp.linear_fc1.weight": (2 * f, h), "mlp.linear_fc1.bias": (2 * f,),
+            "mlp.linear_fc2.weight": (h, f), "mlp.linear_fc2.bias": (h,),
+        }[suffix]
+
+    @staticmethod
+    def _check_shape(name: str, t: Tensor, expected: tuple[int, ...]) -> None:
+        if tuple(t.shape) != tuple(expected):
+            raise ValueError(f"HF tensor {name!r} has shape {tuple(t.shape)} but the config says {tuple(expected)}: "
+                             "the checkpoint and its config.json disagree")
+

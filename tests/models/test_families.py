@@ -1,0 +1,176 @@
+"""Pure mapping tests for megatron_searchr1/models/families (no Megatron process, no torch.distributed)."""
+import pytest
+import torch
+
+from megatron_searchr1.models.families import (
+    SUPPORTED_ARCHITECTURES, LlamaFamily, Qwen2Family, deinterleave_qkv, get_family, global_to_local_name,
+    interleave_qkv, local_to_global_name, local_to_te_name, mapping_for, pad_vocab, pp_layer_range, te_to_local_name,
+    tp_kind, tp_merge, tp_split, trim_vocab,
+)
+
+
+def qwen2_cfg(**kw):
+    cfg = dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", num_hidden_layers=4, hidden_size=16,
+               num_attention_heads=4, num_key_value_heads=2, intermediate_size=24, vocab_size=50,
+               tie_word_embeddings=False)
+    cfg.update(kw)
+    return cfg
+
+
+def llama_cfg(**kw):
+    cfg = dict(architectures=["LlamaForCausalLM"], model_type="llama", num_hidden_layers=2, hidden_size=16,
+               num_attention_heads=4, num_key_value_heads=1, head_dim=8, intermediate_size=24, vocab_size=50,
+               tie_word_embeddings=True)
+    cfg.update(kw)
+    return cfg
+
+
+def random_hf_state(mapping, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    d = mapping.dims
+    shapes = {}
+    for name in mapping.hf_names():
+        short = name.split(".", 3)[-1] if name.startswith("model.layers.") else name
+        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+            shapes[name] = (d.vocab_size, d.hidden_size)
+        elif name == "model.norm.weight" or short.endswith("layernorm.weight"):
+            shapes[name] = (d.hidden_size,)
+        elif "q_proj" in short:
+            shapes[name] = (d.num_heads * d.head_dim, d.hidden_size)[: 1 if short.endswith("bias") else 2]
+        elif "k_proj" in short or "v_proj" in short:
+            shapes[name] = (d.num_kv_heads * d.head_dim, d.hidden_size)[: 1 if short.endswith("bias") else 2]
+        elif "o_proj" in short:
+            shapes[name] = (d.hidden_size,) if short.endswith("bias") else (d.hidden_size, d.num_heads * d.head_dim)
+        elif "gate_proj" in short or "up_proj" in short:
+            shapes[name] = (d.ffn_hidden_size,) if short.endswith("bias") else (d.ffn_hidden_size, d.hidden_size)
+        elif "down_proj" in short:
+            shapes[name] = (d.hidden_size,) if short.endswith("bias") else (d.hidden_size, d.ffn_hidden_size)
+        else:
+            raise AssertionError(name)
+    return {n: torch.randn(*s, generator=g) for n, s in shapes.items()}
+
+
+@pytest.mark.parametrize("cfg", [qwen2_cfg(), llama_cfg(), llama_cfg(attention_bias=True, mlp_bias=True,
+                                                                      tie_word_embeddings=False)])
+def test_hf_megatron_hf_identity(cfg):
+    mapping = mapping_for(cfg, padded_vocab_size=64)
+    hf = random_hf_state(mapping)
+    mg = mapping.hf_to_megatron_state(hf)
+    assert set(mg) == set(mapping.megatron_names())
+    for name, t in mg.items():
+        assert tuple(t.shape) == mapping.megatron_shape(name), name
+    # padding rows are zeros, real rows are the HF rows
+    assert torch.equal(mg["embedding.word_embeddings.weight"][50:], torch.zeros(14, 16))
+    back = mapping.megatron_to_hf_state(mg)
+    assert set(back) == set(hf)
+    for name in hf:
+        assert torch.equal(back[name], hf[name]), name
+
+
+def test_family_bias_and_tie_flags():
+    q = mapping_for(qwen2_cfg())
+    assert q.dims.qkv_bias and not q.dims.proj_bias and not q.dims.tie_embeddings
+    assert "decoder.layers.0.self_attention.linear_qkv.bias" in q.megatron_names()
+    assert "output_layer.weight" in q.megatron_names() and "lm_head.weight" in q.hf_names()
+    ll = mapping_for(llama_cfg())
+    assert not ll.dims.qkv_bias and ll.dims.tie_embeddings and ll.dims.head_dim == 8
+    assert "output_layer.weight" not in ll.megatron_names() and "lm_head.weight" not in ll.hf_names()
+    # Tied: Megatron's last-stage output_layer copy is built from the embedding and maps back to nothing.
+    assert ll.hf_sources("output_layer.weight") == ["model.embed_tokens.weight"]
+    assert ll.megatron_to_hf("output_layer.weight", torch.zeros(50, 16)) == []
+
+
+def test_qkv_interleave_hand_example():
+    # nq=4 query heads, ng=2 groups, head dim 1, hidden 1: Megatron rows are [q0 q1 k0 v0 | q2 q3 k1 v1].
+    q = torch.tensor([[10.0], [11.0], [12.0], [13.0]])
+    k = torch.tensor([[20.0], [21.0]])
+    v = torch.tensor([[30.0], [31.0]])
+    qkv = interleave_qkv(q, k, v, num_heads=4, num_kv_heads=2)
+    assert qkv.flatten().tolist() == [10, 11, 20, 30, 12, 13, 21, 31]
+    # bias (1-D) and head dim 2
+    qb, kb, vb = torch.arange(4.0), torch.arange(100.0, 102.0), torch.arange(200.0, 202.0)
+    assert interleave_qkv(qb, kb, vb, 2, 1).tolist() == [0, 1, 2, 3, 100, 101, 200, 201]
+    back = deinterleave_qkv(qkv, 4, 2)
+    assert all(torch.equal(a, b) for a, b in zip(back, (q, k, v)))
+
+
+def test_tp_split_hand_examples():
+    # qkv: each TP rank gets whole query groups.
+    qkv = interleave_qkv(torch.tensor([[10.0], [11.0], [12.0], [13.0]]), torch.tensor([[20.0], [21.0]]),
+                         torch.tensor([[30.0], [31.0]]), 4, 2)
+    name = "decoder.layers.0.self_attention.linear_qkv.weight"
+    r0, r1 = tp_split(name, qkv, 2)
+    assert r0.flatten().tolist() == [10, 11, 20, 30] and r1.flatten().tolist() == [12, 13, 21, 31]
+    # fc1: rank r holds [gate_r; up_r].
+    fc1 = torch.tensor([[0.0], [1.0], [2.0], [3.0], [100.0], [101.0], [102.0], [103.0]])  # gate 0..3, up 100..103
+    s0, s1 = tp_split("decoder.layers.1.mlp.linear_fc1.weight", fc1, 2)
+    assert s0.flatten().tolist() == [0, 1, 100, 101] and s1.flatten().tolist() == [2, 3, 102, 103]
+    # row-parallel splits columns, norms replicate, vocab splits rows
+    proj = torch.arange(8.0).reshape(2, 4)
+    p0, p1 = tp_split("decoder.layers.0.self_attention.linear_proj.weight", proj, 2)
+    assert p0.tolist() == [[0, 1], [4, 5]] and p1.tolist() == [[2, 3], [6, 7]]
+    assert tp_kind("decoder.layers.0.input_layernorm.weight") == "replicated"
+    assert tp_kind("embedding.word_embeddings.weight") == "vocab"
+    with pytest.raises(ValueError, match="not divisible by tensor-parallel size 3"):
+        tp_split("decoder.layers.0.self_attention.linear_proj.weight", proj, 3)
+
+
+@pytest.mark.parametrize("cfg,tp", [(qwen2_cfg(), 2), (qwen2_cfg(num_key_value_heads=4), 4),
+                                    (llama_cfg(), 2), (llama_cfg(attention_bias=True, mlp_bias=True), 4)])
+def test_tp_split_merge_identity(cfg, tp):
+    mapping = mapping_for(cfg, padded_vocab_size=64)
+    mg = mapping.hf_to_megatron_state(random_hf_state(mapping, seed=1))
+    for name, full in mg.items():
+        shards = tp_split(name, full, tp)
+        assert len(shards) == tp
+        if tp_kind(name) != "replicated":
+            assert sum(s.numel() for s in shards) == full.numel(), name
+        assert torch.equal(tp_merge(name, shards), full), name
+
+
+def test_pp_layer_offsets():
+    assert list(pp_layer_range(8, 2, 1)) == [4, 5, 6, 7]
+    assert global_to_local_name("decoder.layers.5.mlp.linear_fc2.weight", 8, 2) == (1, "decoder.layers.1.mlp.linear_fc2.weight")
+    assert global_to_local_name("decoder.final_layernorm.weight", 8, 2) == (None, "decoder.final_layernorm.weight")
+    assert local_to_global_name("decoder.layers.1.mlp.linear_fc2.weight", 8, 4, 3) == "decoder.layers.7.mlp.linear_fc2.weight"
+    for i in range(8):
+        stage, local = global_to_local_name(f"decoder.layers.{i}.input_layernorm.weight", 8, 4)
+        assert local_to_global_name(local, 8, 4, stage) == f"decoder.layers.{i}.input_layernorm.weight"
+    with pytest.raises(ValueError, match="not divisible by pipeline-parallel size 3"):
+        pp_layer_range(8, 3, 0)
+
+
+def test_vocab_pad_trim():
+    t = torch.randn(50, 4)
+    p = pad_vocab(t, 64)
+    assert p.shape == (64, 4) and torch.equal(p[:50], t) and not p[50:].any()
+    assert torch.equal(trim_vocab(p, 50), t)
+    with pytest.raises(ValueError):
+        pad_vocab(t, 40)
+
+
+def test_te_names():
+    te = "decoder.layers.3.self_attention.linear_qkv.layer_norm_weight"
+    assert te_to_local_name(te) == "decoder.layers.3.input_layernorm.weight"
+    assert local_to_te_name("decoder.layers.3.pre_mlp_layernorm.weight") == "decoder.layers.3.mlp.linear_fc1.layer_norm_weight"
+    m = mapping_for(qwen2_cfg())
+    assert m.hf_sources(te) == ["model.layers.3.input_layernorm.weight"]
+    assert m.megatron_to_hf(te, torch.ones(16))[0][0] == "model.layers.3.input_layernorm.weight"
+
+
+def test_get_family_registry_and_errors():
+    assert get_family("Qwen2ForCausalLM") is Qwen2Family and get_family(llama_cfg()) is LlamaFamily
+    assert get_family({"model_type": "llama"}) is LlamaFamily
+    with pytest.raises(ValueError) as e:
+        get_family({"architectures": ["MistralForCausalLM"]})
+    assert "MistralForCausalLM" in str(e.value) and all(a in str(e.value) for a in SUPPORTED_ARCHITECTURES)
+
+
+def test_shape_disagreement_is_reported():
+    mapping = mapping_for(qwen2_cfg())
+    hf = random_hf_state(mapping)
+    hf["model.layers.0.self_attn.k_proj.weight"] = torch.randn(16, 16)  # config says 2 kv heads x 4 = 8 rows
+    with pytest.raises(ValueError, match="disagree"):
+        mapping.hf_to_megatron("decoder.layers.0.self_attention.linear_qkv.weight", hf)
+    with pytest.raises(KeyError, match="layer 9 does not exist"):
+        mapping.hf_sources("decoder.layers.9.mlp.linear_fc2.weight")

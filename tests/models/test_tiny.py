@@ -1,0 +1,90 @@
+"""Tests for megatron_searchr1/models/tiny.py: the tokenizer, chat template and random model it writes."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from megatron_searchr1.models.tiny import SEARCH_R1_TAGS, TinyModelConfig, make_tiny_model
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.fixture(scope="module")
+def qwen_dir(tmp_path_factory):
+    corpus = tmp_path_factory.mktemp("text") / "corpus.txt"
+    corpus.write_text("The quick brown fox jumps over the lazy dog.\n" * 50 + "Paris is the capital of France.\n" * 50)
+    out = str(tmp_path_factory.mktemp("tiny") / "qwen2")
+    make_tiny_model(TinyModelConfig(output_dir=out, arch="qwen2", text_files=[str(corpus)], vocab_size=400))
+    return out
+
+
+def test_tokenizer_round_trip_and_tags(qwen_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(qwen_dir)
+    for text in ["The quick brown fox.", "Ünïcödé 日本語 and emoji 🙂", "  two  spaces\nnewline\t tab"]:
+        assert tok.decode(tok.encode(text)) == text
+    # trained on the file: a frequent word is one or two tokens, not bytes
+    assert len(tok.encode("quick")) <= 2
+    for tag in SEARCH_R1_TAGS:  # one normal token each, kept by skip_special_tokens
+        ids = tok.encode(tag)
+        assert len(ids) == 1, tag
+    text = "<search> capital </search><|im_end|>"
+    assert tok.decode(tok.encode(text), skip_special_tokens=True) == "<search> capital </search>"
+    assert tok.pad_token == "<|endoftext|>" and tok.eos_token == "<|im_end|>"
+    assert tok.convert_tokens_to_ids("<|im_start|>") != tok.unk_token_id
+
+
+def test_chat_template_renders(qwen_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(qwen_dir)
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Capital of France?"}]
+    text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    assert text == ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nCapital of France?<|im_end|>\n"
+                    "<|im_start|>assistant\n")
+    ids = tok.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True, return_dict=False)
+    assert ids[0] == tok.convert_tokens_to_ids("<|im_start|>")
+
+
+def test_model_loads_and_generates(qwen_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    tok = AutoTokenizer.from_pretrained(qwen_dir)
+    model = AutoModelForCausalLM.from_pretrained(qwen_dir)
+    cfg = json.load(open(os.path.join(qwen_dir, "config.json")))
+    assert cfg["architectures"] == ["Qwen2ForCausalLM"] and cfg["vocab_size"] == len(tok)
+    assert model.model.layers[0].self_attn.q_proj.bias is not None
+    gen = GenerationConfig.from_pretrained(qwen_dir)
+    assert tok.convert_tokens_to_ids("<|im_end|>") in gen.eos_token_id
+    ids = torch.tensor([tok.encode("Paris is")])
+    out = model.generate(ids, max_new_tokens=4, do_sample=False, min_new_tokens=4)
+    assert out.shape == (1, ids.shape[1] + 4)
+
+
+def test_cli_llama_tied_is_deterministic(tmp_path):
+    args = ["--arch", "llama", "--tie-embeddings", "--hidden-size", "32", "--num-heads", "4", "--num-kv-heads", "1",
+            "--num-layers", "1", "--seed", "3", "--vocab-size", "300"]
+    for name in ("a", "b"):
+        subprocess.run([sys.executable, os.path.join(REPO, "tools", "make_tiny_model.py"),
+                        "--output-dir", str(tmp_path / name), *args], check=True, cwd=REPO, capture_output=True)
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    a, b = load_file(str(tmp_path / "a" / "model.safetensors")), load_file(str(tmp_path / "b" / "model.safetensors"))
+    assert "lm_head.weight" not in a and set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "a"))
+    assert model.config.tie_word_embeddings and model.config.num_key_value_heads == 1
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+
+
+def test_bad_config_is_rejected(tmp_path):
+    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+        TinyModelConfig(output_dir=str(tmp_path), num_heads=4, num_kv_heads=3)
+    with pytest.raises(ValueError, match="not supported"):
+        TinyModelConfig(output_dir=str(tmp_path), arch="gpt2")
+    with pytest.raises(FileNotFoundError):
+        TinyModelConfig(output_dir=str(tmp_path), text_files=[str(tmp_path / "missing.txt")])
