@@ -1,0 +1,342 @@
+"""Megatron `GPTModel` built from a Hugging Face `transformers` config (Qwen2 and Llama families).
+
+    config = transformer_config_from_hf(hf_config, tp=2, pp=1)     # validate + translate
+    model = build_gpt_model(hf_config)                             # TP/PP read from parallel_state
+
+Layer spec: Transformer Engine's on GPU (when TE imports), Megatron's local spec on the CPU with our
+`SDPAttention` in place of `DotProductAttention` (faster, same numerics).
+
+Parameter names the model produces (per pipeline stage; `i` is the layer index *within this stage*,
+the global index is `i + get_transformer_layer_offset(config)`; TP shards are per rank):
+
+    embedding.word_embeddings.weight                     [V_pad / tp, H]            first stage only
+    decoder.layers.i.input_layernorm.weight              [H]                        local spec only
+    decoder.layers.i.self_attention.linear_qkv.weight    [(nq + 2 ng) / tp * d, H]  rows per query group:
+                                                         [q_0 .. q_{r-1}, k, v] (r = nq / ng), groups split over TP
+    decoder.layers.i.self_attention.linear_qkv.bias      [(nq + 2 ng) / tp * d]     Qwen2 (qkv bias) only
+    decoder.layers.i.self_attention.linear_proj.weight   [H, nq * d / tp]
+    decoder.layers.i.pre_mlp_layernorm.weight            [H]                        local spec only
+    decoder.layers.i.mlp.linear_fc1.weight               [2 F / tp, H]              per rank: [gate shard; up shard]
+    decoder.layers.i.mlp.linear_fc2.weight               [H, F / tp]
+    decoder.final_layernorm.weight                       [H]                        last stage only
+    output_layer.weight                                  [V_pad / tp, H]            last stage, untied only
+
+With the TE spec the two norms are fused into the following linear layer and named
+`self_attention.linear_qkv.layer_norm_weight` and `mlp.linear_fc1.layer_norm_weight` (TE modules also
+carry `_extra_state` entries in `state_dict()`). `uses_te_spec(model)` says which naming applies.
+Tied embeddings (Llama 3.2 style): no `output_layer.weight`; with PP > 1 Megatron keeps a copy of the
+embedding on the last stage as `output_layer.weight` and all-reduces its gradient with the first stage.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron_searchr1.models.attention import SDPAttention
+
+# HF architecture name -> our family name (one mapping module per family lives in models/families/).
+SUPPORTED_ARCHITECTURES = {
+    "Qwen2ForCausalLM": "qwen2",
+    "LlamaForCausalLM": "llama",
+}
+# A config built in code (`Qwen2Config(...)`) has no `architectures`; its model_type names the family.
+_MODEL_TYPE_TO_ARCHITECTURE = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
+
+# Megatron's llama3 RoPE scaling hard-codes these three values (RotaryEmbedding._apply_scaling).
+_MEGATRON_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def hf_architecture(hf_config) -> str:
+    """The supported HF architecture name of `hf_config`, or a ValueError naming the supported ones."""
+    archs = list(getattr(hf_config, "architectures", None) or [])
+    if not archs:
+        model_type = getattr(hf_config, "model_type", None)
+        if model_type in _MODEL_TYPE_TO_ARCHITECTURE:
+            return _MODEL_TYPE_TO_ARCHITECTURE[model_type]
+        archs = [f"model_type={model_type!r}"]
+    for arch in archs:
+        if arch in SUPPORTED_ARCHITECTURES:
+            return arch
+    raise ValueError(
+        f"Unsupported architecture {archs}: megatron-searchr1 builds {sorted(SUPPORTED_ARCHITECTURES)} "
+        "(a critic is built from the same causal-LM config)."
+    )
+
+
+def model_family(hf_config) -> str:
+    """'qwen2' or 'llama': the name of the family mapping module for this config."""
+    return SUPPORTED_ARCHITECTURES[hf_architecture(hf_config)]
+
+
+def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
+    """Megatron's rule: round the vocabulary up to a multiple of `divisible_by * tp`.
+
+    >>> padded_vocab_size(151643, 1), padded_vocab_size(256, 2), padded_vocab_size(257, 1, 64)
+    (151680, 256, 320)
+    """
+    if vocab_size <= 0 or tp <= 0 or divisible_by <= 0:
+        raise ValueError(f"padded_vocab_size needs positive numbers, got vocab_size={vocab_size}, tp={tp}, "
+                         f"divisible_by={divisible_by}")
+    multiple = divisible_by * tp
+    return ((vocab_size + multiple - 1) // multiple) * multiple
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeSettings:
+    """Rotary embedding settings translated to GPTModel's constructor arguments."""
+
+    theta: float
+    """rotary_base (HF rope_theta)."""
+    llama3_factor: Optional[float] = None
+    """Llama-3.x frequency scaling factor (GPTModel rope_scaling=True), None when not scaled."""
+    linear_factor: Optional[float] = None
+    """Linear position interpolation (HF rope_type 'linear' -> seq_len_interpolation_factor)."""
+
+
+def _rope_parameters(hf_config) -> dict:
+    """HF rope settings as one dict: transformers>=5 `rope_parameters`, or the older rope_theta/rope_scaling."""
+    params = getattr(hf_config, "rope_parameters", None)
+    if isinstance(params, dict) and params:
+        if "full_attention" in params:  # per-layer-type form; our families use full attention only
+            params = params["full_attention"]
+        return dict(params)
+    out = dict(getattr(hf_config, "rope_scaling", None) or {})
+    out.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    return out
+
+
+def rope_settings(hf_config) -> RopeSettings:
+    """Translate HF RoPE settings; raise for scaling kinds Megatron's RotaryEmbedding would compute differently."""
+    p = _rope_parameters(hf_config)
+    theta = float(p.get("rope_theta", 10000.0))
+    kind = p.get("rope_type", p.get("type")) or "default"
+    if kind == "default":
+        return RopeSettings(theta=theta)
+    if kind == "linear":
+        return RopeSettings(theta=theta, linear_factor=float(p["factor"]))
+    if kind == "llama3":
+        mismatched = {k: p.get(k) for k, v in _MEGATRON_LLAMA3_ROPE.items() if float(p.get(k, v)) != v}
+        if mismatched:
+            raise ValueError(
+                f"llama3 rope scaling with {mismatched} is not supported: Megatron's RotaryEmbedding fixes "
+                f"{_MEGATRON_LLAMA3_ROPE}."
+            )
+        return RopeSettings(theta=theta, llama3_factor=float(p["factor"]))
+    raise ValueError(
+        f"rope scaling {kind!r} is not supported (supported: none/'default', 'linear', 'llama3'). "
+        "Remove rope_scaling from the config or add the scaling to megatron_searchr1/models/gpt.py."
+    )
+
+
+def _check_supported(hf_config, arch: str) -> None:
+    """Reject HF features this Megatron translation would silently compute differently."""
+    act = getattr(hf_config, "hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"hidden_act={act!r} is not supported: the Megatron model uses SwiGLU (silu).")
+    if getattr(hf_config, "use_sliding_window", False):
+        raise ValueError("Sliding-window attention is not supported: set use_sliding_window=False in the config.")
+    layer_types = getattr(hf_config, "layer_types", None) or []
+    if any(t != "full_attention" for t in layer_types):
+        raise ValueError(f"Only full-attention layers are supported, config has layer_types={sorted(set(layer_types))}.")
+    if arch == "LlamaForCausalLM":
+        if getattr(hf_config, "attention_bias", False):
+            raise ValueError("Llama attention_bias=True is not supported (Megatron has q/k/v bias only, "
+                             "not an o_proj bias).")
+        if getattr(hf_config, "mlp_bias", False):
+            raise ValueError("Llama mlp_bias=True is not supported.")
+    rope_settings(hf_config)  # raises for unsupported scaling
+
+
+def _head_dim(hf_config) -> int:
+    head_dim = getattr(hf_config, "head_dim", None)
+    return int(head_dim) if head_dim else hf_config.hidden_size // hf_config.num_attention_heads
+
+
+def transformer_config_from_hf(
+    hf_config, *, tp: int = 1, pp: int = 1, params_dtype: torch.dtype = torch.float32, **overrides: Any
+) -> TransformerConfig:
+    """A Megatron TransformerConfig equivalent to `hf_config` for TP=`tp`, PP=`pp`.
+
+    `overrides` are TransformerConfig fields applied last (e.g. recompute_granularity="full",
+    bias_activation_fusion=True, apply_rope_fusion=True on GPU).
+    """
+    arch = hf_architecture(hf_config)
+    _check_supported(hf_config, arch)
+    heads = hf_config.num_attention_heads
+    groups = getattr(hf_config, "num_key_value_heads", None) or heads
+    layers = hf_config.num_hidden_layers
+    ffn = hf_config.intermediate_size
+    if heads % tp:
+        raise ValueError(f"TP={tp} does not divide num_attention_heads={heads}: choose a TP that divides it.")
+    if groups % tp:
+        raise ValueError(
+            f"TP={tp} does not divide num_key_value_heads (query groups)={groups}: choose a TP that divides it."
+        )
+    if ffn % tp:
+        raise ValueError(f"TP={tp} does not divide intermediate_size={ffn}.")
+    if layers % pp:
+        raise ValueError(f"PP={pp} does not divide num_hidden_layers={layers}: choose a PP that divides it.")
+    if params_dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"params_dtype must be float32, bfloat16 or float16, got {params_dtype}.")
+
+    kwargs = dict(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        num_layers=layers,
+        hidden_size=hf_config.hidden_size,
+        ffn_hidden_size=ffn,
+        num_attention_heads=heads,
+        num_query_groups=groups,
+        kv_channels=_head_dim(hf_config),
+        normalization="RMSNorm",
+        layernorm_epsilon=float(hf_config.rms_norm_eps),
+        gated_linear_unit=True,  # SwiGLU: linear_fc1 holds [gate; up]
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=(arch == "Qwen2ForCausalLM") or bool(getattr(hf_config, "attention_bias", False)),
+        hidden_dropout=0.0,  # HF decoders have no residual dropout
+        attention_dropout=float(getattr(hf_config, "attention_dropout", 0.0) or 0.0),
+        init_method_std=float(getattr(hf_config, "initializer_range", 0.02)),
+        params_dtype=params_dtype,
+        pipeline_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        fp16=params_dtype == torch.float16,
+        # Fusions are CUDA kernels or TE ops; the trainer may turn them on through `overrides` on GPU.
+        masked_softmax_fusion=False,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        use_cpu_initialization=not torch.cuda.is_available(),
+        # RL micro-batches have different lengths: pipeline stages exchange shapes first.
+        variable_seq_lengths=True,
+        moe_token_dispatcher_type="alltoall",  # unused by dense models; the default rejects variable lengths
+    )
+    fields = {f.name for f in dataclasses.fields(TransformerConfig)}
+    unknown = sorted(set(overrides) - fields)
+    if unknown:
+        raise ValueError(f"Unknown TransformerConfig override(s) {unknown}: they are not TransformerConfig fields.")
+    kwargs.update(overrides)
+    return TransformerConfig(**kwargs)
+
+
+def te_available() -> bool:
+    """True when CUDA is present and Transformer Engine imports."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def layer_spec(use_te: bool) -> ModuleSpec:
+    """The transformer layer spec: TE's on GPU, else Megatron's local spec with SDPAttention."""
+    if use_te:
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=False)
+    spec = copy.deepcopy(get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=False))
+    spec.submodules.self_attention.submodules.core_attention = SDPAttention
+    return spec
+
+
+def _resolve_use_te(use_te: Optional[bool]) -> bool:
+    if use_te is None:
+        return te_available()
+    if use_te and not torch.cuda.is_available():
+        raise RuntimeError("use_te=True needs CUDA, and this machine has none: build with use_te=False "
+                           "(Megatron's local spec) on the CPU.")
+    if use_te and not te_available():
+        raise RuntimeError("use_te=True but transformer_engine does not import: install "
+                           "`transformer-engine[pytorch]` (pip install -e .[gpu]) or pass use_te=False.")
+    return bool(use_te)
+
+
+def gpt_model_kwargs(hf_config, config: TransformerConfig, *, use_te: Optional[bool] = None,
+                     pre_process: Optional[bool] = None, post_process: Optional[bool] = None) -> dict:
+    """GPTModel constructor arguments for `hf_config` on this pipeline stage (shared with the critic)."""
+    rope = rope_settings(hf_config)
+    if pre_process is None:
+        pre_process = parallel_state.is_pipeline_first_stage(ignore_virtual=True)
+    if post_process is None:
+        post_process = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+    return dict(
+        config=config,
+        transformer_layer_spec=layer_spec(_resolve_use_te(use_te)),
+        vocab_size=padded_vocab_size(hf_config.vocab_size, config.tensor_model_parallel_size),
+        max_sequence_length=int(getattr(hf_config, "max_position_embeddings", 4096)),
+        pre_process=pre_process,
+        post_process=post_process,
+        parallel_output=True,  # logits stay split over TP; gather explicitly where needed
+        share_embeddings_and_output_weights=bool(getattr(hf_config, "tie_word_embeddings", False)),
+        position_embedding_type="rope",
+        rotary_base=rope.theta,
+        rope_scaling=rope.llama3_factor is not None,
+        rope_scaling_factor=rope.llama3_factor or 8.0,
+        seq_len_interpolation_factor=rope.linear_factor,
+    )
+
+
+def parallel_sizes() -> tuple[int, int]:
+    """(TP, PP) of the initialised Megatron parallel state."""
+    if not parallel_state.model_parallel_is_initialized():
+        raise RuntimeError("Megatron parallel state is not initialised: call "
+                           "megatron_searchr1.megatron.initialize.initialize_megatron(tp=..., pp=...) first.")
+    return (parallel_state.get_tensor_model_parallel_world_size(),
+            parallel_state.get_pipeline_model_parallel_world_size())
+
+
+def resolve_config(hf_config, config: Optional[TransformerConfig], params_dtype: torch.dtype) -> TransformerConfig:
+    """`config`, checked against the parallel state, or a fresh one from `hf_config`."""
+    tp, pp = parallel_sizes()
+    if config is None:
+        return transformer_config_from_hf(hf_config, tp=tp, pp=pp, params_dtype=params_dtype)
+    if (config.tensor_model_parallel_size, config.pipeline_model_parallel_size) != (tp, pp):
+        raise ValueError(f"config says TP={config.tensor_model_parallel_size}, PP={config.pipeline_model_parallel_size} "
+                         f"but parallel_state is TP={tp}, PP={pp}.")
+    return config
+
+
+def to_device(model: torch.nn.Module) -> torch.nn.Module:
+    """Move to the current GPU when there is one (torch norms are created on the CPU); no-op on the CPU."""
+    return model.cuda(torch.cuda.current_device()) if torch.cuda.is_available() else model
+
+
+def build_gpt_model(
+    hf_config,
+    *,
+    params_dtype: torch.dtype = torch.float32,
+    use_te: Optional[bool] = None,
+    pre_process: Optional[bool] = None,
+    post_process: Optional[bool] = None,
+    config: Optional[TransformerConfig] = None,
+) -> GPTModel:
+    """This rank's GPTModel stage for `hf_config`, randomly initialised (load weights with the family mapping).
+
+    TP/PP come from the initialised `parallel_state`; pass `config` to use your own TransformerConfig
+    (e.g. from `transformer_config_from_hf(..., recompute_granularity="full")`). `model.hf_vocab_size`
+    holds the unpadded vocabulary size.
+    """
+    config = resolve_config(hf_config, config, params_dtype)
+    kwargs = gpt_model_kwargs(hf_config, config, use_te=use_te, pre_process=pre_process, post_process=post_process)
+    model = GPTModel(**kwargs)
+    model.hf_vocab_size = int(hf_config.vocab_size)
+    return to_device(model)
+
+
+def uses_te_spec(model: torch.nn.Module) -> bool:
+    """True when `model` was built with Transformer Engine layers (fused norm naming), False for the local spec."""
+    return any(type(m).__module__.startswith("megatron.core.extensions.transformer_engine") for m in model.modules())
