@@ -1,0 +1,241 @@
+"""Client of the /retrieve server, as the rollout uses it: queries in, `<information>` texts out, never raising.
+
+    client = RetrievalClient("http://127.0.0.1:8000", topk=3)
+    observations = client.search(["who founded X?", "when was Y born?"])   # one string per query
+
+One request carries the whole batch; a batch over the server's per-request limit (read once from /health) is split
+into chunks sent concurrently. Connection errors, timeouts, 429 and 5xx are retried with exponential backoff;
+if a chunk still fails (or the server rejects it with a 4xx), its queries get the text "Search failed: <reason>"
+and `client.stats` counts it, so a flaky server costs a few bad observations, never a crashed training run.
+Results are formatted exactly like Search-R1's `_passages2string` (see `format_docs`).
+"""
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CHUNK = 64
+"""Queries per request when the server's limit is unknown (its /health did not answer)."""
+
+
+def format_docs(docs: list) -> str:
+    """Search-R1's `_passages2string`: `Doc {i}(Title: {title}) {text}\\n` per doc, 1-based, concatenated.
+
+    The title is the first line of `contents` as it stands (FlashRAG titles keep their quotes), the text the rest.
+    Accepts the server's items with or without scores ({"document": doc, "score": s} or doc), or
+    (doc, score) pairs from `Retriever.search`; a doc without `contents` is rebuilt from title/text.
+
+    >>> format_docs([{"document": {"id": "7", "contents": '"Paris"\\nCapital of France.\\nOn the Seine.'}}])
+    'Doc 1(Title: "Paris") Capital of France.\\nOn the Seine.\\n'
+    """
+    out = []
+    for i, item in enumerate(docs, start=1):
+        if isinstance(item, (tuple, list)):
+            item = item[0]
+        doc = item.get("document", item)
+        contents = doc.get("contents")
+        if contents is None:
+            contents = f'"{doc.get("title", "")}"\n{doc.get("text", "")}'
+        lines = contents.split("\n")
+        out.append(f"Doc {i}(Title: {lines[0]}) {chr(10).join(lines[1:])}\n")
+    return "".join(out)
+
+
+class RetrievalError(Exception):
+    """A request that failed for good (after retries, or rejected by the server)."""
+
+
+@dataclass
+class ClientStats:
+    """Counters since the client was made (read `client.stats`; `as_dict()` for logging)."""
+
+    requests: int = 0
+    """HTTP POSTs sent, retries included."""
+    retries: int = 0
+    """POSTs that repeated a failed one."""
+    errors: int = 0
+    """Chunks that failed for good (their queries got an error observation)."""
+    failed_queries: int = 0
+    """Queries answered with an error observation."""
+    queries: int = 0
+    """Queries asked in total."""
+    truncated_queries: int = 0
+    """Queries cut to the server's max_query_chars before sending."""
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+class RetrievalClient:
+    """Batched, chunked, retrying client. Thread-safe; reuse one per process (it keeps connections open).
+
+    url: the server root ("http://host:8000") or Search-R1's full "http://host:8000/retrieve".
+    timeout: seconds per HTTP request. max_retries: extra attempts after the first. backoff: first wait in
+    seconds, doubled per retry up to max_backoff (with 10% jitter so many ranks do not retry in lockstep).
+    max_queries_per_request: chunk size; None = the server's limit from /health.
+    """
+
+    def __init__(self, url: str, topk: int = 3, timeout: float = 30.0, max_retries: int = 3, backoff: float = 0.5,
+                 max_backoff: float = 8.0, max_queries_per_request: int | None = None, max_concurrency: int = 8):
+        import httpx
+
+        if topk < 1 or max_retries < 0 or timeout <= 0 or max_concurrency < 1:
+            raise ValueError(f"bad RetrievalClient settings: topk={topk} (>=1), max_retries={max_retries} (>=0), "
+                             f"timeout={timeout} (>0), max_concurrency={max_concurrency} (>=1)")
+        base = url.rstrip("/")
+        if base.endswith("/retrieve"):
+            base = base[: -len("/retrieve")]
+        self.base_url, self.topk, self.timeout = base, topk, timeout
+        self.max_retries, self.backoff, self.max_backoff = max_retries, backoff, max_backoff
+        self.max_queries_per_request, self.max_concurrency = max_queries_per_request, max_concurrency
+        self.stats = ClientStats()
+        self._lock = threading.Lock()
+        self._http = httpx.Client(timeout=timeout,
+                                  limits=httpx.Limits(max_connections=max_concurrency * 2,
+                                                      max_keepalive_connections=max_concurrency))
+        self._pool: ThreadPoolExecutor | None = None
+        self._limits: dict | None = None
+
+    # ---- public API -------------------------------------------------------------------------------------
+
+    def search(self, queries: list[str]) -> list[str]:
+        """One observation text per query: formatted docs, or "Search failed: <reason>". Never raises."""
+        if not queries:
+            return []
+        results: list[str] = [""] * len(queries)
+        try:
+            chunks = self._chunks(list(queries))
+            outcomes = self._map(lambda c: self._post_chunk(c, self.topk, True), chunks)
+            for (start, chunk), outcome in zip(chunks, outcomes):
+                if isinstance(outcome, Exception):
+                    self._count(errors=1, failed_queries=len(chunk))
+                    text = f"Search failed: {outcome}"
+                    logger.warning("retrieval failed for %d queries: %s", len(chunk), outcome)
+                    results[start:start + len(chunk)] = [text] * len(chunk)
+                else:
+                    results[start:start + len(chunk)] = [format_docs(docs) for docs in outcome]
+        except Exception as e:  # noqa: BLE001 - a bug here must not kill a training run either
+            logger.exception("retrieval client error")
+            self._count(errors=1, failed_queries=len(queries))
+            return [f"Search failed: {type(e).__name__}: {e}"] * len(queries)
+        return results
+
+    def retrieve(self, queries: list[str], topk: int | None = None, return_scores: bool = True) -> list[list[dict]]:
+        """The server's raw result lists (one per query); raises RetrievalError when any chunk fails."""
+        if not queries:
+            return []
+        chunks = self._chunks(list(queries))
+        outcomes = self._map(lambda c: self._post_chunk(c, topk or self.topk, return_scores), chunks)
+        result: list[list[dict]] = []
+        for (_, chunk), outcome in zip(chunks, outcomes):
+            if isinstance(outcome, Exception):
+                self._count(errors=1, failed_queries=len(chunk))
+                raise outcome
+            result.extend(outcome)
+        return result
+
+    def health(self) -> dict:
+        """The server's /health (raises on failure)."""
+        r = self._http.get(f"{self.base_url}/health", timeout=min(self.timeout, 5.0))
+        r.raise_for_status()
+        return r.json()
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+        self._http.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # ---- internals --------------------------------------------------------------------------------------
+
+    def _count(self, **deltas: int) -> None:
+        with self._lock:
+            for k, v in deltas.items():
+                setattr(self.stats, k, getattr(self.stats, k) + v)
+
+    def _server_limits(self) -> dict:
+        if self._limits is None:
+            try:
+                self._limits = self.health().get("limits", {})
+            except Exception:  # noqa: BLE001 - unknown limits: fall back to defaults, ask again next time
+                return {}
+        return self._limits
+
+    def _chunks(self, queries: list[str]) -> list[tuple[int, list[str]]]:
+        limits = self._server_limits()
+        self._count(queries=len(queries))
+        max_chars = limits.get("max_query_chars")
+        if max_chars:
+            # A runaway generated query would get the whole chunk rejected; the encoder truncates anyway.
+            long = sum(len(q) > max_chars for q in queries)
+            if long:
+                self._count(truncated_queries=long)
+                queries = [q[:max_chars] for q in queries]
+        size = self.max_queries_per_request or limits.get("max_queries") or DEFAULT_CHUNK
+        return [(s, queries[s:s + size]) for s in range(0, len(queries), size)]
+
+    def _map(self, fn, chunks: list[tuple[int, list[str]]]) -> list:
+        def safe(chunk):
+            try:
+                return fn(chunk[1])
+            except Exception as e:  # noqa: BLE001 - returned, so other chunks still complete
+                return e if isinstance(e, RetrievalError) else RetrievalError(f"{type(e).__name__}: {e}")
+
+        if len(chunks) == 1:
+            return [safe(chunks[0])]
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.max_concurrency, thread_name_prefix="retrieval-client")
+        return list(self._pool.map(safe, chunks))
+
+    def _post_chunk(self, queries: list[str], topk: int, return_scores: bool) -> list[list[dict]]:
+        import httpx
+
+        payload = {"queries": queries, "topk": topk, "return_scores": return_scores}
+        attempt = 0
+        while True:
+            self._count(requests=1)
+            retryable, reason = False, ""
+            try:
+                r = self._http.post(f"{self.base_url}/retrieve", json=payload)
+                if r.status_code == 200:
+                    return self._check(r.json(), len(queries))
+                reason = f"HTTP {r.status_code}: {_detail(r)}"
+                retryable = r.status_code == 429 or r.status_code >= 500
+            except httpx.TimeoutException as e:
+                retryable, reason = True, f"timeout after {self.timeout}s ({type(e).__name__})"
+            except httpx.TransportError as e:
+                retryable, reason = True, f"{type(e).__name__}: {e} (is the retrieval server at {self.base_url} up?)"
+            if not retryable or attempt >= self.max_retries:
+                tries = f" after {attempt + 1} attempts" if attempt else ""
+                raise RetrievalError(f"{reason}{tries}")
+            delay = min(self.max_backoff, self.backoff * (2 ** attempt)) * (1 + 0.1 * random.random())
+            attempt += 1
+            self._count(retries=1)
+            time.sleep(delay)
+
+    @staticmethod
+    def _check(body, n: int) -> list[list[dict]]:
+        result = body.get("result") if isinstance(body, dict) else None
+        if not isinstance(result, list) or len(result) != n or not all(isinstance(x, list) for x in result):
+            raise RetrievalError(f"malformed response: expected {{'result': [...{n} lists...]}}, "
+                                 f"got {str(body)[:200]}")
+        return result
+
+
+def _detail(response) -> str:
+    try:
+        return str(response.json().get("detail", response.text))[:500]
+    except Exception:  # noqa: BLE001 - not JSON
+        return response.text[:500]

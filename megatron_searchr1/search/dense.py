@@ -1,0 +1,149 @@
+"""Dense retrieval: faiss inner-product search over encoder embeddings (Flat = exact, HNSW = approximate).
+
+faiss is imported lazily. A faiss index file written by anyone works as long as row i is corpus row i and the
+query encoder matches the one that made the vectors: `DenseRetriever.from_faiss("e5_Flat.index", "wiki-18.jsonl",
+EncoderConfig(model="/models/e5-base-v2"))` serves an existing Search-R1 index unchanged.
+With `use_gpu=True` and faiss-gpu installed, a Flat index is copied onto all visible GPUs (fp16 storage,
+sharded, as Search-R1 does); HNSW has no GPU version in faiss and stays on the CPU.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from megatron_searchr1.search.base import Retriever
+from megatron_searchr1.search.encoder import Encoder, EncoderConfig
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class FaissConfig:
+    """Which faiss index is built and how it is searched."""
+
+    index_type: str = "flat"
+    """flat (exact inner product) | hnsw (graph, approximate, for very large corpora on the CPU)."""
+    hnsw_m: int = 32
+    """HNSW neighbours per node (build time)."""
+    hnsw_ef_construction: int = 200
+    """HNSW candidate list size while building."""
+    hnsw_ef_search: int = 128
+    """HNSW candidate list size while searching (raised to topk when topk is larger)."""
+    use_gpu: bool = False
+    """Move a Flat index to all visible GPUs (needs faiss-gpu). Off by default: the GPUs usually train."""
+    num_threads: int = 0
+    """faiss OpenMP threads on the CPU; 0 = faiss's default."""
+
+    def __post_init__(self):
+        if self.index_type not in ("flat", "hnsw"):
+            raise ValueError(f"FaissConfig.index_type must be flat or hnsw, got {self.index_type!r}")
+
+
+def _faiss():
+    try:
+        import faiss
+    except ImportError:
+        raise ImportError("dense retrieval needs faiss: pip install faiss-cpu (or faiss-gpu-cu12)") from None
+    return faiss
+
+
+def make_faiss_index(dim: int, config: FaissConfig):
+    faiss = _faiss()
+    if config.index_type == "flat":
+        return faiss.IndexFlatIP(dim)
+    index = faiss.IndexHNSWFlat(dim, config.hnsw_m, faiss.METRIC_INNER_PRODUCT)
+    index.hnsw.efConstruction = config.hnsw_ef_construction
+    index.hnsw.efSearch = config.hnsw_ef_search
+    return index
+
+
+def _to_gpu(index):
+    faiss = _faiss()
+    if not hasattr(faiss, "StandardGpuResources") or faiss.get_num_gpus() == 0:
+        raise RuntimeError("use_gpu=True but this faiss has no GPU support or sees no GPU; "
+                           "install faiss-gpu-cu12 or drop --faiss-gpu")
+    if not isinstance(index, faiss.IndexFlat):
+        logger.warning("faiss has no GPU version of %s; searching it on the CPU", type(index).__name__)
+        return index
+    co = faiss.GpuMultipleClonerOptions()
+    co.useFloat16, co.shard = True, True
+    return faiss.index_cpu_to_all_gpus(index, co=co)
+
+
+class DenseRetriever(Retriever):
+    """Embedding search. `build` encodes a corpus; `load`/`from_faiss` reopen a saved faiss index."""
+
+    kind = "dense"
+
+    def __init__(self, corpus: Sequence[dict], index, encoder: Encoder, faiss_config: FaissConfig | None = None):
+        self.faiss_config = faiss_config or FaissConfig()
+        if index.ntotal != len(corpus):
+            raise ValueError(f"faiss index has {index.ntotal} vectors but the corpus has {len(corpus)} docs: "
+                             "row i of the index must be row i of the corpus; pass the corpus it was built from")
+        if index.d != encoder.dim:
+            raise ValueError(f"faiss index vectors have dim {index.d} but encoder {encoder.config.model!r} "
+                             f"outputs {encoder.dim}: use the encoder the index was built with")
+        faiss = _faiss()
+        if self.faiss_config.num_threads > 0:
+            faiss.omp_set_num_threads(self.faiss_config.num_threads)
+        self.cpu_index = index
+        self.index = _to_gpu(index) if self.faiss_config.use_gpu else index
+        self.corpus, self.encoder = corpus, encoder
+
+    @classmethod
+    def build(cls, corpus: Sequence[dict], encoder_config: EncoderConfig | None = None,
+              faiss_config: FaissConfig | None = None, encoder: Encoder | None = None,
+              show_progress: bool = True, chunk_docs: int = 65536) -> "DenseRetriever":
+        """Encode every doc's `contents` (with the passage prefix) and add it to a new faiss index."""
+        from tqdm.auto import tqdm
+
+        faiss_config = faiss_config or FaissConfig()
+        encoder = encoder or Encoder(encoder_config or EncoderConfig())
+        index = make_faiss_index(encoder.dim, faiss_config)
+        # Chunks bound the memory of a huge corpus: only chunk_docs texts and their vectors are alive at once.
+        with tqdm(total=len(corpus), desc="dense index", unit="doc", disable=not show_progress) as bar:
+            for start in range(0, len(corpus), chunk_docs):
+                texts = [corpus[i]["contents"] for i in range(start, min(start + chunk_docs, len(corpus)))]
+                index.add(encoder.encode(texts, is_query=False))
+                bar.update(len(texts))
+        return cls(corpus, index, encoder, faiss_config)
+
+    def save(self, path: str | os.PathLike) -> dict:
+        """Write the (CPU) faiss index to `path`; returns the index_meta.json entry."""
+        _faiss().write_index(self.cpu_index, os.fspath(path))
+        return {"faiss": asdict(self.faiss_config), "encoder": self.encoder.config.index_fields(),
+                "dim": self.encoder.dim}
+
+    @classmethod
+    def from_faiss(cls, faiss_index_path: str | os.PathLike, corpus: Sequence[dict],
+                   encoder_config: EncoderConfig | None = None, faiss_config: FaissConfig | None = None,
+                   encoder: Encoder | None = None, mmap: bool = False) -> "DenseRetriever":
+        """Open any faiss index file (e.g. Search-R1's e5_Flat.index) over a corpus whose row i is vector i."""
+        faiss = _faiss()
+        if not os.path.exists(faiss_index_path):
+            raise FileNotFoundError(f"faiss index not found: {faiss_index_path}")
+        flags = faiss.IO_FLAG_MMAP | faiss.IO_FLAG_READ_ONLY if mmap else 0
+        index = faiss.read_index(os.fspath(faiss_index_path), flags)
+        faiss_config = faiss_config or FaissConfig(
+            index_type="hnsw" if isinstance(index, faiss.IndexHNSW) else "flat")
+        if isinstance(index, faiss.IndexHNSW):
+            index.hnsw.efSearch = faiss_config.hnsw_ef_search
+        encoder = encoder or Encoder(encoder_config or EncoderConfig())
+        return cls(corpus, index, encoder, faiss_config)
+
+    def search_ids(self, queries: list[str], topk: int) -> tuple[np.ndarray, np.ndarray]:
+        emb = self.encoder.encode(queries, is_query=True)  # (B, H)
+        params = None
+        if isinstance(self.index, _faiss().IndexHNSW):
+            # Per-call parameters instead of mutating the index: thread-safe and independent of earlier calls.
+            params = _faiss().SearchParametersHNSW(efSearch=max(self.faiss_config.hnsw_ef_search, topk))
+        scores, ids = self.index.search(emb, topk, params=params)  # (B, k) each; a short result pads with -1
+        return ids.astype(np.int64), scores.astype(np.float32)
+
+    def describe(self) -> dict:
+        return {**super().describe(), "encoder": self.encoder.config.index_fields(),
+                "index_type": self.faiss_config.index_type, "gpu": self.index is not self.cpu_index}

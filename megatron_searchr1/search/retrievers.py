@@ -1,0 +1,173 @@
+"""Index directories: `build_index` writes one, `load_retriever` reopens it without re-indexing.
+
+An index directory holds `index_meta.json` and the index files:
+  bm25/          bm25s's own files            (kind bm25 or hybrid)
+  dense.index    a faiss index, row i = doc i (kind dense or hybrid; may instead point to a file elsewhere)
+index_meta.json records the kind, the corpus path (absolute, or relative to the directory when the corpus was
+copied in), the doc count, and everything the query side must repeat (BM25 tokenisation, encoder pooling and
+prefixes). `register_faiss_index` writes a meta for an existing Search-R1 `e5_Flat.index` + `wiki-18.jsonl`
+without touching either file.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import time
+from dataclasses import fields
+
+from megatron_searchr1.search.base import Retriever
+from megatron_searchr1.search.bm25 import BM25Config, BM25Retriever
+from megatron_searchr1.search.corpus import open_corpus
+from megatron_searchr1.search.dense import DenseRetriever, FaissConfig
+from megatron_searchr1.search.encoder import EncoderConfig
+from megatron_searchr1.search.hybrid import HybridConfig, HybridRetriever
+
+__all__ = ["BM25Retriever", "DenseRetriever", "HybridRetriever", "Retriever", "build_index", "load_retriever",
+           "register_faiss_index", "read_index_meta", "KINDS", "META_FILE"]
+
+logger = logging.getLogger(__name__)
+
+KINDS = ("bm25", "dense", "hybrid")
+META_FILE = "index_meta.json"
+FORMAT_VERSION = 1
+
+
+def _pick(cls, options: dict) -> dict:
+    """The entries of `options` that are fields of dataclass `cls` (None values mean "keep the default")."""
+    names = {f.name for f in fields(cls)}
+    return {k: v for k, v in options.items() if k in names and v is not None}
+
+
+def _split_options(options: dict) -> tuple[EncoderConfig, FaissConfig, BM25Config, HybridConfig]:
+    known = set()
+    configs = []
+    for cls in (EncoderConfig, FaissConfig, BM25Config, HybridConfig):
+        picked = _pick(cls, options)
+        known |= {f.name for f in fields(cls)}
+        configs.append(cls(**picked))
+    unknown = set(options) - known
+    if unknown:
+        raise TypeError(f"unknown index options {sorted(unknown)}; valid: {sorted(known)}")
+    return tuple(configs)
+
+
+def build_index(corpus_path: str | os.PathLike, out_dir: str | os.PathLike, kind: str = "bm25",
+                copy_corpus: bool = False, show_progress: bool = True, **options) -> Retriever:
+    """Index a corpus JSONL into `out_dir` and return the ready retriever.
+
+    kind: bm25 | dense | hybrid. options: any field of EncoderConfig (model, pooling, normalize, query_prefix,
+    passage_prefix, max_length, batch_size, fp16, device), FaissConfig (index_type, hnsw_m, ...), BM25Config
+    (k1, b, method, stopwords, stemmer) or HybridConfig (rrf_k, depth). copy_corpus puts the corpus inside
+    out_dir so the directory can be moved as a whole.
+    """
+    if kind not in KINDS:
+        raise ValueError(f"index kind must be one of {KINDS}, got {kind!r}")
+    encoder_cfg, faiss_cfg, bm25_cfg, hybrid_cfg = _split_options(options)
+    os.makedirs(out_dir, exist_ok=True)
+    corpus_path = os.path.abspath(corpus_path)
+    corpus_ref = corpus_path
+    if copy_corpus:
+        shutil.copyfile(corpus_path, os.path.join(out_dir, "corpus.jsonl"))
+        corpus_path, corpus_ref = os.path.join(out_dir, "corpus.jsonl"), "corpus.jsonl"
+    corpus = open_corpus(corpus_path, offsets_cache=os.path.join(out_dir, "corpus_offsets.npz"))
+    if len(corpus) == 0:
+        raise ValueError(f"corpus {corpus_path} has no docs")
+    meta = {"format_version": FORMAT_VERSION, "kind": kind, "corpus": corpus_ref, "num_docs": len(corpus),
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    t0 = time.time()
+    bm25 = dense = None
+    if kind in ("bm25", "hybrid"):
+        bm25 = BM25Retriever.build(corpus, bm25_cfg, show_progress=show_progress)
+        meta["bm25"] = {"dir": "bm25", **bm25.save(os.path.join(out_dir, "bm25"))}
+    if kind in ("dense", "hybrid"):
+        dense = DenseRetriever.build(corpus, encoder_cfg, faiss_cfg, show_progress=show_progress)
+        meta["dense"] = {"faiss_index": "dense.index", **dense.save(os.path.join(out_dir, "dense.index"))}
+    if kind == "hybrid":
+        meta["hybrid"] = {"rrf_k": hybrid_cfg.rrf_k, "depth": hybrid_cfg.depth}
+    meta["build_seconds"] = round(time.time() - t0, 2)
+    _write_meta(out_dir, meta)
+    logger.info("built %s index over %d docs in %s (%.1fs)", kind, len(corpus), out_dir, meta["build_seconds"])
+    return bm25 if kind == "bm25" else dense if kind == "dense" else HybridRetriever(bm25, dense, hybrid_cfg)
+
+
+def register_faiss_index(faiss_index_path: str | os.PathLike, corpus_path: str | os.PathLike,
+                         out_dir: str | os.PathLike, **options) -> dict:
+    """Write an index_meta.json that serves an existing faiss index + corpus (e.g. Search-R1's e5_Flat.index
+    and wiki-18.jsonl) as they are. options: EncoderConfig fields describing the encoder that made the vectors
+    (for e5: model=/path/to/e5-base-v2; prefixes and mean pooling follow from the name)."""
+    encoder_cfg, faiss_cfg, _, _ = _split_options(options)
+    os.makedirs(out_dir, exist_ok=True)
+    faiss = __import__("faiss")
+    index = faiss.read_index(os.fspath(faiss_index_path), faiss.IO_FLAG_MMAP | faiss.IO_FLAG_READ_ONLY)
+    meta = {"format_version": FORMAT_VERSION, "kind": "dense", "corpus": os.path.abspath(corpus_path),
+            "num_docs": int(index.ntotal),
+            "dense": {"faiss_index": os.path.abspath(faiss_index_path), "dim": int(index.d),
+                      "faiss": {**_pick(FaissConfig, vars(faiss_cfg)),
+                                "index_type": "hnsw" if isinstance(index, faiss.IndexHNSW) else "flat"},
+                      "encoder": encoder_cfg.index_fields()},
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    _write_meta(out_dir, meta)
+    return meta
+
+
+def _write_meta(out_dir, meta: dict) -> None:
+    tmp = os.path.join(out_dir, META_FILE + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(meta, f, indent=2)
+    os.replace(tmp, os.path.join(out_dir, META_FILE))  # atomic: a reader never sees half a meta file
+
+
+def read_index_meta(index_dir: str | os.PathLike) -> dict:
+    path = os.path.join(index_dir, META_FILE)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path} not found: build the index first "
+                                f"(python tools/build_index.py --corpus C --out-dir {index_dir} --kind bm25)")
+    with open(path) as f:
+        meta = json.load(f)
+    if meta.get("kind") not in KINDS:
+        raise ValueError(f"{path}: unknown index kind {meta.get('kind')!r}")
+    return meta
+
+
+def _in_dir(index_dir, path: str) -> str:
+    return path if os.path.isabs(path) else os.path.join(index_dir, path)
+
+
+def load_retriever(index_dir: str | os.PathLike, corpus_path: str | os.PathLike | None = None,
+                   lazy_corpus: bool | None = None, **runtime) -> Retriever:
+    """Reopen an index directory. corpus_path overrides the recorded corpus (e.g. after moving it).
+
+    runtime: settings that may differ from build time: EncoderConfig device/fp16/batch_size, FaissConfig
+    use_gpu/num_threads/hnsw_ef_search, HybridConfig rrf_k/depth, and bm25_mmap (memory-map the BM25 arrays).
+    """
+    meta = read_index_meta(index_dir)
+    kind = meta["kind"]
+    bm25_mmap = bool(runtime.pop("bm25_mmap", False))
+    allowed = {"device", "fp16", "batch_size", "use_gpu", "num_threads", "hnsw_ef_search", "rrf_k", "depth"}
+    bad = set(runtime) - allowed
+    if bad:
+        raise TypeError(f"load_retriever cannot change {sorted(bad)} (fixed at build time); "
+                        f"runtime options: {sorted(allowed | {'bm25_mmap'})}")
+    corpus_file = os.fspath(corpus_path) if corpus_path else _in_dir(index_dir, meta["corpus"])
+    offsets_cache = os.path.join(index_dir, "corpus_offsets.npz") if os.access(index_dir, os.W_OK) else None
+    corpus = open_corpus(corpus_file, lazy=lazy_corpus, offsets_cache=offsets_cache)
+    if len(corpus) != meta["num_docs"]:
+        raise ValueError(f"{corpus_file} has {len(corpus)} docs but the index in {index_dir} was built over "
+                         f"{meta['num_docs']}: pass the corpus it was built from (corpus_path=...)")
+    bm25 = dense = None
+    if kind in ("bm25", "hybrid"):
+        m = meta["bm25"]
+        cfg = BM25Config(**_pick(BM25Config, m))
+        bm25 = BM25Retriever.load(_in_dir(index_dir, m["dir"]), corpus, cfg, mmap=bm25_mmap)
+    if kind in ("dense", "hybrid"):
+        m = meta["dense"]
+        enc_cfg = EncoderConfig(**{**m["encoder"], **_pick(EncoderConfig, runtime)})
+        faiss_cfg = FaissConfig(**{**_pick(FaissConfig, m.get("faiss", {})), **_pick(FaissConfig, runtime)})
+        dense = DenseRetriever.from_faiss(_in_dir(index_dir, m["faiss_index"]), corpus, enc_cfg, faiss_cfg)
+    if kind == "bm25":
+        return bm25
+    if kind == "dense":
+        return dense
+    return HybridRetriever(bm25, dense, HybridConfig(**{**meta.get("hybrid", {}), **_pick(HybridConfig, runtime)}))
