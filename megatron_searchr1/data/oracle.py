@@ -1,0 +1,134 @@
+"""Gold trajectories for supervised warm-up: an oracle that follows each question's gold chain with a REAL retriever.
+
+For a question with chain [(q1, a1), (q2, a2), ...] the oracle writes, turn by turn:
+
+    <think> I need to find the CEO of Quorvin Labs. </think>\n<search> Who is the CEO of Quorvin Labs? </search>
+    \n\n<information>{what the retriever returned for q1}</information>\n\n          (an `observation` message)
+    <think> The CEO of Quorvin Labs is Talven Orrick. Next I need to find ... </think>\n<search> q2 </search>
+    ...
+    <think> The founding year of Velmora University is 1856. </think>\n<answer> 1856 </answer>
+
+The observation text is produced by the retriever the policy will later talk to (a `RetrievalClient` against a
+running server, or a retriever object formatted with the client's `format_docs`), so warm-up data and RL rollouts
+see the same bytes. A trajectory whose retrieval missed a gold passage is flagged (`gold_retrieved: false`): its
+thoughts state a fact the observation does not show, so by default it is not written.
+
+Output: sharegpt-style JSONL (`{"messages": [{"role", "content"}, ...]}` with roles system?/user/assistant/
+observation) and a LLaMA-Factory `dataset_info.json` describing it.
+"""
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+
+from megatron_searchr1.data.prompts import answer_turn, format_observation, search_turn
+from megatron_searchr1.data.synthetic import RELATIONS
+
+# queries -> one observation text per query (the `format_docs` string, before <information> wrapping)
+Searcher = Callable[[list[str]], list[str]]
+
+DATASET_TAGS = {"role_tag": "role", "content_tag": "content", "user_tag": "user", "assistant_tag": "assistant",
+                "observation_tag": "observation", "system_tag": "system"}
+
+
+def retriever_searcher(retriever, topk: int = 3) -> Searcher:
+    """Search in-process with a retriever object (`load_retriever(index_dir)`), formatted like the server's
+    results are by the client."""
+    from megatron_searchr1.search.client import format_docs
+
+    def search(queries: list[str]) -> list[str]:
+        return [format_docs([doc for doc, _ in hits]) for hits in retriever.search(queries, topk)]
+
+    return search
+
+
+def client_searcher(client) -> Searcher:
+    """Search through a running server (`RetrievalClient(url, topk=3)`)."""
+    return client.search
+
+
+def _plain(obj):
+    """Parquet gives numpy arrays for lists; make rows JSON-ready."""
+    if hasattr(obj, "tolist"):
+        obj = obj.tolist()
+    if isinstance(obj, dict):
+        return {k: _plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_plain(v) for v in obj]
+    return obj
+
+
+def _fact(hop: dict) -> str:
+    """'the CEO of Quorvin Labs' for a hop (the object phrase with the resolved subject name)."""
+    return RELATIONS[hop["relation"]].phrase.format(x=hop["subject"])
+
+
+def _cap(s: str) -> str:
+    return s[:1].upper() + s[1:]
+
+
+def gold_trajectories(rows: list[dict], search: Searcher, gold_text: dict[str, str] | None = None,
+                      batch_size: int = 256) -> list[dict]:
+    """One trajectory per parquet row (a synthetic question with `extra_info.chain`).
+
+    Queries of the same hop are sent together in batches of `batch_size`. gold_text maps doc id -> passage text;
+    with it, `gold_retrieved` checks that each hop's gold passage is in its observation, without it that the hop's
+    subject and answer are.
+    """
+    rows = [_plain(r) for r in rows]
+    chains = [r["extra_info"]["chain"] for r in rows]
+    obs: list[list[str]] = [[] for _ in rows]
+    for h in range(max((len(c) for c in chains), default=0)):
+        todo = [i for i, c in enumerate(chains) if len(c) > h]
+        for s in range(0, len(todo), batch_size):
+            part = todo[s: s + batch_size]
+            texts = search([chains[i][h]["query"] for i in part])
+            if len(texts) != len(part):
+                raise RuntimeError(f"searcher returned {len(texts)} results for {len(part)} queries")
+            for i, t in zip(part, texts):
+                if t.startswith("Search failed"):  # the client's error observation: never train on it
+                    raise RuntimeError(f"retrieval failed for {chains[i][h]['query']!r}: {t}")
+                obs[i].append(t)
+    out = []
+    for row, chain, texts in zip(rows, chains, obs):
+        messages = [dict(m) for m in row["prompt"]]
+        thought = f"I need to find {_fact(chain[0])}."
+        found = True
+        for h, (hop, text) in enumerate(zip(chain, texts)):
+            messages.append({"role": "assistant", "content": search_turn(thought, hop["query"])})
+            messages.append({"role": "observation", "content": format_observation(text)})
+            if gold_text is not None:
+                found &= gold_text[hop["doc_id"]] in text
+            else:
+                found &= hop["subject"] in text and hop["answer"] in text
+            thought = f"{_cap(_fact(hop))} is {hop['answer']}."
+            if h + 1 < len(chain):
+                thought += f" Next I need to find {_fact(chain[h + 1])}."
+        answer = chain[-1]["answer"]
+        messages.append({"role": "assistant", "content": answer_turn(thought, answer)})
+        out.append({"messages": messages, "uid": row["extra_info"]["uid"], "data_source": row["data_source"],
+                    "hops": len(chain), "answer": answer, "gold_retrieved": bool(found)})
+    return out
+
+
+def write_sft(trajectories: dict[str, list[dict]], out_dir: str, prefix: str = "synthetic_sft",
+              keep_misses: bool = False) -> dict[str, int]:
+    """`<out_dir>/<split>.jsonl` per split and `<out_dir>/dataset_info.json` naming them `<prefix>_<split>`.
+
+    Returns the number of trajectories written per split.
+    """
+    os.makedirs(out_dir, exist_ok=True)
+    info, counts = {}, {}
+    for split, trajs in trajectories.items():
+        kept = [t for t in trajs if keep_misses or t["gold_retrieved"]]
+        path = os.path.join(out_dir, f"{split}.jsonl")
+        with open(path, "w", encoding="utf-8") as f:
+            for t in kept:
+                f.write(json.dumps(t, ensure_ascii=False) + "\n")
+        info[f"{prefix}_{split}"] = {"file_name": f"{split}.jsonl", "formatting": "sharegpt",
+                                     "columns": {"messages": "messages"}, "tags": dict(DATASET_TAGS)}
+        counts[split] = len(kept)
+    with open(os.path.join(out_dir, "dataset_info.json"), "w", encoding="utf-8") as f:
+        json.dump(info, f, indent=2)
+    return counts

@@ -1,0 +1,476 @@
+"""A seeded fictional world: corpus, single- and multi-hop questions, splits (and, via oracle.py, gold trajectories).
+
+Why: a model can only learn to *search* if it cannot already know the answers. Every name here is made of invented
+syllables, so no pretrained model has seen them; the only way to answer is to retrieve.
+
+The world: countries, cities, universities, companies, people and products, tied by functional relations
+(each subject has exactly one object, so every question has one answer):
+
+    city -country_of-> country -capital-> city          university -located_in-> city, -founded-> year
+    company -headquarters-> city, -founded-> year, -ceo-> person
+    person -born_year-> year, -birthplace-> city, -alma_mater-> university, -employer-> company
+    product -maker-> company, -launch_year-> year
+
+Corpus: one passage per entity holding that entity's facts (so the passage of a question's subject is its gold
+passage), plus distractor passages (festivals, rivers) that mention entities without stating any relation.
+Questions: every chain of 1-3 relations from every entity whose entities are all distinct, e.g.
+ceo -> alma_mater -> founded: "In which year was the university attended by the CEO of Quorvin Labs founded?".
+Each question keeps its gold chain of sub-queries (one single-hop question per hop) and gold passage ids.
+
+Splits: all candidate questions are enumerated once, deduplicated by text, shuffled by the seed, and each split
+takes a disjoint slice per hop count, so no question text appears in two splits (asserted when writing).
+
+    python tools/make_synthetic_world.py --out-dir data/synthetic --seed 0
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import random
+from dataclasses import dataclass, field
+
+import pyarrow as pa
+
+from megatron_searchr1.data.prompts import TEMPLATES
+from megatron_searchr1.data.qa import MESSAGE_TYPE, make_row, write_rows  # noqa: F401  (MESSAGE_TYPE re-export)
+
+SPLITS = ("train", "validation", "test")
+DATA_SOURCE = "synthetic"
+
+# extra_info of a synthetic row: Search-R1's split/index, our uid, the raw question, the hop count and the chain.
+HOP_TYPE = pa.struct(
+    [("query", pa.string()), ("subject", pa.string()), ("relation", pa.string()), ("answer", pa.string()),
+     ("doc_id", pa.string())]
+)
+SYNTH_EXTRA_INFO_TYPE = pa.struct(
+    [("split", pa.string()), ("index", pa.int64()), ("uid", pa.string()), ("question", pa.string()),
+     ("hops", pa.int64()), ("chain", pa.list_(HOP_TYPE))]
+)
+
+
+@dataclass
+class WorldConfig:
+    """Size knobs of the synthetic world; the output is a pure function of this config."""
+
+    seed: int = 0
+    """everything (names, facts, question choice, split) is drawn from random.Random(seed)."""
+    n_countries: int = 8
+    """countries (each gets a capital among its cities)."""
+    n_cities: int = 30
+    """cities, spread over the countries (at least one per country)."""
+    n_universities: int = 30
+    """universities, each in a city with a founding year."""
+    n_companies: int = 50
+    """companies, each with a headquarters city, a founding year and a CEO drawn from the people."""
+    n_people: int = 180
+    """people (must be >= n_companies: every company has its own CEO)."""
+    n_products: int = 40
+    """products, each made by a company with a launch year."""
+    n_distractors: int = 60
+    """passages (festivals, rivers) that mention entities but state none of the asked relations."""
+    n_train: int = 2000
+    """train questions."""
+    n_validation: int = 200
+    """validation questions."""
+    n_test: int = 200
+    """test questions."""
+    hop_fractions: tuple[float, float, float] = (0.4, 0.35, 0.25)
+    """share of 1-, 2- and 3-hop questions in every split (set e.g. (1, 0, 0) for single-hop only)."""
+    template: str = "base"
+    """prompt template of the parquet rows: base (Search-R1 raw prompt) or chat."""
+
+    def __post_init__(self):
+        self.hop_fractions = tuple(float(f) for f in self.hop_fractions)
+        if len(self.hop_fractions) != 3 or min(self.hop_fractions) < 0 or sum(self.hop_fractions) <= 0:
+            raise ValueError(f"hop_fractions must be 3 non-negative numbers (1/2/3 hops), got {self.hop_fractions}")
+        if self.n_people < self.n_companies:
+            raise ValueError(f"n_people ({self.n_people}) must be >= n_companies ({self.n_companies}): one CEO each")
+        if self.n_cities < self.n_countries:
+            raise ValueError(f"n_cities ({self.n_cities}) must be >= n_countries ({self.n_countries})")
+        for name in ("n_countries", "n_universities", "n_companies", "n_products"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if self.template not in TEMPLATES:
+            raise ValueError(f"template must be one of {TEMPLATES}, got {self.template!r}")
+
+
+# ----------------------------------------------------------------------------------------------- names
+_ONSETS = ["b", "br", "d", "dr", "f", "g", "gr", "k", "kr", "l", "m", "n", "p", "pr", "r", "s", "st", "t", "tr",
+           "v", "z", "sh", "th", "h", "j", "qu", "y", "w"]
+_VOWELS = ["a", "e", "i", "o", "u", "ae", "ei", "ou", "ia", "y"]
+_CODAS = ["", "", "n", "r", "l", "s", "th", "m", "x", "nd", "rk", "lt", "sk"]
+
+
+class NameMaker:
+    """Invented words from syllables; every word is used once per world, so names never collide."""
+
+    def __init__(self, rng: random.Random):
+        self.rng, self.used = rng, set()
+
+    def word(self) -> str:
+        for _ in range(1000):
+            n = self.rng.choice((2, 2, 3))
+            w = "".join(self.rng.choice(_ONSETS) + self.rng.choice(_VOWELS) for _ in range(n))
+            w = (w + self.rng.choice(_CODAS)).capitalize()
+            if 4 <= len(w) <= 11 and w.lower() not in self.used:
+                self.used.add(w.lower())
+                return w
+        raise RuntimeError("name space exhausted; lower the entity counts")
+
+
+_COMPANY_SUFFIXES = ["Systems", "Industries", "Labs", "Dynamics", "Holdings", "Works", "Group", "Foods", "Motors"]
+_INDUSTRIES = ["software", "textile", "shipping", "food", "robotics", "chemicals", "banking", "furniture", "media"]
+_PROFESSIONS = ["engineer", "economist", "designer", "chemist", "lawyer", "architect", "accountant", "biologist"]
+_PRODUCT_KINDS = ["handheld scanner", "electric kettle", "drone", "smartwatch", "tractor", "desk lamp", "camera"]
+_PRODUCT_SUFFIXES = ["Pro", "One", "Max", "Mini", "Air", "Go"]
+
+
+# ----------------------------------------------------------------------------------------------- relations
+@dataclass(frozen=True)
+class Relation:
+    """A functional relation and the English it is asked and chained with."""
+
+    name: str
+    subject: str  # entity type of the subject
+    object: str  # entity type of the object ("year" for literal years)
+    question: str  # single-hop question, {x} = subject name or nested noun phrase
+    phrase: str  # noun phrase naming the object, for nesting and for the oracle's thoughts
+
+
+RELATIONS = {r.name: r for r in [
+    Relation("country_of", "city", "country", "In which country is {x}?", "the country of {x}"),
+    Relation("capital", "country", "city", "What is the capital of {x}?", "the capital of {x}"),
+    Relation("located_in", "university", "city", "In which city is {x} located?", "the home city of {x}"),
+    Relation("university_founded", "university", "year", "In which year was {x} founded?",
+             "the founding year of {x}"),
+    Relation("headquarters", "company", "city", "In which city is {x} headquartered?",
+             "the headquarters city of {x}"),
+    Relation("company_founded", "company", "year", "In which year was {x} founded?", "the founding year of {x}"),
+    Relation("ceo", "company", "person", "Who is the CEO of {x}?", "the CEO of {x}"),
+    Relation("born_year", "person", "year", "In which year was {x} born?", "the birth year of {x}"),
+    Relation("birthplace", "person", "city", "In which city was {x} born?", "the birthplace of {x}"),
+    Relation("alma_mater", "person", "university", "Which university did {x} attend?",
+             "the university attended by {x}"),
+    Relation("employer", "person", "company", "Which company does {x} work for?", "the company {x} works for"),
+    Relation("maker", "product", "company", "Which company makes {x}?", "the company that makes {x}"),
+    Relation("launch_year", "product", "year", "In which year was {x} launched?", "the launch year of {x}"),
+]}
+
+
+# ----------------------------------------------------------------------------------------------- the world
+@dataclass
+class World:
+    """Entities by id (`{id, type, name, facts: {relation: object id or year string}}`) and corpus passages."""
+
+    config: WorldConfig
+    entities: dict[str, dict] = field(default_factory=dict)
+    passages: list[dict] = field(default_factory=list)  # {id, title, text}; id = row number as a string
+    doc_of: dict[str, str] = field(default_factory=dict)  # entity id -> passage id
+
+    def name(self, ref: str) -> str:
+        """Surface form of a fact object: an entity's name, or the literal (a year)."""
+        return self.entities[ref]["name"] if ref in self.entities else ref
+
+    def of_type(self, kind: str) -> list[dict]:
+        return [e for e in self.entities.values() if e["type"] == kind]
+
+
+def build_world(cfg: WorldConfig) -> World:
+    """Draw entities and facts, then write one passage per entity plus distractors."""
+    rng = random.Random(cfg.seed)
+    names = NameMaker(rng)
+    w = World(cfg)
+
+    counts: dict[str, int] = {}
+
+    def add(kind: str, name: str, **facts) -> dict:
+        counts[kind] = counts.get(kind, 0) + 1
+        e = {"id": f"{kind}{counts[kind] - 1}", "type": kind, "name": name, "facts": dict(facts)}
+        w.entities[e["id"]] = e
+        return e
+
+    countries = [add("country", names.word() + rng.choice(["ia", "a", "or", "land", ""]))
+                 for _ in range(cfg.n_countries)]
+    cities = [add("city", names.word(), country_of=countries[i]["id"] if i < len(countries)
+                  else rng.choice(countries)["id"]) for i in range(cfg.n_cities)]
+    for c in countries:  # the first city drawn for a country becomes its capital
+        c["facts"]["capital"] = next(x["id"] for x in cities if x["facts"]["country_of"] == c["id"])
+    uni_patterns = ["{} University", "University of {}", "{} Institute of Technology", "{} College"]
+    universities = [add("university", rng.choice(uni_patterns).format(names.word()),
+                        located_in=rng.choice(cities)["id"], university_founded=str(rng.randint(1700, 1990)))
+                    for _ in range(cfg.n_universities)]
+    companies = [add("company", f"{names.word()} {rng.choice(_COMPANY_SUFFIXES)}",
+                     headquarters=rng.choice(cities)["id"], company_founded=str(rng.randint(1890, 2015)),
+                     industry=rng.choice(_INDUSTRIES))
+                 for _ in range(cfg.n_companies)]
+    people = [add("person", f"{names.word()} {names.word()}", born_year=str(rng.randint(1940, 1998)),
+                  birthplace=rng.choice(cities)["id"], alma_mater=rng.choice(universities)["id"],
+                  employer=rng.choice(companies)["id"], profession=rng.choice(_PROFESSIONS))
+              for _ in range(cfg.n_people)]
+    for company, person in zip(companies, rng.sample(people, len(companies))):
+        company["facts"]["ceo"] = person["id"]
+        person["facts"]["employer"] = company["id"]  # a CEO works for the company they run
+        person["facts"]["ceo_of"] = company["id"]
+    for _ in range(cfg.n_products):
+        add("product", f"{names.word()} {rng.choice(_PRODUCT_SUFFIXES)}", maker=rng.choice(companies)["id"],
+            launch_year=str(rng.randint(1985, 2024)), category=rng.choice(_PRODUCT_KINDS))
+
+    docs = [(e["name"], _entity_text(w, e, rng), e["id"]) for e in w.entities.values()]
+    docs += [(*_distractor(w, names, rng), None) for _ in range(cfg.n_distractors)]
+    rng.shuffle(docs)  # so that passage ids carry no hint of the entity type
+    for i, (title, text, eid) in enumerate(docs):
+        w.passages.append({"id": str(i), "title": title, "text": text})
+        if eid is not None:
+            w.doc_of[eid] = str(i)
+    return w
+
+
+def _entity_text(w: World, e: dict, rng: random.Random) -> str:
+    """The entity's passage: every fact about it, in one of a few phrasings."""
+    n, f = e["name"], e["facts"]
+    pick = rng.choice
+    if e["type"] == "country":
+        return pick(["{n} is a country. Its capital is {c}.", "{n} is a small country whose capital city is {c}."]
+                    ).format(n=n, c=w.name(f["capital"]))
+    if e["type"] == "city":
+        return pick(["{n} is a city located in {c}.", "{n} is a town in the country of {c}."]
+                    ).format(n=n, c=w.name(f["country_of"]))
+    if e["type"] == "university":
+        return pick(["{n} is a university located in {c}. It was founded in {y}.",
+                     "Founded in {y}, {n} is a public university in the city of {c}."]
+                    ).format(n=n, c=w.name(f["located_in"]), y=f["university_founded"])
+    if e["type"] == "company":
+        return pick(["{n} is a {i} company founded in {y}. It is headquartered in {c}. Its CEO is {p}.",
+                     "{n} is headquartered in {c}. The {i} company was founded in {y}, and {p} is its CEO."]
+                    ).format(n=n, i=f["industry"], y=f["company_founded"], c=w.name(f["headquarters"]),
+                             p=w.name(f["ceo"]))
+    if e["type"] == "person":
+        last = n.split()[-1]
+        role = "as its CEO" if "ceo_of" in f else f"as {_article(f['profession'])} {f['profession']}"
+        return pick(["{n} (born {y} in {b}) attended {u}. {l} works for {o} {j}.",
+                     "{n} was born in {b} in {y}. After attending {u}, {l} now works for {o} {j}."]
+                    ).format(n=n, y=f["born_year"], b=w.name(f["birthplace"]), l=last,
+                             u=w.name(f["alma_mater"]), o=w.name(f["employer"]), j=role)
+    if e["type"] == "product":
+        return pick(["{n} is {a} {k} made by {o}. It was first launched in {y}.",
+                     "The {n}, a {k}, is made by {o} and was launched in {y}."]
+                    ).format(n=n, k=f["category"], a=_article(f["category"]), o=w.name(f["maker"]), y=f["launch_year"])
+    raise AssertionError(e["type"])
+
+
+def _article(noun: str) -> str:
+    return "an" if noun[0] in "aeiou" else "a"
+
+
+def _distractor(w: World, names: NameMaker, rng: random.Random) -> tuple[str, str]:
+    """A passage that mentions entities (so it competes in retrieval) but states none of the asked relations."""
+    people = [e["name"] for e in w.of_type("person")]
+    cities = [e["name"] for e in w.of_type("city")]
+    kind = rng.random()
+    if kind < 0.35:  # names a person, a university and a company together: hard for "which university did P attend?"
+        title = f"{names.word()} Lecture"
+        p = rng.choice(people)
+        u, o = rng.choice(w.of_type("university"))["name"], rng.choice(w.of_type("company"))["name"]
+        return title, (f"The {title} is an annual talk hosted by {u}. In {rng.randint(1990, 2024)} it was given "
+                       f"by {p}, who spoke about the history of {o}.")
+    if kind < 0.7:
+        title = f"{rng.randint(1950, 2024)} {names.word()} Festival"
+        a, b = rng.sample(people, 2)
+        return title, f"The {title} was a cultural event held in {rng.choice(cities)}. Guests included {a} and {b}."
+    title = f"{names.word()} River"
+    a, b = rng.sample(cities, 2)
+    return title, f"The {title} is a river that flows past {a} and {b}. It is about {rng.randint(40, 900)} km long."
+
+
+# ----------------------------------------------------------------------------------------------- questions
+def _chains(max_hops: int = 3) -> list[tuple[str, ...]]:
+    """Every relation sequence whose types line up (object of hop i = subject of hop i+1), up to max_hops."""
+    out = [(r,) for r in RELATIONS]
+    frontier = list(out)
+    for _ in range(max_hops - 1):
+        frontier = [c + (r,) for c in frontier for r, rel in RELATIONS.items()
+                    if rel.subject == RELATIONS[c[-1]].object]
+        out += frontier
+    return out
+
+
+def enumerate_questions(w: World) -> list[dict]:
+    """All answerable questions: every chain from every entity of the right type, entities all distinct."""
+    out, seen = [], set()
+    for chain in _chains():
+        for start in w.of_type(RELATIONS[chain[0]].subject):
+            node, hops, visited = start["id"], [], {start["id"]}
+            for r in chain:
+                obj = w.entities[node]["facts"][r]
+                hops.append({"query": RELATIONS[r].question.format(x=w.name(node)), "subject": w.name(node),
+                             "relation": r, "answer": w.name(obj), "doc_id": w.doc_of[node]})
+                if obj in visited:  # e.g. capital of the country of a capital: the answer would be the start
+                    break
+                visited.add(obj)
+                node = obj
+            else:
+                phrase = start["name"]
+                for r in chain[:-1]:
+                    phrase = RELATIONS[r].phrase.format(x=phrase)
+                question = RELATIONS[chain[-1]].question.format(x=phrase)
+                if question in seen:
+                    raise AssertionError(f"duplicate question text {question!r}")  # names are unique words
+                seen.add(question)
+                out.append({"question": question, "answer": hops[-1]["answer"], "hops": len(chain), "chain": hops})
+    return out
+
+
+def split_questions(questions: list[dict], cfg: WorldConfig) -> dict[str, list[dict]]:
+    """Disjoint train/validation/test slices with the configured hop mix.
+
+    Each hop-count pool is shuffled once and cut into consecutive slices, one per split, so a question can only
+    land in one split.
+    """
+    rng = random.Random(cfg.seed + 1)  # a separate stream: changing question counts does not change the world
+    pools = {h: [q for q in questions if q["hops"] == h] for h in (1, 2, 3)}
+    for pool in pools.values():
+        rng.shuffle(pool)
+    taken = {h: 0 for h in pools}
+    total = sum(cfg.hop_fractions)
+    out = {}
+    for split, n in (("test", cfg.n_test), ("validation", cfg.n_validation), ("train", cfg.n_train)):
+        counts = [int(n * f / total) for f in cfg.hop_fractions]
+        for i in sorted(range(3), key=lambda i: -cfg.hop_fractions[i])[: n - sum(counts)]:
+            counts[i] += 1  # rounding leftovers go to the biggest shares
+        rows = []
+        for h, k in zip((1, 2, 3), counts):
+            if taken[h] + k > len(pools[h]):
+                raise ValueError(
+                    f"the world has only {len(pools[h])} distinct {h}-hop questions, and the splits ask for "
+                    f"{taken[h] + k} so far; raise the entity counts (n_people, n_companies, ...) or lower "
+                    f"n_train/n_validation/n_test or hop_fractions"
+                )
+            rows += pools[h][taken[h]: taken[h] + k]
+            taken[h] += k
+        rng.shuffle(rows)
+        out[split] = rows
+    return {s: out[s] for s in SPLITS}
+
+
+def question_rows(split_qs: dict[str, list[dict]], template: str = "base") -> dict[str, list[dict]]:
+    """Search-R1 parquet rows; `data_source` is synthetic_<h>hop so validation metrics break down by hop count."""
+    out = {}
+    for split, qs in split_qs.items():
+        out[split] = [
+            make_row(q["question"], [q["answer"]], f"{DATA_SOURCE}_{q['hops']}hop", split, i,
+                     uid=f"{DATA_SOURCE}-{split}-{i}", template=template,
+                     extra={"hops": q["hops"], "chain": q["chain"]})
+            for i, q in enumerate(qs)
+        ]
+    return out
+
+
+def corpus_records(w: World) -> list[dict]:
+    """Corpus rows in the Search-R1 / FlashRAG format."""
+    return [{"id": p["id"], "contents": f'"{p["title"]}"\n{p["text"]}'} for p in w.passages]
+
+
+def generate(cfg: WorldConfig) -> tuple[World, dict[str, list[dict]]]:
+    """The world and its parquet rows per split."""
+    world = build_world(cfg)
+    rows = question_rows(split_questions(enumerate_questions(world), cfg), cfg.template)
+    texts = {s: {r["extra_info"]["question"] for r in rs} for s, rs in rows.items()}
+    for a in SPLITS:
+        for b in SPLITS:
+            if a < b and texts[a] & texts[b]:
+                raise AssertionError(f"question overlap between {a} and {b}")
+    return world, rows
+
+
+def write_world(world: World, rows: dict[str, list[dict]], out_dir: str) -> dict[str, str]:
+    """corpus.jsonl, <split>.parquet and world.json (entities and facts, for debugging and tests)."""
+    os.makedirs(out_dir, exist_ok=True)
+    paths = {"corpus": os.path.join(out_dir, "corpus.jsonl"), "world": os.path.join(out_dir, "world.json")}
+    with open(paths["corpus"], "w", encoding="utf-8") as f:
+        for rec in corpus_records(world):
+            f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+    for split, rs in rows.items():
+        paths[split] = os.path.join(out_dir, f"{split}.parquet")
+        write_rows(rs, paths[split], SYNTH_EXTRA_INFO_TYPE)
+    with open(paths["world"], "w", encoding="utf-8") as f:
+        json.dump({"config": dataclasses.asdict(world.config), "entities": world.entities, "doc_of": world.doc_of},
+                  f, indent=1, sort_keys=True)
+    return paths
+
+
+# ----------------------------------------------------------------------------------------------- CLI
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+    import time
+
+    p = argparse.ArgumentParser(description="Generate the synthetic world: corpus, questions, gold trajectories.")
+    p.add_argument("--out-dir", required=True, help="writes corpus.jsonl, {train,validation,test}.parquet, "
+                                                    "world.json (and sft/, index_<kind>/ with --oracle)")
+    for f in dataclasses.fields(WorldConfig):
+        if f.name == "hop_fractions":
+            p.add_argument("--hop-fractions", default="0.4,0.35,0.25", help="shares of 1,2,3-hop questions")
+        elif f.name == "template":
+            p.add_argument("--template", default=f.default, choices=TEMPLATES, help="prompt template")
+        else:
+            p.add_argument("--" + f.name.replace("_", "-"), type=int, default=f.default)
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--oracle", choices=("bm25", "dense", "hybrid"),
+                   help="build this index over the corpus in <out-dir>/index_<kind> and write gold trajectories "
+                        "with it (in-process; serve that index for RL so rollouts see the same results)")
+    g.add_argument("--oracle-index-dir", help="write gold trajectories with an existing index directory")
+    g.add_argument("--oracle-url", help="write gold trajectories through a running retrieval server "
+                                        "(e.g. http://127.0.0.1:8000/retrieve)")
+    p.add_argument("--oracle-splits", default="train", help="comma list of splits to write trajectories for")
+    p.add_argument("--topk", type=int, default=3, help="passages per search (as in the RL rollout)")
+    p.add_argument("--keep-misses", action="store_true",
+                   help="also write trajectories whose retrieval missed a gold passage (flagged gold_retrieved)")
+    args = p.parse_args(argv)
+
+    t0 = time.time()
+    cfg = WorldConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(WorldConfig)
+                         if f.name != "hop_fractions"},
+                      hop_fractions=tuple(float(x) for x in args.hop_fractions.split(",")))
+    world, rows = generate(cfg)
+    paths = write_world(world, rows, args.out_dir)
+    print(f"{len(world.entities)} entities, {len(world.passages)} passages -> {paths['corpus']}")
+    for split in SPLITS:
+        hops = [r["extra_info"]["hops"] for r in rows[split]]
+        mix = ", ".join(f"{h}-hop {hops.count(h)}" for h in (1, 2, 3))
+        print(f"{split}: {len(hops)} questions ({mix}) -> {paths[split]}")
+    print(f"world generated in {time.time() - t0:.1f}s")
+
+    if not (args.oracle or args.oracle_index_dir or args.oracle_url):
+        return
+    from megatron_searchr1.data import oracle
+
+    if args.oracle_url:
+        from megatron_searchr1.search.client import RetrievalClient
+
+        search = oracle.client_searcher(RetrievalClient(args.oracle_url, topk=args.topk))
+    else:
+        from megatron_searchr1.search.retrievers import build_index, load_retriever
+
+        if args.oracle:
+            index_dir = os.path.join(args.out_dir, f"index_{args.oracle}")
+            retriever = build_index(paths["corpus"], index_dir, kind=args.oracle)
+            print(f"built {args.oracle} index -> {index_dir}")
+        else:
+            retriever = load_retriever(args.oracle_index_dir)
+        search = oracle.retriever_searcher(retriever, topk=args.topk)
+    gold_text = {p["id"]: p["text"] for p in world.passages}
+    splits = [s for s in args.oracle_splits.split(",") if s]
+    bad = set(splits) - set(SPLITS)
+    if bad:
+        p.error(f"--oracle-splits: unknown split(s) {sorted(bad)}; choose from {SPLITS}")
+    trajs = {s: oracle.gold_trajectories(rows[s], search, gold_text) for s in splits}
+    sft_dir = os.path.join(args.out_dir, "sft")
+    counts = oracle.write_sft(trajs, sft_dir, keep_misses=args.keep_misses)
+    for s in splits:
+        print(f"sft {s}: {counts[s]} of {len(trajs[s])} trajectories written "
+              f"({sum(t['gold_retrieved'] for t in trajs[s])} retrieved every gold passage) -> {sft_dir}/{s}.jsonl")
+    print(f"done in {time.time() - t0:.1f}s")
+
+
+if __name__ == "__main__":
+    main()
