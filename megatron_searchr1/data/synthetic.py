@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import pyarrow as pa
 
 from megatron_searchr1.data.prompts import TEMPLATES
-from megatron_searchr1.data.qa import MESSAGE_TYPE, make_row, write_rows  # noqa: F401  (MESSAGE_TYPE re-export)
+from megatron_searchr1.data.qa import make_row, write_rows
 
 SPLITS = ("train", "validation", "test")
 DATA_SOURCE = "synthetic"

@@ -67,3 +67,9 @@ def test_turn_helpers_and_observation_use_the_tags():
     # Search-R1 strips the formatted docs before wrapping them
     assert prompts.format_observation("Doc 1(Title: x) y\n") == "\n\n<information>Doc 1(Title: x) y</information>\n\n"
     assert prompts.STOP_STRINGS == ("</search>", "</answer>")
+
+
+def test_doctests():
+    import doctest
+
+    assert doctest.testmod(prompts).failed == 0

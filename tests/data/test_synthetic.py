@@ -120,3 +120,10 @@ def test_single_hop_only_and_tool_script(tmp_path):
                    check=True, capture_output=True, text=True)
     rows = _read_split(out, "train")
     assert len(rows) == 50 and {r["extra_info"]["hops"] for r in rows} == {1}
+
+
+def test_chat_template_rows():
+    _, rows = synthetic.generate(WorldConfig(**{**SMALL, "template": "chat"}))
+    row = rows["validation"][0]
+    assert [m["role"] for m in row["prompt"]] == ["system", "user"]
+    assert row["prompt"][1]["content"] == f"Question: {row['extra_info']['question']}"

@@ -1,0 +1,153 @@
+"""Gold trajectories: the oracle follows the gold chain with the real retriever, in-process and through a real
+uvicorn server on loopback, and every <information> block is exactly what the server returns."""
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from megatron_searchr1.data import oracle, synthetic
+from megatron_searchr1.data.prompts import format_observation
+from megatron_searchr1.search.client import RetrievalClient, format_docs
+from megatron_searchr1.search.retrievers import build_index
+
+SMALL = dict(seed=5, n_countries=4, n_cities=12, n_universities=10, n_companies=15, n_people=50, n_products=12,
+             n_distractors=20, n_train=200, n_validation=40, n_test=40)
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("oracle_world"))
+    w, rows = synthetic.generate(synthetic.WorldConfig(**SMALL))
+    paths = synthetic.write_world(w, rows, out)
+    index_dir = os.path.join(out, "index_bm25")
+    retriever = build_index(paths["corpus"], index_dir, kind="bm25", show_progress=False)
+    gold_text = {p["id"]: p["text"] for p in w.passages}
+    return {"out": out, "rows": rows, "index_dir": index_dir, "retriever": retriever, "gold_text": gold_text}
+
+
+def _check_trajectory(traj, row):
+    chain = row["extra_info"]["chain"]
+    msgs = traj["messages"]
+    assert msgs[: len(row["prompt"])] == row["prompt"]
+    turns = msgs[len(row["prompt"]):]
+    assert [m["role"] for m in turns] == ["assistant", "observation"] * len(chain) + ["assistant"]
+    for h, hop in enumerate(chain):
+        assert turns[2 * h]["content"].endswith(f"<search> {hop['query']} </search>")
+        assert turns[2 * h]["content"].startswith("<think> ")
+    gold = row["reward_model"]["ground_truth"]["target"][0]
+    assert turns[-1]["content"].endswith(f"</think>\n<answer> {gold} </answer>")
+    assert traj["answer"] == gold and traj["hops"] == len(chain) and traj["uid"] == row["extra_info"]["uid"]
+    return [turns[2 * h + 1]["content"] for h in range(len(chain))], [hop["query"] for hop in chain]
+
+
+def test_in_process_oracle_follows_the_chain(world, tmp_path):
+    rows = world["rows"]["train"]
+    search = oracle.retriever_searcher(world["retriever"], topk=3)
+    trajs = oracle.gold_trajectories(rows, search, world["gold_text"], batch_size=64)
+    assert len(trajs) == len(rows)
+    for traj, row in zip(trajs[:50], rows[:50]):
+        observations, queries = _check_trajectory(traj, row)
+        # each observation is the retriever's answer to that very query, formatted as the client formats it
+        direct = [format_docs(hits) for hits in world["retriever"].search(queries, 3)]
+        assert observations == [format_observation(d) for d in direct]
+    assert sum(t["gold_retrieved"] for t in trajs) >= 0.9 * len(trajs)
+    assert {t["hops"] for t in trajs} == {1, 2, 3}
+
+    counts = oracle.write_sft({"train": trajs}, str(tmp_path / "sft"))
+    assert counts["train"] == sum(t["gold_retrieved"] for t in trajs)
+    info = json.load(open(tmp_path / "sft" / "dataset_info.json"))
+    entry = info["synthetic_sft_train"]
+    assert entry["formatting"] == "sharegpt" and entry["columns"] == {"messages": "messages"}
+    assert entry["tags"]["observation_tag"] == "observation"
+    written = [json.loads(line) for line in open(tmp_path / "sft" / entry["file_name"])]
+    assert written == [t for t in trajs if t["gold_retrieved"]]
+
+
+def test_misses_are_flagged_and_failures_raise(world, tmp_path):
+    rows = world["rows"]["test"][:10]
+    real = oracle.retriever_searcher(world["retriever"], topk=3)
+    wrong = lambda qs: real(["annual talk festival river"] * len(qs))  # noqa: E731 - a real search, wrong question
+    trajs = oracle.gold_trajectories(rows, wrong, world["gold_text"])
+    assert not any(t["gold_retrieved"] for t in trajs)
+    assert oracle.write_sft({"test": trajs}, str(tmp_path / "a"))["test"] == 0
+    assert oracle.write_sft({"test": trajs}, str(tmp_path / "b"), keep_misses=True)["test"] == 10
+    # a client whose server is down answers "Search failed: ..."; the oracle refuses to write that as gold data
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead_port = s.getsockname()[1]
+    client = RetrievalClient(f"http://127.0.0.1:{dead_port}", topk=3, timeout=2, max_retries=0,
+                             max_queries_per_request=16)
+    with pytest.raises(RuntimeError, match="retrieval failed"):
+        oracle.gold_trajectories(rows, oracle.client_searcher(client))
+    client.close()
+
+
+@pytest.fixture(scope="module")
+def server(world):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "megatron_searchr1.search.server", "--index-dir",
+                             world["index_dir"], "--host", "127.0.0.1", "--port", str(port)],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 60
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"retrieval server exited with {proc.returncode}: {proc.stderr.read()[-2000:]}")
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.time() > deadline:
+                raise RuntimeError("retrieval server did not come up within 60 s")
+            time.sleep(0.2)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def test_oracle_through_a_real_server(world, server, tmp_path):
+    rows = world["rows"]["validation"]
+    with RetrievalClient(server, topk=3) as client:
+        trajs = oracle.gold_trajectories(rows, oracle.client_searcher(client), world["gold_text"])
+    # the in-process retriever gives the same bytes as the server (so either can produce warm-up data)
+    local = oracle.gold_trajectories(rows, oracle.retriever_searcher(world["retriever"], 3), world["gold_text"])
+    assert trajs == local
+    with httpx.Client(timeout=30) as http:
+        for traj, row in zip(trajs, rows):
+            observations, queries = _check_trajectory(traj, row)
+            resp = http.post(f"{server}/retrieve", json={"queries": queries, "topk": 3, "return_scores": True})
+            resp.raise_for_status()
+            raw = resp.json()["result"]
+            assert observations == [format_observation(format_docs(docs)) for docs in raw]
+            inner = [o[len("\n\n<information>"): -len("</information>\n\n")] for o in observations]
+            assert inner == [format_docs(docs).strip() for docs in raw]
+
+
+def test_cli_oracle_url(world, server, tmp_path):
+    """`make_synthetic_world.py --oracle-url` regenerates the same world (same seed) and writes gold data."""
+    out = str(tmp_path / "cli")
+    synthetic.main(["--out-dir", out, "--oracle-url", f"{server}/retrieve", "--oracle-splits", "validation,test"]
+                   + [f"--{k.replace('_', '-')}={v}" for k, v in SMALL.items()])
+    assert open(os.path.join(out, "corpus.jsonl")).read() == open(os.path.join(world["out"], "corpus.jsonl")).read()
+    info = json.load(open(os.path.join(out, "sft", "dataset_info.json")))
+    assert set(info) == {"synthetic_sft_validation", "synthetic_sft_test"}
+    val = [json.loads(line) for line in open(os.path.join(out, "sft", "validation.jsonl"))]
+    by_uid = {r["extra_info"]["uid"]: r for r in world["rows"]["validation"]}
+    assert len(val) >= 0.9 * len(by_uid)
+    for traj in val:
+        _check_trajectory(traj, by_uid[traj["uid"]])
