@@ -253,7 +253,8 @@ def layer_spec(use_te: bool) -> ModuleSpec:
     return spec
 
 
-def _resolve_use_te(use_te: Optional[bool]) -> bool:
+def resolve_use_te(use_te: Optional[bool]) -> bool:
+    """None -> TE when available; True without CUDA/TE -> a RuntimeError that says what to do."""
     if use_te is None:
         return te_available()
     if use_te and not torch.cuda.is_available():
@@ -275,7 +276,7 @@ def gpt_model_kwargs(hf_config, config: TransformerConfig, *, use_te: Optional[b
         post_process = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
     return dict(
         config=config,
-        transformer_layer_spec=layer_spec(_resolve_use_te(use_te)),
+        transformer_layer_spec=layer_spec(resolve_use_te(use_te)),
         vocab_size=padded_vocab_size(hf_config.vocab_size, config.tensor_model_parallel_size),
         max_sequence_length=int(getattr(hf_config, "max_position_embeddings", 4096)),
         pre_process=pre_process,
@@ -330,6 +331,7 @@ def build_gpt_model(
     (e.g. from `transformer_config_from_hf(..., recompute_granularity="full")`). `model.hf_vocab_size`
     holds the unpadded vocabulary size.
     """
+    use_te = resolve_use_te(use_te)
     config = resolve_config(hf_config, config, params_dtype)
     kwargs = gpt_model_kwargs(hf_config, config, use_te=use_te, pre_process=pre_process, post_process=post_process)
     model = GPTModel(**kwargs)

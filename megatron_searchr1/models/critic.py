@@ -1,0 +1,85 @@
+"""Critic: the actor's GPT trunk with a scalar value head in place of the LM head.
+
+    critic = build_critic_model(hf_config)      # TP/PP from parallel_state, like build_gpt_model
+    values = critic(input_ids, None, None)      # (B, T) fp32 on the last PP stage; hidden states elsewhere
+
+Parameter names: the trunk is named exactly like the actor's (see gpt.py: embedding.*, decoder.layers.*,
+decoder.final_layernorm.weight), so the family mapping loads an HF causal-LM checkpoint into it unchanged;
+there is no `output_layer.weight`. The head, on the last pipeline stage only, is
+
+    value_head.weight   [1, H]   replicated on every TP rank (not split; its grads agree across TP ranks)
+    value_head.bias     [1]
+
+It starts at zero (values 0 before the first update, so the first GAE pass sees no random baseline), and is
+initialised by us, not loaded: HF checkpoints have no value head. When exporting a critic to HF, the matching
+`*ForTokenClassification` (num_labels=1) names it `score.weight` / `score.bias`.
+
+Construction note: GPTModel always builds an LM output layer on the last stage; we drop it right after
+construction (a transient vocab x hidden allocation, freed before training).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron_searchr1.models.gpt import gpt_model_kwargs, resolve_config, resolve_use_te, to_device
+
+VALUE_HEAD_WEIGHT = "value_head.weight"
+VALUE_HEAD_BIAS = "value_head.bias"
+
+
+class CriticModel(GPTModel):
+    """GPTModel whose last stage returns per-token values (B, T) from `value_head(final_norm(h))`."""
+
+    def __init__(self, **gpt_kwargs):
+        gpt_kwargs["share_embeddings_and_output_weights"] = False  # the critic has no output layer to tie
+        super().__init__(**gpt_kwargs)
+        if self.post_process:
+            del self.output_layer
+            self.value_head = torch.nn.Linear(
+                self.config.hidden_size, 1, bias=True, dtype=self.config.params_dtype
+            )
+            torch.nn.init.zeros_(self.value_head.weight)
+            torch.nn.init.zeros_(self.value_head.bias)
+
+    def _postprocess(self, hidden_states, *args, **kwargs):
+        """hidden_states [s, b, h] (already through decoder.final_layernorm) -> values (b, s) fp32."""
+        if not self.post_process:
+            return hidden_states
+        values = self.value_head(hidden_states).squeeze(-1)  # [s, b]
+        return values.transpose(0, 1).float().contiguous()  # (B, T)
+
+    def shared_embedding_or_output_weight(self):
+        # Only the input embedding exists; the LM output weight is gone.
+        return self.embedding.word_embeddings.weight if self.pre_process else None
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
+        # LanguageModule marks `output_layer.weight` for vocab padding when post_process; we have none, so
+        # hide post_process from it for this call (the value head is a plain replicated module either way).
+        post_process, self.post_process = self.post_process, False
+        try:
+            return super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        finally:
+            self.post_process = post_process
+
+
+def build_critic_model(
+    hf_config,
+    *,
+    params_dtype: torch.dtype = torch.float32,
+    use_te: Optional[bool] = None,
+    pre_process: Optional[bool] = None,
+    post_process: Optional[bool] = None,
+    config: Optional[TransformerConfig] = None,
+) -> CriticModel:
+    """This rank's critic stage for `hf_config` (randomly initialised trunk, zero value head)."""
+    use_te = resolve_use_te(use_te)
+    config = resolve_config(hf_config, config, params_dtype)
+    kwargs = gpt_model_kwargs(hf_config, config, use_te=use_te, pre_process=pre_process, post_process=post_process)
+    model = CriticModel(**kwargs)
+    model.hf_vocab_size = int(hf_config.vocab_size)
+    return to_device(model)
