@@ -17,8 +17,10 @@ Questions: every chain of 1-3 relations from every entity whose entities are all
 ceo -> alma_mater -> founded: "In which year was the university attended by the CEO of Quorvin Labs founded?".
 Each question keeps its gold chain of sub-queries (one single-hop question per hop) and gold passage ids.
 
-Splits: all candidate questions are enumerated once, deduplicated by text, shuffled by the seed, and each split
-takes a disjoint slice per hop count, so no question text appears in two splits (asserted when writing).
+Splits: all candidate questions are enumerated once (texts are unique: every name is a fresh word), shuffled by
+the seed, and each split takes a disjoint slice per hop count, so no question text appears in two splits
+(asserted in `generate`). By default a quarter of the world is a held-out region (relations never leave a region)
+that only validation/test ask about: none of their facts appears in a train question or a train trajectory.
 
     python tools/make_synthetic_world.py --out-dir data/synthetic --seed 0
 """
@@ -55,17 +57,17 @@ class WorldConfig:
 
     seed: int = 0
     """everything (names, facts, question choice, split) is drawn from random.Random(seed)."""
-    n_countries: int = 8
+    n_countries: int = 10
     """countries (each gets a capital among its cities)."""
-    n_cities: int = 30
+    n_cities: int = 36
     """cities, spread over the countries (at least one per country)."""
-    n_universities: int = 30
+    n_universities: int = 36
     """universities, each in a city with a founding year."""
-    n_companies: int = 50
+    n_companies: int = 64
     """companies, each with a headquarters city, a founding year and a CEO drawn from the people."""
-    n_people: int = 180
+    n_people: int = 240
     """people (must be >= n_companies: every company has its own CEO)."""
-    n_products: int = 40
+    n_products: int = 48
     """products, each made by a company with a launch year."""
     n_distractors: int = 60
     """passages (festivals, rivers) that mention entities but state none of the asked relations."""
@@ -77,6 +79,10 @@ class WorldConfig:
     """test questions."""
     hop_fractions: tuple[float, float, float] = (0.4, 0.35, 0.25)
     """share of 1-, 2- and 3-hop questions in every split (set e.g. (1, 0, 0) for single-hop only)."""
+    heldout_fraction: float = 0.25
+    """share of every entity kind put in a separate region that only validation/test questions ask about, so no
+    fact needed for a held-out question appears in a train question or its gold trajectory (a model cannot pass
+    the test by memorising the train world). 0 = one region for all splits."""
     template: str = "base"
     """prompt template of the parquet rows: base (Search-R1 raw prompt) or chat."""
 
@@ -91,6 +97,9 @@ class WorldConfig:
         for name in ("n_countries", "n_universities", "n_companies", "n_products"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
+        if not 0 <= self.heldout_fraction < 1:
+            raise ValueError(f"heldout_fraction must be in [0, 1), got {self.heldout_fraction}")
+        region_sizes(self)  # raises if a region would lack entities
         if self.template not in TEMPLATES:
             raise ValueError(f"template must be one of {TEMPLATES}, got {self.template!r}")
 
@@ -176,45 +185,45 @@ class World:
         return [e for e in self.entities.values() if e["type"] == kind]
 
 
+REGIONS = ("seen", "heldout")
+_KINDS = ("countries", "cities", "universities", "companies", "people", "products")
+
+
+def region_sizes(cfg: WorldConfig) -> dict[str, dict[str, int]]:
+    """Entity counts per region: `heldout_fraction` of every kind goes to the held-out region (if > 0)."""
+    sizes: dict[str, dict[str, int]] = {"seen": {}, "heldout": {}}
+    for kind in _KINDS:
+        total = getattr(cfg, f"n_{kind}")
+        held = min(max(round(total * cfg.heldout_fraction), 1), total - 1) if cfg.heldout_fraction > 0 else 0
+        sizes["seen"][kind], sizes["heldout"][kind] = total - held, held
+    if cfg.heldout_fraction == 0:
+        del sizes["heldout"]
+    for region, n in sizes.items():
+        if n["people"] < n["companies"] or n["cities"] < n["countries"] or min(n.values()) < 1:
+            raise ValueError(f"the {region} region would get {n}: every kind needs at least one entity, every "
+                             f"company its own CEO and every country a city; raise the entity counts or change "
+                             f"heldout_fraction")
+    return sizes
+
+
 def build_world(cfg: WorldConfig) -> World:
-    """Draw entities and facts, then write one passage per entity plus distractors."""
+    """Draw entities and facts per region, then write one passage per entity plus distractors.
+
+    Relations never cross regions, so a question about a held-out entity involves held-out facts only.
+    """
     rng = random.Random(cfg.seed)
     names = NameMaker(rng)
     w = World(cfg)
-
     counts: dict[str, int] = {}
 
-    def add(kind: str, name: str, **facts) -> dict:
+    def add(kind: str, region: str, name: str, **facts) -> dict:
         counts[kind] = counts.get(kind, 0) + 1
-        e = {"id": f"{kind}{counts[kind] - 1}", "type": kind, "name": name, "facts": dict(facts)}
+        e = {"id": f"{kind}{counts[kind] - 1}", "type": kind, "region": region, "name": name, "facts": dict(facts)}
         w.entities[e["id"]] = e
         return e
 
-    countries = [add("country", names.word() + rng.choice(["ia", "a", "or", "land", ""]))
-                 for _ in range(cfg.n_countries)]
-    cities = [add("city", names.word(), country_of=countries[i]["id"] if i < len(countries)
-                  else rng.choice(countries)["id"]) for i in range(cfg.n_cities)]
-    for c in countries:  # the first city drawn for a country becomes its capital
-        c["facts"]["capital"] = next(x["id"] for x in cities if x["facts"]["country_of"] == c["id"])
-    uni_patterns = ["{} University", "University of {}", "{} Institute of Technology", "{} College"]
-    universities = [add("university", rng.choice(uni_patterns).format(names.word()),
-                        located_in=rng.choice(cities)["id"], university_founded=str(rng.randint(1700, 1990)))
-                    for _ in range(cfg.n_universities)]
-    companies = [add("company", f"{names.word()} {rng.choice(_COMPANY_SUFFIXES)}",
-                     headquarters=rng.choice(cities)["id"], company_founded=str(rng.randint(1890, 2015)),
-                     industry=rng.choice(_INDUSTRIES))
-                 for _ in range(cfg.n_companies)]
-    people = [add("person", f"{names.word()} {names.word()}", born_year=str(rng.randint(1940, 1998)),
-                  birthplace=rng.choice(cities)["id"], alma_mater=rng.choice(universities)["id"],
-                  employer=rng.choice(companies)["id"], profession=rng.choice(_PROFESSIONS))
-              for _ in range(cfg.n_people)]
-    for company, person in zip(companies, rng.sample(people, len(companies))):
-        company["facts"]["ceo"] = person["id"]
-        person["facts"]["employer"] = company["id"]  # a CEO works for the company they run
-        person["facts"]["ceo_of"] = company["id"]
-    for _ in range(cfg.n_products):
-        add("product", f"{names.word()} {rng.choice(_PRODUCT_SUFFIXES)}", maker=rng.choice(companies)["id"],
-            launch_year=str(rng.randint(1985, 2024)), category=rng.choice(_PRODUCT_KINDS))
+    for region, n in region_sizes(cfg).items():
+        _populate(region, n, add, names, rng)
 
     docs = [(e["name"], _entity_text(w, e, rng), e["id"]) for e in w.entities.values()]
     docs += [(*_distractor(w, names, rng), None) for _ in range(cfg.n_distractors)]
@@ -224,6 +233,35 @@ def build_world(cfg: WorldConfig) -> World:
         if eid is not None:
             w.doc_of[eid] = str(i)
     return w
+
+
+def _populate(region: str, n: dict[str, int], add, names: NameMaker, rng: random.Random) -> None:
+    """Entities of one region; every fact object is drawn from the same region."""
+    countries = [add("country", region, names.word() + rng.choice(["ia", "a", "or", "land", ""]))
+                 for _ in range(n["countries"])]
+    cities = [add("city", region, names.word(), country_of=countries[i]["id"] if i < len(countries)
+                  else rng.choice(countries)["id"]) for i in range(n["cities"])]
+    for c in countries:  # the first city drawn for a country becomes its capital
+        c["facts"]["capital"] = next(x["id"] for x in cities if x["facts"]["country_of"] == c["id"])
+    uni_patterns = ["{} University", "University of {}", "{} Institute of Technology", "{} College"]
+    universities = [add("university", region, rng.choice(uni_patterns).format(names.word()),
+                        located_in=rng.choice(cities)["id"], university_founded=str(rng.randint(1700, 1990)))
+                    for _ in range(n["universities"])]
+    companies = [add("company", region, f"{names.word()} {rng.choice(_COMPANY_SUFFIXES)}",
+                     headquarters=rng.choice(cities)["id"], company_founded=str(rng.randint(1890, 2015)),
+                     industry=rng.choice(_INDUSTRIES))
+                 for _ in range(n["companies"])]
+    people = [add("person", region, f"{names.word()} {names.word()}", born_year=str(rng.randint(1940, 1998)),
+                  birthplace=rng.choice(cities)["id"], alma_mater=rng.choice(universities)["id"],
+                  employer=rng.choice(companies)["id"], profession=rng.choice(_PROFESSIONS))
+              for _ in range(n["people"])]
+    for company, person in zip(companies, rng.sample(people, len(companies))):
+        company["facts"]["ceo"] = person["id"]
+        person["facts"]["employer"] = company["id"]  # a CEO works for the company they run
+        person["facts"]["ceo_of"] = company["id"]
+    for _ in range(n["products"]):
+        add("product", region, f"{names.word()} {rng.choice(_PRODUCT_SUFFIXES)}", maker=rng.choice(companies)["id"],
+            launch_year=str(rng.randint(1985, 2024)), category=rng.choice(_PRODUCT_KINDS))
 
 
 def _entity_text(w: World, e: dict, rng: random.Random) -> str:
@@ -317,21 +355,25 @@ def enumerate_questions(w: World) -> list[dict]:
                 if question in seen:
                     raise AssertionError(f"duplicate question text {question!r}")  # names are unique words
                 seen.add(question)
-                out.append({"question": question, "answer": hops[-1]["answer"], "hops": len(chain), "chain": hops})
+                out.append({"question": question, "answer": hops[-1]["answer"], "hops": len(chain), "chain": hops,
+                            "region": start["region"]})
     return out
 
 
 def split_questions(questions: list[dict], cfg: WorldConfig) -> dict[str, list[dict]]:
     """Disjoint train/validation/test slices with the configured hop mix.
 
-    Each hop-count pool is shuffled once and cut into consecutive slices, one per split, so a question can only
-    land in one split.
+    Each (region, hop count) pool is shuffled once and cut into consecutive slices, one per split, so a question
+    can only land in one split. With a held-out region, validation and test draw from it and train from the rest.
     """
     rng = random.Random(cfg.seed + 1)  # a separate stream: changing question counts does not change the world
-    pools = {h: [q for q in questions if q["hops"] == h] for h in (1, 2, 3)}
-    for pool in pools.values():
-        rng.shuffle(pool)
-    taken = {h: 0 for h in pools}
+    heldout = cfg.heldout_fraction > 0
+    region_of = {"train": "seen", "validation": "heldout" if heldout else "seen", "test": "heldout" if heldout
+                 else "seen"}
+    pools = {(r, h): [q for q in questions if q["hops"] == h and q["region"] == r] for r in REGIONS for h in (1, 2, 3)}
+    for key in sorted(pools):
+        rng.shuffle(pools[key])
+    taken = {key: 0 for key in pools}
     total = sum(cfg.hop_fractions)
     out = {}
     for split, n in (("test", cfg.n_test), ("validation", cfg.n_validation), ("train", cfg.n_train)):
@@ -340,14 +382,16 @@ def split_questions(questions: list[dict], cfg: WorldConfig) -> dict[str, list[d
             counts[i] += 1  # rounding leftovers go to the biggest shares
         rows = []
         for h, k in zip((1, 2, 3), counts):
-            if taken[h] + k > len(pools[h]):
+            key = (region_of[split], h)
+            if taken[key] + k > len(pools[key]):
                 raise ValueError(
-                    f"the world has only {len(pools[h])} distinct {h}-hop questions, and the splits ask for "
-                    f"{taken[h] + k} so far; raise the entity counts (n_people, n_companies, ...) or lower "
-                    f"n_train/n_validation/n_test or hop_fractions"
+                    f"the {key[0]} region of the world has only {len(pools[key])} distinct {h}-hop questions, and "
+                    f"the splits drawing from it ask for {taken[key] + k} so far; raise the entity counts "
+                    f"(n_people, n_companies, ...), lower n_train/n_validation/n_test or change hop_fractions or "
+                    f"heldout_fraction"
                 )
-            rows += pools[h][taken[h]: taken[h] + k]
-            taken[h] += k
+            rows += pools[key][taken[key]: taken[key] + k]
+            taken[key] += k
         rng.shuffle(rows)
         out[split] = rows
     return {s: out[s] for s in SPLITS}
@@ -413,7 +457,7 @@ def main(argv: list[str] | None = None) -> None:
         elif f.name == "template":
             p.add_argument("--template", default=f.default, choices=TEMPLATES, help="prompt template")
         else:
-            p.add_argument("--" + f.name.replace("_", "-"), type=int, default=f.default)
+            p.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=f.default)
     g = p.add_mutually_exclusive_group()
     g.add_argument("--oracle", choices=("bm25", "dense", "hybrid"),
                    help="build this index over the corpus in <out-dir>/index_<kind> and write gold trajectories "

@@ -127,3 +127,25 @@ def test_chat_template_rows():
     row = rows["validation"][0]
     assert [m["role"] for m in row["prompt"]] == ["system", "user"]
     assert row["prompt"][1]["content"] == f"Question: {row['extra_info']['question']}"
+
+
+def test_heldout_region_keeps_test_facts_out_of_train(world_dir):
+    rows = {s: _read_split(world_dir, s) for s in SPLITS}
+    world = json.load(open(os.path.join(world_dir, "world.json")))
+    region = {e["name"]: e["region"] for e in world["entities"].values()}
+    train_facts = {(h["subject"], h["relation"]) for r in rows["train"] for h in r["extra_info"]["chain"]}
+    for split in ("validation", "test"):
+        for r in rows[split]:
+            for h in r["extra_info"]["chain"]:
+                assert region[h["subject"]] == "heldout" and (h["subject"], h["relation"]) not in train_facts
+    assert {region[h["subject"]] for r in rows["train"] for h in r["extra_info"]["chain"]} == {"seen"}
+
+
+def test_single_region_world():
+    _, rows = synthetic.generate(WorldConfig(**{**SMALL, "heldout_fraction": 0.0}))
+    questions = [r["extra_info"]["question"] for rs in rows.values() for r in rs]
+    assert len(questions) == len(set(questions)) == 400
+    with pytest.raises(ValueError, match="heldout_fraction"):
+        WorldConfig(heldout_fraction=1.0)
+    with pytest.raises(ValueError, match="heldout region would get"):
+        WorldConfig(**{**SMALL, "n_countries": 1, "heldout_fraction": 0.3})
