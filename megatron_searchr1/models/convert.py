@@ -1,0 +1,476 @@
+"""Checkpoint conversion: Hugging Face safetensors dir <-> Megatron `dist_checkpointing` checkpoint.
+
+    # HF -> Megatron (one process is enough: the checkpoint loads at any TP/PP)
+    python checkpoints_convert/hf_to_megatron.py --hf-dir HF --out-dir CKPT
+    torchrun --nproc_per_node 4 checkpoints_convert/hf_to_megatron.py --hf-dir HF --out-dir CKPT --tp 2 --pp 2
+    # Megatron (saved at any TP/PP) -> HF
+    python checkpoints_convert/megatron_to_hf.py --ckpt-dir CKPT --out-dir HF2
+
+A converted checkpoint directory holds Megatron's files (metadata.json, common.pt, *.distcp: the model's
+`sharded_state_dict`, so Megatron reshards it on load), `searchr1_checkpoint.json` (what it is: architecture,
+the TP/PP and padded vocab it was saved with) and `hf/` (config.json, generation_config.json, tokenizer files), so
+megatron_to_hf can rebuild a complete HF directory.
+
+Each rank maps only its own shard, one tensor at a time, reading HF tensors lazily from safetensors (no full model
+in memory beyond this rank's Megatron stage). Weight mapping: `megatron_searchr1.models.families`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+from typing import Any, Iterable
+
+import torch
+
+from megatron_searchr1.models.families import (
+    ModelFamily, get_family, local_to_global_name, te_to_local_name, tp_merge, tp_split,
+)
+
+META_FILE = "searchr1_checkpoint.json"
+HF_SUBDIR = "hf"
+META_FORMAT = "megatron_searchr1.model_checkpoint"
+# Everything of an HF dir except weights: configs, tokenizer, chat template.
+HF_AUX_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                "special_tokens_map.json", "chat_template.jinja", "chat_template.json", "vocab.json", "merges.txt",
+                "tokenizer.model", "added_tokens.json")
+# Buffers some HF checkpoints carry that are not weights.
+_IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq",)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ConversionError(Exception):
+    """A user-facing problem with the inputs (the CLIs print it and exit non-zero)."""
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Reading an HF directory lazily
+# ----------------------------------------------------------------------------------------------------------------
+class SafetensorsReader:
+    """name -> tensor from an HF dir's `model.safetensors` or sharded `model.safetensors.index.json`, lazily."""
+
+    def __init__(self, hf_dir: str):
+        from safetensors import safe_open
+
+        index = os.path.join(hf_dir, "model.safetensors.index.json")
+        single = os.path.join(hf_dir, "model.safetensors")
+        if os.path.isfile(index):
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+        elif os.path.isfile(single):
+            weight_map = None
+        else:
+            raise ConversionError(f"{hf_dir} has no model.safetensors or model.safetensors.index.json: only "
+                                  "safetensors checkpoints are supported (re-save with save_pretrained)")
+        files = sorted(set(weight_map.values())) if weight_map else ["model.safetensors"]
+        missing = [f for f in files if not os.path.isfile(os.path.join(hf_dir, f))]
+        if missing:
+            raise ConversionError(f"{hf_dir} is incomplete: shard file(s) {missing} listed in the index are missing")
+        self._handles = {f: safe_open(os.path.join(hf_dir, f), framework="pt") for f in files}
+        if weight_map is None:
+            weight_map = {k: "model.safetensors" for k in self._handles["model.safetensors"].keys()}
+        self.weight_map = {k: v for k, v in weight_map.items() if not k.endswith(_IGNORED_HF_SUFFIXES)}
+
+    def names(self) -> set[str]:
+        return set(self.weight_map)
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self.weight_map:
+            raise ConversionError(f"HF checkpoint has no tensor {name!r}")
+        return self._handles[self.weight_map[name]].get_tensor(name)
+
+    def get_many(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
+        return {n: self.get(n) for n in names}
+
+
+def load_hf_config(hf_dir: str):
+    """The `transformers` config of an HF dir, with clear errors for a missing dir or config."""
+    from transformers import AutoConfig
+
+    if not os.path.isdir(hf_dir):
+        raise ConversionError(f"HF model directory {hf_dir!r} does not exist")
+    if not os.path.isfile(os.path.join(hf_dir, "config.json")):
+        raise ConversionError(f"{hf_dir!r} has no config.json: not a Hugging Face model directory")
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        raw = json.load(f)
+    try:
+        get_family(raw)  # our error (names the supported architectures) before transformers' own
+    except ValueError as e:
+        raise ConversionError(str(e)) from None
+    try:
+        return AutoConfig.from_pretrained(hf_dir)
+    except Exception as e:  # transformers validates configs strictly (e.g. layer_types vs num_hidden_layers)
+        raise ConversionError(f"{hf_dir}/config.json is invalid: {type(e).__name__}: {e}") from None
+
+
+def check_parallel_sizes(hf_config: Any, tp: int, pp: int) -> None:
+    """Refuse TP/PP that do not divide the model, before starting any process group."""
+    heads, layers = hf_config.num_attention_heads, hf_config.num_hidden_layers
+    kv = getattr(hf_config, "num_key_value_heads", None) or heads
+    problems = []
+    if tp < 1 or pp < 1:
+        problems.append(f"--tp and --pp must be >= 1 (got tp={tp}, pp={pp})")
+    else:
+        if heads % tp:
+            problems.append(f"TP={tp} does not divide num_attention_heads={heads}")
+        if kv % tp:
+            problems.append(f"TP={tp} does not divide num_key_value_heads={kv}")
+        if hf_config.intermediate_size % tp:
+            problems.append(f"TP={tp} does not divide intermediate_size={hf_config.intermediate_size}")
+        if layers % pp:
+            problems.append(f"PP={pp} does not divide num_hidden_layers={layers}")
+    if problems:
+        raise ConversionError("; ".join(problems) + ": choose --tp/--pp that divide the model")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world % (tp * pp):
+        raise ConversionError(f"world size {world} is not a multiple of tp*pp={tp * pp}: launch with "
+                              f"`torchrun --nproc_per_node {tp * pp} ...` (or use --tp 1 --pp 1 in one process)")
+
+
+def check_hf_tensor_names(mapping: ModelFamily, reader: SafetensorsReader) -> None:
+    """The checkpoint holds exactly the tensors its config implies (a tied model may still carry an lm_head)."""
+    expected, have = set(mapping.hf_names()), reader.names()
+    missing = sorted(expected - have)
+    extra = sorted(have - expected - ({"lm_head.weight"} if mapping.dims.tie_embeddings else set()))
+    if missing or extra:
+        raise ConversionError(f"config.json and the weights disagree: missing tensors {missing[:8]}"
+                              f"{' ...' if len(missing) > 8 else ''}, unexpected tensors {extra[:8]}"
+                              f"{' ...' if len(extra) > 8 else ''}")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Megatron model <-> HF tensors (one rank's shard)
+# ----------------------------------------------------------------------------------------------------------------
+def _parallel_info() -> tuple[int, int, int, int]:
+    from megatron.core import parallel_state as ps
+
+    return (ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank(),
+            ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank())
+
+
+def bind_mapping(hf_config: Any, model: torch.nn.Module, mapping_cls: type[ModelFamily] | None = None) -> ModelFamily:
+    """The family mapping for `model` (its padded vocab read off the embedding / output layer)."""
+    tp = _parallel_info()[0]
+    padded = None
+    for name, p in model.named_parameters():
+        if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+            padded = p.shape[0] * tp
+    if padded is None:  # a middle pipeline stage has no vocab tensors; use Megatron's rule
+        from megatron_searchr1.models.gpt import padded_vocab_size
+
+        padded = padded_vocab_size(hf_config.vocab_size, tp)
+    return (mapping_cls or get_family(hf_config)).from_hf_config(hf_config, padded_vocab_size=padded)
+
+
+def load_hf_weights(model: torch.nn.Module, reader: SafetensorsReader, mapping: ModelFamily,
+                    progress: bool = False) -> None:
+    """Fill this rank's Megatron stage/shard from HF tensors, one parameter at a time."""
+    from tqdm import tqdm
+
+    tp, tp_rank, pp, pp_rank = _parallel_info()
+    params = list(model.named_parameters())
+    for local_name, param in tqdm(params, desc="HF -> Megatron", disable=not progress, unit="tensor"):
+        name = local_to_global_name(local_name, mapping.dims.num_layers, pp, pp_rank)
+        full = mapping.hf_to_megatron(name, reader.get_many(mapping.hf_sources(name)))
+        shard = tp_split(name, full, tp)[tp_rank]
+        if tuple(shard.shape) != tuple(param.shape):
+            raise ConversionError(f"{name}: mapped shard has shape {tuple(shard.shape)} but the Megatron model "
+                                  f"expects {tuple(param.shape)} (config.json disagrees with the tensors)")
+        with torch.no_grad():
+            param.copy_(shard.to(param.dtype))
+
+
+def gather_hf_weights(model: torch.nn.Module, mapping: ModelFamily, progress: bool = False):
+    """Yield (hf_name, tensor) for this pipeline stage: TP shards all-gathered, mapped to HF, vocab trimmed.
+
+    Every TP rank of the stage must iterate (the all-gathers are collective); all of them get the tensors.
+    """
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from tqdm import tqdm
+
+    tp, _, pp, pp_rank = _parallel_info()
+    group = ps.get_tensor_model_parallel_group()
+    for local_name, param in tqdm(list(model.named_parameters()), desc="Megatron -> HF", disable=not progress,
+                                  unit="tensor"):
+        name = local_to_global_name(local_name, mapping.dims.num_layers, pp, pp_rank)
+        t = param.detach()
+        if tp > 1:
+            shards = [torch.empty_like(t) for _ in range(tp)]
+            dist.all_gather(shards, t.contiguous(), group=group)
+            t = tp_merge(name, shards)
+        yield from mapping.megatron_to_hf(name, t)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Checkpoint metadata
+# ----------------------------------------------------------------------------------------------------------------
+def write_checkpoint_metadata(ckpt_dir: str, hf_dir: str, *, tp: int, pp: int, padded_vocab_size: int,
+                              dtype: torch.dtype) -> None:
+    """Rank 0: `searchr1_checkpoint.json` and the HF config/tokenizer files under `hf/` (for megatron_to_hf)."""
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        hf_config = json.load(f)
+    aux = os.path.join(ckpt_dir, HF_SUBDIR)
+    os.makedirs(aux, exist_ok=True)
+    for name in HF_AUX_FILES:
+        if os.path.isfile(os.path.join(hf_dir, name)):
+            shutil.copy2(os.path.join(hf_dir, name), os.path.join(aux, name))
+    meta = dict(format=META_FORMAT, version=1, architecture=get_family(hf_config).architectures[0],
+                saved_tp=tp, saved_pp=pp, padded_vocab_size=padded_vocab_size,
+                dtype=str(dtype).replace("torch.", ""), hf_config=hf_config, source=os.path.abspath(hf_dir))
+    tmp = os.path.join(ckpt_dir, META_FILE + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(meta, f, indent=2)
+    os.replace(tmp, os.path.join(ckpt_dir, META_FILE))  # written last and atomically: its presence = complete
+
+
+def read_checkpoint_metadata(ckpt_dir: str) -> dict:
+    """Validate a converted checkpoint directory and return its metadata."""
+    if not os.path.isdir(ckpt_dir):
+        raise ConversionError(f"Megatron checkpoint directory {ckpt_dir!r} does not exist")
+    meta_path = os.path.join(ckpt_dir, META_FILE)
+    if not os.path.isfile(meta_path):
+        raise ConversionError(f"{ckpt_dir!r} has no {META_FILE}: not a checkpoint written by hf_to_megatron (or "
+                              "the conversion did not finish)")
+    if not os.path.isfile(os.path.join(ckpt_dir, "metadata.json")):
+        raise ConversionError(f"{ckpt_dir!r} has no metadata.json: the Megatron dist checkpoint is incomplete")
+    with open(meta_path) as f:
+        meta = json.load(f)
+    if meta.get("format") != META_FORMAT:
+        raise ConversionError(f"{meta_path} has format {meta.get('format')!r}, expected {META_FORMAT!r}")
+    try:
+        get_family(meta["hf_config"])
+    except ValueError as e:
+        raise ConversionError(str(e)) from None
+    missing = sorted(f for f in _dist_checkpoint_files(ckpt_dir) if not os.path.isfile(os.path.join(ckpt_dir, f)))
+    if missing:
+        raise ConversionError(f"{ckpt_dir!r} is incomplete: shard file(s) {missing} listed in its .metadata are missing")
+    if not os.path.isfile(os.path.join(ckpt_dir, HF_SUBDIR, "config.json")):
+        raise ConversionError(f"{ckpt_dir!r} has no {HF_SUBDIR}/config.json (the HF config copied at conversion)")
+    return meta
+
+
+def _dist_checkpoint_files(ckpt_dir: str) -> set[str]:
+    """The data files a torch-DCP-backed dist checkpoint's `.metadata` refers to."""
+    import torch.distributed.checkpoint as dcp
+
+    if not os.path.isfile(os.path.join(ckpt_dir, ".metadata")):
+        raise ConversionError(f"{ckpt_dir!r} has no .metadata: the Megatron dist checkpoint is incomplete")
+    try:
+        md = dcp.FileSystemReader(ckpt_dir).read_metadata()
+    except Exception as e:
+        raise ConversionError(f"{ckpt_dir}/.metadata is unreadable: {e}") from None
+    return {v.relative_path for v in md.storage_data.values()}
+
+
+def load_megatron_checkpoint(model: torch.nn.Module, ckpt_dir: str) -> None:
+    """Load a dist checkpoint (saved at any TP/PP) into this rank's model; refuses partial checkpoints."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.validation import StrictHandling
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    sharded = model.sharded_state_dict()
+    try:
+        # Megatron's "unexpected" = asked for by the model but absent from the checkpoint (a partial or foreign
+        # checkpoint); keys only the checkpoint has (e.g. optimizer state) are fine.
+        state, _, unexpected = dist_checkpointing.load(sharded, ckpt_dir, strict=StrictHandling.RETURN_UNEXPECTED)
+    except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
+        raise ConversionError(f"loading {ckpt_dir!r} failed (incomplete checkpoint, or a different model?): "
+                              f"{type(e).__name__}: {str(e)[-2000:]}") from None
+    if unexpected:
+        raise ConversionError(f"{ckpt_dir!r} lacks tensors this model needs: {sorted(unexpected)[:8]} (a different "
+                              "model, or a partial checkpoint)")
+    # `state` has every key of the model's state dict, `_extra_state` entries included: a strict load works.
+    model.load_state_dict(state, strict=True)
+
+
+def all_ranks_ok(fn, *args, **kwargs):
+    """Run `fn` on every rank; if it fails on ANY rank, raise ConversionError on ALL ranks (nobody hangs in the
+    next collective). A shape mismatch, say, may only show on the pipeline stage that holds the bad layer."""
+    import torch.distributed as dist
+
+    result, err = None, None
+    try:
+        result = fn(*args, **kwargs)
+    except (ConversionError, ValueError, KeyError, RuntimeError) as e:
+        err = f"rank {dist.get_rank()}: {e}"
+    errors = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, err)
+    errors = [e for e in errors if e]
+    if errors:
+        raise ConversionError(errors[0] + (f" (and {len(errors) - 1} more rank(s) failed)" if len(errors) > 1 else ""))
+    return result
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The two conversions
+# ----------------------------------------------------------------------------------------------------------------
+def _resolve_dtype(name: str, hf_config: Any) -> torch.dtype:
+    if name == "auto":
+        d = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None) or torch.float32
+        return getattr(torch, d) if isinstance(d, str) else d
+    return DTYPES[name]
+
+
+def _prepare_out_dir(out_dir: str, overwrite: bool) -> None:
+    if os.path.isdir(out_dir) and os.listdir(out_dir) and not overwrite:
+        raise ConversionError(f"output directory {out_dir!r} is not empty: pass --overwrite or choose another")
+
+
+def hf_to_megatron(hf_dir: str, out_dir: str, *, tp: int = 1, pp: int = 1, dtype: str = "auto",
+                   overwrite: bool = False) -> None:
+    """Convert an HF dir to a Megatron dist checkpoint; every rank of the (tp*pp*dp) world calls this."""
+    hf_config = load_hf_config(hf_dir)
+    check_parallel_sizes(hf_config, tp, pp)
+    reader = SafetensorsReader(hf_dir)
+    mapping = get_family(hf_config).from_hf_config(hf_config)
+    check_hf_tensor_names(mapping, reader)
+    _prepare_out_dir(out_dir, overwrite)
+    params_dtype = _resolve_dtype(dtype, hf_config)
+
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+
+    from megatron_searchr1.megatron.initialize import initialize_megatron
+    from megatron_searchr1.models.gpt import build_gpt_model
+
+    initialize_megatron(tp=tp, pp=pp)
+    rank = dist.get_rank()
+    model = all_ranks_ok(build_gpt_model, hf_config, params_dtype=params_dtype)
+    mapping = bind_mapping(hf_config, model)
+    all_ranks_ok(load_hf_weights, model, reader, mapping, progress=rank == 0)
+    if rank == 0:
+        if overwrite and os.path.isdir(out_dir):
+            shutil.rmtree(out_dir)
+        os.makedirs(out_dir, exist_ok=True)
+    dist.barrier()
+    dist_checkpointing.save(model.sharded_state_dict(), out_dir)
+    dist.barrier()
+    if rank == 0:
+        write_checkpoint_metadata(out_dir, hf_dir, tp=tp, pp=pp, padded_vocab_size=mapping.dims.padded_vocab_size,
+                                  dtype=params_dtype)
+        print(f"wrote Megatron checkpoint (saved at TP={tp} PP={pp}; loads at any TP/PP) to {out_dir}")
+    dist.barrier()
+
+
+def megatron_to_hf(ckpt_dir: str, out_dir: str, *, tp: int = 1, pp: int = 1, dtype: str = "auto",
+                   overwrite: bool = False) -> None:
+    """Convert a Megatron dist checkpoint (saved at any TP/PP) to an HF safetensors dir, loading it at TP/PP."""
+    meta = read_checkpoint_metadata(ckpt_dir)
+    hf_aux = os.path.join(ckpt_dir, HF_SUBDIR)
+    hf_config = load_hf_config(hf_aux)
+    check_parallel_sizes(hf_config, tp, pp)
+    _prepare_out_dir(out_dir, overwrite)
+    params_dtype = DTYPES[meta.get("dtype", "float32")]
+    out_dtype = _resolve_dtype(dtype, hf_config)
+
+    import torch.distributed as dist
+    from safetensors.torch import save_file
+
+    from megatron_searchr1.megatron.initialize import initialize_megatron
+    from megatron_searchr1.models.gpt import build_gpt_model
+
+    initialize_megatron(tp=tp, pp=pp)
+    from megatron.core import parallel_state as ps
+
+    rank = dist.get_rank()
+    model = all_ranks_ok(build_gpt_model, hf_config, params_dtype=params_dtype)
+    all_ranks_ok(load_megatron_checkpoint, model, ckpt_dir)
+    mapping = bind_mapping(hf_config, model)
+    tensors = {n: t.to(out_dtype).contiguous() for n, t in gather_hf_weights(model, mapping, progress=rank == 0)}
+
+    # One safetensors file per pipeline stage, written by the stage's first TP / DP rank; rank 0 adds the index.
+    writer = ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
+    pp_rank = ps.get_pipeline_model_parallel_rank()
+    fname = "model.safetensors" if pp == 1 else f"model-{pp_rank + 1:05d}-of-{pp:05d}.safetensors"
+    if rank == 0:
+        if overwrite and os.path.isdir(out_dir):
+            shutil.rmtree(out_dir)
+        os.makedirs(out_dir, exist_ok=True)
+    dist.barrier()
+    if writer:
+        save_file(tensors, os.path.join(out_dir, fname), metadata={"format": "pt"})
+    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    written = [None] * dist.get_world_size()
+    dist.all_gather_object(written, (fname, sorted(tensors), nbytes) if writer else None)
+    if rank == 0:
+        if pp > 1:
+            stages = [w for w in written if w is not None]
+            weight_map = {n: f for f, ns, _ in stages for n in ns}
+            index = {"metadata": {"total_size": sum(b for _, _, b in stages)},
+                     "weight_map": dict(sorted(weight_map.items()))}
+            with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
+                json.dump(index, f, indent=2)
+        for name in HF_AUX_FILES:
+            if os.path.isfile(os.path.join(hf_aux, name)):
+                shutil.copy2(os.path.join(hf_aux, name), os.path.join(out_dir, name))
+        cfg_path = os.path.join(out_dir, "config.json")
+        with open(cfg_path) as f:
+            cfg = json.load(f)
+        cfg["dtype"] = str(out_dtype).replace("torch.", "")
+        cfg.pop("torch_dtype", None)
+        with open(cfg_path, "w") as f:
+            json.dump(cfg, f, indent=2)
+        print(f"wrote HF checkpoint ({cfg['dtype']}) to {out_dir}")
+    dist.barrier()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# CLIs
+# ----------------------------------------------------------------------------------------------------------------
+def _quiet_known_warnings() -> None:
+    """Hide start-up noise that says nothing about the conversion (no Apex/TE on CPU, DCP deprecations)."""
+    import warnings
+
+    for pattern in (".*Apex.*", ".*Transformer Engine.*", ".*Please use DTensor instead.*",
+                    ".*`load_state_dict` is deprecated.*", ".*full scope is deprecated.*"):
+        warnings.filterwarnings("ignore", message=pattern)
+
+
+def _run(fn, kwargs) -> int:
+    _quiet_known_warnings()
+    try:
+        fn(**kwargs)
+    except (ConversionError, ValueError) as e:  # ValueError: what gpt.py / the mapping reject, with a message
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        try:
+            from megatron_searchr1.megatron.initialize import destroy_megatron
+
+            destroy_megatron()
+        except Exception:
+            pass
+    return 0
+
+
+def _common_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (world size must be a multiple of tp*pp)")
+    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
+    p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
+                   help="weight dtype (auto: the dtype in config.json)")
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
+
+
+def hf_to_megatron_main(argv=None) -> int:
+    p = argparse.ArgumentParser(description="Convert a Hugging Face Qwen2/Llama dir to a Megatron dist checkpoint "
+                                            "that loads at any TP/PP.")
+    p.add_argument("--hf-dir", required=True, help="HF model directory (config.json + safetensors + tokenizer)")
+    p.add_argument("--out-dir", required=True, help="checkpoint directory to write")
+    _common_args(p)
+    a = p.parse_args(argv)
+    return _run(hf_to_megatron, dict(hf_dir=a.hf_dir, out_dir=a.out_dir, tp=a.tp, pp=a.pp, dtype=a.dtype,
+                                     overwrite=a.overwrite))
+
+
+def megatron_to_hf_main(argv=None) -> int:
+    p = argparse.ArgumentParser(description="Convert a Megatron dist checkpoint (saved at any TP/PP) to a Hugging "
+                                            "Face safetensors dir with config and tokenizer.")
+    p.add_argument("--ckpt-dir", required=True, help="checkpoint directory written by hf_to_megatron")
+    p.add_argument("--out-dir", required=True, help="HF directory to write")
+    _common_args(p)
+    a = p.parse_args(argv)
+    return _run(megatron_to_hf, dict(ckpt_dir=a.ckpt_dir, out_dir=a.out_dir, tp=a.tp, pp=a.pp, dtype=a.dtype,
+                                     overwrite=a.overwrite))

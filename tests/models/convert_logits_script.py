@@ -1,0 +1,102 @@
+# torchrun --nproc_per_node 2 tests/models/convert_logits_script.py --hf-dirs HF1 HF2 --ckpt-dirs C1 C2 --cases 2x1 1x2
+"""Converted Megatron model logits vs the HF `transformers` model's, at the given TP x PP cases (world = TP*PP).
+
+For every HF dir and case: build the Megatron stage, fill it from the HF safetensors through the family mapping, and
+compare the full-vocabulary logits with HF's (fp32, max abs diff <= 1e-4); then check that deliberately wrong
+mappings (no QKV interleave; gate/up swapped) FAIL that comparison; then load the converter's dist checkpoint
+(saved at TP=1 PP=1) at this case's TP/PP and compare again. Prints one `RESULT ...` line per check from the last
+stage's first TP rank.
+"""
+import argparse
+import json
+
+import torch
+
+from megatron_searchr1.models.families import stack_gate_up
+
+TOL = 1e-4
+
+
+def wrong_mappings(family):
+    """Two plausible bugs a mapping could have, as subclasses of the right family."""
+
+    class NoInterleave(family):
+        def hf_to_megatron(self, name, hf_tensors):
+            if "linear_qkv" in name:  # plain [q; k; v] instead of per-group [q_g; k_g; v_g]
+                return torch.cat([hf_tensors[s] for s in self.hf_sources(name)], dim=0)
+            return super().hf_to_megatron(name, hf_tensors)
+
+    class UpGateSwapped(family):
+        def hf_to_megatron(self, name, hf_tensors):
+            if "linear_fc1" in name:
+                gate, up = (hf_tensors[s] for s in self.hf_sources(name))
+                return stack_gate_up(up, gate)
+            return super().hf_to_megatron(name, hf_tensors)
+
+    return {"no_qkv_interleave": NoInterleave, "up_gate_swapped": UpGateSwapped}
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--hf-dirs", nargs="+", required=True)
+    p.add_argument("--ckpt-dirs", nargs="+", required=True, help="hf_to_megatron output for each HF dir")
+    p.add_argument("--cases", nargs="+", required=True, help="TPxPP, e.g. 2x1 1x2")
+    a = p.parse_args()
+
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from megatron_searchr1.megatron.initialize import destroy_megatron, initialize_megatron
+    from megatron_searchr1.models.convert import SafetensorsReader, bind_mapping, load_hf_weights, load_megatron_checkpoint
+    from megatron_searchr1.models.families import get_family
+    from megatron_searchr1.models.forward import forward_logits
+    from megatron_searchr1.models.gpt import build_gpt_model
+
+    for case in a.cases:
+        tp, pp = map(int, case.split("x"))
+        if ps.model_parallel_is_initialized():
+            ps.destroy_model_parallel()
+        initialize_megatron(tp=tp, pp=pp)
+        report = ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
+
+        for hf_dir, ckpt_dir in zip(a.hf_dirs, a.ckpt_dirs):
+            hf_config = AutoConfig.from_pretrained(hf_dir)
+            arch = hf_config.architectures[0]
+            g = torch.Generator().manual_seed(0)
+            ids = torch.randint(0, hf_config.vocab_size, (2, 16), generator=g)
+            hf_model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+            with torch.no_grad():
+                ref = hf_model(ids).logits.float()
+
+            def check(model, label, expect_match):
+                logits = forward_logits(model, ids)
+                if logits is None:
+                    return
+                assert logits.shape == ref.shape, (logits.shape, ref.shape)
+                diff = (logits.float() - ref).abs().max().item()
+                ok = diff <= TOL if expect_match else diff > TOL
+                if report:
+                    print("RESULT " + json.dumps(dict(arch=arch, tp=tp, pp=pp, check=label, diff=diff, ok=ok)),
+                          flush=True)
+                assert ok, f"{arch} TP={tp} PP={pp} {label}: max abs diff {diff} (expect_match={expect_match})"
+
+            reader = SafetensorsReader(hf_dir)
+            model = build_gpt_model(hf_config)
+            model.eval()
+            load_hf_weights(model, reader, bind_mapping(hf_config, model))
+            check(model, "hf_weights", True)
+            for label, cls in wrong_mappings(get_family(hf_config)).items():
+                load_hf_weights(model, reader, bind_mapping(hf_config, model, mapping_cls=cls))
+                check(model, label, False)
+
+            fresh = build_gpt_model(hf_config)
+            fresh.eval()
+            load_megatron_checkpoint(fresh, ckpt_dir)
+            check(fresh, "dist_checkpoint_tp1", True)
+        dist.barrier()
+    destroy_megatron()
+
+
+if __name__ == "__main__":
+    main()
