@@ -34,8 +34,10 @@ def flashrag(tmp_path):
     _write_jsonl(str(root / "nq" / "test.jsonl"), [{"id": "test_0", "question": "q test", "golden_answers": ["a"]}])
     os.makedirs(root / "hotpotqa")
     for split, n in (("train", 2), ("dev", 1)):
-        pd.DataFrame({"id": [f"h{split}{i}" for i in range(n)], "question": [f"hotpot {split} {i}" for i in range(n)],
-                      "golden_answers": [[f"ans{i}"] for i in range(n)]}).to_parquet(root / "hotpotqa" / f"{split}.parquet")
+        frame = pd.DataFrame({"id": [f"h{split}{i}" for i in range(n)],
+                              "question": [f"hotpot {split} {i}" for i in range(n)],
+                              "golden_answers": [[f"ans{i}"] for i in range(n)]})
+        frame.to_parquet(root / "hotpotqa" / f"{split}.parquet")
     return root
 
 
