@@ -12,7 +12,8 @@ The world: countries, cities, universities, companies, people and products, tied
     product -maker-> company, -launch_year-> year
 
 Corpus: one passage per entity holding that entity's facts (so the passage of a question's subject is its gold
-passage), plus distractor passages (festivals, rivers) that mention entities without stating any relation.
+passage), plus distractor passages (lectures, festivals, rivers) that mention entities but state none of the
+asked relations.
 Questions: every chain of 1-3 relations from every entity whose entities are all distinct, e.g.
 ceo -> alma_mater -> founded: "In which year was the university attended by the CEO of Quorvin Labs founded?".
 Each question keeps its gold chain of sub-queries (one single-hop question per hop) and gold passage ids.
@@ -70,7 +71,7 @@ class WorldConfig:
     n_products: int = 48
     """products, each made by a company with a launch year."""
     n_distractors: int = 60
-    """passages (festivals, rivers) that mention entities but state none of the asked relations."""
+    """passages (lectures, festivals, rivers) that mention entities but state none of the asked relations."""
     n_train: int = 2000
     """train questions."""
     n_validation: int = 200
