@@ -97,6 +97,9 @@ class BM25Retriever(Retriever):
         ids = np.empty((len(queries), topk), np.int64)
         scores = np.empty((len(queries), topk), np.float32)
         for row, tokens in enumerate(self._tokenize(queries)):
+            if not tokens:  # empty or stopwords only: nothing can match
+                ids[row], scores[row] = -1, 0.0
+                continue
             all_scores = self.model.get_scores(tokens)  # (N,) ; unknown tokens are ignored
             ids[row], scores[row] = topk_desc(all_scores, topk)
         # Like Lucene (Search-R1's BM25), a doc sharing no term with the query is not a hit: no arbitrary filler.

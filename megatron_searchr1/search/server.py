@@ -198,11 +198,15 @@ class MicroBatcher:
             t0 = time.perf_counter()
             try:
                 ids, scores = await loop.run_in_executor(self._executor, self.retriever.search_ids, queries, topk)
-            except Exception as e:  # noqa: BLE001 - reported to each waiting request as a 500
-                logger.exception("search failed for a batch of %d queries", len(queries))
-                for p in items:
-                    if not p.future.done():
-                        p.future.set_exception(e)
+            except Exception as e:  # noqa: BLE001 - reported to the waiting request(s) as a 500
+                if len(items) > 1:
+                    # One bad request must not fail the strangers it was batched with: retry them one by one.
+                    for p in items:
+                        await self._run([p])
+                    continue
+                logger.exception("search failed for a request of %d queries", len(queries))
+                if not items[0].future.done():
+                    items[0].future.set_exception(e)
                 continue
             self.stats.search_seconds += time.perf_counter() - t0
             self.stats.batches += 1
@@ -220,10 +224,10 @@ def _response_doc(doc: dict) -> dict:
     return {"id": doc["id"], "contents": doc["contents"]}
 
 
-def create_app(retriever: Retriever, config: ServerConfig | None = None, on_ready=None):
+def create_app(retriever: Retriever, config: ServerConfig | None = None, on_ready=None, on_stop=None):
     """The FastAPI app serving `retriever`. Start it with uvicorn (see `main` and `BackgroundServer`).
 
-    on_ready: called once the micro-batcher runs, i.e. when requests can be served.
+    on_ready: called once the micro-batcher runs, i.e. when requests can be served; on_stop: after shutdown.
     """
     config = config or ServerConfig()
     batcher = MicroBatcher(retriever, config.batch_window_ms / 1000.0, config.max_batch_queries)
@@ -235,6 +239,8 @@ def create_app(retriever: Retriever, config: ServerConfig | None = None, on_read
             on_ready()
         yield
         await batcher.stop()
+        if on_stop is not None:
+            on_stop()
 
     app = FastAPI(title="megatron-searchr1 retrieval", lifespan=lifespan)
     app.state.batcher, app.state.config, app.state.retriever = batcher, config, retriever
@@ -404,10 +410,17 @@ def main(argv: list[str] | None = None) -> None:
     def announce():  # printed once the batcher runs, so a parent process may send requests right away
         print(f"Retrieval server listening on {url} (POST {url}/retrieve, GET {url}/health)", flush=True)
 
-    app = create_app(retriever, config, on_ready=announce)
+    def goodbye():
+        print(f"Retrieval server on {url} stopped ({json.dumps(app.state.batcher.stats.as_dict())})", flush=True)
 
-    uvicorn.Server(uvicorn.Config(app, log_level=args.log_level.lower(), access_log=args.access_log,
-                                  lifespan="on")).run(sockets=[sock])
+    app = create_app(retriever, config, on_ready=announce, on_stop=goodbye)
+    # uvicorn shuts down gracefully on SIGINT/SIGTERM and then re-raises the signal: SIGINT becomes a
+    # KeyboardInterrupt (caught: exit 0 without a traceback), SIGTERM ends the process with status -15.
+
+    server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level.lower(), access_log=args.access_log,
+                                           lifespan="on"))
+    with contextlib.suppress(KeyboardInterrupt):
+        server.run(sockets=[sock])
 
 
 if __name__ == "__main__":

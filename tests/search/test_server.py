@@ -1,0 +1,277 @@
+"""The /retrieve server on a real uvicorn over loopback: Search-R1's JSON shapes, bad input, load, the CLI."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import numpy as np
+import pytest
+
+from megatron_searchr1.search.server import BackgroundServer, ServerConfig
+
+LIMITS = dict(max_queries=8, max_topk=20, max_query_chars=200)
+
+
+@pytest.fixture(scope="module")
+def bm25_server(bm25_index):
+    with BackgroundServer(bm25_index[1], ServerConfig(port=0, **LIMITS)) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def dense_server(dense_index):
+    with BackgroundServer(dense_index[1], ServerConfig(port=0, **LIMITS)) as srv:
+        yield srv
+
+
+def post(url, body, **kw):
+    if isinstance(body, (dict, list)):
+        return httpx.post(f"{url}/retrieve", json=body, timeout=60, **kw)
+    return httpx.post(f"{url}/retrieve", content=body, timeout=60,
+                      headers={"content-type": "application/json"}, **kw)
+
+
+# ---- the contract ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("server, index", [("bm25_server", "bm25_index"), ("dense_server", "dense_index")])
+def test_return_scores_true_shape_matches_search_r1(world, server, index, request):
+    srv, retriever = request.getfixturevalue(server), request.getfixturevalue(index)[1]
+    queries = [world["queries"][3], world["queries"][150]]
+    r = post(srv.url, {"queries": queries, "topk": 4, "return_scores": True})
+    assert r.status_code == 200 and r.headers["content-type"] == "application/json"
+    body = r.json()
+    assert list(body) == ["result"] and len(body["result"]) == 2
+    expected = retriever.search(queries, 4)
+    assert len(body["result"][1]) == 4  # a person query matches many docs (BM25 may find fewer for a topic)
+    for got, want in zip(body["result"], expected):
+        assert len(got) == len(want)
+        for item, (doc, score) in zip(got, want):
+            assert set(item) == {"document", "score"} and set(item["document"]) == {"id", "contents"}
+            assert item["document"] == {"id": doc["id"], "contents": doc["contents"]}
+            assert isinstance(item["score"], float) and item["score"] == pytest.approx(score, rel=1e-5)
+        scores = [item["score"] for item in got]
+        assert scores == sorted(scores, reverse=True)
+
+
+def test_return_scores_false_is_a_plain_list_of_documents(world, bm25_server, bm25_index):
+    """Search-R1's own server crashes here; ours answers [[{id, contents}, ...], ...]."""
+    queries = world["queries"][20:23]
+    body = post(bm25_server.url, {"queries": queries, "topk": 2, "return_scores": False}).json()
+    want = bm25_index[1].search(queries, 2)
+    assert body["result"] == [[{"id": d["id"], "contents": d["contents"]} for d, _ in hits] for hits in want]
+
+
+def test_defaults_topk_3_and_no_scores(world, bm25_server):
+    for body in ({"queries": [world["queries"][40]]}, {"queries": [world["queries"][40]], "topk": None}):
+        result = post(bm25_server.url, body).json()["result"]
+        assert len(result[0]) == 3 and set(result[0][0]) == {"id", "contents"}
+
+
+def test_health_reports_index_limits_and_batching(bm25_server):
+    h = httpx.get(f"{bm25_server.url}/health", timeout=10).json()
+    assert h["status"] == "ok" and h["kind"] == "bm25" and h["num_docs"] == 300
+    assert h["limits"] == {**LIMITS, "default_topk": 3}
+    assert {"requests", "batches", "mean_batch_queries"} <= set(h["batching"])
+
+
+def test_empty_string_query_is_allowed(bm25_server):
+    # A policy may emit <search></search>: that is an (empty) search, not a client bug.
+    r = post(bm25_server.url, {"queries": ["", "   "], "topk": 3, "return_scores": True})
+    assert r.status_code == 200 and r.json() == {"result": [[], []]}
+
+
+# ---- bad input -------------------------------------------------------------------------------------------------
+
+BAD = [
+    ("malformed JSON", b'{"queries": ["a"', 400, "malformed JSON"),
+    ("not UTF-8", b'\xff\xfe{"queries"', 400, "malformed JSON"),
+    ("body not an object", [1, 2], 422, "must be a JSON object"),
+    ("missing queries", {"topk": 3}, 422, "missing field 'queries'"),
+    ("queries a string", {"queries": "who?"}, 422, "'queries' must be a list of strings, got str"),
+    ("query not a string", {"queries": ["a", 5]}, 422, "queries[1] must be a string, got int"),
+    ("empty query list", {"queries": []}, 422, "'queries' is empty"),
+    ("too many queries", {"queries": ["q"] * 9}, 413, "9 in one request, the limit is 8"),
+    ("query too long", {"queries": ["x" * 201]}, 413, "201 characters long, the limit is 200"),
+    ("topk zero", {"queries": ["a"], "topk": 0}, 422, "'topk' must be >= 1, got 0"),
+    ("topk negative", {"queries": ["a"], "topk": -3}, 422, "'topk' must be >= 1, got -3"),
+    ("topk a string", {"queries": ["a"], "topk": "3"}, 422, "'topk' must be an integer, got str"),
+    ("topk a float", {"queries": ["a"], "topk": 2.5}, 422, "'topk' must be an integer, got float"),
+    ("topk a bool", {"queries": ["a"], "topk": True}, 422, "'topk' must be an integer, got bool"),
+    ("topk over limit", {"queries": ["a"], "topk": 21}, 422, "'topk' is 21, the limit is 20"),
+    ("return_scores not bool", {"queries": ["a"], "return_scores": "yes"}, 422, "'return_scores' must be true or false"),
+]
+
+
+@pytest.mark.parametrize("name, body, status, message", BAD, ids=[b[0] for b in BAD])
+def test_bad_input_gets_a_4xx_that_says_why_and_the_server_stays_up(world, bm25_server, name, body, status,
+                                                                   message):
+    r = post(bm25_server.url, body)
+    assert r.status_code == status, r.text
+    assert message in r.json()["detail"]
+    ok = post(bm25_server.url, {"queries": [world["queries"][5]], "topk": 1, "return_scores": True})
+    assert ok.status_code == 200 and ok.json()["result"][0][0]["document"]["id"] == world["docs"][5]["id"]
+
+
+def test_wrong_method_and_path(bm25_server):
+    assert httpx.get(f"{bm25_server.url}/retrieve", timeout=10).status_code == 405
+    assert httpx.post(f"{bm25_server.url}/search", json={"queries": ["a"]}, timeout=10).status_code == 404
+
+
+class _PoisonRetriever:
+    """A real BM25 retriever that fails on one query, to exercise the server's error path."""
+
+    def __init__(self, inner):
+        self.inner, self.corpus, self.kind = inner, inner.corpus, "bm25"
+        self.calls = []
+
+    def search_ids(self, queries, topk):
+        self.calls.append(list(queries))
+        if "__boom__" in queries:
+            raise RuntimeError("index shard unavailable")
+        return self.inner.search_ids(queries, topk)
+
+    def describe(self):
+        return self.inner.describe()
+
+
+def test_a_failing_search_is_a_500_and_spares_requests_batched_with_it(world, bm25_index):
+    poison = _PoisonRetriever(bm25_index[1])
+    with BackgroundServer(poison, ServerConfig(port=0, batch_window_ms=200.0)) as srv:
+        bodies = [{"queries": ["__boom__"], "topk": 2}] + [{"queries": [q], "topk": 2} for q in world["queries"][:8]]
+        barrier = threading.Barrier(len(bodies))
+
+        def send(body):
+            with httpx.Client(timeout=60) as c:
+                barrier.wait()
+                return c.post(f"{srv.url}/retrieve", json=body)
+
+        with ThreadPoolExecutor(len(bodies)) as pool:
+            responses = list(pool.map(send, bodies))
+        assert responses[0].status_code == 500 and "index shard unavailable" in responses[0].json()["detail"]
+        assert [r.status_code for r in responses[1:]] == [200] * 8
+        assert [r.json()["result"][0][0]["id"] for r in responses[1:]] == [d["id"] for d in world["docs"][:8]]
+        # the poison request really shared a batch with good ones (then each was retried alone)
+        assert max(len(c) for c in poison.calls if "__boom__" in c) > 1
+
+
+# ---- load ------------------------------------------------------------------------------------------------------
+
+def _load_requests(world, n):
+    qs = world["queries"]
+    return [{"queries": [qs[(7 * i + j) % len(qs)] for j in range(1 + i % 4)], "topk": 1 + i % 5,
+             "return_scores": True} for i in range(n)]
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("server", ["bm25_server", "dense_server"])
+def test_32_concurrent_clients_match_sequential_results(world, server, request):
+    srv = request.getfixturevalue(server)
+    n_clients, per_client = 32, 6
+    bodies = _load_requests(world, n_clients * per_client)
+    with httpx.Client(timeout=60) as c:
+        sequential = [c.post(f"{srv.url}/retrieve", json=b).json()["result"] for b in bodies]
+    before = httpx.get(f"{srv.url}/health", timeout=10).json()["batching"]
+
+    start = threading.Barrier(n_clients)
+    errors = []
+
+    def client(k):
+        out = {}
+        with httpx.Client(timeout=60) as c:
+            start.wait()
+            for i in range(k, len(bodies), n_clients):
+                r = c.post(f"{srv.url}/retrieve", json=bodies[i])
+                if r.status_code != 200:
+                    errors.append((i, r.status_code, r.text))
+                else:
+                    out[i] = r.json()["result"]
+        return out
+
+    with ThreadPoolExecutor(n_clients) as pool:
+        concurrent = {}
+        for part in pool.map(client, range(n_clients)):
+            concurrent.update(part)
+    assert errors == [] and len(concurrent) == len(bodies)
+    for i, want in enumerate(sequential):
+        got = concurrent[i]
+        assert [[d["document"] for d in row] for row in got] == [[d["document"] for d in row] for row in want]
+        np.testing.assert_allclose([d["score"] for row in got for d in row],
+                                   [d["score"] for row in want for d in row], rtol=1e-5, atol=1e-6)
+    after = httpx.get(f"{srv.url}/health", timeout=10).json()["batching"]
+    requests_served = after["requests"] - before["requests"]
+    assert requests_served == len(bodies)
+    assert after["batches"] - before["batches"] < requests_served  # concurrent requests were micro-batched
+
+
+# ---- the command line ------------------------------------------------------------------------------------------
+
+def _start_cli(args):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "megatron_searchr1.search.server", "--port", "0", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    lines = []
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        if "listening on http://" in line:
+            url = line.split("listening on ")[1].split()[0]
+            return proc, url
+    proc.kill()
+    raise AssertionError("server did not start:\n" + "".join(lines))
+
+
+def _stop_cli(proc):
+    """SIGINT, then the rest of its output; uvicorn shuts down gracefully and re-raises the signal."""
+    proc.send_signal(signal.SIGINT)
+    try:
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out
+    return out
+
+
+def test_cli_serves_an_index_dir_and_stops_on_sigint(world, bm25_index):
+    proc, url = _start_cli(["--index-dir", bm25_index[0], "--max-queries", "4", "--log-level", "warning"])
+    try:
+        assert url.startswith("http://127.0.0.1:")
+        assert httpx.get(f"{url}/health", timeout=10).json()["limits"]["max_queries"] == 4
+        r = post(url, {"queries": [world["queries"][77]], "topk": 1, "return_scores": True})
+        assert r.json()["result"][0][0]["document"]["id"] == world["docs"][77]["id"]
+        assert post(url, {"queries": ["a"] * 5}).status_code == 413
+    finally:
+        out = _stop_cli(proc)
+    assert "stopped" in out and '"requests": 1' in out  # graceful shutdown ran (the 413 never reached search)
+    assert "Traceback" not in out
+
+
+@pytest.mark.slow
+def test_cli_serves_a_raw_faiss_file_with_its_corpus(tmp_path, world, dense_index):
+    import faiss
+
+    faiss.write_index(dense_index[1].cpu_index, str(tmp_path / "e5_Flat.index"))
+    proc, url = _start_cli(["--faiss-index", str(tmp_path / "e5_Flat.index"), "--corpus", world["path"],
+                            "--log-level", "warning"])
+    try:
+        queries = world["queries"][:20]
+        got = post(url, {"queries": queries, "topk": 2, "return_scores": False}).json()["result"]
+        want = dense_index[1].search(queries, 2)
+        assert [[d["id"] for d in row] for row in got] == [[d["id"] for d, _ in row] for row in want]
+        assert httpx.get(f"{url}/health", timeout=10).json()["kind"] == "dense"
+    finally:
+        assert "stopped" in _stop_cli(proc)
+
+
+def test_cli_without_an_index_says_what_to_pass():
+    r = subprocess.run([sys.executable, "-m", "megatron_searchr1.search.server"], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode != 0 and "--index-dir" in r.stderr
