@@ -7,6 +7,11 @@ builds a boolean causal mask, fills it, runs an fp32 softmax, and multiplies aga
 the CPU and GPU, or the math fallback), with GQA handled inside the kernel (`enable_gqa`), so no
 repeated K/V copy is made.
 
+`SDPSelfAttention` (Megatron's `SelfAttention` plus one shortcut) hands RoPE to this module: Megatron's
+unfused RoPE recomputes cos/sin of the frequencies for q and for k in every layer and copies q and k
+through a concat with an empty pass-through slice; here cos/sin are computed once per forward (shared by
+all layers) and applied with the same formula, so the result is bit-identical.
+
 Contract (identical to `DotProductAttention`):
     query: [sq, b, np, hn], key/value: [sk, b, ng, hn]  (np, ng = heads, query groups on this TP rank)
     attention_mask: None, or bool broadcastable to [b, np, sq, sk] where True means "masked out".
@@ -25,10 +30,34 @@ from torch import Tensor
 
 from megatron.core import tensor_parallel
 from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import divide
+
+
+# (freqs tensor, dtype) -> (cos, sin) of the last RoPE frequencies seen. GPTModel caches its [s, 1, 1, d]
+# frequency tensor per sequence length, so every layer of a forward (and later steps) passes the same object.
+_ROPE_CACHE: dict = {}
+
+
+def _rope_cos_sin(freqs: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    key = (id(freqs), dtype)
+    hit = _ROPE_CACHE.get(key)
+    if hit is not None and hit[0] is freqs:
+        return hit[1], hit[2]
+    cos, sin = torch.cos(freqs).to(dtype), torch.sin(freqs).to(dtype)
+    _ROPE_CACHE.clear()  # keep one entry: the frequencies of the current sequence length
+    _ROPE_CACHE[key] = (freqs, cos, sin)
+    return cos, sin
+
+
+def apply_rope(t: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Non-interleaved RoPE, Megatron's formula: t * cos + rotate_half(t) * sin. t [s, b, h, d], cos/sin [s, 1, 1, d]."""
+    t1, t2 = t.chunk(2, dim=-1)
+    return t * cos + torch.cat((-t2, t1), dim=-1) * sin
 
 
 class SDPAttention(MegatronModule):
@@ -73,6 +102,8 @@ class SDPAttention(MegatronModule):
             softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(self.hidden_size_per_attention_head)
         )
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+        # (q_freqs, k_freqs) set by SDPSelfAttention for the duration of one forward call.
+        self.pending_rope: Optional[tuple[Tensor, Tensor]] = None
 
     def forward(
         self,
@@ -90,6 +121,10 @@ class SDPAttention(MegatronModule):
             raise ValueError("SDPAttention does not support an attention bias.")
         mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
         sq, b = query.shape[0], query.shape[1]
+        if self.pending_rope is not None:
+            q_freqs, k_freqs = self.pending_rope
+            query = apply_rope(query, *_rope_cos_sin(q_freqs, query.dtype))
+            key = apply_rope(key, *_rope_cos_sin(k_freqs, key.dtype))
 
         # [s, b, h, d] -> [b, h, s, d]: strided views, the kernel reads them without a copy.
         q = query.permute(1, 2, 0, 3)
@@ -122,3 +157,50 @@ class SDPAttention(MegatronModule):
             )
         # [b, np, sq, hn] -> [sq, b, np * hn]
         return out.permute(2, 0, 1, 3).reshape(sq, b, self.hidden_size_per_partition)
+
+
+class SDPSelfAttention(SelfAttention):
+    """Megatron's SelfAttention that lets SDPAttention apply RoPE (see the module doc); otherwise unchanged.
+
+    The shortcut is taken only for plain training/prefill forwards (no inference cache, no packed sequences,
+    no context parallelism, no fused or interleaved RoPE, no q/k norms, no core-attention recompute);
+    anything else runs Megatron's own path.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        cfg = self.config
+        self.rope_in_core = (
+            isinstance(self.core_attention, SDPAttention)
+            and not cfg.apply_rope_fusion
+            and not cfg.rotary_interleaved
+            and not cfg.multi_latent_attention
+            and not cfg.fused_single_qkv_rope
+            and not cfg.no_rope_freq
+            and cfg.context_parallel_size == 1
+            and not self.checkpoint_core_attention
+            and isinstance(self.q_layernorm, (IdentityOp, type(None)))
+            and isinstance(self.k_layernorm, (IdentityOp, type(None)))
+        )
+
+    def forward(self, hidden_states, attention_mask, key_value_states=None, inference_context=None,
+                rotary_pos_emb=None, *args, **kwargs):
+        plain = (
+            self.rope_in_core
+            and rotary_pos_emb is not None
+            and inference_context is None
+            and kwargs.get("inference_params") is None
+            and kwargs.get("packed_seq_params") is None
+            and not args
+        )
+        if not plain:
+            return super().forward(hidden_states, attention_mask, key_value_states, inference_context,
+                                   rotary_pos_emb, *args, **kwargs)
+        if not isinstance(rotary_pos_emb, tuple):
+            rotary_pos_emb = (rotary_pos_emb, rotary_pos_emb)
+        self.core_attention.pending_rope = rotary_pos_emb
+        try:
+            return super().forward(hidden_states, attention_mask, key_value_states, inference_context,
+                                   None, **kwargs)
+        finally:
+            self.core_attention.pending_rope = None

@@ -93,3 +93,28 @@ def test_unsupported_features_fail_loudly(megatron_tp1):
     q, k, v = _qkv()
     with pytest.raises(ValueError, match="bias"):
         ours(q, k, v, None, attention_bias=torch.zeros(1))
+
+
+def test_rope_in_core_attention_is_bit_identical_to_megatron_rope(megatron_tp1):
+    """SDPSelfAttention's RoPE shortcut against the same layer taking Megatron's own RoPE path."""
+    from transformers import Qwen2Config
+
+    from megatron_searchr1.models.gpt import build_gpt_model
+
+    cfg = Qwen2Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2)
+    model = build_gpt_model(cfg)
+    attn = model.decoder.layers[0].self_attention
+    assert attn.rope_in_core
+    ids = torch.randint(0, 256, (2, 20), generator=torch.Generator().manual_seed(3))
+
+    def run(shortcut):
+        attn.rope_in_core = shortcut
+        model.zero_grad(set_to_none=True)
+        logits = model(ids, None, None)
+        logits.square().mean().backward()
+        return logits.detach(), attn.linear_qkv.weight.grad.clone()
+
+    (fast_logits, fast_grad), (meg_logits, meg_grad) = run(True), run(False)
+    assert torch.equal(fast_logits, meg_logits)
+    assert torch.allclose(fast_grad, meg_grad, atol=1e-6, rtol=1e-5)

@@ -216,6 +216,29 @@ def test_logits_equal_transformers(megatron_tp1, kind):
     assert (forward_logits(model, ids) - ref).abs().max().item() > 1e-2
 
 
+def test_batch_first_output_layer_matches_megatron_layout(megatron_tp1):
+    """Same logits and gradients as GPTModel's own [s, b, V] output layer."""
+    from megatron.core import tensor_parallel
+
+    from megatron_searchr1.models.gpt import BatchFirstOutputLayer
+
+    model = build_gpt_model(tiny_config("qwen2"))
+    assert type(model.output_layer) is BatchFirstOutputLayer
+    ids = sample_ids(seq=16)
+
+    def run(cls):
+        model.output_layer.__class__ = cls
+        model.zero_grad(set_to_none=True)
+        logits = model(ids, None, None)
+        assert logits.shape == (2, 16, 256) and logits.is_contiguous()
+        torch.nn.functional.cross_entropy(logits.reshape(-1, 256), ids.reshape(-1)).backward()
+        return logits.detach(), model.output_layer.weight.grad.clone(), model.embedding.word_embeddings.weight.grad.clone()
+
+    ours, megatron = run(BatchFirstOutputLayer), run(tensor_parallel.ColumnParallelLinear)
+    for a, b in zip(ours, megatron):
+        assert torch.allclose(a, b, atol=1e-6, rtol=1e-5)
+
+
 def test_llama3_rope_scaling_matters(megatron_tp1):
     """The llama3 case above would pass without scaling if scaling changed nothing: show it does."""
     from megatron_searchr1.models.forward import forward_logits
