@@ -434,7 +434,7 @@ def _run(fn, kwargs) -> int:
     try:
         fn(**kwargs)
     except (ConversionError, ValueError) as e:  # ValueError: what gpt.py / the mapping reject, with a message
-        print(f"error: {e}", file=sys.stderr)
+        print("error: " + " ".join(str(e).split()), file=sys.stderr)  # one line: easy to grep, the last thing shown
         return 2
     finally:
         try:

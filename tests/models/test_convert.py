@@ -1,0 +1,120 @@
+"""Tests for megatron_searchr1/models/convert.py: converted Megatron logits == HF logits at TP/PP, input checks.
+
+The logits checks run tests/models/convert_logits_script.py under real torchrun (gloo, world = TP*PP); that script
+also asserts that deliberately wrong mappings (no QKV interleave, gate/up swapped) FAIL the comparison and that the
+converter's dist checkpoint (saved at TP=1) loads at the case's TP/PP with the same logits.
+"""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_searchr1.models.convert import (
+    ConversionError, SafetensorsReader, check_hf_tensor_names, check_parallel_sizes, load_hf_config,
+)
+from megatron_searchr1.models.families import mapping_for
+from megatron_searchr1.models.tiny import TinyModelConfig, make_tiny_model
+from tests.dist_utils import REPO, run_torchrun
+
+SCRIPT = Path(__file__).with_name("convert_logits_script.py")
+
+
+def _hf_to_megatron(hf_dir, out_dir):
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    proc = subprocess.run([sys.executable, str(REPO / "checkpoints_convert" / "hf_to_megatron.py"),
+                           "--hf-dir", hf_dir, "--out-dir", out_dir], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """Qwen2 (untied, qkv bias) and Llama (tied) with 4 layers, 4 heads, 2 kv heads, plus their TP1 checkpoints.
+
+    init_std 0.1 gives logits of order 1, so a wrong mapping moves them by far more than the 1e-4 tolerance.
+    """
+    root = tmp_path_factory.mktemp("convert")
+    out = {}
+    for arch, tie, seed in (("qwen2", False, 0), ("llama", True, 1)):
+        hf = str(root / arch)
+        make_tiny_model(TinyModelConfig(output_dir=hf, arch=arch, num_layers=4, num_heads=4, num_kv_heads=2,
+                                        hidden_size=64, intermediate_size=128, tie_embeddings=tie, init_std=0.1,
+                                        seed=seed))
+        ckpt = str(root / f"{arch}-mcore")
+        _hf_to_megatron(hf, ckpt)
+        out[arch] = (hf, ckpt)
+    return out
+
+
+def _run_cases(models, nproc, cases):
+    args = ["--hf-dirs", models["qwen2"][0], models["llama"][0], "--ckpt-dirs", models["qwen2"][1],
+            models["llama"][1], "--cases", *cases]
+    out = run_torchrun(SCRIPT, nproc, *args, timeout=600)
+    results = [json.loads(line.split("RESULT ", 1)[1]) for line in out.splitlines() if "RESULT " in line]
+    # 2 families x cases x (right mapping, 2 wrong mappings, dist checkpoint)
+    assert len(results) == 2 * len(cases) * 4, out[-4000:]
+    assert all(r["ok"] for r in results), results
+    right = [r for r in results if r["check"] in ("hf_weights", "dist_checkpoint_tp1")]
+    wrong = [r for r in results if r not in right]
+    assert max(r["diff"] for r in right) <= 1e-4 and min(r["diff"] for r in wrong) > 1e-2
+    return results
+
+
+def test_logits_match_hf_tp1(models):
+    _run_cases(models, 1, ["1x1"])
+
+
+@pytest.mark.slow
+def test_logits_match_hf_tp2_and_pp2(models):
+    _run_cases(models, 2, ["2x1", "1x2"])
+
+
+@pytest.mark.slow
+def test_logits_match_hf_tp2_pp2(models):
+    _run_cases(models, 4, ["2x2"])
+
+
+def test_checkpoint_metadata_written(models):
+    hf, ckpt = models["llama"]
+    meta = json.load(open(os.path.join(ckpt, "searchr1_checkpoint.json")))
+    assert meta["architecture"] == "LlamaForCausalLM" and (meta["saved_tp"], meta["saved_pp"]) == (1, 1)
+    assert meta["padded_vocab_size"] % 128 == 0 and meta["padded_vocab_size"] >= meta["hf_config"]["vocab_size"]
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        assert os.path.isfile(os.path.join(ckpt, "hf", name)), name
+
+
+def test_input_checks(models, tmp_path):
+    hf, _ = models["qwen2"]
+    cfg = load_hf_config(hf)
+    with pytest.raises(ConversionError, match="TP=3 does not divide num_attention_heads=4"):
+        check_parallel_sizes(cfg, 3, 1)
+    with pytest.raises(ConversionError, match="PP=3 does not divide num_hidden_layers=4"):
+        check_parallel_sizes(cfg, 1, 3)
+    with pytest.raises(ConversionError, match="torchrun --nproc_per_node 4"):
+        check_parallel_sizes(cfg, 2, 2)  # this pytest process is a world of one
+    with pytest.raises(ConversionError, match="does not exist"):
+        load_hf_config(str(tmp_path / "nope"))
+
+    # config vs tensors: an extra layer's tensors, and a missing shard of a sharded checkpoint
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(os.path.join(hf, "model.safetensors"))
+    bad = tmp_path / "extra"
+    bad.mkdir()
+    extra = dict(tensors, **{"model.layers.9.mlp.down_proj.weight": torch.zeros(2, 2)})
+    save_file(extra, str(bad / "model.safetensors"))
+    with pytest.raises(ConversionError, match=r"unexpected tensors \['model.layers.9.mlp.down_proj.weight'\]"):
+        check_hf_tensor_names(mapping_for(cfg), SafetensorsReader(str(bad)))
+    sharded = tmp_path / "sharded"
+    sharded.mkdir()
+    names = sorted(tensors)
+    save_file({n: tensors[n] for n in names[:5]}, str(sharded / "model-00001-of-00002.safetensors"))
+    index = {"weight_map": {n: ("model-00001-of-00002.safetensors" if i < 5 else "model-00002-of-00002.safetensors")
+                            for i, n in enumerate(names)}}
+    (sharded / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ConversionError, match="model-00002-of-00002.safetensors"):
+        SafetensorsReader(str(sharded))
