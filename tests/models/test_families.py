@@ -67,6 +67,16 @@ def test_hf_megatron_hf_identity(cfg):
         assert torch.equal(back[name], hf[name]), name
 
 
+def test_layer_by_layer_streaming_equals_whole_dict():
+    mapping = mapping_for(qwen2_cfg(), padded_vocab_size=64)
+    hf = random_hf_state(mapping, seed=2)
+    whole = mapping.hf_to_megatron_state(hf)
+    for i in range(mapping.dims.num_layers):
+        layer_hf = {n: hf[n] for n in mapping.layer_hf_names(i)}  # only this layer's tensors are needed
+        for name in mapping.layer_megatron_names(i):
+            assert torch.equal(mapping.hf_to_megatron(name, layer_hf), whole[name]), name
+
+
 def test_family_bias_and_tie_flags():
     q = mapping_for(qwen2_cfg())
     assert q.dims.qkv_bias and not q.dims.proj_bias and not q.dims.tie_embeddings

@@ -334,6 +334,15 @@ class ModelFamily:
             m["mlp.linear_fc2.bias"] = ["mlp.down_proj.bias"]
         return m
 
+    def layer_megatron_names(self, index: int) -> list[str]:
+        """Megatron names of one layer (global index): stream a model layer by layer with
+        `{n: hf_to_megatron(n, hf_layer_tensors) for n in layer_megatron_names(i)}`."""
+        return [layer_name(index, s) for s in self.layer_sources()]
+
+    def layer_hf_names(self, index: int) -> list[str]:
+        """HF names of one layer: exactly the tensors `layer_megatron_names(index)` are built from."""
+        return [f"model.layers.{index}.{s}" for srcs in self.layer_sources().values() for s in srcs]
+
     def megatron_names(self, with_output_layer: bool | None = None) -> list[str]:
         """Every Megatron parameter name (global layer indices) of the full model.
 
@@ -344,7 +353,7 @@ class ModelFamily:
             with_output_layer = not self.dims.tie_embeddings
         names = [EMBEDDING]
         for i in range(self.dims.num_layers):
-            names += [layer_name(i, s) for s in self.layer_sources()]
+            names += self.layer_megatron_names(i)
         names.append(FINAL_NORM)
         if with_output_layer:
             names.append(OUTPUT_LAYER)
@@ -354,8 +363,7 @@ class ModelFamily:
         """Every HF tensor name of the full model (no lm_head when tied)."""
         names = ["model.embed_tokens.weight"]
         for i in range(self.dims.num_layers):
-            for srcs in self.layer_sources().values():
-                names += [f"model.layers.{i}.{s}" for s in srcs]
+            names += self.layer_hf_names(i)
         names.append("model.norm.weight")
         if not self.dims.tie_embeddings:
             names.append("lm_head.weight")
