@@ -314,7 +314,9 @@ def _resolve_dtype(name: str, hf_config: Any) -> torch.dtype:
     return DTYPES[name]
 
 
-def _prepare_out_dir(out_dir: str, overwrite: bool) -> None:
+def _prepare_out_dir(out_dir: str, overwrite: bool, input_dir: str) -> None:
+    if os.path.realpath(out_dir) == os.path.realpath(input_dir):
+        raise ConversionError(f"output directory {out_dir!r} is the input directory: choose another")
     if os.path.isdir(out_dir) and os.listdir(out_dir) and not overwrite:
         raise ConversionError(f"output directory {out_dir!r} is not empty: pass --overwrite or choose another")
 
@@ -327,7 +329,7 @@ def hf_to_megatron(hf_dir: str, out_dir: str, *, tp: int = 1, pp: int = 1, dtype
     reader = SafetensorsReader(hf_dir)
     mapping = get_family(hf_config).from_hf_config(hf_config)
     check_hf_tensor_names(mapping, reader)
-    _prepare_out_dir(out_dir, overwrite)
+    _prepare_out_dir(out_dir, overwrite, hf_dir)
     params_dtype = _resolve_dtype(dtype, hf_config)
 
     import torch.distributed as dist
@@ -362,7 +364,7 @@ def megatron_to_hf(ckpt_dir: str, out_dir: str, *, tp: int = 1, pp: int = 1, dty
     hf_aux = os.path.join(ckpt_dir, HF_SUBDIR)
     hf_config = load_hf_config(hf_aux)
     check_parallel_sizes(hf_config, tp, pp)
-    _prepare_out_dir(out_dir, overwrite)
+    _prepare_out_dir(out_dir, overwrite, ckpt_dir)
     params_dtype = DTYPES[meta.get("dtype", "float32")]
     out_dtype = _resolve_dtype(dtype, hf_config)
 

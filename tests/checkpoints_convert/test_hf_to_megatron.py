@@ -59,3 +59,4 @@ def test_refuses_non_empty_output(hf_dir, tmp_path):
     out.mkdir()
     (out / "something").write_text("x")
     _fails_with(["--hf-dir", hf_dir, "--out-dir", out], "not empty", "--overwrite")
+    _fails_with(["--hf-dir", hf_dir, "--out-dir", hf_dir, "--overwrite"], "is the input directory")
