@@ -54,10 +54,46 @@ def _rope_cos_sin(freqs: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     return cos, sin
 
 
-def apply_rope(t: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Non-interleaved RoPE, Megatron's formula: t * cos + rotate_half(t) * sin. t [s, b, h, d], cos/sin [s, 1, 1, d]."""
+class _Rope(torch.autograd.Function):
+    """Non-interleaved RoPE, Megatron's formula t * cos + rotate_half(t) * sin, computed per half.
+
+    With t = [t1, t2]: out = [t1 c1 - t2 s1, t2 c2 + t1 s2], grad = [g1 c1 + g2 s2, g2 c2 - g1 s1].
+    Each half is written into its slice of one output buffer, so no concat (autograd's version concatenates
+    twice, once per direction); every element sees the same IEEE operations, so the result is bit-identical.
+    """
+
+    @staticmethod
+    def forward(ctx, t, cos, sin):
+        ctx.save_for_backward(cos, sin)
+        return _rope_halves(t, cos, sin, sign=1.0)
+
+    @staticmethod
+    def backward(ctx, grad):
+        cos, sin = ctx.saved_tensors
+        return _rope_halves(grad, cos, sin, sign=-1.0), None, None
+
+
+def _rope_halves(t: Tensor, cos: Tensor, sin: Tensor, sign: float) -> Tensor:
+    """sign=+1: [t1 c1 - t2 s1, t2 c2 + t1 s2] (forward); sign=-1: [t1 c1 + t2 s2, t2 c2 - t1 s1] (its transpose)."""
     t1, t2 = t.chunk(2, dim=-1)
-    return t * cos + torch.cat((-t2, t1), dim=-1) * sin
+    c1, c2 = cos.chunk(2, dim=-1)
+    s1, s2 = sin.chunk(2, dim=-1)
+    out = torch.empty_like(t, memory_format=torch.contiguous_format)
+    o1, o2 = out.chunk(2, dim=-1)
+    torch.mul(t1, c1, out=o1)
+    torch.mul(t2, c2, out=o2)
+    if sign > 0:
+        o1.sub_(t2 * s1)
+        o2.add_(t1 * s2)
+    else:
+        o1.add_(t2 * s2)
+        o2.sub_(t1 * s1)
+    return out
+
+
+def apply_rope(t: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Non-interleaved RoPE (Megatron's `_apply_rotary_pos_emb_bshd` numerics). t [s, b, h, d], cos/sin [s, 1, 1, d]."""
+    return _Rope.apply(t, cos, sin)
 
 
 class SDPAttention(MegatronModule):

@@ -26,7 +26,7 @@ import torch
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_searchr1.models.gpt import gpt_model_kwargs, resolve_config, resolve_use_te, to_device
+from megatron_searchr1.models.gpt import gpt_model_kwargs, resolve_config, resolve_use_te, to_device, use_fast_modules
 
 VALUE_HEAD_WEIGHT = "value_head.weight"
 VALUE_HEAD_BIAS = "value_head.bias"
@@ -81,5 +81,6 @@ def build_critic_model(
     config = resolve_config(hf_config, config, params_dtype)
     kwargs = gpt_model_kwargs(hf_config, config, use_te=use_te, pre_process=pre_process, post_process=post_process)
     model = CriticModel(**kwargs)
+    use_fast_modules(model, use_te=use_te)
     model.hf_vocab_size = int(hf_config.vocab_size)
     return to_device(model)

@@ -303,7 +303,6 @@ def layer_spec(use_te: bool) -> ModuleSpec:
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=False)
     spec = copy.deepcopy(get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=False))
     spec.submodules.self_attention.module = SDPSelfAttention
-    spec.submodules.mlp.module = SwiGLUMLP
     spec.submodules.self_attention.submodules.core_attention = SDPAttention
     return spec
 
@@ -390,7 +389,7 @@ def build_gpt_model(
     config = resolve_config(hf_config, config, params_dtype)
     kwargs = gpt_model_kwargs(hf_config, config, use_te=use_te, pre_process=pre_process, post_process=post_process)
     model = GPTModel(**kwargs)
-    use_batch_first_logits(model)
+    use_fast_modules(model, use_te=use_te)
     model.hf_vocab_size = int(hf_config.vocab_size)
     return to_device(model)
 
@@ -411,12 +410,20 @@ class BatchFirstOutputLayer(tensor_parallel.ColumnParallelLinear):
         return out.transpose(0, 1), bias
 
 
-def use_batch_first_logits(model: GPTModel) -> None:
-    """Swap the last stage's output layer to BatchFirstOutputLayer where that is valid (no SP, no deferred wgrad)."""
+def use_fast_modules(model: GPTModel, *, use_te: bool) -> None:
+    """Swap in the copy-saving forwards (same parameters and state; only `forward` differs, so a class swap).
+
+    The MLP is swapped after construction rather than in the spec because TransformerLayer only passes the TP
+    group to a spec whose module *is* MLP. Transformer Engine models keep TE's own MLP path.
+    """
     layer = getattr(model, "output_layer", None)
     if (type(layer) is tensor_parallel.ColumnParallelLinear and not model.config.sequence_parallel
             and not model.config.defer_embedding_wgrad_compute):
-        layer.__class__ = BatchFirstOutputLayer  # same parameters and state; only forward differs
+        layer.__class__ = BatchFirstOutputLayer
+    if not use_te:
+        for module in model.modules():
+            if type(module) is MLP:
+                module.__class__ = SwiGLUMLP
 
 
 def uses_te_spec(model: torch.nn.Module) -> bool:
