@@ -162,11 +162,6 @@ class SDPAttention(MegatronModule):
             query = apply_rope(query, *_rope_cos_sin(q_freqs, query.dtype))
             key = apply_rope(key, *_rope_cos_sin(k_freqs, key.dtype))
 
-        # [s, b, h, d] -> [b, h, s, d]: strided views, the kernel reads them without a copy.
-        q = query.permute(1, 2, 0, 3)
-        k = key.permute(1, 2, 0, 3)
-        v = value.permute(1, 2, 0, 3)
-
         attn_mask = None
         is_causal = False
         if attention_mask is not None:
@@ -175,6 +170,16 @@ class SDPAttention(MegatronModule):
         elif mask_type == AttnMaskType.causal and sq > 1:
             # sq == 1 is a single decoding step over a cache: it may attend to everything (as Megatron does).
             is_causal = True
+
+        if attn_mask is None:
+            # Fold the batch into the heads: [s, b, h, d] -> [1, b*h, s, d]. PyTorch's flash kernels lay their
+            # output out as [batch, s, heads, d] in memory, which is then exactly Megatron's [s, b, h, d]: no
+            # copy of the output here nor of its gradient in backward. GQA still pairs query head b*h + i with
+            # key/value head b*g + i // (h/g).
+            q, k, v = (t.reshape(sq, -1, t.shape[-1]).transpose(0, 1).unsqueeze(0) for t in (query, key, value))
+        else:
+            # An explicit mask is per batch row: keep the batch. [s, b, h, d] -> [b, h, s, d] (strided views).
+            q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
 
         dropout_p = self.dropout_p if self.training else 0.0
         gqa = self.num_attention_heads_per_partition != self.num_query_groups_per_partition
@@ -191,7 +196,10 @@ class SDPAttention(MegatronModule):
                 q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                 scale=self.softmax_scale, enable_gqa=gqa,
             )
-        # [b, np, sq, hn] -> [sq, b, np * hn]
+        if attn_mask is None:
+            # [1, b*h, s, d] -> [s, b*h, d] -> [sq, b, h * d] (a view when the kernel wrote [s, b*h, d])
+            return out.squeeze(0).transpose(0, 1).reshape(sq, b, self.hidden_size_per_partition)
+        # [b, h, s, d] -> [sq, b, h * d]
         return out.permute(2, 0, 1, 3).reshape(sq, b, self.hidden_size_per_partition)
 
 
