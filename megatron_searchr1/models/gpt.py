@@ -394,7 +394,38 @@ def build_gpt_model(
     return to_device(model)
 
 
-class BatchFirstOutputLayer(tensor_parallel.ColumnParallelLinear):
+class _NoCommLinear:
+    """Mixin for Megatron's parallel linears: run `F.linear` when the call needs no communication.
+
+    Megatron routes every linear through a Python autograd Function (for async TP all-reduce, sequence
+    parallelism and fused gradient accumulation). When none of those apply (TP=1 column layers, row layers
+    without SP, no fusion) it computes exactly `input @ weight.T + bias`; PyTorch's native op does the same
+    without the Python backward (~0.4 ms per layer call on the CPU). Anything else goes to Megatron's path.
+    """
+
+    def _forward_impl(self, input, weight, *args, **kwargs):
+        plain = (
+            not args
+            and weight.requires_grad
+            and not kwargs.get("gradient_accumulation_fusion")
+            and not kwargs.get("allreduce_dgrad")
+            and not kwargs.get("sequence_parallel")
+            and kwargs.get("grad_output_buffer") is None
+        )
+        if not plain:
+            return super()._forward_impl(input, weight, *args, **kwargs)
+        return F.linear(input, weight, kwargs.get("bias"))
+
+
+class FastColumnParallelLinear(_NoCommLinear, tensor_parallel.ColumnParallelLinear):
+    """ColumnParallelLinear with the `_NoCommLinear` shortcut."""
+
+
+class FastRowParallelLinear(_NoCommLinear, tensor_parallel.RowParallelLinear):
+    """RowParallelLinear with the `_NoCommLinear` shortcut."""
+
+
+class BatchFirstOutputLayer(FastColumnParallelLinear):
     """The LM output layer, computing logits batch-first.
 
     GPTModel returns `logits.transpose(0, 1).contiguous()`: a copy of the whole [s, b, V] logits tensor, and
@@ -411,19 +442,21 @@ class BatchFirstOutputLayer(tensor_parallel.ColumnParallelLinear):
 
 
 def use_fast_modules(model: GPTModel, *, use_te: bool) -> None:
-    """Swap in the copy-saving forwards (same parameters and state; only `forward` differs, so a class swap).
+    """Swap in the faster forwards (same parameters and state; only `forward` differs, so a class swap).
 
-    The MLP is swapped after construction rather than in the spec because TransformerLayer only passes the TP
-    group to a spec whose module *is* MLP. Transformer Engine models keep TE's own MLP path.
+    Swapped after construction rather than in the spec because TransformerLayer only passes the TP group to
+    a spec whose MLP *is* MLP. Transformer Engine models keep TE's own modules (only the output layer changes).
     """
     layer = getattr(model, "output_layer", None)
     if (type(layer) is tensor_parallel.ColumnParallelLinear and not model.config.sequence_parallel
             and not model.config.defer_embedding_wgrad_compute):
         layer.__class__ = BatchFirstOutputLayer
     if not use_te:
+        swaps = {MLP: SwiGLUMLP, tensor_parallel.ColumnParallelLinear: FastColumnParallelLinear,
+                 tensor_parallel.RowParallelLinear: FastRowParallelLinear}
         for module in model.modules():
-            if type(module) is MLP:
-                module.__class__ = SwiGLUMLP
+            if type(module) in swaps:
+                module.__class__ = swaps[type(module)]
 
 
 def uses_te_spec(model: torch.nn.Module) -> bool:
