@@ -275,7 +275,9 @@ def create_app(retriever: Retriever, config: ServerConfig | None = None, on_read
 def bind_socket(host: str, port: int) -> socket.socket:
     """A listening TCP socket (port 0 = any free port), bound before the server starts so its URL is known."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # proto must say TCP: asyncio sets TCP_NODELAY only on sockets whose proto is IPPROTO_TCP, and without it
+    # Nagle + delayed ACK add ~40 ms to every response (measured: 42 ms -> 0.2 ms per request on loopback).
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
@@ -361,7 +363,10 @@ def build_arg_parser() -> argparse.ArgumentParser:
     rt.add_argument("--encoder-batch-size", type=int, default=None)
     rt.add_argument("--faiss-gpu", action="store_true", help="put a Flat faiss index on all GPUs (faiss-gpu)")
     rt.add_argument("--faiss-threads", type=int, default=0)
-    rt.add_argument("--torch-threads", type=int, default=0, help="0 = torch's default")
+    rt.add_argument("--torch-threads", type=int, default=1,
+                    help="CPU threads of the query encoder; 0 = torch's default (all cores). 1 by default: on a "
+                         "node whose cores are busy (trainer, rollout) more threads make a CPU encoder much slower "
+                         "(measured 20x at 8 clients on 2 busy cores); raise it on dedicated cores")
     rt.add_argument("--bm25-mmap", action="store_true", help="memory-map the BM25 arrays (large corpora)")
     return p
 
