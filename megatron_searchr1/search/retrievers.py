@@ -20,7 +20,7 @@ from dataclasses import fields
 from megatron_searchr1.search.base import Retriever
 from megatron_searchr1.search.bm25 import BM25Config, BM25Retriever
 from megatron_searchr1.search.corpus import open_corpus
-from megatron_searchr1.search.dense import DenseRetriever, FaissConfig
+from megatron_searchr1.search.dense import DenseRetriever, FaissConfig, _faiss
 from megatron_searchr1.search.encoder import EncoderConfig
 from megatron_searchr1.search.hybrid import HybridConfig, HybridRetriever
 
@@ -99,7 +99,7 @@ def register_faiss_index(faiss_index_path: str | os.PathLike, corpus_path: str |
     (for e5: model=/path/to/e5-base-v2; prefixes and mean pooling follow from the name)."""
     encoder_cfg, faiss_cfg, _, _ = _split_options(options)
     os.makedirs(out_dir, exist_ok=True)
-    faiss = __import__("faiss")
+    faiss = _faiss()
     index = faiss.read_index(os.fspath(faiss_index_path), faiss.IO_FLAG_MMAP | faiss.IO_FLAG_READ_ONLY)
     meta = {"format_version": FORMAT_VERSION, "kind": "dense", "corpus": os.path.abspath(corpus_path),
             "num_docs": int(index.ntotal),

@@ -413,7 +413,10 @@ def main(argv: list[str] | None = None) -> None:
     url = _url(sock, config.host)
 
     def announce():  # printed once the batcher runs, so a parent process may send requests right away
-        print(f"Retrieval server listening on {url} (POST {url}/retrieve, GET {url}/health)", flush=True)
+        where = ""
+        if config.host in ("0.0.0.0", "::", ""):
+            where = f"; other nodes: http://{socket.gethostname()}:{sock.getsockname()[1]}/retrieve"
+        print(f"Retrieval server listening on {url} (POST {url}/retrieve, GET {url}/health{where})", flush=True)
 
     def goodbye():
         print(f"Retrieval server on {url} stopped ({json.dumps(app.state.batcher.stats.as_dict())})", flush=True)

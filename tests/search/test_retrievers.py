@@ -17,6 +17,16 @@ def _top1_rate(retriever, queries, rows):
     return float(np.mean([ids[j, 0] == r for j, r in enumerate(rows)]))
 
 
+def test_doctests_of_the_search_modules():
+    import doctest
+
+    from megatron_searchr1.search import base, client, corpus, hybrid
+
+    for module in (base, client, corpus, hybrid):
+        result = doctest.testmod(module)
+        assert result.failed == 0 and result.attempted > 0, module.__name__
+
+
 # ---- pure pieces -------------------------------------------------------------------------------------------
 
 def test_topk_desc_breaks_ties_by_row_and_pads():

@@ -85,6 +85,18 @@ def test_empty_string_query_is_allowed(bm25_server):
     assert r.status_code == 200 and r.json() == {"result": [[], []]}
 
 
+def test_no_nagle_delay_on_loopback(world, bm25_server):
+    """Without TCP_NODELAY every response waited ~40 ms for a delayed ACK; a keep-alive request takes ~1 ms."""
+    with httpx.Client(timeout=10) as c:
+        c.get(f"{bm25_server.url}/health")
+        times = []
+        for _ in range(15):
+            t0 = time.perf_counter()
+            c.post(f"{bm25_server.url}/retrieve", json={"queries": [world["queries"][1]], "topk": 1})
+            times.append(time.perf_counter() - t0)
+    assert sorted(times)[len(times) // 2] < 0.030  # median; generous for busy shared cores
+
+
 # ---- bad input -------------------------------------------------------------------------------------------------
 
 BAD = [
