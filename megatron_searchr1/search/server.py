@@ -151,7 +151,7 @@ class MicroBatcher:
         self.stats = BatchStats()
         self._queue: asyncio.Queue[_Pending] | None = None
         self._task: asyncio.Task | None = None
-        # One thread: the encoder and faiss already use all cores, and serial calls keep results reproducible.
+        # One thread: the encoder and faiss parallelise inside a call, and serial calls keep results reproducible.
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="retrieval")
 
     async def start(self) -> None:
@@ -185,7 +185,13 @@ class MicroBatcher:
                 item = self._queue.get_nowait()
                 batch.append(item)
                 n += len(item.queries)
-            await self._run(batch)
+            try:
+                await self._run(batch)
+            except Exception as e:  # noqa: BLE001 - a bug here must not kill the loop and hang every later request
+                logger.exception("micro-batcher failed on a batch of %d requests", len(batch))
+                for p in batch:
+                    if not p.future.done():
+                        p.future.set_exception(e)
 
     async def _run(self, batch: list[_Pending]) -> None:
         batch = [p for p in batch if not p.future.done()]  # a client that went away leaves a cancelled future

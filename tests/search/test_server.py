@@ -1,5 +1,4 @@
 """The /retrieve server on a real uvicorn over loopback: Search-R1's JSON shapes, bad input, load, the CLI."""
-import json
 import os
 import signal
 import subprocess
@@ -115,7 +114,8 @@ BAD = [
     ("topk a float", {"queries": ["a"], "topk": 2.5}, 422, "'topk' must be an integer, got float"),
     ("topk a bool", {"queries": ["a"], "topk": True}, 422, "'topk' must be an integer, got bool"),
     ("topk over limit", {"queries": ["a"], "topk": 21}, 422, "'topk' is 21, the limit is 20"),
-    ("return_scores not bool", {"queries": ["a"], "return_scores": "yes"}, 422, "'return_scores' must be true or false"),
+    ("return_scores not bool", {"queries": ["a"], "return_scores": "yes"}, 422,
+     "'return_scores' must be true or false"),
 ]
 
 
