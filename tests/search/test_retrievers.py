@@ -146,6 +146,17 @@ def test_save_load_round_trip_gives_identical_results(world, fixture, request):
     assert loaded.search(queries[:1], 2)[0][0][0] == world_doc(world, int(a_ids[0, 0]))
 
 
+def test_lazy_corpus_serves_the_same_results(world, bm25_index):
+    """The wiki-18 path: the corpus stays on disk (byte offsets only) and rows are parsed when returned."""
+    from megatron_searchr1.search.corpus import JsonlCorpus
+
+    index_dir, built = bm25_index
+    lazy = load_retriever(index_dir, lazy_corpus=True)
+    assert isinstance(lazy.corpus, JsonlCorpus) and os.path.exists(os.path.join(index_dir, "corpus_offsets.npz"))
+    queries = world["queries"][::11]
+    assert lazy.search(queries, 3) == built.search(queries, 3)
+
+
 def world_doc(world, row):
     from megatron_searchr1.search.corpus import parse_doc
 
@@ -197,6 +208,13 @@ def test_raw_faiss_index_file_plus_jsonl_like_search_r1(tmp_path, world, dense_i
     assert meta["num_docs"] == len(corpus) and os.path.isabs(meta["dense"]["faiss_index"])
     registered = load_retriever(tmp_path / "registered")
     np.testing.assert_array_equal(registered.search_ids(queries, 3)[0], ours.search_ids(queries, 3)[0])
+
+    # and through the CLI, which is how a user registers wiki-18's e5_Flat.index
+    from megatron_searchr1.search.build_index import main as build_index_main
+
+    build_index_main(["--corpus", world["path"], "--out-dir", str(tmp_path / "cli"), "--kind", "dense",
+                      "--faiss-index", str(tmp_path / "search_r1" / "e5_Flat.index")])
+    assert read_index_meta(tmp_path / "cli")["dense"]["faiss_index"] == meta["dense"]["faiss_index"]
 
     with pytest.raises(ValueError, match="row i of the index must be row i of the corpus"):
         DenseRetriever.from_faiss(tmp_path / "search_r1" / "e5_Flat.index", corpus[:-1], encoder=encoder)
