@@ -9,8 +9,11 @@ repeated K/V copy is made.
 
 `SDPSelfAttention` (Megatron's `SelfAttention` plus one shortcut) hands RoPE to this module: Megatron's
 unfused RoPE recomputes cos/sin of the frequencies for q and for k in every layer and copies q and k
-through a concat with an empty pass-through slice; here cos/sin are computed once per forward (shared by
-all layers) and applied with the same formula, so the result is bit-identical.
+through concats (rotate-half, an empty pass-through slice, and again in backward); here cos/sin are
+computed once per forward (shared by all layers) and applied per half into one buffer (`_Rope`), with the
+same IEEE operations per element, so the result is bit-identical. Keys come out of RoPE already in the
+memory layout the CPU flash kernel reads fastest (heads-major), and without a mask the batch is folded
+into the heads so the kernel's output is Megatron's [s, b, h*d] without a copy.
 
 Contract (identical to `DotProductAttention`):
     query: [sq, b, np, hn], key/value: [sk, b, ng, hn]  (np, ng = heads, query groups on this TP rank)
