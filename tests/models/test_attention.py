@@ -9,15 +9,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_searchr1.models.attention import SDPAttention
-
-
-@pytest.fixture(scope="module")
-def megatron_tp1():
-    from megatron_searchr1.megatron.initialize import destroy_megatron, initialize_megatron
-
-    initialize_megatron(tp=1, pp=1)
-    yield
-    destroy_megatron()
+from tests.models.test_gpt import megatron_tp1  # noqa: F401  (fixture)
 
 
 def _config(heads=4, groups=2, dropout=0.0, **kw):

@@ -6,16 +6,7 @@ import torch
 
 from megatron_searchr1.models.critic import VALUE_HEAD_BIAS, VALUE_HEAD_WEIGHT, build_critic_model
 from megatron_searchr1.models.gpt import build_gpt_model
-from tests.models.test_gpt import tiny_config
-
-
-@pytest.fixture(scope="module")
-def megatron_tp1():
-    from megatron_searchr1.megatron.initialize import destroy_megatron, initialize_megatron
-
-    initialize_megatron(tp=1, pp=1)
-    yield
-    destroy_megatron()
+from tests.models.test_gpt import megatron_tp1, tiny_config  # noqa: F401  (fixture)
 
 
 @pytest.mark.parametrize("kind", ["qwen2", "llama"])

@@ -118,13 +118,26 @@ def sample_ids(batch=2, seq=48, seed=1):
     return torch.randint(0, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(seed))
 
 
+_DIST_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
 @pytest.fixture(scope="module")
 def megatron_tp1():
+    """A 1-process Megatron world for this module; torchrun-style env vars are restored afterwards, so later
+    subprocesses (converters, torchrun workers) do not inherit this process's rendezvous port."""
+    import os
+
     from megatron_searchr1.megatron.initialize import destroy_megatron, initialize_megatron
 
+    saved = {k: os.environ.get(k) for k in _DIST_ENV}
     initialize_megatron(tp=1, pp=1)
     yield
     destroy_megatron()
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
 
 
 # ------------------------------------------------------------------------------------------------ config
