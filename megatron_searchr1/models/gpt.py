@@ -3,12 +3,13 @@
     config = transformer_config_from_hf(hf_config, tp=2, pp=1)     # validate + translate
     model = build_gpt_model(hf_config)                             # TP/PP read from parallel_state
 
-Layer spec: Transformer Engine's on GPU (when TE imports), Megatron's local spec on the CPU with our
-`SDPAttention` in place of `DotProductAttention`, `SDPSelfAttention` (RoPE with cos/sin computed once)
-in place of `SelfAttention`, `SwiGLUMLP` (no gradient concat) in place of `MLP`; the LM output layer
-computes logits batch-first (`BatchFirstOutputLayer`, saves copies of the [s, b, V] logits). Each is
-numerically the same as Megatron's module it replaces (tested), and together they make the local spec's
-fwd+bwd on the CPU at least as fast as HF's sdpa model (tools/benchmarks/bench_megatron_vs_hf.py).
+Layer spec: Transformer Engine's on GPU (when TE imports), Megatron's local spec on the CPU with
+`SDPAttention` (attention.py) in place of `DotProductAttention` and `SDPSelfAttention` (RoPE with cos/sin
+computed once, no concats) in place of `SelfAttention`. After construction `use_fast_modules` swaps in
+`SwiGLUMLP` (no gradient concat), `Fast{Column,Row}ParallelLinear` (`F.linear` when a call needs no
+communication) and, on the last stage, `BatchFirstOutputLayer` (logits computed [b, s, V], saving copies).
+Each computes what the Megatron module it replaces computes (tested against it). On the CPU these bring
+the local spec's fwd+bwd from 1.35-1.39x HF Qwen2 (sdpa) to ~1.0x (tools/benchmarks/bench_megatron_vs_hf.py).
 
 Parameter names the model produces (per pipeline stage; `i` is the layer index *within this stage*,
 the global index is `i + get_transformer_layer_offset(config)`; TP shards are per rank):
@@ -247,54 +248,6 @@ def te_available() -> bool:
     return True
 
 
-class _SwiGLU(torch.autograd.Function):
-    """silu(gate) * up over fc1's [..., 2F] output, whose backward writes [d_gate, d_up] into one buffer.
-
-    Megatron's unfused path (`torch.chunk` + silu + mul) pays a `torch.cat` of the two [..., F] gradients in
-    backward: a copy of the layer's largest activation. Same saved tensors, same kernels otherwise
-    (aten.silu_backward), so gradients match autograd's bit for bit.
-    """
-
-    @staticmethod
-    def forward(ctx, x):
-        gate, up = x.chunk(2, dim=-1)
-        act = F.silu(gate)
-        ctx.save_for_backward(x, act)
-        return act * up
-
-    @staticmethod
-    def backward(ctx, grad):
-        x, act = ctx.saved_tensors
-        gate, up = x.chunk(2, dim=-1)
-        grad_x = torch.empty_like(x)
-        d_gate, d_up = grad_x.chunk(2, dim=-1)  # views into grad_x: written in place, no concat
-        torch.ops.aten.silu_backward.grad_input(grad * up, gate, grad_input=d_gate)
-        torch.mul(grad, act, out=d_up)
-        return grad_x
-
-
-class SwiGLUMLP(MLP):
-    """Megatron's MLP with `_SwiGLU` on the plain path (SwiGLU, no bias, no fusion, no clamp/offset/scales)."""
-
-    def forward(self, hidden_states, per_token_scale=None, **kwargs):
-        cfg = self.config
-        plain = (
-            per_token_scale is None
-            and cfg.gated_linear_unit
-            and self.activation_func is F.silu
-            and not cfg.use_te_activation_func
-            and not cfg.bias_activation_fusion
-            and cfg.activation_func_clamp_value is None
-            and cfg.glu_linear_offset == 0.0
-        )
-        if not plain:
-            return super().forward(hidden_states, per_token_scale=per_token_scale, **kwargs)
-        intermediate, bias = self.linear_fc1(hidden_states)  # [s, b, 2F/tp]
-        if bias is not None:
-            intermediate = intermediate + bias
-        return self.linear_fc2(_SwiGLU.apply(intermediate))
-
-
 def layer_spec(use_te: bool) -> ModuleSpec:
     """The transformer layer spec: TE's on GPU, else Megatron's local spec with SDPAttention."""
     if use_te:
@@ -394,6 +347,63 @@ def build_gpt_model(
     return to_device(model)
 
 
+def uses_te_spec(model: torch.nn.Module) -> bool:
+    """True when `model` was built with Transformer Engine layers (fused norm naming), False for the local spec."""
+    return any(type(m).__module__.startswith("megatron.core.extensions.transformer_engine") for m in model.modules())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Local-spec speed-ups (CPU). Each replaces one Megatron forward with the same math and fewer copies or less
+# Python; tests compare each against the Megatron module it replaces.
+# ---------------------------------------------------------------------------------------------------------------
+class _SwiGLU(torch.autograd.Function):
+    """silu(gate) * up over fc1's [..., 2F] output, whose backward writes [d_gate, d_up] into one buffer.
+
+    Megatron's unfused path (`torch.chunk` + silu + mul) pays a `torch.cat` of the two [..., F] gradients in
+    backward: a copy of the layer's largest activation. Same saved tensors, same kernels otherwise
+    (aten.silu_backward), so gradients match autograd's bit for bit.
+    """
+
+    @staticmethod
+    def forward(ctx, x):
+        gate, up = x.chunk(2, dim=-1)
+        act = F.silu(gate)
+        ctx.save_for_backward(x, act)
+        return act * up
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, act = ctx.saved_tensors
+        gate, up = x.chunk(2, dim=-1)
+        grad_x = torch.empty_like(x)
+        d_gate, d_up = grad_x.chunk(2, dim=-1)  # views into grad_x: written in place, no concat
+        torch.ops.aten.silu_backward.grad_input(grad * up, gate, grad_input=d_gate)
+        torch.mul(grad, act, out=d_up)
+        return grad_x
+
+
+class SwiGLUMLP(MLP):
+    """Megatron's MLP with `_SwiGLU` on the plain path (SwiGLU, no bias, no fusion, no clamp/offset/scales)."""
+
+    def forward(self, hidden_states, per_token_scale=None, **kwargs):
+        cfg = self.config
+        plain = (
+            per_token_scale is None
+            and cfg.gated_linear_unit
+            and self.activation_func is F.silu
+            and not cfg.use_te_activation_func
+            and not cfg.bias_activation_fusion
+            and cfg.activation_func_clamp_value is None
+            and cfg.glu_linear_offset == 0.0
+        )
+        if not plain:
+            return super().forward(hidden_states, per_token_scale=per_token_scale, **kwargs)
+        intermediate, bias = self.linear_fc1(hidden_states)  # [s, b, 2F/tp]
+        if bias is not None:
+            intermediate = intermediate + bias
+        return self.linear_fc2(_SwiGLU.apply(intermediate))
+
+
 class _NoCommLinear:
     """Mixin for Megatron's parallel linears: run `F.linear` when the call needs no communication.
 
@@ -457,8 +467,3 @@ def use_fast_modules(model: GPTModel, *, use_te: bool) -> None:
         for module in model.modules():
             if type(module) in swaps:
                 module.__class__ = swaps[type(module)]
-
-
-def uses_te_spec(model: torch.nn.Module) -> bool:
-    """True when `model` was built with Transformer Engine layers (fused norm naming), False for the local spec."""
-    return any(type(m).__module__.startswith("megatron.core.extensions.transformer_engine") for m in model.modules())
