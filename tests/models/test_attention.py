@@ -110,3 +110,20 @@ def test_rope_in_core_attention_is_bit_identical_to_megatron_rope(megatron_tp1):
     (fast_logits, fast_grad), (meg_logits, meg_grad) = run(True), run(False)
     assert torch.equal(fast_logits, meg_logits)
     assert torch.allclose(fast_grad, meg_grad, atol=1e-6, rtol=1e-5)
+
+
+def test_model_with_explicit_causal_mask_equals_implicit_causal(megatron_tp1):
+    """The masked path (batch kept, RoPE in standard layout) gives the same logits as the unmasked fast path."""
+    from transformers import Qwen2Config
+
+    from megatron_searchr1.models.gpt import build_gpt_model
+
+    cfg = Qwen2Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2)
+    model = build_gpt_model(cfg).eval()
+    ids = torch.randint(0, 256, (2, 20), generator=torch.Generator().manual_seed(4))
+    causal = torch.triu(torch.ones(20, 20, dtype=torch.bool), diagonal=1).expand(2, 1, 20, 20)
+    with torch.no_grad():
+        implicit = model(ids, None, None)
+        explicit = model(ids, None, causal)
+    assert (implicit - explicit).abs().max().item() <= 1e-5
