@@ -341,7 +341,7 @@ def build_gpt_model(
     use_te = resolve_use_te(use_te)
     config = resolve_config(hf_config, config, params_dtype)
     kwargs = gpt_model_kwargs(hf_config, config, use_te=use_te, pre_process=pre_process, post_process=post_process)
-    model = GPTModel(**kwargs)
+    model = BatchFirstGPTModel(**kwargs)
     use_fast_modules(model, use_te=use_te)
     model.hf_vocab_size = int(hf_config.vocab_size)
     return to_device(model)
@@ -436,19 +436,36 @@ class FastRowParallelLinear(_NoCommLinear, tensor_parallel.RowParallelLinear):
 
 
 class BatchFirstOutputLayer(FastColumnParallelLinear):
-    """The LM output layer, computing logits batch-first.
+    """The LM output layer, computing logits batch-first when the model asks for logits.
 
     GPTModel returns `logits.transpose(0, 1).contiguous()`: a copy of the whole [s, b, V] logits tensor, and
     in backward the transposed gradient is copied twice more inside the linear layer. V is ~20-400x the hidden
     size, so those copies cost ~5% of a small model's step on the CPU. Transposing the [s, b, h] input instead
     (small) and returning a [s, b, V] *view* of a contiguous [b, s, V] result makes GPTModel's `.contiguous()`
-    free and its backward copy-free. Numerically identical (same matmul per row). Not for sequence parallelism,
-    which splits dim 0 of the input.
+    free and its backward copy-free. Numerically identical (same matmul per row).
+    Only when `batch_first` is set (by BatchFirstGPTModel, for calls without labels): Megatron's loss path
+    (`labels=...`) reads the [s, b, V] logits with `.view`, which needs them contiguous.
     """
 
+    batch_first = False
+
     def forward(self, input_, weight=None, runtime_gather_output=None):
+        if not self.batch_first:
+            return super().forward(input_, weight, runtime_gather_output)
         out, bias = super().forward(input_.transpose(0, 1).contiguous(), weight, runtime_gather_output)
         return out.transpose(0, 1), bias
+
+
+class BatchFirstGPTModel(GPTModel):
+    """GPTModel that lets a BatchFirstOutputLayer compute batch-first logits when it returns logits (no labels)."""
+
+    def _postprocess(self, *args, **kwargs):
+        layer = getattr(self, "output_layer", None)
+        if isinstance(layer, BatchFirstOutputLayer):
+            # GPTModel passes everything by keyword; only the plain-logits path transposes back to [b, s, V].
+            layer.batch_first = (kwargs.get("labels") is None and not self.mtp_process
+                                 and not self.config.sequence_parallel)
+        return super()._postprocess(*args, **kwargs)
 
 
 def use_fast_modules(model: GPTModel, *, use_te: bool) -> None:

@@ -252,6 +252,24 @@ def test_batch_first_output_layer_matches_megatron_layout(megatron_tp1):
         assert torch.allclose(a, b, atol=1e-6, rtol=1e-5)
 
 
+def test_labels_loss_path_equals_cross_entropy_of_logits(megatron_tp1):
+    """Megatron's labels path reads [s, b, V] logits with .view: the batch-first output layer must stay out of it."""
+    cfg, hf = tiny_hf_model("qwen2")
+    model = build_gpt_model(cfg)
+    load_into(model, hf_to_megatron_state(hf, cfg, vocab_pad=model.vocab_size))
+    ids = sample_ids(seq=17)
+    per_token = model(ids[:, :-1], None, None, labels=ids[:, 1:])
+    assert per_token.shape == (2, 16)
+    # Megatron's loss normalises over the *padded* vocabulary (the zero padding rows give logit 0), so compare
+    # with cross entropy over all V_pad logits; HF-equal log-probs need the logits cut to VOCAB first.
+    logits = model(ids[:, :-1], None, None)
+    want = torch.nn.functional.cross_entropy(logits.reshape(-1, model.vocab_size), ids[:, 1:].reshape(-1),
+                                             reduction="none")
+    assert (per_token.reshape(-1) - want).abs().max().item() <= 1e-5
+    per_token.mean().backward()
+    assert model.output_layer.weight.grad.abs().sum() > 0
+
+
 def test_swiglu_mlp_matches_megatron_mlp(megatron_tp1):
     """SwiGLUMLP (gradient written in place) against Megatron's chunk+silu+mul MLP: same outputs and grads."""
     from megatron.core.transformer.mlp import MLP
@@ -311,8 +329,39 @@ def test_forward_logits_rejects_left_padding_and_shifted_positions(megatron_tp1)
 
 
 # ------------------------------------------------------------------------------------------------ TP / PP
+def full_grads(model, tp: int) -> dict:
+    """Every parameter's gradient at its TP=1 shape (TP shards all-gathered; vocab padding rows cut off)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    out = {}
+    for name, param in model.named_parameters():
+        g = param.grad.detach()
+        if getattr(param, "tensor_model_parallel", False) and tp > 1:
+            parts = [torch.empty_like(g) for _ in range(tp)]
+            dist.all_gather(parts, g.contiguous(), group=parallel_state.get_tensor_model_parallel_group())
+            if name.endswith("linear_fc1.weight"):  # each rank holds [gate_r; up_r]
+                halves = [part.chunk(2) for part in parts]
+                parts = [h[0] for h in halves] + [h[1] for h in halves]
+            g = torch.cat(parts, dim=param.partition_dim)
+        if "embedding" in name or "output_layer" in name:
+            g = g[:VOCAB]
+        out[name] = g.clone()
+    return out
+
+
+def labels_loss_grads(model, tp: int) -> dict:
+    """Gradients of Megatron's own loss path (labels=..., vocab-parallel cross entropy) on a fixed batch."""
+    ids = sample_ids(batch=2, seq=17, seed=5)
+    model.train()
+    model.zero_grad(set_to_none=True)
+    model(ids[:, :-1], None, None, labels=ids[:, 1:]).mean().backward()
+    return full_grads(model, tp)
+
+
 def _worker(out_dir: str) -> None:
-    """torchrun worker: logits of each tiny model at TP=2 and at PP=2 (micro-batched), saved by global rank 0."""
+    """torchrun worker: logits of each tiny model at TP=2 and at PP=2 (micro-batched), and TP=2 gradients of the
+    labels loss; saved by global rank 0."""
     import torch.distributed as dist
     from megatron.core import parallel_state
 
@@ -334,6 +383,10 @@ def _worker(out_dir: str) -> None:
             assert (logits is not None) == last
             if last and parallel_state.get_tensor_model_parallel_rank() == 0:
                 results[f"{kind}_tp{tp}_pp{pp}"] = logits
+            if tp == 2:
+                grads = labels_loss_grads(model, tp)
+                if parallel_state.get_tensor_model_parallel_rank() == 0:
+                    results[f"{kind}_tp2_grads"] = grads
         parallel_state.destroy_model_parallel()
     # The last PP stage holds the PP result: gather everything on rank 0 through the world group.
     gathered = [None] * dist.get_world_size()
@@ -352,7 +405,8 @@ def test_tp2_and_pp2_logits_equal_tp1(tmp_path, megatron_tp1):
     t0 = time.time()
     run_torchrun(__file__, 2, str(tmp_path), timeout=300)
     got = torch.load(tmp_path / "logits.pt")
-    assert sorted(got) == ["llama_tp1_pp2", "llama_tp2_pp1", "qwen2_tp1_pp2", "qwen2_tp2_pp1"]
+    assert sorted(got) == ["llama_tp1_pp2", "llama_tp2_grads", "llama_tp2_pp1",
+                           "qwen2_tp1_pp2", "qwen2_tp2_grads", "qwen2_tp2_pp1"]
     for kind in ("qwen2", "llama"):
         cfg, hf = tiny_hf_model(kind)
         model = build_gpt_model(cfg).eval()
@@ -362,6 +416,11 @@ def test_tp2_and_pp2_logits_equal_tp1(tmp_path, megatron_tp1):
             other = got[f"{kind}_{case}"]
             assert other.shape == ref.shape == (4, 48, VOCAB)
             assert (other - ref).abs().max().item() <= 1e-4, (kind, case)
+        ref_grads, tp2_grads = labels_loss_grads(model, 1), got[f"{kind}_tp2_grads"]
+        assert sorted(ref_grads) == sorted(tp2_grads)
+        for name, g in ref_grads.items():
+            assert g.abs().max() > 0, name
+            assert (tp2_grads[name] - g).abs().max().item() <= 1e-5 * max(1.0, g.abs().max().item()), (kind, name)
     print(f"torchrun TP=2/PP=2 check took {time.time() - t0:.1f}s")
 
 
