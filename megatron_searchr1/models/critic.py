@@ -23,6 +23,7 @@ from typing import Optional
 
 import torch
 
+from megatron.core import tensor_parallel
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -50,6 +51,12 @@ class CriticModel(GPTModel):
         """hidden_states [s, b, h] (already through decoder.final_layernorm) -> values (b, s) fp32."""
         if not self.post_process:
             return hidden_states
+        if self.config.sequence_parallel:
+            # [s/tp, b, h] -> [s, b, h]. Every TP rank then computes the same values and loss, so backward only
+            # takes this rank's slice (no reduce-scatter: that would sum tp identical gradients).
+            hidden_states = tensor_parallel.gather_from_sequence_parallel_region(
+                hidden_states, tensor_parallel_output_grad=False
+            )
         values = self.value_head(hidden_states).squeeze(-1)  # [s, b]
         return values.transpose(0, 1).float().contiguous()  # (B, T)
 
