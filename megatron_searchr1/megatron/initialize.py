@@ -26,12 +26,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+# torchrun-style variables we set ourselves for a world of one; removed again by destroy_megatron so that a
+# subprocess started later (a converter, a server) does not inherit a rendezvous that no longer exists.
+_ENV_WE_SET: list[str] = []
+
+
 def _init_process_group(timeout_minutes: int) -> None:
     if dist.is_initialized():
         return
     if "RANK" not in os.environ:  # not under torchrun: a world of one
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        own = dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+        for key, value in own.items():
+            if key not in os.environ:
+                os.environ[key] = value
+                _ENV_WE_SET.append(key)
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
@@ -88,3 +96,5 @@ def destroy_megatron() -> None:
         mpu.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
+    while _ENV_WE_SET:
+        os.environ.pop(_ENV_WE_SET.pop(), None)
