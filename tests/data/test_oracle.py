@@ -3,9 +3,6 @@ uvicorn server on loopback, and every <information> block is exactly what the se
 import json
 import os
 import socket
-import subprocess
-import sys
-import time
 
 import httpx
 import pytest
@@ -13,6 +10,7 @@ import pytest
 from megatron_searchr1.data import oracle, synthetic
 from megatron_searchr1.data.prompts import format_observation
 from megatron_searchr1.search.client import RetrievalClient, format_docs
+from megatron_searchr1.search.launch import ServerProcess
 from megatron_searchr1.search.retrievers import build_index
 
 SMALL = dict(seed=5, n_countries=4, n_cities=12, n_universities=10, n_companies=15, n_people=50, n_products=12,
@@ -89,35 +87,9 @@ def test_misses_are_flagged_and_failures_raise(world, tmp_path):
 
 @pytest.fixture(scope="module")
 def server(world):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "megatron_searchr1.search.server", "--index-dir",
-                             world["index_dir"], "--host", "127.0.0.1", "--port", str(port)],
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 60
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"retrieval server exited with {proc.returncode}: {proc.stderr.read()[-2000:]}")
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.time() > deadline:
-                raise RuntimeError("retrieval server did not come up within 60 s")
-            time.sleep(0.2)
-        yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    with ServerProcess(["--index-dir", world["index_dir"], "--host", "127.0.0.1"],
+                       env={"HF_HUB_OFFLINE": "1"}, start_timeout=60) as srv:
+        yield srv.url
 
 
 def test_oracle_through_a_real_server(world, server, tmp_path):

@@ -1,6 +1,4 @@
 """The /retrieve server on a real uvicorn over loopback: Search-R1's JSON shapes, bad input, load, the CLI."""
-import os
-import signal
 import subprocess
 import sys
 import threading
@@ -11,6 +9,7 @@ import httpx
 import numpy as np
 import pytest
 
+from megatron_searchr1.search.launch import ServerProcess
 from megatron_searchr1.search.server import BackgroundServer, ServerConfig
 
 LIMITS = dict(max_queries=8, max_topk=20, max_query_chars=200)
@@ -222,38 +221,21 @@ def test_32_concurrent_clients_match_sequential_results(world, server, request):
 
 # ---- the command line ------------------------------------------------------------------------------------------
 
-def _start_cli(args):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "megatron_searchr1.search.server", "--port", "0", *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    lines = []
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        lines.append(line)
-        if "listening on http://" in line:
-            url = line.split("listening on ")[1].split()[0]
-            return proc, url
-    proc.kill()
-    raise AssertionError("server did not start:\n" + "".join(lines))
+def _start_cli(args) -> ServerProcess:
+    return ServerProcess(args, start_timeout=120).start()
 
 
-def _stop_cli(proc):
+def _stop_cli(server: ServerProcess) -> str:
     """SIGINT, then the rest of its output; uvicorn shuts down gracefully and re-raises the signal."""
-    proc.send_signal(signal.SIGINT)
-    try:
-        out, _ = proc.communicate(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 0, out
+    rc = server.stop()
+    out = "".join(server.output)
+    assert rc == 0, out
     return out
 
 
 def test_cli_serves_an_index_dir_and_stops_on_sigint(world, bm25_index):
-    proc, url = _start_cli(["--index-dir", bm25_index[0], "--max-queries", "4", "--log-level", "warning"])
+    server = _start_cli(["--index-dir", bm25_index[0], "--max-queries", "4", "--log-level", "warning"])
+    url = server.url
     try:
         assert url.startswith("http://127.0.0.1:")
         assert httpx.get(f"{url}/health", timeout=10).json()["limits"]["max_queries"] == 4
@@ -261,7 +243,7 @@ def test_cli_serves_an_index_dir_and_stops_on_sigint(world, bm25_index):
         assert r.json()["result"][0][0]["document"]["id"] == world["docs"][77]["id"]
         assert post(url, {"queries": ["a"] * 5}).status_code == 413
     finally:
-        out = _stop_cli(proc)
+        out = _stop_cli(server)
     assert "stopped" in out and '"requests": 1' in out  # graceful shutdown ran (the 413 never reached search)
     assert "Traceback" not in out
 
@@ -271,8 +253,9 @@ def test_cli_serves_a_raw_faiss_file_with_its_corpus(tmp_path, world, dense_inde
     import faiss
 
     faiss.write_index(dense_index[1].cpu_index, str(tmp_path / "e5_Flat.index"))
-    proc, url = _start_cli(["--faiss-index", str(tmp_path / "e5_Flat.index"), "--corpus", world["path"],
-                            "--log-level", "warning"])
+    server = _start_cli(["--faiss-index", str(tmp_path / "e5_Flat.index"), "--corpus", world["path"],
+                         "--log-level", "warning"])
+    url = server.url
     try:
         queries = world["queries"][:20]
         got = post(url, {"queries": queries, "topk": 2, "return_scores": False}).json()["result"]
@@ -280,7 +263,7 @@ def test_cli_serves_a_raw_faiss_file_with_its_corpus(tmp_path, world, dense_inde
         assert [[d["id"] for d in row] for row in got] == [[d["id"] for d, _ in row] for row in want]
         assert httpx.get(f"{url}/health", timeout=10).json()["kind"] == "dense"
     finally:
-        assert "stopped" in _stop_cli(proc)
+        assert "stopped" in _stop_cli(server)
 
 
 def test_cli_without_an_index_says_what_to_pass():

@@ -15,13 +15,12 @@ import argparse
 import asyncio
 import os
 import random
-import signal
-import subprocess
-import sys
 import tempfile
 import time
 
 import numpy as np
+
+from megatron_searchr1.search.launch import ServerProcess
 
 
 def make_corpus(path: str, n: int, seed: int = 0) -> list[str]:
@@ -42,32 +41,6 @@ def make_corpus(path: str, n: int, seed: int = 0) -> list[str]:
                                                           f"{name} was born in {1800 + i % 200}."}) + "\n")
             questions.append(f"the {a} from {b} who loves {c}")
     return questions
-
-
-def start_server(index_dir: str, extra: list[str]) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen([sys.executable, "-m", "megatron_searchr1.search.server", "--index-dir", index_dir,
-                             "--port", "0", "--log-level", "warning", *extra],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.time() + 180
-    lines = []
-    while time.time() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        lines.append(line)
-        if "listening on http://" in line:
-            return proc, line.split("listening on ")[1].split()[0]
-    proc.kill()
-    raise RuntimeError("server did not start:\n" + "".join(lines))
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    proc.send_signal(signal.SIGINT)
-    try:
-        proc.communicate(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.communicate()
 
 
 async def closed_loop(url: str, questions: list[str], concurrency: int, seconds: float, topk: int) -> dict:
@@ -157,7 +130,8 @@ def main(argv: list[str] | None = None) -> None:
             t0 = time.time()
             retriever = build_index(corpus_path, os.path.join(tmp, kind), kind=kind, show_progress=False)
             print(f"\n== {kind}: index built in {time.time() - t0:.1f}s")
-            proc, url = start_server(os.path.join(tmp, kind), server_args)
+            server = ServerProcess(["--index-dir", os.path.join(tmp, kind), "--log-level", "warning", *server_args])
+            url = server.start().url
             try:
                 asyncio.run(closed_loop(url, questions, 4, 0.5, args.topk))  # warm-up
                 print(f"{'clients':>8} {'requests':>9} {'QPS':>8} {'x QPS':>6} {'p50 ms':>8} {'p99 ms':>8} "
@@ -176,7 +150,7 @@ def main(argv: list[str] | None = None) -> None:
                     print(f"{b:>8} {r['http_qps']:>9.1f} {r['http_qps'] / base:>6.1f} {r['http_ms']:>8.1f} "
                           f"{r['local_qps']:>10.1f} {r['http_qps'] / r['local_qps']:>10.2f}")
             finally:
-                stop_server(proc)
+                server.stop()
 
 
 if __name__ == "__main__":
