@@ -26,7 +26,7 @@ from typing import Any, Iterable
 import torch
 
 from megatron_searchr1.models.families import (
-    ModelFamily, get_family, local_to_global_name, te_to_local_name, tp_merge, tp_split,
+    ModelFamily, get_family, local_to_global_name, tp_merge, tp_split,
 )
 
 META_FILE = "searchr1_checkpoint.json"
