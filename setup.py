@@ -22,6 +22,7 @@ CORE = [
     "psutil",  # dist_checkpointing hangs on save without it
     # retrieval service
     "bm25s>=0.2",
+    "PyStemmer",  # BM25 stems English words, as Pyserini (Search-R1's BM25) does
     "faiss-cpu>=1.8; platform_machine=='x86_64' or platform_machine=='aarch64'",
     "fastapi",
     "uvicorn",

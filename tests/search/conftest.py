@@ -37,7 +37,7 @@ TOPICS = [
     ("Violin", "A violin has four strings and is played with a bow strung with horsehair.",
      "string instrument played with a horsehair bow"),
     ("Submarine", "Submarines dive by flooding ballast tanks with seawater and surface by blowing them out.",
-     "how an underwater boat sinks and rises"),
+     "how an underwater boat descends and ascends"),
 ]
 
 

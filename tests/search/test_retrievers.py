@@ -86,6 +86,22 @@ def test_bm25_returns_only_matching_docs():
     assert r.search(["zebra"], 3) == [[]]
 
 
+def test_bm25_stems_english_like_pyserini_and_the_index_remembers(tmp_path):
+    from megatron_searchr1.search.bm25 import BM25Config, BM25Retriever
+
+    docs = [{"id": "0", "title": "", "text": "Bavyn Works was founded in 1979", "contents": '""\nBavyn Works was founded in 1979'},
+            {"id": "1", "title": "", "text": "a river flows north", "contents": '""\na river flows north'}]
+    stemmed = BM25Retriever.build(docs, show_progress=False)
+    assert [d["id"] for d, _ in stemmed.search(["founding year"], 3)[0]] == ["0"]  # founding ~ founded
+    plain = BM25Retriever.build(docs, BM25Config(stemmer=""), show_progress=False)
+    assert plain.search(["founding year"], 3) == [[]]
+    index_dir = tmp_path / "bm25"
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"id": d["id"], "contents": d["contents"]}) + "\n" for d in docs))
+    build_index(str(corpus), str(index_dir), kind="bm25", stemmer="", show_progress=False)
+    assert load_retriever(str(index_dir)).search(["founding year"], 3) == [[]]  # no stemmer at build: none at query
+
+
 def test_dense_finds_distinctive_passages_top1(world, dense_index):
     _, r = dense_index
     assert _top1_rate(r, world["queries"], world["topic_rows"]) == 1.0
@@ -95,7 +111,7 @@ def test_dense_finds_distinctive_passages_top1(world, dense_index):
 
 
 def test_dense_bridges_the_vocabulary_gap_that_bm25_cannot(bm25_index, dense_index):
-    query = "how an underwater boat sinks and rises"  # no word in common with the Submarine passage
+    query = "how an underwater boat descends and ascends"  # no word (stem) in common with any passage
     assert bm25_index[1].search([query], 3) == [[]]
     assert dense_index[1].search([query], 1)[0][0][0]["title"] == "Submarine"
 
