@@ -37,6 +37,7 @@ import pyarrow as pa
 
 from megatron_searchr1.data.prompts import TEMPLATES
 from megatron_searchr1.data.qa import make_row, write_rows
+from megatron_searchr1.search.corpus import make_contents, write_corpus
 
 SPLITS = ("train", "validation", "test")
 DATA_SOURCE = "synthetic"
@@ -413,7 +414,7 @@ def question_rows(split_qs: dict[str, list[dict]], template: str = "base") -> di
 
 def corpus_records(w: World) -> list[dict]:
     """Corpus rows in the Search-R1 / FlashRAG format."""
-    return [{"id": p["id"], "contents": f'"{p["title"]}"\n{p["text"]}'} for p in w.passages]
+    return [{"id": p["id"], "contents": make_contents(p["title"], p["text"])} for p in w.passages]
 
 
 def generate(cfg: WorldConfig) -> tuple[World, dict[str, list[dict]]]:
@@ -432,9 +433,7 @@ def write_world(world: World, rows: dict[str, list[dict]], out_dir: str) -> dict
     """corpus.jsonl, <split>.parquet and world.json (entities and facts, for debugging and tests)."""
     os.makedirs(out_dir, exist_ok=True)
     paths = {"corpus": os.path.join(out_dir, "corpus.jsonl"), "world": os.path.join(out_dir, "world.json")}
-    with open(paths["corpus"], "w", encoding="utf-8") as f:
-        for rec in corpus_records(world):
-            f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+    write_corpus(corpus_records(world), paths["corpus"])
     for split, rs in rows.items():
         paths[split] = os.path.join(out_dir, f"{split}.parquet")
         write_rows(rs, paths[split], SYNTH_EXTRA_INFO_TYPE)
