@@ -1,8 +1,8 @@
 """BM25 over the corpus with `bm25s` (sparse, pure numpy; saved and reloaded in bm25s's own format).
 
 Search-R1's BM25 is Pyserini/Lucene over `contents` (title + text) with k1=0.9, b=0.4; we index the same text
-with the same Lucene BM25 variant and parameters, and stem English words as Pyserini does (Snowball English via
-PyStemmer, a core requirement: without stemming "founded" never matches "founding").
+with the same Lucene BM25 variant and parameters, and stem with Porter's stemmer as Pyserini/Anserini does by
+default (PyStemmer, a core requirement: without stemming "founded" never matches "founding").
 """
 from __future__ import annotations
 
@@ -27,8 +27,8 @@ class BM25Config:
     """bm25s scoring variant: lucene | robertson | atire | bm25l | bm25+."""
     stopwords: str = "en"
     """Stopword list for bm25s's tokenizer ("en", another language code, or "" for none)."""
-    stemmer: str = "english"
-    """PyStemmer language ("english" like Pyserini's default), or "" for no stemming."""
+    stemmer: str = "porter"
+    """PyStemmer algorithm ("porter", Anserini's default; "english" is Snowball/Porter2), or "" for none."""
 
     def __post_init__(self):
         if self.k1 < 0 or not 0 <= self.b <= 1:

@@ -45,7 +45,8 @@ def build_arg_parser() -> argparse.ArgumentParser:
     b.add_argument("--k1", type=float, default=0.9)
     b.add_argument("--b", type=float, default=0.4)
     b.add_argument("--stopwords", default="en", help="'' for none")
-    b.add_argument("--stemmer", default="english", help="PyStemmer language ('' for none)")
+    b.add_argument("--stemmer", default="porter", help="PyStemmer algorithm: porter (Anserini's default), "
+                   "english (Snowball), ... ('' for none)")
     h = p.add_argument_group("hybrid")
     h.add_argument("--rrf-k", type=float, default=60.0)
     h.add_argument("--depth", type=int, default=50)
