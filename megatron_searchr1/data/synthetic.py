@@ -31,6 +31,7 @@ import dataclasses
 import json
 import os
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import pyarrow as pa
@@ -114,22 +115,35 @@ _CODAS = ["", "", "n", "r", "l", "s", "th", "m", "x", "nd", "rk", "lt", "sk"]
 
 
 class NameMaker:
-    """Invented words from syllables; every word is used once per world, so names never collide."""
+    """Invented words from syllables; every word is used once per world, so names never collide.
+
+    `used` holds every name handed out (lower case), a suffixed one ("Kaboland") as well as its stem ("Kabo"):
+    a one-word name made of stem + suffix could otherwise equal a word drawn later (or earlier), and two entities
+    with one name would make two questions with one text.
+    """
 
     def __init__(self, rng: random.Random):
         self.rng, self.used = rng, set()
 
-    def word(self) -> str:
+    def word(self, suffixes: Sequence[str] | None = None) -> str:
+        """A fresh word; with `suffixes`, a fresh word plus one of them drawn at random, the whole also fresh."""
         for _ in range(1000):
             n = self.rng.choice((2, 2, 3))
             w = "".join(self.rng.choice(_ONSETS) + self.rng.choice(_VOWELS) for _ in range(n))
             w = (w + self.rng.choice(_CODAS)).capitalize()
-            if 4 <= len(w) <= 11 and w.lower() not in self.used:
-                self.used.add(w.lower())
-                return w
+            if not 4 <= len(w) <= 11 or w.lower() in self.used:
+                continue
+            # the suffix is drawn only here, as before suffixes were passed in, so worlds without a clash keep
+            # their exact bytes
+            full = w + self.rng.choice(suffixes) if suffixes else w
+            if full.lower() in self.used:
+                continue  # redraw both: this stem + suffix is a name already taken
+            self.used.update((w.lower(), full.lower()))
+            return full
         raise RuntimeError("name space exhausted; lower the entity counts")
 
 
+_COUNTRY_SUFFIXES = ["ia", "a", "or", "land", ""]
 _COMPANY_SUFFIXES = ["Systems", "Industries", "Labs", "Dynamics", "Holdings", "Works", "Group", "Foods", "Motors"]
 _INDUSTRIES = ["software", "textile", "shipping", "food", "robotics", "chemicals", "banking", "furniture", "media"]
 _PROFESSIONS = ["engineer", "economist", "designer", "chemist", "lawyer", "architect", "accountant", "biologist"]
@@ -239,7 +253,7 @@ def build_world(cfg: WorldConfig) -> World:
 
 def _populate(region: str, n: dict[str, int], add, names: NameMaker, rng: random.Random) -> None:
     """Entities of one region; every fact object is drawn from the same region."""
-    countries = [add("country", region, names.word() + rng.choice(["ia", "a", "or", "land", ""]))
+    countries = [add("country", region, names.word(_COUNTRY_SUFFIXES))
                  for _ in range(n["countries"])]
     cities = [add("city", region, names.word(), country_of=countries[i]["id"] if i < len(countries)
                   else rng.choice(countries)["id"]) for i in range(n["cities"])]

@@ -149,3 +149,25 @@ def test_single_region_world():
         WorldConfig(heldout_fraction=1.0)
     with pytest.raises(ValueError, match="heldout region would get"):
         WorldConfig(**{**SMALL, "n_countries": 1, "heldout_fraction": 0.3})
+
+
+def test_name_maker_reserves_suffixed_names_and_redraws_on_a_clash():
+    import random
+
+    names = synthetic.NameMaker(random.Random(7))
+    country = names.word(["land"])
+    stem = country[: -len("land")]
+    assert country.endswith("land") and {stem.lower(), country.lower()} <= names.used
+    # a later plain word can never be the suffixed name: word() skips every name in `used`
+    later = {names.word() for _ in range(300)}
+    assert country not in later and stem not in later and len(later) == 300
+    # the same stream with the suffixed name already taken (as if an earlier word were "Kaboland") must redraw
+    # instead of handing out a duplicate
+    clash = synthetic.NameMaker(random.Random(7))
+    clash.used.add(country.lower())
+    other = clash.word(["land"])
+    assert other != country and other.endswith("land") and country.lower() in clash.used
+    # and a plain word that happens to equal a stem + suffix blocks that combination the same way
+    plain = synthetic.NameMaker(random.Random(7))
+    plain.used.add(stem.lower())
+    assert plain.word(["land"]) != country
