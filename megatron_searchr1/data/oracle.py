@@ -13,6 +13,14 @@ running server, or a retriever object formatted with the client's `format_docs`)
 see the same bytes. A trajectory whose retrieval missed a gold passage is flagged (`gold_retrieved: false`): its
 thoughts state a fact the observation does not show, so by default it is not written.
 
+A train trajectory can also be *shown* a held-out passage: the questions of the train split never ask about the
+held-out region (synthetic.py), but a search for a train fact can still rank a held-out entity's passage in its
+top-k (BM25 matches shared words such as "University" or "founded"; ~4% of train searches in the default world).
+With `heldout_titles` the oracle flags such trajectories (`shows_heldout: true`) by the titles of the passages in
+each observation (every synthetic name is a fresh word, so a title names exactly one passage; the same check
+works on the server's text and on in-process results), and by default `write_sft` does not write them either, so
+SFT never trains on a held-out fact.
+
 Output: sharegpt-style JSONL (`{"messages": [{"role", "content"}, ...]}` with roles system?/user/assistant/
 observation) and a LLaMA-Factory `dataset_info.json` describing it.
 """
@@ -20,7 +28,8 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
+import re
+from collections.abc import Callable, Collection
 
 from megatron_searchr1.data.prompts import answer_turn, format_observation, search_turn
 from megatron_searchr1.data.synthetic import RELATIONS
@@ -48,6 +57,26 @@ def client_searcher(client) -> Searcher:
     return client.search
 
 
+# one `Doc {i}(Title: "{title}") text` entry of client.format_docs; titles of FlashRAG corpora keep their quotes
+_DOC_HEAD = re.compile(r'^Doc (\d+)\(Title: "(.*?)"\) ', re.MULTILINE)
+
+
+def observed_titles(text: str) -> list[str]:
+    """Titles (quotes stripped) of the passages in one observation text, in rank order.
+
+    Only heads numbered 1, 2, 3, ... in sequence count, so a passage text that happens to contain a line like
+    `Doc 2(Title: "x") ` cannot add a title out of order.
+
+    >>> observed_titles('Doc 1(Title: "Paris") Capital.\\nDoc 2(Title: "Lyon") A city.\\n')
+    ['Paris', 'Lyon']
+    """
+    titles = []
+    for m in _DOC_HEAD.finditer(text):
+        if int(m.group(1)) == len(titles) + 1:
+            titles.append(m.group(2))
+    return titles
+
+
 def _plain(obj):
     """Parquet gives numpy arrays for lists; make rows JSON-ready."""
     if hasattr(obj, "tolist"):
@@ -69,14 +98,17 @@ def _cap(s: str) -> str:
 
 
 def gold_trajectories(rows: list[dict], search: Searcher, gold_text: dict[str, str] | None = None,
-                      batch_size: int = 256) -> list[dict]:
+                      batch_size: int = 256, heldout_titles: Collection[str] | None = None) -> list[dict]:
     """One trajectory per parquet row (a synthetic question with `extra_info.chain`).
 
     Queries of the same hop are sent together in batches of `batch_size`. gold_text maps doc id -> passage text;
     with it, `gold_retrieved` checks that each hop's gold passage is in its observation, without it that the hop's
-    subject and answer are.
+    subject and answer are. heldout_titles (`synthetic.heldout_titles(world)`; pass it for TRAIN rows only, the
+    held-out passages are the gold of validation/test): `shows_heldout` is true when any observation contains a
+    passage with one of these titles (always false without it).
     """
     rows = [_plain(r) for r in rows]
+    heldout = frozenset(heldout_titles or ())
     chains = [r["extra_info"]["chain"] for r in rows]
     obs: list[list[str]] = [[] for _ in rows]
     for h in range(max((len(c) for c in chains), default=0)):
@@ -94,7 +126,7 @@ def gold_trajectories(rows: list[dict], search: Searcher, gold_text: dict[str, s
     for row, chain, texts in zip(rows, chains, obs):
         messages = [dict(m) for m in row["prompt"]]
         thought = f"I need to find {_fact(chain[0])}."
-        found = True
+        found, shown = True, False
         for h, (hop, text) in enumerate(zip(chain, texts)):
             messages.append({"role": "assistant", "content": search_turn(thought, hop["query"])})
             messages.append({"role": "observation", "content": format_observation(text)})
@@ -102,26 +134,30 @@ def gold_trajectories(rows: list[dict], search: Searcher, gold_text: dict[str, s
                 found &= gold_text[hop["doc_id"]] in text
             else:
                 found &= hop["subject"] in text and hop["answer"] in text
+            shown |= not heldout.isdisjoint(observed_titles(text))
             thought = f"{_cap(_fact(hop))} is {hop['answer']}."
             if h + 1 < len(chain):
                 thought += f" Next I need to find {_fact(chain[h + 1])}."
         answer = chain[-1]["answer"]
         messages.append({"role": "assistant", "content": answer_turn(thought, answer)})
         out.append({"messages": messages, "uid": row["extra_info"]["uid"], "data_source": row["data_source"],
-                    "hops": len(chain), "answer": answer, "gold_retrieved": bool(found)})
+                    "hops": len(chain), "answer": answer, "gold_retrieved": bool(found),
+                    "shows_heldout": shown})
     return out
 
 
 def write_sft(trajectories: dict[str, list[dict]], out_dir: str, prefix: str = "synthetic_sft",
-              keep_misses: bool = False) -> dict[str, int]:
+              keep_misses: bool = False, keep_heldout: bool = False) -> dict[str, int]:
     """`<out_dir>/<split>.jsonl` per split and `<out_dir>/dataset_info.json` naming them `<prefix>_<split>`.
 
-    Returns the number of trajectories written per split.
+    Skips trajectories that missed a gold passage (unless keep_misses) and those shown a held-out passage (unless
+    keep_heldout); `skipped_counts` says how many of each. Returns the number of trajectories written per split.
     """
     os.makedirs(out_dir, exist_ok=True)
     info, counts = {}, {}
     for split, trajs in trajectories.items():
-        kept = [t for t in trajs if keep_misses or t["gold_retrieved"]]
+        kept = [t for t in trajs if (keep_misses or t["gold_retrieved"])
+                and (keep_heldout or not t.get("shows_heldout", False))]
         path = os.path.join(out_dir, f"{split}.jsonl")
         with open(path, "w", encoding="utf-8") as f:
             for t in kept:
@@ -132,3 +168,9 @@ def write_sft(trajectories: dict[str, list[dict]], out_dir: str, prefix: str = "
     with open(os.path.join(out_dir, "dataset_info.json"), "w", encoding="utf-8") as f:
         json.dump(info, f, indent=2)
     return counts
+
+
+def skipped_counts(trajectories: list[dict]) -> dict[str, int]:
+    """How many trajectories missed a gold passage and how many were shown a held-out one (the two can overlap)."""
+    return {"missed_gold": sum(not t["gold_retrieved"] for t in trajectories),
+            "shows_heldout": sum(bool(t.get("shows_heldout", False)) for t in trajectories)}

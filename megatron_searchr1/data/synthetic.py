@@ -21,7 +21,15 @@ Each question keeps its gold chain of sub-queries (one single-hop question per h
 Splits: all candidate questions are enumerated once (texts are unique: every name is a fresh word), shuffled by
 the seed, and each split takes a disjoint slice per hop count, so no question text appears in two splits
 (asserted in `generate`). By default a quarter of the world is a held-out region (relations never leave a region)
-that only validation/test ask about: none of their facts appears in a train question or a train trajectory.
+that only validation/test ask about. What is guaranteed:
+  - no train question, and no hop of a train gold chain (its sub-queries, answers and gold passages), involves a
+    held-out entity; every validation/test hop does (tested in tests/data/test_synthetic.py);
+  - the facts of a held-out entity are stated only in its own passage (`heldout_titles`); distractor passages may
+    name held-out entities but state none of the asked relations;
+  - retrieval is not bound by regions: a train search can return a held-out passage in its top-k (~4% of train
+    searches with BM25 top-3 in the default world). The oracle flags those trajectories and `write_sft` drops
+    them unless told to keep them (--keep-heldout), so no WRITTEN train trajectory shows a held-out passage
+    (tested in tests/data/test_oracle.py). RL rollouts on train questions search the whole corpus and can see them.
 
     python tools/make_synthetic_world.py --out-dir data/synthetic --seed 0
 """
@@ -84,8 +92,9 @@ class WorldConfig:
     """share of 1-, 2- and 3-hop questions in every split (set e.g. (1, 0, 0) for single-hop only)."""
     heldout_fraction: float = 0.25
     """share of every entity kind put in a separate region that only validation/test questions ask about, so no
-    fact needed for a held-out question appears in a train question or its gold trajectory (a model cannot pass
-    the test by memorising the train world). 0 = one region for all splits."""
+    fact needed for a held-out question appears in a train question, its gold chain or a written train
+    trajectory (a model cannot pass the test by memorising the train world; see the module docstring for what
+    retrieval can still show). 0 = one region for all splits."""
     template: str = "base"
     """prompt template of the parquet rows: base (Search-R1 raw prompt) or chat."""
 
@@ -426,6 +435,13 @@ def question_rows(split_qs: dict[str, list[dict]], template: str = "base") -> di
     return out
 
 
+def heldout_titles(w: World) -> set[str]:
+    """Titles of the held-out entities' passages: the only passages that state held-out facts (titles are unique,
+    every name being a fresh word). Empty for a world without a held-out region."""
+    titles = {p["id"]: p["title"] for p in w.passages}
+    return {titles[w.doc_of[e["id"]]] for e in w.entities.values() if e["region"] == "heldout"}
+
+
 def corpus_records(w: World) -> list[dict]:
     """Corpus rows in the Search-R1 / FlashRAG format."""
     return [{"id": p["id"], "contents": make_contents(p["title"], p["text"])} for p in w.passages]
@@ -483,6 +499,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--topk", type=int, default=3, help="passages per search (as in the RL rollout)")
     p.add_argument("--keep-misses", action="store_true",
                    help="also write trajectories whose retrieval missed a gold passage (flagged gold_retrieved)")
+    p.add_argument("--keep-heldout", action="store_true",
+                   help="also write train trajectories whose searches returned a held-out passage (flagged "
+                        "shows_heldout); by default they are dropped so SFT never shows a validation/test fact")
     args = p.parse_args(argv)
 
     t0 = time.time()
@@ -521,12 +540,17 @@ def main(argv: list[str] | None = None) -> None:
     bad = set(splits) - set(SPLITS)
     if bad:
         p.error(f"--oracle-splits: unknown split(s) {sorted(bad)}; choose from {SPLITS}")
-    trajs = {s: oracle.gold_trajectories(rows[s], search, gold_text) for s in splits}
+    # only train trajectories are checked for held-out passages: those passages are validation/test's own gold
+    held = heldout_titles(world)
+    trajs = {s: oracle.gold_trajectories(rows[s], search, gold_text, heldout_titles=held if s == "train" else None)
+             for s in splits}
     sft_dir = os.path.join(args.out_dir, "sft")
-    counts = oracle.write_sft(trajs, sft_dir, keep_misses=args.keep_misses)
+    counts = oracle.write_sft(trajs, sft_dir, keep_misses=args.keep_misses, keep_heldout=args.keep_heldout)
     for s in splits:
-        print(f"sft {s}: {counts[s]} of {len(trajs[s])} trajectories written "
-              f"({sum(t['gold_retrieved'] for t in trajs[s])} retrieved every gold passage) -> {sft_dir}/{s}.jsonl")
+        skipped = oracle.skipped_counts(trajs[s])
+        print(f"sft {s}: {counts[s]} of {len(trajs[s])} trajectories written ({skipped['missed_gold']} missed a "
+              f"gold passage{'' if args.keep_misses else ', skipped'}; {skipped['shows_heldout']} were shown a "
+              f"held-out passage{'' if args.keep_heldout else ', skipped'}) -> {sft_dir}/{s}.jsonl")
     print(f"done in {time.time() - t0:.1f}s")
 
 

@@ -25,7 +25,14 @@ def world(tmp_path_factory):
     index_dir = os.path.join(out, "index_bm25")
     retriever = build_index(paths["corpus"], index_dir, kind="bm25", show_progress=False)
     gold_text = {p["id"]: p["text"] for p in w.passages}
-    return {"out": out, "rows": rows, "index_dir": index_dir, "retriever": retriever, "gold_text": gold_text}
+    return {"out": out, "rows": rows, "index_dir": index_dir, "retriever": retriever, "gold_text": gold_text,
+            "heldout_titles": synthetic.heldout_titles(w)}
+
+
+def _shown_heldout(traj, heldout_titles):
+    """Held-out titles visible in a trajectory's observations, found by plain substring (not the oracle's parser)."""
+    return {t for m in traj["messages"] if m["role"] == "observation" for t in heldout_titles
+            if f'(Title: "{t}")' in m["content"]}
 
 
 def _check_trajectory(traj, row):
@@ -85,6 +92,41 @@ def test_misses_are_flagged_and_failures_raise(world, tmp_path):
     client.close()
 
 
+def test_written_train_trajectories_show_no_heldout_passage(world, tmp_path):
+    held = world["heldout_titles"]
+    corpus = [json.loads(line) for line in open(os.path.join(world["out"], "corpus.jsonl"))]
+    title_of = {c["id"]: c["contents"].split("\n", 1)[0].strip('"') for c in corpus}
+    gold = {s: {title_of[h["doc_id"]] for r in world["rows"][s] for h in r["extra_info"]["chain"]}
+            for s in synthetic.SPLITS}
+    assert gold["validation"] | gold["test"] <= held and not gold["train"] & held
+    rows = world["rows"]["train"]
+    search = oracle.retriever_searcher(world["retriever"], topk=3)
+    trajs = oracle.gold_trajectories(rows, search, world["gold_text"], heldout_titles=held)
+    flagged = [t for t in trajs if t["shows_heldout"]]
+    # BM25 does rank held-out passages for some train queries (25% of trajectories in this tiny world, 7% at the
+    # default sizes), so the filter has something to do
+    assert 0 < len(flagged) < 0.5 * len(trajs)
+    assert all(t["shows_heldout"] == bool(_shown_heldout(t, held)) for t in trajs)
+    counts = oracle.write_sft({"train": trajs}, str(tmp_path / "sft"))
+    written = [json.loads(line) for line in open(tmp_path / "sft" / "train.jsonl")]
+    assert counts["train"] == len(written) == sum(t["gold_retrieved"] and not t["shows_heldout"] for t in trajs)
+    assert written and not any(_shown_heldout(t, held) for t in written)
+    assert oracle.skipped_counts(trajs)["shows_heldout"] == len(flagged)
+    # opt-in keeps them; without heldout_titles nothing is flagged (validation/test rows are checked that way)
+    kept = oracle.write_sft({"train": trajs}, str(tmp_path / "all"), keep_heldout=True)["train"]
+    assert kept == sum(t["gold_retrieved"] for t in trajs) > counts["train"]
+    unchecked = oracle.gold_trajectories(rows, search, world["gold_text"])
+    assert not any(t["shows_heldout"] for t in unchecked)
+    assert [dict(t, shows_heldout=False) for t in trajs] == unchecked  # the flag changes nothing else
+
+
+def test_observed_titles_parses_format_docs_in_order():
+    docs = [{"contents": '"Kaboland"\nKaboland is a country.'}, {"contents": '"Vel Works"\nDoc 1(Title: "x") y'},
+            {"contents": '"Tor River"\nA river.\nDoc 3(Title: "Fake") z'}]
+    assert oracle.observed_titles(format_docs(docs)) == ["Kaboland", "Vel Works", "Tor River"]
+    assert oracle.observed_titles("Search failed: timeout") == []
+
+
 @pytest.fixture(scope="module")
 def server(world):
     with ServerProcess(["--index-dir", world["index_dir"], "--host", "127.0.0.1"],
@@ -113,13 +155,19 @@ def test_oracle_through_a_real_server(world, server, tmp_path):
 def test_cli_oracle_url(world, server, tmp_path):
     """`make_synthetic_world.py --oracle-url` regenerates the same world (same seed) and writes gold data."""
     out = str(tmp_path / "cli")
-    synthetic.main(["--out-dir", out, "--oracle-url", f"{server}/retrieve", "--oracle-splits", "validation,test"]
+    synthetic.main(["--out-dir", out, "--oracle-url", f"{server}/retrieve", "--oracle-splits", "train,validation,test"]
                    + [f"--{k.replace('_', '-')}={v}" for k, v in SMALL.items()])
     assert open(os.path.join(out, "corpus.jsonl")).read() == open(os.path.join(world["out"], "corpus.jsonl")).read()
     info = json.load(open(os.path.join(out, "sft", "dataset_info.json")))
-    assert set(info) == {"synthetic_sft_validation", "synthetic_sft_test"}
+    assert set(info) == {"synthetic_sft_train", "synthetic_sft_validation", "synthetic_sft_test"}
     val = [json.loads(line) for line in open(os.path.join(out, "sft", "validation.jsonl"))]
     by_uid = {r["extra_info"]["uid"]: r for r in world["rows"]["validation"]}
     assert len(val) >= 0.9 * len(by_uid)
     for traj in val:
         _check_trajectory(traj, by_uid[traj["uid"]])
+    # through the server too, no written train trajectory shows a held-out passage, and the filter did drop some
+    # (validation/test are not filtered: held-out passages are their gold)
+    train = [json.loads(line) for line in open(os.path.join(out, "sft", "train.jsonl"))]
+    assert 0.5 * len(world["rows"]["train"]) <= len(train) < len(world["rows"]["train"])
+    assert not any(_shown_heldout(t, world["heldout_titles"]) for t in train)
+    assert any(_shown_heldout(t, world["heldout_titles"]) for t in val)

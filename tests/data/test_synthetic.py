@@ -141,6 +141,18 @@ def test_heldout_region_keeps_test_facts_out_of_train(world_dir):
     assert {region[h["subject"]] for r in rows["train"] for h in r["extra_info"]["chain"]} == {"seen"}
 
 
+def test_heldout_titles_name_exactly_the_heldout_entity_passages():
+    world, rows = synthetic.generate(WorldConfig(**SMALL))
+    held = synthetic.heldout_titles(world)
+    title_of = {p["id"]: p["title"] for p in world.passages}
+    n_held = sum(e["region"] == "heldout" for e in world.entities.values())
+    assert len(held) == n_held > 0
+    gold = {s: {title_of[h["doc_id"]] for r in rs for h in r["extra_info"]["chain"]} for s, rs in rows.items()}
+    assert gold["validation"] | gold["test"] <= held and not gold["train"] & held
+    single, _ = synthetic.generate(WorldConfig(**{**SMALL, "heldout_fraction": 0.0}))
+    assert synthetic.heldout_titles(single) == set()
+
+
 def test_single_region_world():
     _, rows = synthetic.generate(WorldConfig(**{**SMALL, "heldout_fraction": 0.0}))
     questions = [r["extra_info"]["question"] for rs in rows.values() for r in rs]
