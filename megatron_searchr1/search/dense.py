@@ -61,6 +61,23 @@ def make_faiss_index(dim: int, config: FaissConfig):
     return index
 
 
+def read_faiss_index(path: str | os.PathLike, mmap: bool = False):
+    """Open a faiss index file; mmap=True maps its vectors from the file instead of copying them into RAM.
+
+    faiss's IO_FLAG_MMAP only maps inverted lists (IVF); a Flat or HNSW index is still read in full with it (a
+    65 GB e5_Flat.index costs 65 GB). IO_FLAG_MMAP_IFC (faiss >= 1.10) maps the codes of flat storage too:
+    reading a 768 MB flat index then costs under 1 MB. An older faiss reads the whole file, with a warning.
+    """
+    faiss = _faiss()
+    flags = 0
+    if mmap:
+        flags = getattr(faiss, "IO_FLAG_MMAP_IFC", 0)
+        if not flags:
+            logger.warning("faiss %s cannot memory-map flat indexes (no IO_FLAG_MMAP_IFC, needs faiss >= 1.10): "
+                           "reading all of %s into RAM", getattr(faiss, "__version__", "?"), path)
+    return faiss.read_index(os.fspath(path), flags)
+
+
 def _to_gpu(index):
     faiss = _faiss()
     if not hasattr(faiss, "StandardGpuResources") or faiss.get_num_gpus() == 0:
@@ -79,7 +96,11 @@ class DenseRetriever(Retriever):
 
     kind = "dense"
 
-    def __init__(self, corpus: Sequence[dict], index, encoder: Encoder, faiss_config: FaissConfig | None = None):
+    def __init__(self, corpus: Sequence[dict], index, encoder: Encoder, faiss_config: FaissConfig | None = None,
+                 keep_cpu_index: bool = True):
+        """keep_cpu_index: with use_gpu, keep the exact CPU index beside the GPU copy (fp16) so `save` writes the
+        vectors as built. False for an index read from a file: it is on disk already, and keeping it would hold
+        the whole index (65 GB for wiki-18's e5_Flat.index) in RAM for nothing."""
         self.faiss_config = faiss_config or FaissConfig()
         if index.ntotal != len(corpus):
             raise ValueError(f"faiss index has {index.ntotal} vectors but the corpus has {len(corpus)} docs: "
@@ -90,8 +111,10 @@ class DenseRetriever(Retriever):
         faiss = _faiss()
         if self.faiss_config.num_threads > 0:
             faiss.omp_set_num_threads(self.faiss_config.num_threads)
-        self.cpu_index = index
         self.index = _to_gpu(index) if self.faiss_config.use_gpu else index
+        self.on_gpu = self.index is not index
+        # None once the index lives on the GPUs only; save() then copies it back (see keep_cpu_index).
+        self.cpu_index = index if keep_cpu_index or not self.on_gpu else None
         self.corpus, self.encoder = corpus, encoder
 
     @classmethod
@@ -114,7 +137,9 @@ class DenseRetriever(Retriever):
 
     def save(self, path: str | os.PathLike) -> dict:
         """Write the (CPU) faiss index to `path`; returns the index_meta.json entry."""
-        _faiss().write_index(self.cpu_index, os.fspath(path))
+        faiss = _faiss()
+        cpu_index = self.cpu_index if self.cpu_index is not None else faiss.index_gpu_to_cpu(self.index)
+        faiss.write_index(cpu_index, os.fspath(path))
         return {"faiss": asdict(self.faiss_config), "encoder": self.encoder.config.index_fields(),
                 "dim": self.encoder.dim}
 
@@ -122,18 +147,20 @@ class DenseRetriever(Retriever):
     def from_faiss(cls, faiss_index_path: str | os.PathLike, corpus: Sequence[dict],
                    encoder_config: EncoderConfig | None = None, faiss_config: FaissConfig | None = None,
                    encoder: Encoder | None = None, mmap: bool = False) -> "DenseRetriever":
-        """Open any faiss index file (e.g. Search-R1's e5_Flat.index) over a corpus whose row i is vector i."""
+        """Open any faiss index file (e.g. Search-R1's e5_Flat.index) over a corpus whose row i is vector i.
+
+        mmap: map the vectors from the file (the OS page cache holds them) instead of copying them into this
+        process's memory; see `read_faiss_index`."""
         faiss = _faiss()
         if not os.path.exists(faiss_index_path):
             raise FileNotFoundError(f"faiss index not found: {faiss_index_path}")
-        flags = faiss.IO_FLAG_MMAP | faiss.IO_FLAG_READ_ONLY if mmap else 0
-        index = faiss.read_index(os.fspath(faiss_index_path), flags)
+        index = read_faiss_index(faiss_index_path, mmap=mmap)
         faiss_config = faiss_config or FaissConfig(
             index_type="hnsw" if isinstance(index, faiss.IndexHNSW) else "flat")
         if isinstance(index, faiss.IndexHNSW):
             index.hnsw.efSearch = faiss_config.hnsw_ef_search
         encoder = encoder or Encoder(encoder_config or EncoderConfig())
-        return cls(corpus, index, encoder, faiss_config)
+        return cls(corpus, index, encoder, faiss_config, keep_cpu_index=False)
 
     def search_ids(self, queries: list[str], topk: int) -> tuple[np.ndarray, np.ndarray]:
         emb = self.encoder.encode(queries, is_query=True)  # (B, H)
@@ -146,4 +173,4 @@ class DenseRetriever(Retriever):
 
     def describe(self) -> dict:
         return {**super().describe(), "encoder": self.encoder.config.index_fields(),
-                "index_type": self.faiss_config.index_type, "gpu": self.index is not self.cpu_index}
+                "index_type": self.faiss_config.index_type, "gpu": self.on_gpu}

@@ -15,6 +15,7 @@ import importlib.util
 import json
 import logging
 import os
+import re
 import threading
 from dataclasses import asdict, dataclass, replace
 
@@ -75,23 +76,53 @@ class EncoderConfig:
             raise ValueError(f"max_length and batch_size must be >= 1, got {self.max_length}, {self.batch_size}")
 
     def resolve(self) -> "EncoderConfig":
-        """A copy with pooling and prefixes decided from the model directory and name."""
-        name = os.path.basename(os.path.normpath(self.model)).lower() if self.model != PACKAGED_MINILM else ""
+        """A copy with pooling and prefixes decided from the model directory, its path and its config."""
+        family = model_family(self.model)
         pooling = self.pooling
         if pooling == "auto":
             pooling = _sentence_transformers_pooling(resolve_model_dir(self.model)) or (
-                "cls" if "bge" in name else "mean")
+                "cls" if family == "bge" else "mean")
         query_prefix, passage_prefix = self.query_prefix, self.passage_prefix
         if query_prefix is None:
-            query_prefix = "query: " if "e5" in name else BGE_QUERY_INSTRUCTION if "bge" in name else ""
+            query_prefix = "query: " if family == "e5" else BGE_QUERY_INSTRUCTION if family == "bge" else ""
         if passage_prefix is None:
-            passage_prefix = "passage: " if "e5" in name else ""
+            passage_prefix = "passage: " if family == "e5" else ""
         return replace(self, pooling=pooling, query_prefix=query_prefix, passage_prefix=passage_prefix)
 
     def index_fields(self) -> dict:
         """What must match between indexing and querying (stored in index_meta.json)."""
         d = asdict(self.resolve())
         return {k: d[k] for k in ("model", "pooling", "normalize", "query_prefix", "passage_prefix", "max_length")}
+
+
+_FAMILY_PATTERNS = {fam: re.compile(rf"(?<![a-z0-9]){fam}(?![a-z0-9])") for fam in ("e5", "bge")}
+
+
+def model_family(model: str) -> str:
+    """"e5", "bge" or "" for a model name or directory, which decides the default prefixes and pooling.
+
+    Looked for, in order, in the directory name, the `_name_or_path` of its config.json, and the rest of the
+    path: a Hugging Face cache directory is `.../models--intfloat--e5-base-v2/snapshots/<hash>`, whose last
+    part says nothing. The family must be a whole word ("e5-base-v2", "multilingual-e5-large"), so a snapshot
+    hash such as "3e5f..." is not taken for e5.
+    """
+    if model in (PACKAGED_MINILM, "", "default"):
+        return ""
+    path = os.path.normpath(model)
+    hints = [os.path.basename(path)]
+    config_path = os.path.join(model, "config.json")
+    if os.path.exists(config_path):
+        try:
+            with open(config_path) as f:
+                hints.append(str(json.load(f).get("_name_or_path", "")))
+        except (OSError, ValueError):
+            pass  # an unreadable config fails loudly when the model loads; here it just gives no hint
+    hints.append(os.path.dirname(path))
+    for hint in hints:
+        for family, pattern in _FAMILY_PATTERNS.items():
+            if pattern.search(hint.lower()):
+                return family
+    return ""
 
 
 def _sentence_transformers_pooling(model_dir: str) -> str | None:
@@ -138,6 +169,10 @@ class Encoder:
         model = AutoModel.from_pretrained(model_dir)
         self.model = (model.half() if fp16 else model.float()).to(device).eval()
         self.dim = int(self.model.config.hidden_size)
+        # Logged because a wrong guess (say, no "query: " for an e5 model) silently costs retrieval quality.
+        logger.info("encoder %s: family %r, pooling %s, query prefix %r, passage prefix %r, dim %d, %s%s",
+                    model_dir, model_family(self.config.model) or "generic", self.config.pooling,
+                    self.config.query_prefix, self.config.passage_prefix, self.dim, device, " fp16" if fp16 else "")
         self._lock = threading.Lock()  # HF fast tokenizers are not safe to call from two threads at once
 
     def encode(self, texts: list[str], is_query: bool, show_progress: bool = False) -> np.ndarray:

@@ -20,12 +20,12 @@ from dataclasses import fields
 from megatron_searchr1.search.base import Retriever
 from megatron_searchr1.search.bm25 import BM25Config, BM25Retriever
 from megatron_searchr1.search.corpus import open_corpus
-from megatron_searchr1.search.dense import DenseRetriever, FaissConfig, _faiss
+from megatron_searchr1.search.dense import DenseRetriever, FaissConfig, _faiss, read_faiss_index
 from megatron_searchr1.search.encoder import EncoderConfig
 from megatron_searchr1.search.hybrid import HybridConfig, HybridRetriever
 
 __all__ = ["BM25Retriever", "DenseRetriever", "HybridRetriever", "Retriever", "build_index", "load_retriever",
-           "register_faiss_index", "read_index_meta", "KINDS", "META_FILE"]
+           "register_faiss_index", "faiss_index_meta", "open_faiss_index", "read_index_meta", "KINDS", "META_FILE"]
 
 logger = logging.getLogger(__name__)
 
@@ -92,15 +92,15 @@ def build_index(corpus_path: str | os.PathLike, out_dir: str | os.PathLike, kind
     return bm25 if kind == "bm25" else dense if kind == "dense" else HybridRetriever(bm25, dense, hybrid_cfg)
 
 
-def register_faiss_index(faiss_index_path: str | os.PathLike, corpus_path: str | os.PathLike,
-                         out_dir: str | os.PathLike, **options) -> dict:
-    """Write an index_meta.json that serves an existing faiss index + corpus (e.g. Search-R1's e5_Flat.index
-    and wiki-18.jsonl) as they are. options: EncoderConfig fields describing the encoder that made the vectors
-    (for e5: model=/path/to/e5-base-v2; prefixes and mean pooling follow from the name)."""
+def faiss_index_meta(faiss_index_path: str | os.PathLike, corpus_path: str | os.PathLike, **options) -> dict:
+    """The index_meta.json content that serves an existing faiss index + corpus as they are (see
+    `register_faiss_index`). Only the index header matters here, so the vectors are memory-mapped, not read:
+    for wiki-18's e5_Flat.index a full read would cost ~65 GB of RAM just to learn ntotal and d."""
     encoder_cfg, faiss_cfg, _, _ = _split_options(options)
-    os.makedirs(out_dir, exist_ok=True)
     faiss = _faiss()
-    index = faiss.read_index(os.fspath(faiss_index_path), faiss.IO_FLAG_MMAP | faiss.IO_FLAG_READ_ONLY)
+    if not os.path.exists(faiss_index_path):
+        raise FileNotFoundError(f"faiss index not found: {faiss_index_path}")
+    index = read_faiss_index(faiss_index_path, mmap=True)
     meta = {"format_version": FORMAT_VERSION, "kind": "dense", "corpus": os.path.abspath(corpus_path),
             "num_docs": int(index.ntotal),
             "dense": {"faiss_index": os.path.abspath(faiss_index_path), "dim": int(index.d),
@@ -108,8 +108,31 @@ def register_faiss_index(faiss_index_path: str | os.PathLike, corpus_path: str |
                                 "index_type": "hnsw" if isinstance(index, faiss.IndexHNSW) else "flat"},
                       "encoder": encoder_cfg.index_fields()},
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    del index
+    return meta
+
+
+def register_faiss_index(faiss_index_path: str | os.PathLike, corpus_path: str | os.PathLike,
+                         out_dir: str | os.PathLike, **options) -> dict:
+    """Write an index_meta.json that serves an existing faiss index + corpus (e.g. Search-R1's e5_Flat.index
+    and wiki-18.jsonl) as they are. options: EncoderConfig fields describing the encoder that made the vectors
+    (for e5: model=/path/to/e5-base-v2; prefixes and mean pooling follow from the name)."""
+    meta = faiss_index_meta(faiss_index_path, corpus_path, **options)
+    os.makedirs(out_dir, exist_ok=True)
     _write_meta(out_dir, meta)
     return meta
+
+
+def open_faiss_index(faiss_index_path: str | os.PathLike, corpus_path: str | os.PathLike,
+                     lazy_corpus: bool | None = None, runtime: dict | None = None, **options) -> Retriever:
+    """Serve an existing faiss index + corpus without an index directory (the server's --faiss-index --corpus):
+    the same meta as `register_faiss_index`, opened by the same code as `load_retriever`. The corpus's line
+    offsets are cached next to it (`<corpus>.offsets.npz`) when its directory is writable, so a lazily opened
+    wiki-18 is scanned once, not on every start."""
+    meta = faiss_index_meta(faiss_index_path, corpus_path, **options)
+    corpus_dir = os.path.dirname(os.path.abspath(corpus_path))
+    offsets_cache = os.fspath(corpus_path) + ".offsets.npz" if os.access(corpus_dir, os.W_OK) else None
+    return _open(meta, corpus_dir, os.fspath(corpus_path), lazy_corpus, offsets_cache, dict(runtime or {}))
 
 
 def _write_meta(out_dir, meta: dict) -> None:
@@ -143,6 +166,14 @@ def load_retriever(index_dir: str | os.PathLike, corpus_path: str | os.PathLike 
     use_gpu/num_threads/hnsw_ef_search, HybridConfig rrf_k/depth, and bm25_mmap (memory-map the BM25 arrays).
     """
     meta = read_index_meta(index_dir)
+    corpus_file = os.fspath(corpus_path) if corpus_path else _in_dir(index_dir, meta["corpus"])
+    offsets_cache = os.path.join(index_dir, "corpus_offsets.npz") if os.access(index_dir, os.W_OK) else None
+    return _open(meta, index_dir, corpus_file, lazy_corpus, offsets_cache, runtime)
+
+
+def _open(meta: dict, index_dir, corpus_file: str, lazy_corpus: bool | None, offsets_cache: str | None,
+          runtime: dict) -> Retriever:
+    """The retriever an index meta describes; relative paths in it are relative to index_dir."""
     kind = meta["kind"]
     bm25_mmap = bool(runtime.pop("bm25_mmap", False))
     allowed = {"device", "fp16", "batch_size", "use_gpu", "num_threads", "hnsw_ef_search", "rrf_k", "depth"}
@@ -150,8 +181,6 @@ def load_retriever(index_dir: str | os.PathLike, corpus_path: str | os.PathLike 
     if bad:
         raise TypeError(f"load_retriever cannot change {sorted(bad)} (fixed at build time); "
                         f"runtime options: {sorted(allowed | {'bm25_mmap'})}")
-    corpus_file = os.fspath(corpus_path) if corpus_path else _in_dir(index_dir, meta["corpus"])
-    offsets_cache = os.path.join(index_dir, "corpus_offsets.npz") if os.access(index_dir, os.W_OK) else None
     corpus = open_corpus(corpus_file, lazy=lazy_corpus, offsets_cache=offsets_cache)
     if len(corpus) != meta["num_docs"]:
         raise ValueError(f"{corpus_file} has {len(corpus)} docs but the index in {index_dir} was built over "

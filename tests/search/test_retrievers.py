@@ -77,7 +77,6 @@ def test_bm25_finds_every_person_top1(world, bm25_index):
 
 def test_bm25_returns_only_matching_docs():
     # Lucene semantics: a doc sharing no term with the query is not a hit (no arbitrary zero-score filler).
-    _, r = None, None
     from megatron_searchr1.search.bm25 import BM25Retriever
     r = BM25Retriever.build([{"id": "0", "title": "", "text": "red apple", "contents": '""\nred apple'},
                              {"id": "1", "title": "", "text": "green pear", "contents": '""\ngreen pear'}],
@@ -283,3 +282,171 @@ def test_build_index_cli_then_reload(tmp_path, world, capsys):
     os.rename(tmp_path / "idx", tmp_path / "moved")  # a copied corpus makes the directory movable
     r = load_retriever(tmp_path / "moved")
     assert r.search([world["queries"][12]], 1)[0][0][0]["id"] == world["docs"][12]["id"]
+
+
+# ---- large-index hygiene: memory maps, GPU copies, rare BM25 queries ------------------------------------------
+
+def _flat_index_file(path, dense_retriever):
+    """A Flat index written by faiss itself from our vectors, as Search-R1's e5_Flat.index was."""
+    import faiss
+
+    index = faiss.IndexFlatIP(dense_retriever.cpu_index.d)
+    index.add(dense_retriever.cpu_index.reconstruct_n(0, dense_retriever.cpu_index.ntotal))
+    faiss.write_index(index, str(path))
+    return str(path)
+
+
+def _record_read_flags(monkeypatch):
+    import faiss
+
+    flags, real = [], faiss.read_index
+
+    def read_index(path, io_flags=0):
+        flags.append(io_flags)
+        return real(path, io_flags)
+
+    monkeypatch.setattr(faiss, "read_index", read_index)
+    return flags
+
+
+def test_register_faiss_index_memory_maps_the_vectors_instead_of_reading_them(tmp_path, world, dense_index,
+                                                                             monkeypatch):
+    """wiki-18's e5_Flat.index is 65 GB: registering it must map the file (IO_FLAG_MMAP_IFC), not read it."""
+    import faiss
+
+    from megatron_searchr1.search.corpus import load_corpus
+    from megatron_searchr1.search.dense import DenseRetriever
+
+    _, ours = dense_index
+    path = _flat_index_file(tmp_path / "e5_Flat.index", ours)
+    flags = _record_read_flags(monkeypatch)
+    meta = register_faiss_index(path, world["path"], tmp_path / "registered")
+    assert flags == [faiss.IO_FLAG_MMAP_IFC]  # plain IO_FLAG_MMAP maps only IVF lists: a Flat index is read whole
+    assert meta["num_docs"] == len(world["docs"]) and meta["dense"]["dim"] == 384
+    assert meta["dense"]["faiss"]["index_type"] == "flat"
+    queries = world["queries"][:20]
+    want_ids, want_scores = ours.search_ids(queries, 3)
+    ids, scores = load_retriever(tmp_path / "registered").search_ids(queries, 3)
+    np.testing.assert_array_equal(ids, want_ids)
+    np.testing.assert_allclose(scores, want_scores, rtol=1e-5)
+
+    flags.clear()  # from_faiss(mmap=True) maps too, and searches the mapped vectors correctly
+    mapped = DenseRetriever.from_faiss(path, load_corpus(world["path"]), encoder=ours.encoder, mmap=True)
+    assert flags == [faiss.IO_FLAG_MMAP_IFC]
+    np.testing.assert_array_equal(mapped.search_ids(queries, 3)[0], want_ids)
+
+
+def test_a_faiss_without_flat_mmap_reads_the_file_with_a_warning(tmp_path, dense_index, monkeypatch, caplog):
+    import faiss
+
+    path = _flat_index_file(tmp_path / "flat.index", dense_index[1])
+    flags = _record_read_flags(monkeypatch)
+    monkeypatch.delattr(faiss, "IO_FLAG_MMAP_IFC")
+    from megatron_searchr1.search.retrievers import faiss_index_meta
+
+    with caplog.at_level(logging.WARNING):
+        meta = faiss_index_meta(path, tmp_path / "corpus.jsonl")
+    assert flags == [0] and meta["num_docs"] == 300 and "cannot memory-map" in caplog.text
+
+
+def test_a_gpu_index_read_from_a_file_keeps_no_cpu_copy(tmp_path, world, dense_index, monkeypatch):
+    """No GPU here: faiss's CPU<->GPU copies are stood in by clone_index, so only our bookkeeping is under test."""
+    import faiss
+
+    from megatron_searchr1.search import dense as dense_mod
+    from megatron_searchr1.search.corpus import load_corpus
+
+    monkeypatch.setattr(dense_mod, "_to_gpu", faiss.clone_index)
+    monkeypatch.setattr(faiss, "index_gpu_to_cpu", faiss.clone_index, raising=False)
+    _, ours = dense_index
+    path = _flat_index_file(tmp_path / "flat.index", ours)
+    corpus = load_corpus(world["path"])
+    loaded = dense_mod.DenseRetriever.from_faiss(path, corpus, encoder=ours.encoder,
+                                                 faiss_config=dense_mod.FaissConfig(use_gpu=True))
+    assert loaded.on_gpu and loaded.cpu_index is None and loaded.describe()["gpu"] is True
+    loaded.save(tmp_path / "saved.index")  # copied back from the "GPU"
+    assert faiss.read_index(str(tmp_path / "saved.index")).ntotal == len(corpus)
+    built = dense_mod.DenseRetriever(corpus, ours.cpu_index, ours.encoder, dense_mod.FaissConfig(use_gpu=True))
+    assert built.cpu_index is ours.cpu_index  # built in-process: save() must write the exact (not fp16) vectors
+
+
+def test_bm25_ranks_only_the_matching_docs_with_unchanged_results(world, bm25_index, monkeypatch):
+    """A rare query (fewer hits than topk) used to rank all N docs: the k-th score was 0, so every zero-score doc
+    tied with it. Only docs with a positive score may reach topk_desc, and the results are what ranking all N
+    docs and dropping the non-matches gives."""
+    from megatron_searchr1.search import bm25 as bm25_mod
+
+    _, r = bm25_index
+    sizes, real = [], bm25_mod.topk_desc
+    monkeypatch.setattr(bm25_mod, "topk_desc", lambda s, k: (sizes.append(s.size), real(s, k))[1])
+    queries = ["volcano lava ash", "penguins", world["queries"][42], "the chemist from Oslo", "zebra"]
+    for topk in (1, 5, 50):
+        sizes.clear()
+        ids, scores = r.search_ids(queries, topk)
+        positives = [int((r.model.get_scores(t) > 0).sum()) for t in r._tokenize(queries)]
+        assert sizes == positives and max(sizes) < len(r.corpus)
+        for row, tokens in enumerate(r._tokenize(queries)):  # the reference: rank every doc, drop non-matches
+            want_ids, want_scores = real(r.model.get_scores(tokens), topk)
+            want_ids[want_scores <= 0] = -1
+            assert ids[row].tolist() == want_ids.tolist()
+            hit = want_ids >= 0
+            np.testing.assert_allclose(scores[row][hit], want_scores[hit], rtol=1e-6)
+            assert (scores[row][~hit] == 0).all()
+
+
+def test_a_hf_cache_snapshot_dir_gets_the_prefixes_of_its_model(tmp_path, caplog):
+    """`.../snapshots/<hash>` says nothing about the model; its config's _name_or_path does."""
+    from megatron_searchr1.search.encoder import Encoder, model_family
+
+    src = packaged_minilm_dir()
+
+    def snapshot(name_or_path, dir_name):
+        d = tmp_path / dir_name
+        d.mkdir(parents=True)
+        for f in os.listdir(src):
+            target = d / f
+            if f == "config.json":
+                cfg = json.loads(open(os.path.join(src, f)).read())
+                target.write_text(json.dumps({**cfg, "_name_or_path": name_or_path}))
+            else:
+                os.symlink(os.path.join(src, f), target)
+        return str(d)
+
+    e5 = snapshot("intfloat/e5-base-v2", "hub/snapshots/0c1bd5f2a93e8d4c")
+    cfg = EncoderConfig(model=e5).resolve()
+    assert (cfg.query_prefix, cfg.passage_prefix, cfg.pooling) == ("query: ", "passage: ", "mean")
+    # a hash that merely contains "e5" is no e5 model; nor does the packaged MiniLM get prefixes
+    other = snapshot("sentence-transformers/all-MiniLM-L6-v2", "hub2/snapshots/3e5fa0b1")
+    assert model_family(other) == "" and EncoderConfig(model=other).resolve().query_prefix == ""
+    cached = "/cache/models--intfloat--e5-base-v2/snapshots/abc123"  # no config on disk: the path decides
+    assert EncoderConfig(model=cached).resolve().query_prefix == "query: "
+    with caplog.at_level(logging.INFO, logger="megatron_searchr1.search.encoder"):
+        enc = Encoder(EncoderConfig(model=e5, device="cpu"))
+    assert enc.config.query_prefix == "query: "
+    assert "query prefix 'query: '" in caplog.text and "pooling mean" in caplog.text and "'e5'" in caplog.text
+
+
+def test_a_raw_faiss_file_is_served_through_the_index_dir_code_with_cached_offsets(tmp_path, world, dense_index):
+    """The server's --faiss-index --corpus path: same meta and loader as an index dir, offsets cached by the
+    corpus so a lazily opened wiki-18 is scanned only on the first start."""
+    import shutil
+
+    from megatron_searchr1.search.corpus import JsonlCorpus
+    from megatron_searchr1.search.server import build_arg_parser, load_from_args
+
+    _, ours = dense_index
+    path = _flat_index_file(tmp_path / "e5_Flat.index", ours)
+    corpus = str(tmp_path / "data" / "wiki.jsonl")
+    os.makedirs(os.path.dirname(corpus))
+    shutil.copyfile(world["path"], corpus)
+    from megatron_searchr1.search.retrievers import open_faiss_index
+
+    lazy = open_faiss_index(path, corpus, lazy_corpus=True, runtime={"device": "cpu"})
+    assert isinstance(lazy.corpus, JsonlCorpus) and os.path.exists(corpus + ".offsets.npz")
+    served = load_from_args(build_arg_parser().parse_args(["--faiss-index", path, "--corpus", corpus,
+                                                           "--device", "cpu"]))
+    queries = world["queries"][:10]
+    for r in (lazy, served):
+        assert r.describe()["encoder"] == ours.describe()["encoder"]
+        np.testing.assert_array_equal(r.search_ids(queries, 3)[0], ours.search_ids(queries, 3)[0])
+        assert r.search(queries[:1], 1) == ours.search(queries[:1], 1)
