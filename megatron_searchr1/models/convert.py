@@ -39,6 +39,13 @@ HF_AUX_FILES = ("config.json", "generation_config.json", "tokenizer.json", "toke
 # Buffers some HF checkpoints carry that are not weights.
 _IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq",)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# A critic's value head (models/critic.py) exists in no HF causal-LM checkpoint nor in a converted actor checkpoint:
+# the loaders leave it as built (zero), so PPO can start its critic from the actor's weights.
+FRESH_PREFIXES = ("value_head.",)
+
+
+def _is_fresh(name: str) -> bool:
+    return name.startswith(FRESH_PREFIXES)
 
 
 class ConversionError(Exception):
@@ -166,11 +173,14 @@ def bind_mapping(hf_config: Any, model: torch.nn.Module, mapping_cls: type[Model
 
 def load_hf_weights(model: torch.nn.Module, reader: SafetensorsReader, mapping: ModelFamily,
                     progress: bool = False) -> None:
-    """Fill this rank's Megatron stage/shard from HF tensors, one parameter at a time."""
+    """Fill this rank's Megatron stage/shard from HF tensors, one parameter at a time.
+
+    A critic's `value_head.*` has no HF counterpart and keeps its initial (zero) value.
+    """
     from tqdm import tqdm
 
     tp, tp_rank, pp, pp_rank = _parallel_info()
-    params = list(model.named_parameters())
+    params = [(n, p) for n, p in model.named_parameters() if not _is_fresh(n)]
     for local_name, param in tqdm(params, desc="HF -> Megatron", disable=not progress, unit="tensor"):
         name = local_to_global_name(local_name, mapping.dims.num_layers, pp, pp_rank)
         full = mapping.hf_to_megatron(name, reader.get_many(mapping.hf_sources(name)))
@@ -266,7 +276,11 @@ def _dist_checkpoint_files(ckpt_dir: str) -> set[str]:
 
 
 def load_megatron_checkpoint(model: torch.nn.Module, ckpt_dir: str) -> None:
-    """Load a dist checkpoint (saved at any TP/PP) into this rank's model; refuses partial checkpoints."""
+    """Load a dist checkpoint (saved at any TP/PP) into this rank's model; refuses partial checkpoints.
+
+    A critic's `value_head.*` may be absent (an actor checkpoint): it then keeps its initial (zero) value. Every
+    other tensor the model has must be in the checkpoint.
+    """
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.validation import StrictHandling
     from torch.distributed.checkpoint.api import CheckpointException
@@ -279,11 +293,16 @@ def load_megatron_checkpoint(model: torch.nn.Module, ckpt_dir: str) -> None:
     except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
         raise ConversionError(f"loading {ckpt_dir!r} failed (incomplete checkpoint, or a different model?): "
                               f"{type(e).__name__}: {str(e)[-2000:]}") from None
-    if unexpected:
-        raise ConversionError(f"{ckpt_dir!r} lacks tensors this model needs: {sorted(unexpected)[:8]} (a different "
+    lacking = sorted(k for k in unexpected if not _is_fresh(k))
+    if lacking:
+        raise ConversionError(f"{ckpt_dir!r} lacks tensors this model needs: {lacking[:8]} (a different "
                               "model, or a partial checkpoint)")
-    # `state` has every key of the model's state dict, `_extra_state` entries included: a strict load works.
-    model.load_state_dict(state, strict=True)
+    # `state` has every key of the model's state dict (`_extra_state` entries included) except a value head the
+    # checkpoint lacks, so only those may be missing.
+    result = model.load_state_dict(state, strict=False)
+    bad = sorted(k for k in result.missing_keys if not _is_fresh(k)) + sorted(result.unexpected_keys)
+    if bad:
+        raise ConversionError(f"loading {ckpt_dir!r}: state dict mismatch {bad[:8]}")
 
 
 def all_ranks_ok(fn, *args, **kwargs):
