@@ -39,25 +39,20 @@ def main():
     from megatron_searchr1.megatron.initialize import destroy_megatron, initialize_megatron
 
     initialize_megatron(tp=args.tp, pp=args.pp, seed=7)
-    from megatron.core import parallel_state as mpu
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.pipeline_parallel import get_forward_backward_func
-    from megatron.core.transformer import TransformerConfig
+    from transformers import Qwen2Config
 
-    cfg = TransformerConfig(
-        num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=64,
-        tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp, pipeline_dtype=torch.float32,
-        use_cpu_initialization=True, normalization="RMSNorm", gated_linear_unit=True, add_bias_linear=False,
-        activation_func=torch.nn.functional.silu, hidden_dropout=0.0, attention_dropout=0.0, bf16=False, fp16=False,
-    )
-    model = GPTModel(
-        config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=64, max_sequence_length=16,
-        pre_process=mpu.is_pipeline_first_stage(), post_process=mpu.is_pipeline_last_stage(),
-        position_embedding_type="rope",
-    )
+    from megatron_searchr1.models.gpt import build_gpt_model
+
+    # The model we train (SDPA attention, fused RoPE, SwiGLU MLP, fast linears), not a stock GPTModel.
+    # vocab 256 pads to 256 at TP=1 and TP=2, so both layouts initialise the same master weights.
+    hf_config = Qwen2Config(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                            tie_word_embeddings=False, attention_dropout=0.0)
+    model = build_gpt_model(hf_config)
+    cfg = model.config
     ddp_cfg = DistributedDataParallelConfig(use_distributed_optimizer=args.distributed_optimizer,
                                             grad_reduce_in_fp32=True)
     model = DistributedDataParallel(cfg, ddp_cfg, model)
@@ -68,7 +63,7 @@ def main():
     )
 
     gen = torch.Generator().manual_seed(0)
-    batches = [torch.randint(0, 64, (2, 16), generator=gen) for _ in range(2)]  # two micro-batches
+    batches = [torch.randint(0, 256, (2, 16), generator=gen) for _ in range(2)]  # two micro-batches
     it = iter(batches)
 
     def forward_step(data_iterator, model):

@@ -79,28 +79,3 @@ def test_event_times_cpu_work():
     cuda.synchronize()
     assert start.elapsed_time(end) > 0
 
-
-def test_a_world_of_one_cleans_up_its_environment(monkeypatch):
-    """initialize_megatron outside torchrun sets RANK/MASTER_PORT...; destroy must remove them again, or a
-    subprocess started later inherits a rendezvous that no longer exists (EADDRINUSE)."""
-    import os
-
-    import torch.distributed as dist
-
-    from megatron.core import parallel_state as mpu
-    from megatron_searchr1.megatron.initialize import destroy_megatron, initialize_megatron
-
-    if dist.is_initialized():
-        pytest.skip("a process group from another test is still alive")
-    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(key, raising=False)
-    initialize_megatron(tp=1, pp=1, seed=3)
-    try:
-        assert mpu.get_tensor_model_parallel_world_size() == 1 and dist.get_world_size() == 1
-        assert os.environ["RANK"] == "0"
-        with pytest.raises(ValueError, match="nproc_per_node 2"):
-            initialize_megatron(tp=2, pp=1)  # one process cannot hold TP=2: the message says how to launch
-    finally:
-        destroy_megatron()
-    assert "RANK" not in os.environ and "MASTER_PORT" not in os.environ
-    assert not dist.is_initialized()

@@ -1,4 +1,5 @@
-"""Megatron on the CPU end to end: real torchrun processes, one optimizer step vs a single-process reference."""
+"""initialize_megatron: a world of one outside torchrun, and real torchrun runs of our model through Megatron DDP +
+get_megatron_optimizer at TP=2 and DP=2 (distributed optimizer), one step each, against a single-process reference."""
 from pathlib import Path
 
 import pytest
@@ -41,3 +42,29 @@ def test_seeded_run_is_reproducible_and_the_step_moves_weights(reference, tmp_pa
     _assert_same_step(reference, again)  # seeded init + data: identical run to run
     for name in ("embedding.word_embeddings.weight", "decoder.layers.0.mlp.linear_fc1.weight"):
         assert (reference["params"][name] - reference["before"][name]).abs().max() > 1e-3, name
+
+
+def test_a_world_of_one_cleans_up_its_environment(monkeypatch):
+    """initialize_megatron outside torchrun sets RANK/MASTER_PORT...; destroy must remove them again, or a
+    subprocess started later inherits a rendezvous that no longer exists (EADDRINUSE)."""
+    import os
+
+    import torch.distributed as dist
+
+    from megatron.core import parallel_state as mpu
+    from megatron_searchr1.megatron.initialize import destroy_megatron, initialize_megatron
+
+    if dist.is_initialized():
+        pytest.skip("a process group from another test is still alive")
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+    initialize_megatron(tp=1, pp=1, seed=3)
+    try:
+        assert mpu.get_tensor_model_parallel_world_size() == 1 and dist.get_world_size() == 1
+        assert os.environ["RANK"] == "0"
+        with pytest.raises(ValueError, match="nproc_per_node 2"):
+            initialize_megatron(tp=2, pp=1)  # one process cannot hold TP=2: the message says how to launch
+    finally:
+        destroy_megatron()
+    assert "RANK" not in os.environ and "MASTER_PORT" not in os.environ
+    assert not dist.is_initialized()
