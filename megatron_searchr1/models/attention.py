@@ -41,19 +41,21 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import divide
 
 
-# (freqs tensor, dtype) -> (cos, sin) of the last RoPE frequencies seen. GPTModel caches its [s, 1, 1, d]
-# frequency tensor per sequence length, so every layer of a forward (and later steps) passes the same object.
+# inference_mode flag -> (freqs, dtype, cos, sin) of the last RoPE frequencies seen in that mode. GPTModel caches
+# its [s, 1, 1, d] frequency tensor per sequence length, so every layer of a forward (and later steps) passes the same
+# object. Separate entries per mode: cos/sin computed under torch.inference_mode are inference tensors, which a
+# later training forward at the same length could not save for backward (the trainer computes old log-probs
+# under inference_mode, then trains).
 _ROPE_CACHE: dict = {}
 
 
 def _rope_cos_sin(freqs: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    key = (id(freqs), dtype)
-    hit = _ROPE_CACHE.get(key)
-    if hit is not None and hit[0] is freqs:
-        return hit[1], hit[2]
+    mode = torch.is_inference_mode_enabled()
+    hit = _ROPE_CACHE.get(mode)
+    if hit is not None and hit[0] is freqs and hit[1] == dtype:
+        return hit[2], hit[3]
     cos, sin = torch.cos(freqs).to(dtype), torch.sin(freqs).to(dtype)
-    _ROPE_CACHE.clear()  # keep one entry: the frequencies of the current sequence length
-    _ROPE_CACHE[key] = (freqs, cos, sin)
+    _ROPE_CACHE[mode] = (freqs, dtype, cos, sin)  # one entry per mode: the current sequence length's
     return cos, sin
 
 

@@ -127,3 +127,25 @@ def test_model_with_explicit_causal_mask_equals_implicit_causal(megatron_tp1):
         implicit = model(ids, None, None)
         explicit = model(ids, None, causal)
     assert (implicit - explicit).abs().max().item() <= 1e-5
+
+
+def test_training_forward_after_inference_mode_forward_at_same_length(megatron_tp1):
+    """The trainer computes old log-probs under torch.inference_mode, then trains on the same batch: the RoPE
+    cos/sin cache must not hand an inference tensor to the training forward (it cannot be saved for backward)."""
+    from transformers import Qwen2Config
+
+    from megatron_searchr1.models.gpt import build_gpt_model
+
+    cfg = Qwen2Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2)
+    model = build_gpt_model(cfg)
+    assert model.decoder.layers[0].self_attention.rope_in_core
+    ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(5))
+    with torch.inference_mode():
+        old = model(ids, None, None)
+    new = model(ids, None, None)
+    new.square().mean().backward()
+    assert model.decoder.layers[0].self_attention.linear_qkv.weight.grad.abs().sum() > 0
+    assert torch.equal(old, new.detach())
+    with torch.inference_mode():  # and back: the training entry does not disturb inference
+        assert torch.equal(model(ids, None, None), old)
