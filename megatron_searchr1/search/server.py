@@ -8,7 +8,9 @@ Request (Search-R1's):  {"queries": ["q1", ...], "topk": 3, "return_scores": tru
 Response:  return_scores true  -> {"result": [[{"document": {"id": ..., "contents": ...}, "score": f}, ...], ...]}
            return_scores false -> {"result": [[{"id": ..., "contents": ...}, ...], ...]}
 (Search-R1's own server crashes on return_scores=false; ours answers with the plain list of documents.)
-Bad input gets a 4xx whose `detail` says what is wrong and what the limit is; the server stays up.
+Bad input gets a 4xx whose `detail` says what is wrong and what the limit is; the server stays up. When more than
+`max_pending_queries` queries wait already, a request gets 429 (overloaded: back off and retry) instead of
+growing the queue without bound; `RetrievalClient` retries 429 with backoff.
 
 Requests that arrive within a short window (`batch_window_ms`) are searched together in one encoder/faiss call
 (micro-batching), on a single worker thread so the event loop keeps accepting requests meanwhile. Results do
@@ -25,6 +27,7 @@ import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -56,15 +59,22 @@ class ServerConfig:
     """How long the first request of a micro-batch waits for others to join it; 0 = no waiting."""
     max_batch_queries: int = 1024
     """A micro-batch stops growing at this many queries."""
+    max_pending_queries: int = 4096
+    """Most queries waiting or being searched at once; a request that would exceed it gets 429 (retry later)."""
 
     def __post_init__(self):
-        for name in ("default_topk", "max_queries", "max_topk", "max_query_chars", "max_batch_queries"):
+        for name in ("default_topk", "max_queries", "max_topk", "max_query_chars", "max_batch_queries",
+                     "max_pending_queries"):
             if getattr(self, name) < 1:
                 raise ValueError(f"ServerConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.batch_window_ms < 0:
             raise ValueError(f"ServerConfig.batch_window_ms must be >= 0, got {self.batch_window_ms}")
         if self.default_topk > self.max_topk:
             raise ValueError(f"default_topk {self.default_topk} exceeds max_topk {self.max_topk}")
+        if self.max_pending_queries < self.max_queries:
+            raise ValueError(f"max_pending_queries {self.max_pending_queries} is below max_queries "
+                             f"{self.max_queries}: a full request could never be accepted; raise it "
+                             f"(--max-pending-queries)")
 
 
 class RequestError(Exception):
@@ -79,8 +89,11 @@ def parse_request(body: bytes, config: ServerConfig) -> tuple[list[str], int, bo
     """Validate a /retrieve body into (queries, topk, return_scores) or raise RequestError."""
     try:
         payload = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise RequestError(400, f"malformed JSON body: {e}; expected "
+    except (ValueError, RecursionError) as e:
+        # ValueError covers JSONDecodeError, bad UTF-8 and integers over Python's 4300-digit limit;
+        # RecursionError a body nested thousands of levels deep. Neither is the server's fault: 400, not 500.
+        reason = "nested too deeply" if isinstance(e, RecursionError) else str(e)
+        raise RequestError(400, f"malformed JSON body: {reason}; expected "
                                 '{"queries": ["..."], "topk": 3, "return_scores": true}') from None
     if not isinstance(payload, dict):
         raise RequestError(422, f"body must be a JSON object, got {type(payload).__name__}")
@@ -123,6 +136,8 @@ class _Pending:
     topk: int
     future: asyncio.Future
     arrived: float
+    client_gone: Callable[[], Awaitable[bool]] | None = None
+    """`Request.is_disconnected` of the waiting request: one whose client went away is not searched."""
 
 
 @dataclass
@@ -134,12 +149,17 @@ class BatchStats:
     batches: int = 0
     search_seconds: float = 0.0
     largest_batch: int = 0
+    rejected_overloaded: int = 0
+    skipped_disconnected: int = 0
+    pending_queries: int = 0
     started: float = field(default_factory=time.time)
 
     def as_dict(self) -> dict:
         return {"requests": self.requests, "queries": self.queries, "batches": self.batches,
                 "mean_batch_queries": round(self.queries / self.batches, 2) if self.batches else 0.0,
                 "largest_batch": self.largest_batch, "search_seconds": round(self.search_seconds, 3),
+                "pending_queries": self.pending_queries, "rejected_overloaded": self.rejected_overloaded,
+                "skipped_disconnected": self.skipped_disconnected,
                 "uptime_s": round(time.time() - self.started, 1)}
 
 
@@ -165,12 +185,17 @@ class MicroBatcher:
                 await self._task
         self._executor.shutdown(wait=False, cancel_futures=True)
 
-    async def submit(self, queries: list[str], topk: int) -> tuple[np.ndarray, np.ndarray]:
+    async def submit(self, queries: list[str], topk: int,
+                     client_gone: Callable[[], Awaitable[bool]] | None = None) -> tuple[np.ndarray, np.ndarray]:
         """(len(queries), topk) ids and scores for one request, searched together with its neighbours."""
         future = asyncio.get_running_loop().create_future()
         self.stats.requests += 1
-        await self._queue.put(_Pending(queries, topk, future, time.perf_counter()))
-        return await future
+        self.stats.pending_queries += len(queries)  # all on the event loop thread: no lock needed
+        try:
+            await self._queue.put(_Pending(queries, topk, future, time.perf_counter(), client_gone))
+            return await future
+        finally:
+            self.stats.pending_queries -= len(queries)
 
     async def _loop(self) -> None:
         while True:
@@ -194,7 +219,18 @@ class MicroBatcher:
                         p.future.set_exception(e)
 
     async def _run(self, batch: list[_Pending]) -> None:
-        batch = [p for p in batch if not p.future.done()]  # a client that went away leaves a cancelled future
+        # uvicorn does not cancel a handler whose client disconnected, so its future is still pending here:
+        # ask the connection instead, and answer such a request without searching (nobody reads the answer).
+        live = []
+        for p in batch:
+            if p.future.done():
+                continue
+            if p.client_gone is not None and await p.client_gone():
+                self.stats.skipped_disconnected += 1
+                p.future.set_exception(ConnectionAbortedError("client disconnected before its search ran"))
+                continue
+            live.append(p)
+        batch = live
         loop = asyncio.get_running_loop()
         by_topk: dict[int, list[_Pending]] = {}
         for p in batch:
@@ -255,6 +291,7 @@ def create_app(retriever: Retriever, config: ServerConfig | None = None, on_read
     async def health():
         return {"status": "ok", **retriever.describe(),
                 "limits": {"max_queries": config.max_queries, "max_topk": config.max_topk,
+                           "max_pending_queries": config.max_pending_queries,
                            "max_query_chars": config.max_query_chars, "default_topk": config.default_topk},
                 "batching": {"window_ms": config.batch_window_ms, **batcher.stats.as_dict()}}
 
@@ -264,8 +301,14 @@ def create_app(retriever: Retriever, config: ServerConfig | None = None, on_read
             queries, topk, return_scores = parse_request(await request.body(), config)
         except RequestError as e:
             return JSONResponse({"detail": str(e)}, status_code=e.status)
+        pending = batcher.stats.pending_queries
+        if pending + len(queries) > config.max_pending_queries:
+            batcher.stats.rejected_overloaded += 1
+            return JSONResponse({"detail": f"server overloaded: {pending} queries are already waiting (limit "
+                                           f"{config.max_pending_queries}); back off and retry"},
+                                status_code=429, headers={"Retry-After": "1"})
         try:
-            ids, scores = await batcher.submit(queries, topk)
+            ids, scores = await batcher.submit(queries, topk, client_gone=request.is_disconnected)
         except Exception as e:  # noqa: BLE001 - the server must stay up; the client sees a 500 and retries
             return JSONResponse({"detail": f"retrieval failed: {type(e).__name__}: {e}"}, status_code=500)
         corpus = retriever.corpus
@@ -360,6 +403,9 @@ def build_arg_parser() -> argparse.ArgumentParser:
     srv.add_argument("--max-query-chars", type=int, default=d.max_query_chars)
     srv.add_argument("--batch-window-ms", type=float, default=d.batch_window_ms)
     srv.add_argument("--max-batch-queries", type=int, default=d.max_batch_queries)
+    srv.add_argument("--max-pending-queries", type=int, default=None,
+                     help=f"queries waiting at once before new requests get 429 (overloaded, retry later); "
+                          f"default {d.max_pending_queries}, or --max-queries when that is larger")
     srv.add_argument("--log-level", default="info")
     srv.add_argument("--access-log", action="store_true", help="log every request (noisy under load)")
     rt = p.add_argument_group("runtime")
@@ -378,7 +424,7 @@ def build_arg_parser() -> argparse.ArgumentParser:
 
 
 def load_from_args(args) -> Retriever:
-    from megatron_searchr1.search.retrievers import load_retriever
+    from megatron_searchr1.search.retrievers import load_retriever, open_faiss_index
 
     runtime = {"device": args.device, "fp16": args.fp16, "batch_size": args.encoder_batch_size,
                "use_gpu": args.faiss_gpu, "num_threads": args.faiss_threads}
@@ -389,15 +435,10 @@ def load_from_args(args) -> Retriever:
         return load_retriever(args.index_dir, corpus_path=args.corpus, bm25_mmap=args.bm25_mmap, **runtime)
     if not (args.faiss_index and args.corpus):
         raise SystemExit("no index: pass --index-dir DIR, or --faiss-index FILE with --corpus FILE.jsonl")
-    from megatron_searchr1.search.corpus import open_corpus
-    from megatron_searchr1.search.dense import DenseRetriever, FaissConfig
-    from megatron_searchr1.search.encoder import EncoderConfig
-
-    enc = EncoderConfig(model=args.encoder, pooling=args.pooling, query_prefix=args.query_prefix,
-                        max_length=args.max_length, device=args.device, fp16=args.fp16,
-                        **({"batch_size": args.encoder_batch_size} if args.encoder_batch_size else {}))
-    return DenseRetriever.from_faiss(args.faiss_index, open_corpus(args.corpus), enc,
-                                     FaissConfig(use_gpu=args.faiss_gpu, num_threads=args.faiss_threads))
+    # The same meta and loading code as register_faiss_index + load_retriever (the corpus offsets are cached
+    # next to the corpus when its directory is writable, so wiki-18 is not rescanned on every start).
+    return open_faiss_index(args.faiss_index, args.corpus, runtime=runtime, model=args.encoder,
+                            pooling=args.pooling, query_prefix=args.query_prefix, max_length=args.max_length)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -407,7 +448,9 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = ServerConfig(host=args.host, port=args.port, default_topk=args.default_topk,
                           max_queries=args.max_queries, max_topk=args.max_topk, max_query_chars=args.max_query_chars,
-                          batch_window_ms=args.batch_window_ms, max_batch_queries=args.max_batch_queries)
+                          batch_window_ms=args.batch_window_ms, max_batch_queries=args.max_batch_queries,
+                          max_pending_queries=args.max_pending_queries or max(ServerConfig.max_pending_queries,
+                                                                              args.max_queries))
     if args.torch_threads > 0:
         import torch
 

@@ -73,7 +73,7 @@ def test_defaults_topk_3_and_no_scores(world, bm25_server):
 def test_health_reports_index_limits_and_batching(bm25_server):
     h = httpx.get(f"{bm25_server.url}/health", timeout=10).json()
     assert h["status"] == "ok" and h["kind"] == "bm25" and h["num_docs"] == 300
-    assert h["limits"] == {**LIMITS, "default_topk": 3}
+    assert h["limits"] == {**LIMITS, "default_topk": 3, "max_pending_queries": 4096}
     assert {"requests", "batches", "mean_batch_queries"} <= set(h["batching"])
 
 
@@ -115,6 +115,11 @@ BAD = [
     ("topk over limit", {"queries": ["a"], "topk": 21}, 422, "'topk' is 21, the limit is 20"),
     ("return_scores not bool", {"queries": ["a"], "return_scores": "yes"}, 422,
      "'return_scores' must be true or false"),
+    # json.loads raises RecursionError and ValueError for these, not JSONDecodeError: they used to be 500s
+    ("nested too deeply", b'{"queries": ["a"], "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400,
+     "malformed JSON body: nested too deeply"),
+    ("integer over 4300 digits", b'{"queries": ["a"], "topk": 1' + b"0" * 5000 + b"}", 400,
+     "(4300 digits)"),
 ]
 
 
@@ -168,6 +173,81 @@ def test_a_failing_search_is_a_500_and_spares_requests_batched_with_it(world, bm
         assert [r.json()["result"][0][0]["id"] for r in responses[1:]] == [d["id"] for d in world["docs"][:8]]
         # the poison request really shared a batch with good ones (then each was retried alone)
         assert max(len(c) for c in poison.calls if "__boom__" in c) > 1
+
+
+class _GatedRetriever:
+    """A real BM25 retriever whose searches wait for `gate`: requests pile up behind the first one, with no sleeps."""
+
+    def __init__(self, inner):
+        self.inner, self.corpus, self.kind = inner, inner.corpus, "bm25"
+        self.entered, self.gate, self.calls = threading.Event(), threading.Event(), []
+
+    def search_ids(self, queries, topk):
+        self.calls.append(list(queries))
+        self.entered.set()
+        assert self.gate.wait(120), "test never opened the gate"
+        return self.inner.search_ids(queries, topk)
+
+    def describe(self):
+        return self.inner.describe()
+
+
+def _wait_for_pending(url, n):
+    deadline = time.time() + 60
+    while (pending := httpx.get(f"{url}/health", timeout=10).json()["batching"]["pending_queries"]) != n:
+        assert time.time() < deadline, f"pending_queries stayed {pending}, expected {n}"
+        time.sleep(0.01)
+
+
+def test_an_overloaded_server_answers_429_and_keeps_serving(world, bm25_index):
+    gated = _GatedRetriever(bm25_index[1])
+    qs = world["queries"]
+    config = ServerConfig(port=0, max_queries=4, max_pending_queries=6, batch_window_ms=0)
+    with BackgroundServer(gated, config) as srv, ThreadPoolExecutor(2) as pool:
+        first = pool.submit(post, srv.url, {"queries": qs[0:3], "topk": 1})
+        assert gated.entered.wait(60)  # being searched (3 pending) ...
+        second = pool.submit(post, srv.url, {"queries": qs[3:6], "topk": 1})
+        _wait_for_pending(srv.url, 6)  # ... and 3 more queued: the limit is reached
+        over = post(srv.url, {"queries": [qs[6]], "topk": 1})
+        assert over.status_code == 429, over.text
+        assert "overloaded" in over.json()["detail"] and "retry" in over.json()["detail"]
+        gated.gate.set()
+        for fut, rows in ((first, range(0, 3)), (second, range(3, 6))):
+            r = fut.result(timeout=60)
+            assert r.status_code == 200
+            assert [row[0]["id"] for row in r.json()["result"]] == [world["docs"][i]["id"] for i in rows]
+        again = post(srv.url, {"queries": [qs[6]], "topk": 1})  # the queue drained: served again
+        assert again.status_code == 200 and again.json()["result"][0][0]["id"] == world["docs"][6]["id"]
+        health = httpx.get(f"{srv.url}/health", timeout=10).json()
+        assert health["batching"]["rejected_overloaded"] == 1 and health["batching"]["pending_queries"] == 0
+        assert health["limits"]["max_pending_queries"] == 6
+        assert [q for call in gated.calls for q in call] == qs[0:7]  # the rejected request was never searched
+    with pytest.raises(ValueError, match="max_pending_queries"):
+        ServerConfig(max_queries=8, max_pending_queries=4)
+
+
+def test_a_request_whose_client_went_away_is_not_searched(world, bm25_index):
+    import json
+    import socket
+
+    gated = _GatedRetriever(bm25_index[1])
+    with BackgroundServer(gated, ServerConfig(port=0, batch_window_ms=0)) as srv, ThreadPoolExecutor(1) as pool:
+        first = pool.submit(post, srv.url, {"queries": [world["queries"][0]], "topk": 1})
+        assert gated.entered.wait(60)
+        body = json.dumps({"queries": ["__gone__"], "topk": 1}).encode()
+        host, port = srv.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port))) as sock:  # sends a request, then hangs up
+            sock.sendall(b"POST /retrieve HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+            _wait_for_pending(srv.url, 2)
+        httpx.get(f"{srv.url}/health", timeout=10)  # a round trip through the event loop, which saw the hang-up
+        gated.gate.set()
+        assert first.result(timeout=60).status_code == 200
+        ok = post(srv.url, {"queries": [world["queries"][1]], "topk": 1})
+        assert ok.status_code == 200
+        stats = httpx.get(f"{srv.url}/health", timeout=10).json()["batching"]
+    assert all("__gone__" not in call for call in gated.calls)
+    assert stats["skipped_disconnected"] == 1 and stats["pending_queries"] == 0
 
 
 # ---- load ------------------------------------------------------------------------------------------------------
