@@ -109,20 +109,25 @@ class RetrievalClient:
         if not queries:
             return []
         results: list[str] = [""] * len(queries)
+        failed = 0  # queries already counted as failed, so the catch-all below does not count them twice
         try:
             chunks = self._chunks(list(queries))
             outcomes = self._map(lambda c: self._post_chunk(c, self.topk, True), chunks)
             for (start, chunk), outcome in zip(chunks, outcomes):
+                if not isinstance(outcome, Exception):
+                    try:  # a malformed item fails its own chunk only, not the chunks around it
+                        texts = [format_docs(docs) for docs in outcome]
+                    except Exception as e:  # noqa: BLE001 - any shape the server may send
+                        outcome = RetrievalError(f"malformed result item: {type(e).__name__}: {e}")
                 if isinstance(outcome, Exception):
                     self._count(errors=1, failed_queries=len(chunk))
-                    text = f"Search failed: {outcome}"
+                    failed += len(chunk)
                     logger.warning("retrieval failed for %d queries: %s", len(chunk), outcome)
-                    results[start:start + len(chunk)] = [text] * len(chunk)
-                else:
-                    results[start:start + len(chunk)] = [format_docs(docs) for docs in outcome]
+                    texts = [f"Search failed: {outcome}"] * len(chunk)
+                results[start:start + len(chunk)] = texts
         except Exception as e:  # noqa: BLE001 - a bug here must not kill a training run either
             logger.exception("retrieval client error")
-            self._count(errors=1, failed_queries=len(queries))
+            self._count(errors=1, failed_queries=len(queries) - failed)
             return [f"Search failed: {type(e).__name__}: {e}"] * len(queries)
         return results
 

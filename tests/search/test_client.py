@@ -171,6 +171,32 @@ def test_a_failing_chunk_spares_the_other_chunks(world, bm25_index):
     assert (client.stats.errors, client.stats.failed_queries) == (1, 2)
 
 
+class _OneBadDocRetriever:
+    """A real retriever whose corpus row `bad` has non-text contents (a broken corpus line, a buggy server)."""
+
+    def __init__(self, inner, bad):
+        self.inner, self.kind = inner, "bm25"
+        self.corpus = [dict(d, contents=12345) if i == bad else d for i, d in enumerate(inner.corpus)]
+
+    def search_ids(self, queries, topk):
+        return self.inner.search_ids(queries, topk)
+
+    def describe(self):
+        return self.inner.describe()
+
+
+def test_a_malformed_result_item_fails_only_its_own_chunk_counted_once(world, bm25_index):
+    queries = [world["queries"][i] for i in (30, 31, 32, 33, 34, 35)]
+    bad = _OneBadDocRetriever(bm25_index[1], bad=32)
+    with BackgroundServer(bad, ServerConfig(port=0)) as srv, \
+            RetrievalClient(srv.url, topk=1, max_retries=0, max_queries_per_request=2) as client:
+        out = client.search(queries)
+    good = [format_docs(h) for h in bm25_index[1].search(queries, 1)]
+    assert out[:2] == good[:2] and out[4:] == good[4:]  # the chunks before and after are intact
+    assert out[2] == out[3] and out[2].startswith("Search failed: malformed result item: AttributeError")
+    assert (client.stats.errors, client.stats.failed_queries, client.stats.queries) == (1, 2, 6)
+
+
 def test_retrieve_returns_raw_results(world, server):
     with RetrievalClient(server.url, topk=2) as client:
         with_scores = client.retrieve(world["queries"][:3])
