@@ -110,6 +110,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--torch-threads", type=int, default=1, help="encoder threads, here and in the server")
     args = p.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import httpx
     import torch
 
     torch.set_num_threads(args.torch_threads)  # the in-process column must use what the server uses
@@ -120,11 +121,13 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="bench_retrieval_") as tmp:
         if args.corpus:
             corpus_path = args.corpus
-            questions = [d["text"][:80] for d in load_corpus(corpus_path)[:1000]]
+            docs = load_corpus(corpus_path)  # once: a big corpus takes a while to parse
+            num_docs, questions = len(docs), [d["text"][:80] for d in docs[:1000]]
+            del docs
         else:
             corpus_path = os.path.join(tmp, "corpus.jsonl")
-            questions = make_corpus(corpus_path, args.docs)
-        print(f"corpus: {corpus_path}, {len(load_corpus(corpus_path))} docs; {os.cpu_count()} CPUs; "
+            num_docs, questions = args.docs, make_corpus(corpus_path, args.docs)
+        print(f"corpus: {corpus_path}, {num_docs} docs; {os.cpu_count()} CPUs; "
               f"server flags: {' '.join(server_args)}")
         for kind in args.kinds:
             t0 = time.time()
@@ -144,7 +147,16 @@ def main(argv: list[str] | None = None) -> None:
                           f"{r['p99']:>8.1f} {r['per_batch']:>8.1f} {r['errors']:>6}")
                 print(f"{'batch':>8} {'HTTP q/s':>9} {'x q/s':>6} {'ms/req':>8} {'local q/s':>10} {'HTTP/local':>10}")
                 base = None
+                max_queries = httpx.get(f"{url}/health", timeout=10).json()["limits"]["max_queries"]
+                batches = []
                 for b in args.batches:
+                    if b > max_queries:  # the server would answer 413: one request cannot carry more
+                        print(f"batch {b} is above the server's max_queries {max_queries}: measuring {max_queries} "
+                              f"instead (raise the limit with --server-args '--max-queries {b}')")
+                        b = max_queries
+                    if b not in batches:
+                        batches.append(b)
+                for b in batches:
                     r = batch_throughput(url, retriever, questions, b, args.topk, min_seconds=args.seconds / 4)
                     base = base or r["http_qps"]
                     print(f"{b:>8} {r['http_qps']:>9.1f} {r['http_qps'] / base:>6.1f} {r['http_ms']:>8.1f} "
