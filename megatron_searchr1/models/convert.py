@@ -113,23 +113,14 @@ def load_hf_config(hf_dir: str):
 
 
 def check_parallel_sizes(hf_config: Any, tp: int, pp: int) -> None:
-    """Refuse TP/PP that do not divide the model, before starting any process group."""
-    heads, layers = hf_config.num_attention_heads, hf_config.num_hidden_layers
-    kv = getattr(hf_config, "num_key_value_heads", None) or heads
-    problems = []
-    if tp < 1 or pp < 1:
-        problems.append(f"--tp and --pp must be >= 1 (got tp={tp}, pp={pp})")
-    else:
-        if heads % tp:
-            problems.append(f"TP={tp} does not divide num_attention_heads={heads}")
-        if kv % tp:
-            problems.append(f"TP={tp} does not divide num_key_value_heads={kv}")
-        if hf_config.intermediate_size % tp:
-            problems.append(f"TP={tp} does not divide intermediate_size={hf_config.intermediate_size}")
-        if layers % pp:
-            problems.append(f"PP={pp} does not divide num_hidden_layers={layers}")
-    if problems:
-        raise ConversionError("; ".join(problems) + ": choose --tp/--pp that divide the model")
+    """Refuse TP/PP that do not fit the model (gpt.check_parallel_sizes, Megatron's rules) or the world size,
+    before starting any process group."""
+    from megatron_searchr1.models.gpt import check_parallel_sizes as check_model_sizes
+
+    try:
+        check_model_sizes(hf_config, tp, pp)
+    except ValueError as e:
+        raise ConversionError(f"{e} (--tp/--pp)") from None
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world % (tp * pp):
         raise ConversionError(f"world size {world} is not a multiple of tp*pp={tp * pp}: launch with "

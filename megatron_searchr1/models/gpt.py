@@ -17,7 +17,9 @@ the global index is `i + get_transformer_layer_offset(config)`; TP shards are pe
     embedding.word_embeddings.weight                     [V_pad / tp, H]            first stage only
     decoder.layers.i.input_layernorm.weight              [H]                        local spec only
     decoder.layers.i.self_attention.linear_qkv.weight    [(nq + 2 ng) / tp * d, H]  rows per query group:
-                                                         [q_0 .. q_{r-1}, k, v] (r = nq / ng), groups split over TP
+                                                         [q_0 .. q_{r-1}, k, v] (r = nq / ng), rows split over TP
+                                                         (ng < tp: a rank holds a slice of one group; Megatron
+                                                         all-gathers its group, so kv heads are replicated)
     decoder.layers.i.self_attention.linear_qkv.bias      [(nq + 2 ng) / tp * d]     Qwen2 (qkv bias) only
     decoder.layers.i.self_attention.linear_proj.weight   [H, nq * d / tp]
     decoder.layers.i.pre_mlp_layernorm.weight            [H]                        local spec only
@@ -49,39 +51,52 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_searchr1.models.attention import SDPAttention, SDPSelfAttention
-
-# HF architecture name -> our family name (one mapping module per family lives in models/families/).
-SUPPORTED_ARCHITECTURES = {
-    "Qwen2ForCausalLM": "qwen2",
-    "LlamaForCausalLM": "llama",
-}
-# A config built in code (`Qwen2Config(...)`) has no `architectures`; its model_type names the family.
-_MODEL_TYPE_TO_ARCHITECTURE = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
+from megatron_searchr1.models.families import (  # noqa: F401  (SUPPORTED_ARCHITECTURES: re-exported)
+    SUPPORTED_ARCHITECTURES, LlamaFamily, ModelFamily, get_family, mapping_for,
+)
 
 # Megatron's llama3 RoPE scaling hard-codes these three values (RotaryEmbedding._apply_scaling).
 _MEGATRON_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
 
 def hf_architecture(hf_config) -> str:
-    """The supported HF architecture name of `hf_config`, or a ValueError naming the supported ones."""
-    archs = list(getattr(hf_config, "architectures", None) or [])
-    if not archs:
-        model_type = getattr(hf_config, "model_type", None)
-        if model_type in _MODEL_TYPE_TO_ARCHITECTURE:
-            return _MODEL_TYPE_TO_ARCHITECTURE[model_type]
-        archs = [f"model_type={model_type!r}"]
-    for arch in archs:
-        if arch in SUPPORTED_ARCHITECTURES:
-            return arch
-    raise ValueError(
-        f"Unsupported architecture {archs}: megatron-searchr1 builds {sorted(SUPPORTED_ARCHITECTURES)} "
-        "(a critic is built from the same causal-LM config)."
-    )
+    """The supported HF architecture name of `hf_config`, or a ValueError naming the supported ones.
+
+    The registry is models/families (`get_family`): one source of truth for what the builder and the mapping accept.
+    """
+    return get_family(hf_config).architectures[0]
 
 
 def model_family(hf_config) -> str:
     """'qwen2' or 'llama': the name of the family mapping module for this config."""
-    return SUPPORTED_ARCHITECTURES[hf_architecture(hf_config)]
+    return get_family(hf_config).model_types[0]
+
+
+def check_parallel_sizes(hf_config, tp: int, pp: int) -> None:
+    """Refuse TP/PP that do not fit the model (ValueError listing every problem and what to change).
+
+    Megatron's rules: TP divides the query heads and the MLP width; the KV heads (query groups) are a multiple of
+    TP (each rank holds whole groups) or divide TP (each group is replicated over TP/groups ranks, as Megatron's
+    attention does); PP divides the layers (uniform split).
+    """
+    heads, layers = hf_config.num_attention_heads, hf_config.num_hidden_layers
+    groups = getattr(hf_config, "num_key_value_heads", None) or heads
+    ffn = hf_config.intermediate_size
+    problems = []
+    if tp < 1 or pp < 1:
+        problems.append(f"TP and PP must be >= 1 (got TP={tp}, PP={pp})")
+    else:
+        if heads % tp:
+            problems.append(f"TP={tp} does not divide num_attention_heads={heads}: choose a TP that divides it")
+        if groups % tp and tp % groups:
+            problems.append(f"num_key_value_heads (query groups)={groups} must be a multiple of TP={tp} (each rank "
+                            f"holds whole groups) or divide it (groups replicated over ranks): choose such a TP")
+        if ffn % tp:
+            problems.append(f"TP={tp} does not divide intermediate_size={ffn}: choose a TP that divides it")
+        if layers % pp:
+            problems.append(f"PP={pp} does not divide num_hidden_layers={layers}: choose a PP that divides it")
+    if problems:
+        raise ValueError("; ".join(problems))
 
 
 def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
@@ -144,7 +159,7 @@ def rope_settings(hf_config) -> RopeSettings:
     )
 
 
-def _check_supported(hf_config, arch: str) -> None:
+def _check_supported(hf_config, family: type[ModelFamily]) -> None:
     """Reject HF features this Megatron translation would silently compute differently."""
     act = getattr(hf_config, "hidden_act", "silu")
     if act != "silu":
@@ -154,18 +169,13 @@ def _check_supported(hf_config, arch: str) -> None:
     layer_types = getattr(hf_config, "layer_types", None) or []
     if any(t != "full_attention" for t in layer_types):
         raise ValueError(f"Only full-attention layers are supported, config has layer_types={sorted(set(layer_types))}.")
-    if arch == "LlamaForCausalLM":
+    if family is LlamaFamily:
         if getattr(hf_config, "attention_bias", False):
             raise ValueError("Llama attention_bias=True is not supported (Megatron has q/k/v bias only, "
                              "not an o_proj bias).")
         if getattr(hf_config, "mlp_bias", False):
             raise ValueError("Llama mlp_bias=True is not supported.")
     rope_settings(hf_config)  # raises for unsupported scaling
-
-
-def _head_dim(hf_config) -> int:
-    head_dim = getattr(hf_config, "head_dim", None)
-    return int(head_dim) if head_dim else hf_config.hidden_size // hf_config.num_attention_heads
 
 
 def transformer_config_from_hf(
@@ -176,40 +186,28 @@ def transformer_config_from_hf(
     `overrides` are TransformerConfig fields applied last (e.g. recompute_granularity="full",
     bias_activation_fusion=True, apply_rope_fusion=True on GPU).
     """
-    arch = hf_architecture(hf_config)
-    _check_supported(hf_config, arch)
-    heads = hf_config.num_attention_heads
-    groups = getattr(hf_config, "num_key_value_heads", None) or heads
-    layers = hf_config.num_hidden_layers
-    ffn = hf_config.intermediate_size
-    if heads % tp:
-        raise ValueError(f"TP={tp} does not divide num_attention_heads={heads}: choose a TP that divides it.")
-    if groups % tp:
-        raise ValueError(
-            f"TP={tp} does not divide num_key_value_heads (query groups)={groups}: choose a TP that divides it."
-        )
-    if ffn % tp:
-        raise ValueError(f"TP={tp} does not divide intermediate_size={ffn}.")
-    if layers % pp:
-        raise ValueError(f"PP={pp} does not divide num_hidden_layers={layers}: choose a PP that divides it.")
+    family = get_family(hf_config)
+    _check_supported(hf_config, family)
+    check_parallel_sizes(hf_config, tp, pp)
+    dims = mapping_for(hf_config).dims  # the same dimensions the weight mapping reads (head_dim included)
     if params_dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"params_dtype must be float32, bfloat16 or float16, got {params_dtype}.")
 
     kwargs = dict(
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
-        num_layers=layers,
-        hidden_size=hf_config.hidden_size,
-        ffn_hidden_size=ffn,
-        num_attention_heads=heads,
-        num_query_groups=groups,
-        kv_channels=_head_dim(hf_config),
+        num_layers=dims.num_layers,
+        hidden_size=dims.hidden_size,
+        ffn_hidden_size=dims.ffn_hidden_size,
+        num_attention_heads=dims.num_heads,
+        num_query_groups=dims.num_kv_heads,
+        kv_channels=dims.head_dim,
         normalization="RMSNorm",
         layernorm_epsilon=float(hf_config.rms_norm_eps),
         gated_linear_unit=True,  # SwiGLU: linear_fc1 holds [gate; up]
         activation_func=F.silu,
         add_bias_linear=False,
-        add_qkv_bias=(arch == "Qwen2ForCausalLM") or bool(getattr(hf_config, "attention_bias", False)),
+        add_qkv_bias=dims.qkv_bias,
         hidden_dropout=0.0,  # HF decoders have no residual dropout
         attention_dropout=float(getattr(hf_config, "attention_dropout", 0.0) or 0.0),
         init_method_std=float(getattr(hf_config, "initializer_range", 0.02)),
@@ -314,7 +312,9 @@ def resolve_config(hf_config, config: Optional[TransformerConfig], params_dtype:
         return transformer_config_from_hf(hf_config, tp=tp, pp=pp, params_dtype=params_dtype)
     if (config.tensor_model_parallel_size, config.pipeline_model_parallel_size) != (tp, pp):
         raise ValueError(f"config says TP={config.tensor_model_parallel_size}, PP={config.pipeline_model_parallel_size} "
-                         f"but parallel_state is TP={tp}, PP={pp}.")
+                         f"but parallel_state is TP={tp}, PP={pp}: build the config with "
+                         f"transformer_config_from_hf(hf_config, tp={tp}, pp={pp}, ...), matching the tp/pp given to "
+                         "initialize_megatron (or pass config=None).")
     return config
 
 

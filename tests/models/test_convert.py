@@ -96,6 +96,13 @@ def test_input_checks(models, tmp_path):
         check_parallel_sizes(cfg, 1, 3)
     with pytest.raises(ConversionError, match="torchrun --nproc_per_node 4"):
         check_parallel_sizes(cfg, 2, 2)  # this pytest process is a world of one
+    # Megatron's GQA rule: KV heads may divide TP (replicated) but must otherwise be a multiple of it
+    cfg.num_key_value_heads = 1
+    with pytest.raises(ConversionError, match="torchrun --nproc_per_node 2"):  # the model fits; the world does not
+        check_parallel_sizes(cfg, 2, 1)
+    cfg.num_attention_heads, cfg.num_key_value_heads = 6, 3
+    with pytest.raises(ConversionError, match="num_key_value_heads .*=3 must be a multiple of TP=2 .* or divide it"):
+        check_parallel_sizes(cfg, 2, 1)
     with pytest.raises(ConversionError, match="does not exist"):
         load_hf_config(str(tmp_path / "nope"))
 

@@ -34,11 +34,14 @@ LLAMA3_ROPE = dict(rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_
 
 
 def tiny_config(kind: str, **kw):
-    """Tiny HF configs: 'qwen2' (untied, qkv bias), 'llama' (tied), 'llama3rope' (tied, llama3 RoPE scaling)."""
+    """Tiny HF configs: 'qwen2' (untied, qkv bias), 'qwen2kv1' (qwen2 with one KV head: replicated at TP=2),
+    'llama' (tied), 'llama3rope' (tied, llama3 RoPE scaling)."""
     base = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
     if kind == "qwen2":
         return Qwen2Config(**{**base, "tie_word_embeddings": False, **kw})
+    if kind == "qwen2kv1":
+        return Qwen2Config(**{**base, "tie_word_embeddings": False, "num_key_value_heads": 1, **kw})
     if kind == "llama":
         return LlamaConfig(**{**base, "tie_word_embeddings": True, **kw})
     if kind == "llama3rope":
@@ -51,7 +54,7 @@ def tiny_hf_model(kind: str, seed: int = 0):
     """A deterministic random HF model with every tensor (biases, norms too) far from its default init."""
     cfg = tiny_config(kind)
     torch.manual_seed(seed)
-    model = (Qwen2ForCausalLM if kind == "qwen2" else LlamaForCausalLM)(cfg).eval()
+    model = (Qwen2ForCausalLM if kind.startswith("qwen2") else LlamaForCausalLM)(cfg).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
@@ -75,11 +78,11 @@ def hf_to_megatron_state(hf_model, cfg, *, vocab_pad: int, tp_rank=0, tp=1, pp_r
         out[: t.shape[0]] = t
         return out
 
-    def per_group(q, k, v):  # rows per query group: [q heads of the group, k, v]; groups split over TP
-        if swap_kv:
+    def per_group(q, k, v):  # rows per query group: [q heads of the group, k, v]; rows split over TP (a rank
+        if swap_kv:          # holds whole groups, or a slice of one group when ng < tp)
             k, v = v, k
         full = torch.cat([q.reshape(ng, (nq // ng) * d, -1), k.reshape(ng, d, -1), v.reshape(ng, d, -1)], dim=1)
-        return shard(full, 0).reshape(-1, full.shape[-1]).squeeze(-1)
+        return shard(full.reshape(-1, full.shape[-1]), 0).squeeze(-1)
 
     per_stage = cfg.num_hidden_layers // pp
     first, last = pp_rank == 0, pp_rank == pp - 1
@@ -174,7 +177,10 @@ def test_config_translates_qwen2_and_llama():
 @pytest.mark.parametrize("make, kwargs, message", [
     (lambda: tiny_config("qwen2", architectures=["MistralForCausalLM"]), {}, "Qwen2ForCausalLM"),
     (lambda: tiny_config("qwen2", num_attention_heads=4, num_key_value_heads=4), {"tp": 3}, "num_attention_heads"),
-    (lambda: tiny_config("qwen2", num_attention_heads=8, num_key_value_heads=2), {"tp": 4}, "num_key_value_heads"),
+    (lambda: tiny_config("qwen2", num_attention_heads=6, num_key_value_heads=3), {"tp": 2},
+     "num_key_value_heads .*=3 must be a multiple of TP=2 .* or divide it"),
+    (lambda: tiny_config("qwen2", intermediate_size=130), {"tp": 4}, "TP=4 does not divide intermediate_size=130"),
+    (lambda: tiny_config("qwen2", architectures=["Qwen2ForTokenClassification"]), {}, "Qwen2ForTokenClassification"),
     (lambda: tiny_config("qwen2", num_hidden_layers=3), {"pp": 2}, "num_hidden_layers"),
     (lambda: tiny_config("qwen2", use_sliding_window=True, sliding_window=64), {}, "liding"),
     (lambda: tiny_config("qwen2", rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}), {}, "yarn"),
@@ -186,6 +192,32 @@ def test_config_translates_qwen2_and_llama():
 def test_config_errors_are_clear(make, kwargs, message):
     with pytest.raises(ValueError, match=message):
         transformer_config_from_hf(make(), **kwargs)
+
+
+def test_builder_and_mapping_accept_the_same_configs():
+    """gpt.py delegates to the families registry: a config one accepts, the other accepts (and vice versa)."""
+    from megatron_searchr1.models.families import get_family
+
+    for cfg in (tiny_config("qwen2"), tiny_config("llama"), tiny_config("qwen2", architectures=["Qwen2ForCausalLM"]),
+                tiny_config("qwen2", architectures=["Qwen2ForTokenClassification"]),
+                tiny_config("qwen2", architectures=["MistralForCausalLM"])):
+        try:
+            family = get_family(cfg)
+        except ValueError:
+            family = None
+        if family is None:
+            with pytest.raises(ValueError):
+                transformer_config_from_hf(cfg)
+        else:
+            transformer_config_from_hf(cfg)
+            assert model_family(cfg) == family.model_types[0]
+
+
+@pytest.mark.parametrize("heads, groups, tp", [(4, 1, 2), (8, 2, 4), (8, 1, 8), (4, 4, 2)])
+def test_fewer_kv_heads_than_tp_is_allowed(heads, groups, tp):
+    """Megatron replicates KV heads when num_query_groups divides TP (transformer_config.py's rule)."""
+    c = transformer_config_from_hf(tiny_config("qwen2", num_attention_heads=heads, num_key_value_heads=groups), tp=tp)
+    assert (c.num_query_groups, c.tensor_model_parallel_size) == (groups, tp)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only error")
@@ -361,7 +393,7 @@ def labels_loss_grads(model, tp: int) -> dict:
 
 def _worker(out_dir: str) -> None:
     """torchrun worker: logits of each tiny model at TP=2 and at PP=2 (micro-batched), and TP=2 gradients of the
-    labels loss; saved by global rank 0."""
+    labels loss; plus logits of a one-KV-head model at TP=2 (KV head replicated); saved by global rank 0."""
     import torch.distributed as dist
     from megatron.core import parallel_state
 
@@ -372,7 +404,7 @@ def _worker(out_dir: str) -> None:
     results = {}
     for tp, pp in [(2, 1), (1, 2)]:
         initialize_megatron(tp=tp, pp=pp)
-        for kind in ("qwen2", "llama"):
+        for kind in ("qwen2", "llama") + (("qwen2kv1",) if tp == 2 else ()):
             cfg, hf = tiny_hf_model(kind)
             model = build_gpt_model(cfg).eval()
             load_into(model, hf_to_megatron_state(
@@ -383,7 +415,7 @@ def _worker(out_dir: str) -> None:
             assert (logits is not None) == last
             if last and parallel_state.get_tensor_model_parallel_rank() == 0:
                 results[f"{kind}_tp{tp}_pp{pp}"] = logits
-            if tp == 2:
+            if tp == 2 and kind != "qwen2kv1":
                 grads = labels_loss_grads(model, tp)
                 if parallel_state.get_tensor_model_parallel_rank() == 0:
                     results[f"{kind}_tp2_grads"] = grads
@@ -406,7 +438,11 @@ def test_tp2_and_pp2_logits_equal_tp1(tmp_path, megatron_tp1):
     run_torchrun(__file__, 2, str(tmp_path), timeout=300)
     got = torch.load(tmp_path / "logits.pt")
     assert sorted(got) == ["llama_tp1_pp2", "llama_tp2_grads", "llama_tp2_pp1",
-                           "qwen2_tp1_pp2", "qwen2_tp2_grads", "qwen2_tp2_pp1"]
+                           "qwen2_tp1_pp2", "qwen2_tp2_grads", "qwen2_tp2_pp1", "qwen2kv1_tp2_pp1"]
+    cfg, hf = tiny_hf_model("qwen2kv1")  # one KV head at TP=2: equal to transformers' logits
+    with torch.no_grad():
+        ref = hf(sample_ids(batch=4)).logits
+    assert (got["qwen2kv1_tp2_pp1"] - ref).abs().max().item() <= 1e-4
     for kind in ("qwen2", "llama"):
         cfg, hf = tiny_hf_model(kind)
         model = build_gpt_model(cfg).eval()

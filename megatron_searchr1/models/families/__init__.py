@@ -24,19 +24,25 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(a for f in FAMILIES for a in f.
 
 
 def get_family(hf_config_or_arch: Any) -> type[ModelFamily]:
-    """The family class for a `transformers` config, a config.json dict, or an architecture / model_type string."""
+    """The family class for a `transformers` config, a config.json dict, or an architecture / model_type string.
+
+    A config's `architectures` decide when it lists any (`Qwen2ForTokenClassification` is not a causal LM whose
+    weights this mapping reads, even though its model_type is qwen2); `model_type` is used only when it lists none
+    (a config built in code, e.g. `Qwen2Config(...)`). This is the one registry: gpt.py's model_family /
+    hf_architecture delegate here.
+    """
     if isinstance(hf_config_or_arch, str):
         wanted = [hf_config_or_arch]
     else:
         wanted = list(config_get(hf_config_or_arch, "architectures", None) or [])
         model_type = config_get(hf_config_or_arch, "model_type", None)
-        if model_type:
+        if not wanted and model_type:
             wanted.append(model_type)
     for family in FAMILIES:
         if any(w in family.architectures or w in family.model_types for w in wanted):
             return family
     raise ValueError(f"unsupported model architecture {wanted or '(none given)'}; supported architectures: "
-                     f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+                     f"{', '.join(SUPPORTED_ARCHITECTURES)} (a critic is built from the same causal-LM config)")
 
 
 def mapping_for(hf_config: Any, padded_vocab_size: int | None = None) -> ModelFamily:
