@@ -163,7 +163,9 @@ def load_retriever(index_dir: str | os.PathLike, corpus_path: str | os.PathLike 
     """Reopen an index directory. corpus_path overrides the recorded corpus (e.g. after moving it).
 
     runtime: settings that may differ from build time: EncoderConfig device/fp16/batch_size, FaissConfig
-    use_gpu/num_threads/hnsw_ef_search, HybridConfig rrf_k/depth, and bm25_mmap (memory-map the BM25 arrays).
+    use_gpu/num_threads/hnsw_ef_search, HybridConfig rrf_k/depth, bm25_mmap (memory-map the BM25 arrays) and
+    faiss_mmap (memory-map the faiss vectors: the page cache holds them instead of a private copy; with use_gpu
+    they go from the file to the GPUs without a full CPU copy).
     """
     meta = read_index_meta(index_dir)
     corpus_file = os.fspath(corpus_path) if corpus_path else _in_dir(index_dir, meta["corpus"])
@@ -176,11 +178,12 @@ def _open(meta: dict, index_dir, corpus_file: str, lazy_corpus: bool | None, off
     """The retriever an index meta describes; relative paths in it are relative to index_dir."""
     kind = meta["kind"]
     bm25_mmap = bool(runtime.pop("bm25_mmap", False))
+    faiss_mmap = bool(runtime.pop("faiss_mmap", False))
     allowed = {"device", "fp16", "batch_size", "use_gpu", "num_threads", "hnsw_ef_search", "rrf_k", "depth"}
     bad = set(runtime) - allowed
     if bad:
         raise TypeError(f"load_retriever cannot change {sorted(bad)} (fixed at build time); "
-                        f"runtime options: {sorted(allowed | {'bm25_mmap'})}")
+                        f"runtime options: {sorted(allowed | {'bm25_mmap', 'faiss_mmap'})}")
     corpus = open_corpus(corpus_file, lazy=lazy_corpus, offsets_cache=offsets_cache)
     if len(corpus) != meta["num_docs"]:
         raise ValueError(f"{corpus_file} has {len(corpus)} docs but the index in {index_dir} was built over "
@@ -194,7 +197,8 @@ def _open(meta: dict, index_dir, corpus_file: str, lazy_corpus: bool | None, off
         m = meta["dense"]
         enc_cfg = EncoderConfig(**{**m["encoder"], **_pick(EncoderConfig, runtime)})
         faiss_cfg = FaissConfig(**{**_pick(FaissConfig, m.get("faiss", {})), **_pick(FaissConfig, runtime)})
-        dense = DenseRetriever.from_faiss(_in_dir(index_dir, m["faiss_index"]), corpus, enc_cfg, faiss_cfg)
+        dense = DenseRetriever.from_faiss(_in_dir(index_dir, m["faiss_index"]), corpus, enc_cfg, faiss_cfg,
+                                          mmap=faiss_mmap)
     if kind == "bm25":
         return bm25
     if kind == "dense":

@@ -420,6 +420,8 @@ def build_arg_parser() -> argparse.ArgumentParser:
                          "node whose cores are busy (trainer, rollout) more threads make a CPU encoder much slower "
                          "(measured 20x at 8 clients on 2 busy cores); raise it on dedicated cores")
     rt.add_argument("--bm25-mmap", action="store_true", help="memory-map the BM25 arrays (large corpora)")
+    rt.add_argument("--faiss-mmap", action="store_true",
+                    help="memory-map the faiss vectors instead of reading them into RAM (a 65 GB e5_Flat.index)")
     return p
 
 
@@ -427,7 +429,7 @@ def load_from_args(args) -> Retriever:
     from megatron_searchr1.search.retrievers import load_retriever, open_faiss_index
 
     runtime = {"device": args.device, "fp16": args.fp16, "batch_size": args.encoder_batch_size,
-               "use_gpu": args.faiss_gpu, "num_threads": args.faiss_threads}
+               "use_gpu": args.faiss_gpu, "num_threads": args.faiss_threads, "faiss_mmap": args.faiss_mmap or None}
     runtime = {k: v for k, v in runtime.items() if v is not None}
     if args.index_dir:
         if args.faiss_index:

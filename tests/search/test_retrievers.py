@@ -330,7 +330,11 @@ def test_register_faiss_index_memory_maps_the_vectors_instead_of_reading_them(tm
     np.testing.assert_array_equal(ids, want_ids)
     np.testing.assert_allclose(scores, want_scores, rtol=1e-5)
 
-    flags.clear()  # from_faiss(mmap=True) maps too, and searches the mapped vectors correctly
+    flags.clear()  # serving it memory-mapped (the server's --faiss-mmap) searches the mapped vectors correctly
+    np.testing.assert_array_equal(load_retriever(tmp_path / "registered", faiss_mmap=True).search_ids(queries, 3)[0],
+                                  want_ids)
+    assert flags == [faiss.IO_FLAG_MMAP_IFC]
+    flags.clear()  # and so does from_faiss(mmap=True)
     mapped = DenseRetriever.from_faiss(path, load_corpus(world["path"]), encoder=ours.encoder, mmap=True)
     assert flags == [faiss.IO_FLAG_MMAP_IFC]
     np.testing.assert_array_equal(mapped.search_ids(queries, 3)[0], want_ids)
@@ -444,7 +448,7 @@ def test_a_raw_faiss_file_is_served_through_the_index_dir_code_with_cached_offse
     lazy = open_faiss_index(path, corpus, lazy_corpus=True, runtime={"device": "cpu"})
     assert isinstance(lazy.corpus, JsonlCorpus) and os.path.exists(corpus + ".offsets.npz")
     served = load_from_args(build_arg_parser().parse_args(["--faiss-index", path, "--corpus", corpus,
-                                                           "--device", "cpu"]))
+                                                           "--device", "cpu", "--faiss-mmap"]))
     queries = world["queries"][:10]
     for r in (lazy, served):
         assert r.describe()["encoder"] == ours.describe()["encoder"]
