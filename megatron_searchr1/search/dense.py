@@ -65,7 +65,7 @@ def read_faiss_index(path: str | os.PathLike, mmap: bool = False):
     """Open a faiss index file; mmap=True maps its vectors from the file instead of copying them into RAM.
 
     faiss's IO_FLAG_MMAP only maps inverted lists (IVF); a Flat or HNSW index is still read in full with it (a
-    65 GB e5_Flat.index costs 65 GB). IO_FLAG_MMAP_IFC (faiss >= 1.10) maps the codes of flat storage too:
+    65 GB e5_Flat.index costs 65 GB). IO_FLAG_MMAP_IFC (recent faiss, 1.15 here) maps the codes of flat storage too:
     reading a 768 MB flat index then costs under 1 MB. An older faiss reads the whole file, with a warning.
     """
     faiss = _faiss()
@@ -73,7 +73,7 @@ def read_faiss_index(path: str | os.PathLike, mmap: bool = False):
     if mmap:
         flags = getattr(faiss, "IO_FLAG_MMAP_IFC", 0)
         if not flags:
-            logger.warning("faiss %s cannot memory-map flat indexes (no IO_FLAG_MMAP_IFC, needs faiss >= 1.10): "
+            logger.warning("faiss %s cannot memory-map flat indexes (no IO_FLAG_MMAP_IFC; upgrade faiss): "
                            "reading all of %s into RAM", getattr(faiss, "__version__", "?"), path)
     return faiss.read_index(os.fspath(path), flags)
 
