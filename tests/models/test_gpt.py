@@ -407,9 +407,18 @@ def _worker(out_dir: str) -> None:
         for kind in ("qwen2", "llama") + (("qwen2kv1",) if tp == 2 else ()):
             cfg, hf = tiny_hf_model(kind)
             model = build_gpt_model(cfg).eval()
-            load_into(model, hf_to_megatron_state(
-                hf, cfg, vocab_pad=model.vocab_size, tp_rank=parallel_state.get_tensor_model_parallel_rank(), tp=tp,
-                pp_rank=parallel_state.get_pipeline_model_parallel_rank(), pp=pp))
+            tp_rank = parallel_state.get_tensor_model_parallel_rank()
+            pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+            if kind == "qwen2kv1":  # through the families mapping: its tp_split must handle a replicated KV head
+                from megatron_searchr1.models.families import local_to_global_name, mapping_for, tp_split
+
+                mapping, sd = mapping_for(cfg, model.vocab_size), hf.state_dict()
+                load_into(model, {n: tp_split(g, mapping.hf_to_megatron(g, sd), tp)[tp_rank].clone()
+                                  for n, _ in model.named_parameters()
+                                  for g in [local_to_global_name(n, cfg.num_hidden_layers, pp, pp_rank)]})
+            else:
+                load_into(model, hf_to_megatron_state(hf, cfg, vocab_pad=model.vocab_size, tp_rank=tp_rank, tp=tp,
+                                                      pp_rank=pp_rank, pp=pp))
             logits = forward_logits(model, sample_ids(batch=4), micro_batch_size=2)
             last = parallel_state.is_pipeline_last_stage()
             assert (logits is not None) == last
