@@ -2,8 +2,8 @@
 #      (options: --threads 2 --batch 4 --seq 512 --iters 5; --profile prints the top ops of each model)
 """Megatron GPTModel (local spec + our SDPAttention) vs Hugging Face Qwen2ForCausalLM (sdpa): fwd+bwd on the CPU.
 
-The same ~20M-parameter Qwen2-shaped random model is built in both frameworks (HF weights copied into Megatron,
-logits checked equal), then each runs forward + cross-entropy + backward on the same batch, interleaved
+The same ~20M-parameter Qwen2-shaped random model is built in both frameworks (HF weights loaded into Megatron through
+the families mapping, the converter's; logits asserted equal within 1e-4, exit status 1 otherwise), then each runs forward + cross-entropy + backward on the same batch, interleaved
 iteration by iteration so machine load hits all of them alike. Printed: median seconds per fwd+bwd for
 HF, ours, and Megatron's original local spec (DotProductAttention), and the ratio Megatron / HF
 (target <= 1.0).
@@ -11,53 +11,32 @@ HF, ours, and Megatron's original local spec (DotProductAttention), and the rati
 from __future__ import annotations
 
 import argparse
-import copy
 import statistics
+import sys
 import time
 
 import torch
 import torch.nn.functional as F
 
 
-def copy_hf_into_megatron(hf_model, megatron_model, cfg) -> None:
-    """TP=1, PP=1 weight copy HF Qwen2/Llama -> Megatron local spec (the bench stays independent of the mapping)."""
+TOL = 1e-4  # max |logits difference| (fp32) for the Megatron models to count as the same model as HF's
+
+
+def load_hf_into_megatron(hf_model, megatron_model, cfg, mapping_cls=None) -> None:
+    """TP=1, PP=1: fill a Megatron model from an HF model's state dict with the families mapping (as the converter)."""
+    from megatron_searchr1.models.families import get_family
+
+    mapping = (mapping_cls or get_family(cfg)).from_hf_config(cfg, padded_vocab_size=megatron_model.vocab_size)
     sd = hf_model.state_dict()
-    nq, ng = cfg.num_attention_heads, cfg.num_key_value_heads
-    d = cfg.hidden_size // nq
-    vocab_pad = megatron_model.vocab_size
-
-    def pad(t):
-        out = torch.zeros(vocab_pad, t.shape[1], dtype=t.dtype)
-        out[: t.shape[0]] = t
-        return out
-
-    def per_group(q, k, v):  # Megatron interleaves q/k/v per query group
-        return torch.cat([q.reshape(ng, -1, *q.shape[1:]), k.reshape(ng, -1, *k.shape[1:]),
-                          v.reshape(ng, -1, *v.shape[1:])], dim=1).reshape(-1, *q.shape[1:])
-
-    out = {"embedding.word_embeddings.weight": pad(sd["model.embed_tokens.weight"]),
-           "decoder.final_layernorm.weight": sd["model.norm.weight"]}
-    if not cfg.tie_word_embeddings:
-        out["output_layer.weight"] = pad(sd["lm_head.weight"])
-    for i in range(cfg.num_hidden_layers):
-        h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
-        a = h + "self_attn."
-        out[m + "input_layernorm.weight"] = sd[h + "input_layernorm.weight"]
-        out[m + "pre_mlp_layernorm.weight"] = sd[h + "post_attention_layernorm.weight"]
-        for kind in ("weight", "bias"):
-            if a + f"q_proj.{kind}" in sd:
-                out[m + f"self_attention.linear_qkv.{kind}"] = per_group(
-                    sd[a + f"q_proj.{kind}"], sd[a + f"k_proj.{kind}"], sd[a + f"v_proj.{kind}"])
-        out[m + "self_attention.linear_proj.weight"] = sd[a + "o_proj.weight"]
-        out[m + "mlp.linear_fc1.weight"] = torch.cat([sd[h + "mlp.gate_proj.weight"], sd[h + "mlp.up_proj.weight"]])
-        out[m + "mlp.linear_fc2.weight"] = sd[h + "mlp.down_proj.weight"]
+    out = {name: mapping.hf_to_megatron(name, sd) for name, _ in megatron_model.named_parameters()}
     missing, unexpected = megatron_model.load_state_dict(out, strict=False)
     missing = [k for k in missing if not k.endswith("_extra_state")]
     if missing or unexpected:
-        raise RuntimeError(f"weight copy mismatch: missing={missing} unexpected={unexpected}")
+        raise RuntimeError(f"weight load mismatch: missing={missing} unexpected={unexpected}")
 
 
-def main(argv=None) -> None:
+def main(argv=None, mapping_cls=None) -> int:
+    """Run the benchmark; returns 1 when a Megatron model's logits differ from HF's by more than TOL."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--batch", type=int, default=4)
@@ -95,13 +74,13 @@ def main(argv=None) -> None:
             if name.endswith("bias"):
                 prm.normal_(0, 0.02)
     ours = build_gpt_model(cfg)
-    copy_hf_into_megatron(hf, ours, cfg)
+    load_hf_into_megatron(hf, ours, cfg, mapping_cls)
     models = {"hf_sdpa": hf, "megatron_ours": ours}
     if not args.no_original:
         kwargs = gpt_model_kwargs(cfg, transformer_config_from_hf(cfg), use_te=False)
         kwargs["transformer_layer_spec"] = get_gpt_layer_local_spec(normalization="RMSNorm")
         orig = GPTModel(**kwargs)
-        copy_hf_into_megatron(hf, orig, cfg)
+        load_hf_into_megatron(hf, orig, cfg, mapping_cls)
         models["megatron_original"] = orig
     n_params = sum(prm.numel() for prm in hf.parameters())
 
@@ -115,7 +94,6 @@ def main(argv=None) -> None:
             logits = model(ids, None, None)[..., : args.vocab]
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1))
         loss.backward()
-        return logits.detach()
 
     for m in models.values():
         m.train()
@@ -125,6 +103,9 @@ def main(argv=None) -> None:
             if name != "hf_sdpa":
                 diff = (models[name](ids, None, None)[..., : args.vocab] - ref).abs().max().item()
                 print(f"max |logits({name}) - logits(hf)| = {diff:.2e}")
+                if not diff <= TOL:  # timing different models would be meaningless
+                    print(f"error: {name} logits differ from HF's by {diff:.2e} > {TOL:.0e}", file=sys.stderr)
+                    return 1
 
     times = {name: [] for name in models}
     for it in range(args.warmup + args.iters):
@@ -155,7 +136,8 @@ def main(argv=None) -> None:
                 step(name, model)
             print(f"--- {name}")
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
