@@ -205,6 +205,12 @@ def gather_hf_weights(model: torch.nn.Module, mapping: ModelFamily, progress: bo
         yield from mapping.megatron_to_hf(name, t)
 
 
+def host_tensors(pairs: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """(hf_name, tensor) pairs -> {hf_name: contiguous CPU tensor in `dtype`}, moved one at a time, so a GPU holds at
+    most one exported tensor (not a whole stage's) besides the model while a stage is collected for writing."""
+    return {n: t.to(dtype).cpu().contiguous() for n, t in pairs}
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Checkpoint metadata
 # ----------------------------------------------------------------------------------------------------------------
@@ -391,7 +397,7 @@ def megatron_to_hf(ckpt_dir: str, out_dir: str, *, tp: int = 1, pp: int = 1, dty
     model = all_ranks_ok(build_gpt_model, hf_config, params_dtype=params_dtype)
     all_ranks_ok(load_megatron_checkpoint, model, ckpt_dir)
     mapping = bind_mapping(hf_config, model)
-    tensors = {n: t.to(out_dtype).contiguous() for n, t in gather_hf_weights(model, mapping, progress=rank == 0)}
+    tensors = host_tensors(gather_hf_weights(model, mapping, progress=rank == 0), out_dtype)
 
     # One safetensors file per pipeline stage, written by the stage's first TP / DP rank; rank 0 adds the index.
     writer = ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0

@@ -125,3 +125,19 @@ def test_input_checks(models, tmp_path):
     (sharded / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(ConversionError, match="model-00002-of-00002.safetensors"):
         SafetensorsReader(str(sharded))
+
+
+def test_exported_tensors_are_host_tensors():
+    """megatron_to_hf collects a whole stage before writing: on a GPU each tensor must be moved off it right away
+    (the device check bites only where CUDA is present; on the CPU this checks dtype, layout and values)."""
+    from megatron_searchr1.models.convert import host_tensors
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    base = torch.arange(12, dtype=torch.float32, device=device).reshape(3, 4)
+    out = host_tensors([("a", base.t()), ("b", base)], torch.bfloat16)
+    assert sorted(out) == ["a", "b"]
+    for name, ref in (("a", base.t()), ("b", base)):
+        t = out[name]
+        assert t.device.type == "cpu" and t.dtype == torch.bfloat16 and t.is_contiguous()
+        assert torch.equal(t, ref.to(torch.bfloat16).cpu())
+
