@@ -9,7 +9,8 @@ import pytest
 from megatron_searchr1.search.base import topk_desc
 from megatron_searchr1.search.encoder import BGE_QUERY_INSTRUCTION, EncoderConfig, packaged_minilm_dir
 from megatron_searchr1.search.hybrid import reciprocal_rank_fusion
-from megatron_searchr1.search.retrievers import build_index, load_retriever, read_index_meta, register_faiss_index
+from megatron_searchr1.search.retrievers import (build_index, faiss_index_meta, load_retriever, open_faiss_index,
+                                                 read_index_meta, register_faiss_index)
 
 
 def _top1_rate(retriever, queries, rows):
@@ -346,8 +347,6 @@ def test_a_faiss_without_flat_mmap_reads_the_file_with_a_warning(tmp_path, dense
     path = _flat_index_file(tmp_path / "flat.index", dense_index[1])
     flags = _record_read_flags(monkeypatch)
     monkeypatch.delattr(faiss, "IO_FLAG_MMAP_IFC")
-    from megatron_searchr1.search.retrievers import faiss_index_meta
-
     with caplog.at_level(logging.WARNING):
         meta = faiss_index_meta(path, tmp_path / "corpus.jsonl")
     assert flags == [0] and meta["num_docs"] == 300 and "cannot memory-map" in caplog.text
@@ -443,8 +442,6 @@ def test_a_raw_faiss_file_is_served_through_the_index_dir_code_with_cached_offse
     corpus = str(tmp_path / "data" / "wiki.jsonl")
     os.makedirs(os.path.dirname(corpus))
     shutil.copyfile(world["path"], corpus)
-    from megatron_searchr1.search.retrievers import open_faiss_index
-
     lazy = open_faiss_index(path, corpus, lazy_corpus=True, runtime={"device": "cpu"})
     assert isinstance(lazy.corpus, JsonlCorpus) and os.path.exists(corpus + ".offsets.npz")
     served = load_from_args(build_arg_parser().parse_args(["--faiss-index", path, "--corpus", corpus,
