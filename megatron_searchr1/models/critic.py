@@ -27,7 +27,7 @@ from megatron.core import tensor_parallel
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_searchr1.models.gpt import gpt_model_kwargs, resolve_config, resolve_use_te, to_device, use_fast_modules
+from megatron_searchr1.models.gpt import _build_stage
 
 VALUE_HEAD_WEIGHT = "value_head.weight"
 VALUE_HEAD_BIAS = "value_head.bias"
@@ -60,10 +60,6 @@ class CriticModel(GPTModel):
         values = self.value_head(hidden_states).squeeze(-1)  # [s, b]
         return values.transpose(0, 1).float().contiguous()  # (B, T)
 
-    def shared_embedding_or_output_weight(self):
-        # Only the input embedding exists; the LM output weight is gone.
-        return self.embedding.word_embeddings.weight if self.pre_process else None
-
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
         # LanguageModule marks `output_layer.weight` for vocab padding when post_process; we have none, so
         # hide post_process from it for this call (the value head is a plain replicated module either way).
@@ -83,11 +79,7 @@ def build_critic_model(
     post_process: Optional[bool] = None,
     config: Optional[TransformerConfig] = None,
 ) -> CriticModel:
-    """This rank's critic stage for `hf_config` (randomly initialised trunk, zero value head)."""
-    use_te = resolve_use_te(use_te)
-    config = resolve_config(hf_config, config, params_dtype)
-    kwargs = gpt_model_kwargs(hf_config, config, use_te=use_te, pre_process=pre_process, post_process=post_process)
-    model = CriticModel(**kwargs)
-    use_fast_modules(model, use_te=use_te)
-    model.hf_vocab_size = int(hf_config.vocab_size)
-    return to_device(model)
+    """This rank's critic stage for `hf_config` (randomly initialised trunk, zero value head); arguments as
+    build_gpt_model's. Load the actor's weights with models/convert.py's loaders (the value head stays zero)."""
+    return _build_stage(CriticModel, hf_config, params_dtype=params_dtype, use_te=use_te, pre_process=pre_process,
+                        post_process=post_process, config=config)
