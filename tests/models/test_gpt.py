@@ -179,7 +179,8 @@ def test_config_translates_qwen2_and_llama():
     (lambda: tiny_config("qwen2", num_attention_heads=4, num_key_value_heads=4), {"tp": 3}, "num_attention_heads"),
     (lambda: tiny_config("qwen2", num_attention_heads=6, num_key_value_heads=3), {"tp": 2},
      "num_key_value_heads .*=3 must be a multiple of TP=2 .* or divide it"),
-    (lambda: tiny_config("qwen2", intermediate_size=130), {"tp": 4}, "TP=4 does not divide intermediate_size=130"),
+    (lambda: tiny_config("qwen2", intermediate_size=130), {"tp": 4},
+     "TP=4 does not divide intermediate_size=130: choose a TP that divides it"),
     (lambda: tiny_config("qwen2", architectures=["Qwen2ForTokenClassification"]), {}, "Qwen2ForTokenClassification"),
     (lambda: tiny_config("qwen2", num_hidden_layers=3), {"pp": 2}, "num_hidden_layers"),
     (lambda: tiny_config("qwen2", use_sliding_window=True, sliding_window=64), {}, "liding"),
@@ -233,6 +234,13 @@ def test_build_without_parallel_state_says_what_to_call():
         pytest.skip("another test left Megatron initialised")
     with pytest.raises(RuntimeError, match="initialize_megatron"):
         build_gpt_model(tiny_config("qwen2"))
+
+
+def test_config_for_other_parallel_sizes_says_how_to_build_it(megatron_tp1):
+    cfg = tiny_config("qwen2")
+    wanted = r"transformer_config_from_hf\(hf_config, tp=1, pp=1, \.\.\.\).*initialize_megatron"
+    with pytest.raises(ValueError, match=wanted):
+        build_gpt_model(cfg, config=transformer_config_from_hf(cfg, tp=2))
 
 
 # ------------------------------------------------------------------------------------------------ logits
