@@ -99,3 +99,28 @@ def test_refuses_bad_checkpoints(converted, tmp_path):
     (foreign / "hf" / "config.json").write_text(json.dumps(cfg))
     _fails_with(["--ckpt-dir", foreign, "--out-dir", tmp_path / "o"], "linear_fc1")
     _fails_with(["--ckpt-dir", ckpt, "--out-dir", tmp_path / "o", "--tp", "3"], "TP=3 does not divide")
+
+
+@pytest.mark.slow
+def test_round_trip_bf16_bit_exact(tmp_path):
+    """A bf16 checkpoint (the usual release dtype) stays bf16 and bit-exact through HF -> Megatron -> HF."""
+    from safetensors.torch import save_file
+
+    hf = tiny(tmp_path / "llama", arch="llama", tie=True, seed=3)
+    tensors = load_file(os.path.join(hf, "model.safetensors"))
+    save_file({k: v.to(torch.bfloat16) for k, v in tensors.items()}, os.path.join(hf, "model.safetensors"),
+              metadata={"format": "pt"})
+    cfg = json.loads(open(os.path.join(hf, "config.json")).read())
+    cfg.pop("torch_dtype", None)
+    cfg["dtype"] = "bfloat16"
+    with open(os.path.join(hf, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    rc, out = run_cli(HF_TO_MEGATRON, "--hf-dir", hf, "--out-dir", tmp_path / "ckpt")
+    assert rc == 0, out
+    assert json.load(open(tmp_path / "ckpt" / "searchr1_checkpoint.json"))["dtype"] == "bfloat16"
+    rc, out = run_cli(MEGATRON_TO_HF, "--ckpt-dir", tmp_path / "ckpt", "--out-dir", tmp_path / "back")
+    assert rc == 0, out
+    back = hf_tensors(tmp_path / "back")
+    assert all(t.dtype == torch.bfloat16 for t in back.values())
+    assert json.load(open(tmp_path / "back" / "config.json"))["dtype"] == "bfloat16"
+    assert_same_model(hf, tmp_path / "back")
