@@ -399,14 +399,28 @@ def labels_loss_grads(model, tp: int) -> dict:
     return full_grads(model, tp)
 
 
+def critic_state(hf_model, cfg, critic, **rank) -> dict:
+    """This rank's critic state: the actor trunk's (no output layer) plus a fixed non-zero value head on the last
+    stage (zero would make every value 0 and hide a wrong trunk)."""
+    state = hf_to_megatron_state(hf_model, cfg, vocab_pad=critic.vocab_size, **rank)
+    state.pop("output_layer.weight", None)
+    if critic.post_process:
+        g = torch.Generator().manual_seed(7)
+        state["value_head.weight"] = 0.5 * torch.randn(1, cfg.hidden_size, generator=g)
+        state["value_head.bias"] = torch.tensor([0.25])
+    return state
+
+
 def _worker(out_dir: str) -> None:
     """torchrun worker: logits of each tiny model at TP=2 and at PP=2 (micro-batched), and TP=2 gradients of the
-    labels loss; plus logits of a one-KV-head model at TP=2 (KV head replicated); saved by global rank 0."""
+    labels loss; plus logits of a one-KV-head model at TP=2 (KV head replicated) and critic values at TP=2 and
+    PP=2; saved by global rank 0."""
     import torch.distributed as dist
     from megatron.core import parallel_state
 
     from megatron_searchr1.megatron.initialize import initialize_megatron
-    from megatron_searchr1.models.forward import forward_logits
+    from megatron_searchr1.models.critic import build_critic_model
+    from megatron_searchr1.models.forward import forward_logits, forward_values
 
     torch.set_num_threads(1)
     results = {}
@@ -436,6 +450,15 @@ def _worker(out_dir: str) -> None:
                 grads = labels_loss_grads(model, tp)
                 if parallel_state.get_tensor_model_parallel_rank() == 0:
                     results[f"{kind}_tp2_grads"] = grads
+        # The critic (same trunk, value head) at this TP/PP: values equal to the TP=1 critic's.
+        cfg, hf = tiny_hf_model("qwen2")
+        critic = build_critic_model(cfg).eval()
+        load_into(critic, critic_state(hf, cfg, critic, tp_rank=parallel_state.get_tensor_model_parallel_rank(),
+                                       tp=tp, pp_rank=parallel_state.get_pipeline_model_parallel_rank(), pp=pp))
+        values = forward_values(critic, sample_ids(batch=4), micro_batch_size=2)
+        assert (values is not None) == parallel_state.is_pipeline_last_stage()
+        if values is not None and parallel_state.get_tensor_model_parallel_rank() == 0:
+            results[f"critic_tp{tp}_pp{pp}"] = values
         parallel_state.destroy_model_parallel()
     # The last PP stage holds the PP result: gather everything on rank 0 through the world group.
     gathered = [None] * dist.get_world_size()
@@ -454,8 +477,18 @@ def test_tp2_and_pp2_logits_equal_tp1(tmp_path, megatron_tp1):
     t0 = time.time()
     run_torchrun(__file__, 2, str(tmp_path), timeout=300)
     got = torch.load(tmp_path / "logits.pt")
-    assert sorted(got) == ["llama_tp1_pp2", "llama_tp2_grads", "llama_tp2_pp1",
+    assert sorted(got) == ["critic_tp1_pp2", "critic_tp2_pp1", "llama_tp1_pp2", "llama_tp2_grads", "llama_tp2_pp1",
                            "qwen2_tp1_pp2", "qwen2_tp2_grads", "qwen2_tp2_pp1", "qwen2kv1_tp2_pp1"]
+    from megatron_searchr1.models.critic import build_critic_model
+    from megatron_searchr1.models.forward import forward_values
+
+    cfg, hf = tiny_hf_model("qwen2")
+    critic = build_critic_model(cfg).eval()
+    load_into(critic, critic_state(hf, cfg, critic))
+    ref_values = forward_values(critic, sample_ids(batch=4))
+    assert ref_values.shape == (4, 48) and ref_values.std() > 0.1
+    for case in ("tp2_pp1", "tp1_pp2"):
+        assert (got[f"critic_{case}"] - ref_values).abs().max().item() <= 1e-5, case
     cfg, hf = tiny_hf_model("qwen2kv1")  # one KV head at TP=2: equal to transformers' logits
     with torch.no_grad():
         ref = hf(sample_ids(batch=4)).logits
