@@ -4,8 +4,9 @@
     values = critic(input_ids, None, None)      # (B, T) fp32 on the last PP stage; hidden states elsewhere
 
 Parameter names: the trunk is named exactly like the actor's (see gpt.py: embedding.*, decoder.layers.*,
-decoder.final_layernorm.weight), so the family mapping loads an HF causal-LM checkpoint into it unchanged;
-there is no `output_layer.weight`. The head, on the last pipeline stage only, is
+decoder.final_layernorm.weight), so models/convert.py's `load_hf_weights` (an HF causal-LM dir) and
+`load_megatron_checkpoint` (a converted actor checkpoint) load the actor's weights into it unchanged, leaving the
+value head as built; there is no `output_layer.weight`. The head, on the last pipeline stage only, is
 
     value_head.weight   [1, H]   replicated on every TP rank (not split; its grads agree across TP ranks)
     value_head.bias     [1]
