@@ -1,0 +1,86 @@
+"""The rollout engine interface: token ids in, token ids (+ log-probs) out.
+
+    engine = make_engine(cfg)                                  # engines/vllm_engine.py or engines/hf_engine.py
+    outs = engine.generate([[1, 2, 3], [4, 5]], SamplingParams(max_tokens=64, stop=("</search>", "</answer>")))
+    outs[0].token_ids, outs[0].logprobs, outs[0].finish_reason   # what the loop keeps, never re-tokenized
+    engine.load_weights(iter([(hf_name, tensor), ...]))          # weight sync, bucket by bucket
+    engine.sleep(); ...train...; engine.wake_up()
+
+Every engine implements `Engine`. The loop (loop.py) only talks to this interface, so a scripted engine in the
+unit tests, the `hf` reference engine and vLLM are interchangeable.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Optional, Protocol, Sequence
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one generate() call samples; the same for every prompt of the call."""
+
+    max_tokens: int
+    """Most tokens generated per prompt in this call."""
+    temperature: float = 1.0
+    """0 = greedy."""
+    top_p: float = 1.0
+    """Nucleus sampling mass."""
+    top_k: int = -1
+    """Top-k sampling; -1 = off."""
+    stop: tuple[str, ...] = ()
+    """Stop strings; the stop string is kept in the output (the tokens that made it are the last ones)."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Token ids that end generation (eos); kept in the output."""
+    logprobs: bool = True
+    """Return the log-prob of each generated token (under the sampling distribution before temperature)."""
+    seed: Optional[int] = None
+    """Base seed; engines derive a per-prompt seed so results do not depend on batching where they can."""
+
+    def __post_init__(self):
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+@dataclass
+class Generation:
+    """What an engine returns for one prompt."""
+
+    token_ids: list[int]
+    """Generated ids, exactly as sampled (stop string / stop token included, nothing after it)."""
+    logprobs: list[float]
+    """log p(token) of each generated id under the engine's model (same length as token_ids)."""
+    finish_reason: str
+    """'stop' (a stop string or stop token) or 'length' (max_tokens reached)."""
+    stop_reason: Optional[str | int] = None
+    """The stop string or stop token id that ended it, None for 'length'."""
+    num_cached_tokens: int = 0
+    """Prompt tokens served from the prefix cache (not recomputed); for compute accounting."""
+
+    def __post_init__(self):
+        if len(self.token_ids) != len(self.logprobs):
+            raise ValueError(f"token_ids ({len(self.token_ids)}) and logprobs ({len(self.logprobs)}) differ in length")
+
+
+class Engine(Protocol):
+    """A generation engine the rollout loop can drive."""
+
+    def generate(self, prompts: Sequence[list[int]], params: SamplingParams) -> list[Generation]:
+        """One Generation per prompt, in order."""
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Take (HF name, full tensor) pairs; may be called many times per sync (one bucket per call)."""
+
+    def finish_weight_sync(self) -> None:
+        """Called once after the last bucket of a sync (e.g. reset the prefix cache: cached KV is stale)."""
+
+    def sleep(self) -> None:
+        """Free generation memory (KV cache) while the trainer runs; no-op where unsupported."""
+
+    def wake_up(self) -> None:
+        """Undo sleep()."""
