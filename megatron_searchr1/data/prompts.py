@@ -76,21 +76,34 @@ def make_prompt(question: str, template: str = "base") -> list[dict]:
     raise ValueError(f"unknown prompt template {template!r}; choose one of {TEMPLATES}")
 
 
-def render_prompt(messages: list[dict], tokenizer=None) -> str:
-    """Text the policy sees first.
+CHAT_TEMPLATE_MODES = ("auto", "always", "never")
 
-    A single user message (the `base` template) is used verbatim, as Search-R1 does. Anything else goes through the
-    tokenizer's chat template with a generation prompt; templates that reject a system role (Gemma-style) get the
-    system text folded into the first user message instead.
+
+def render_prompt(messages: list[dict], tokenizer=None, chat_template: str = "auto") -> str:
+    """Text the policy sees first; the rollout and the SFT data both call this, so they agree byte for byte.
+
+    chat_template:
+    - ``auto`` (Search-R1's rule): the tokenizer's chat template, with a generation prompt, when it has one
+      (instruct models see their own turn markers around the whole Search-R1 prefix); the raw text of a single
+      user message otherwise (base models, or no tokenizer given);
+    - ``always``: the chat template, an error when the tokenizer has none;
+    - ``never``: the raw text of a single user message (the `base` template, Search-R1 with a base model).
+    Templates that reject a system role (Gemma-style) get the system text folded into the first user message.
     """
+    if chat_template not in CHAT_TEMPLATE_MODES:
+        raise ValueError(f"chat_template must be one of {CHAT_TEMPLATE_MODES}, got {chat_template!r}")
     messages = [dict(m) for m in messages]
-    if len(messages) == 1 and messages[0]["role"] == "user":
-        return messages[0]["content"]
-    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+    has_template = tokenizer is not None and bool(getattr(tokenizer, "chat_template", None))
+    single_user = len(messages) == 1 and messages[0]["role"] == "user"
+    if chat_template == "never" or (chat_template == "auto" and not has_template):
+        if single_user:
+            return messages[0]["content"]
         raise ValueError(
-            "chat-template prompts need a tokenizer with a chat_template; prepare the data with --template base "
-            "for base models"
+            "chat-template prompts (system + user messages) need a tokenizer with a chat_template; prepare the data "
+            "with --template base for base models"
         )
+    if not has_template:
+        raise ValueError("chat_template='always' but the tokenizer has no chat_template: use 'auto' or 'never'")
     try:
         return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     except Exception as err:  # jinja raises a TemplateError subclass for "System role not supported"

@@ -73,3 +73,16 @@ def test_doctests():
     import doctest
 
     assert doctest.testmod(prompts).failed == 0
+
+
+def test_base_prompt_follows_search_r1s_chat_template_rule():
+    msgs = prompts.make_prompt("Who wrote Dune?", "base")
+    tok = _tokenizer(CHATML)
+    # auto: a tokenizer with a chat template wraps the whole prefix in it, as Search-R1 does for instruct models
+    assert prompts.render_prompt(msgs, tok) == f"<|im_start|>user\n{msgs[0]['content']}<|im_end|>\n<|im_start|>assistant\n"
+    assert prompts.render_prompt(msgs, tok, chat_template="never") == msgs[0]["content"]
+    assert prompts.render_prompt(msgs, None, chat_template="auto") == msgs[0]["content"]
+    with pytest.raises(ValueError, match="has no chat_template"):
+        prompts.render_prompt(msgs, None, chat_template="always")
+    with pytest.raises(ValueError, match="must be one of"):
+        prompts.render_prompt(msgs, tok, chat_template="sometimes")
