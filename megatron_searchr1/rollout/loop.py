@@ -1,0 +1,264 @@
+"""The multi-turn search loop: a per-sample state machine, batched per turn over the samples still active.
+
+    trajs = [Trajectory.start(prompt_ids, uid=..., sample=i) for ...]
+    stats = run_rollout(engine, tokenizer, client.search, trajs, LoopSettings(max_turns=4, ...))
+
+One turn, for every active sample at once:
+  1. generate from `prompt_ids + response_ids` until `</search>` or `</answer>` (stop strings: nothing is
+     generated past them, unlike Search-R1, which decodes every turn to its length limit and cuts);
+  2. keep the engine's token ids and log-probs as they are (token-in, token-out: generated text is decoded only
+     to read the action, never re-tokenized), loss mask 1;
+  3. read the action from this turn's text: `<answer>` ends the sample; `<search> q </search>` queues `q`;
+     anything else gets Search-R1's invalid-action text appended (loss mask 0);
+  4. all of the turn's queries go to the retrieval client in one call; each observation is
+     `data.prompts.format_observation(docs)` tokenized on its own (so rollouts and the SFT data agree byte for
+     byte), cut to `max_obs_length` tokens keeping its closing tag, appended with loss mask 0.
+After `max_turns` search turns comes one last turn in which a search is no longer run (Search-R1's final
+turn); a sample that still does not answer ends `max_turns` (it searched) or `invalid` (it did not).
+The prompt is never cut: `max_response_length` bounds the response, and a sample that reaches it ends `length`.
+A failed search (the client's "Search failed: ..." text) ends the sample `search_error` after its observation.
+
+Every turn asserts that response ids, loss mask and log-probs have equal lengths.
+"""
+from __future__ import annotations
+
+import re
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
+
+from megatron_searchr1.data.prompts import (
+    ANSWER_END, ANSWER_START, INFO_END, INVALID_ACTION_FEEDBACK, SEARCH_END, SEARCH_START, STOP_STRINGS,
+    format_observation,
+)
+from megatron_searchr1.rollout.engine import Engine, SamplingParams
+
+FINISH_REASONS = ("answer", "length", "max_turns", "invalid", "search_error")
+
+# queries -> one observation text per query (RetrievalClient.search: formatted docs or "Search failed: ...")
+Searcher = Callable[[list[str]], list[str]]
+
+_ACTION = re.compile(rf"{re.escape(SEARCH_START)}(.*?){re.escape(SEARCH_END)}|"
+                     rf"{re.escape(ANSWER_START)}(.*?){re.escape(ANSWER_END)}", re.DOTALL)
+SEARCH_FAILED = "Search failed"
+
+
+def parse_action(turn_text: str) -> tuple[str, Optional[str]]:
+    """('search', query) | ('answer', answer) | ('invalid', None) for the text of ONE generated turn.
+
+    The first complete tag pair decides (generation stops at the first closing tag anyway).
+
+    >>> parse_action("<think> x </think>\\n<search> who founded Acme? </search>")
+    ('search', 'who founded Acme?')
+    >>> parse_action("<think> done </think>\\n<answer> 1856 </answer>")
+    ('answer', '1856')
+    >>> parse_action("<think> I will search for </think>")
+    ('invalid', None)
+    """
+    m = _ACTION.search(turn_text)
+    if m is None:
+        return "invalid", None
+    if m.group(1) is not None:
+        return "search", m.group(1).strip()
+    return "answer", m.group(2).strip()
+
+
+@dataclass
+class Trajectory:
+    """One sample of one prompt, growing turn by turn."""
+
+    prompt_ids: list[int]
+    """The rendered, tokenized prompt; never cut."""
+    uid: str = ""
+    """Group id: the prompt's `extra_info.uid` (GRPO groups the n samples of one prompt by it)."""
+    sample: int = 0
+    """Which of the prompt's n samples this is."""
+    response_ids: list[int] = field(default_factory=list)
+    """Everything after the prompt: generated turns and observations."""
+    loss_mask: list[int] = field(default_factory=list)
+    """1 for tokens the policy generated, 0 for observations and invalid-action feedback."""
+    logprobs: list[float] = field(default_factory=list)
+    """The engine's log-prob of each generated token; 0.0 at mask-0 positions."""
+    turns: int = 0
+    """Generation turns taken."""
+    n_searches: int = 0
+    """Searches run (queries sent)."""
+    n_invalid: int = 0
+    """Turns with neither a search nor an answer."""
+    queries: list[str] = field(default_factory=list)
+    """The queries, in order."""
+    finish_reason: Optional[str] = None
+    """None while active; then one of FINISH_REASONS."""
+    answer: Optional[str] = None
+    """The text inside <answer> ... </answer>, when the sample answered."""
+    meta: dict = field(default_factory=dict)
+    """What the trainer carries along (data_source, ground truth, question)."""
+
+    @property
+    def active(self) -> bool:
+        return self.finish_reason is None
+
+    def extend(self, ids: Sequence[int], mask: int, logprobs: Optional[Sequence[float]] = None) -> None:
+        ids = list(ids)
+        self.response_ids += ids
+        self.loss_mask += [mask] * len(ids)
+        self.logprobs += list(logprobs) if logprobs is not None else [0.0] * len(ids)
+        if not (len(self.response_ids) == len(self.loss_mask) == len(self.logprobs)):
+            raise AssertionError(f"trajectory {self.uid}/{self.sample}: ids {len(self.response_ids)}, mask "
+                                 f"{len(self.loss_mask)} and logprobs {len(self.logprobs)} differ in length")
+
+    def finish(self, reason: str) -> None:
+        assert reason in FINISH_REASONS, reason
+        self.finish_reason = reason
+
+
+@dataclass(frozen=True)
+class LoopSettings:
+    """What one rollout does (the trainer fills it from config.rollout)."""
+
+    max_turns: int = 4
+    """Search turns before the final answer turn."""
+    max_tokens_per_turn: int = 500
+    """Most tokens generated in one turn."""
+    max_response_length: int = 2048
+    """Token budget of a whole response; the prompt is never cut."""
+    max_obs_length: int = 500
+    """Most tokens of one observation."""
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop_token_ids: tuple[int, ...] = ()
+    """Token ids that end a turn besides the stop strings (eos); such a turn is an invalid action."""
+    seed: Optional[int] = None
+    """Sampling seed (engines derive per-prompt seeds)."""
+
+
+@dataclass
+class RolloutStats:
+    """Counters of one rollout (the trainer logs `as_metrics()`)."""
+
+    finish: Counter = field(default_factory=Counter)
+    turns: int = 0
+    """Batched generate calls."""
+    generated_tokens: int = 0
+    """Tokens the engine decoded."""
+    prefill_tokens: int = 0
+    """Prompt tokens the engine computed (not served from its prefix cache)."""
+    observation_tokens: int = 0
+    search_calls: int = 0
+    gen_seconds: float = 0.0
+    search_seconds: float = 0.0
+
+    def as_metrics(self, trajs: Sequence[Trajectory]) -> dict[str, float]:
+        n = max(len(trajs), 1)
+        out = {f"rollout/finish_{r}": self.finish.get(r, 0) / n for r in FINISH_REASONS}
+        out.update({
+            "rollout/turns_mean": sum(t.turns for t in trajs) / n,
+            "rollout/searches_mean": sum(t.n_searches for t in trajs) / n,
+            "rollout/invalid_turns_mean": sum(t.n_invalid for t in trajs) / n,
+            "rollout/valid_action_ratio": 1.0 - sum(t.n_invalid for t in trajs) / max(sum(t.turns for t in trajs), 1),
+            "rollout/response_length_mean": sum(len(t.response_ids) for t in trajs) / n,
+            "rollout/response_length_max": max((len(t.response_ids) for t in trajs), default=0),
+            "rollout/generated_tokens_mean": sum(sum(t.loss_mask) for t in trajs) / n,
+            "rollout/prompt_length_mean": sum(len(t.prompt_ids) for t in trajs) / n,
+            "rollout/computed_tokens": self.generated_tokens + self.prefill_tokens,
+            "time/generate": self.gen_seconds,
+            "time/search": self.search_seconds,
+        })
+        return out
+
+
+def _observation_ids(tokenizer, docs_text: str, budget: int) -> list[int]:
+    """Token ids of `format_observation(docs_text)`, at most `budget` of them, the closing tag kept when cut."""
+    ids = tokenizer.encode(format_observation(docs_text), add_special_tokens=False)
+    if len(ids) <= budget:
+        return ids
+    tail = tokenizer.encode(f"{INFO_END}\n\n", add_special_tokens=False)
+    return ids[: max(budget - len(tail), 0)] + tail[:budget]
+
+
+def run_rollout(engine: Engine, tokenizer, search: Searcher, trajs: list[Trajectory], settings: LoopSettings,
+                progress: Optional[Callable[[int, int], None]] = None) -> RolloutStats:
+    """Run every trajectory to a finish reason; returns the counters. `trajs` are filled in place."""
+    s = settings
+    stats = RolloutStats()
+    invalid_ids = tokenizer.encode(INVALID_ACTION_FEEDBACK, add_special_tokens=False)
+    for turn in range(s.max_turns + 1):
+        final = turn == s.max_turns  # the last turn: a search is no longer run, the sample must answer
+        active = [t for t in trajs if t.active]
+        if not active:
+            break
+        # One generate call per distinct turn budget (nearly always one: only samples near their response budget
+        # get a smaller one).
+        by_budget: dict[int, list[Trajectory]] = {}
+        for t in active:
+            left = s.max_response_length - len(t.response_ids)
+            by_budget.setdefault(min(s.max_tokens_per_turn, left), []).append(t)
+        turn_start = {id(t): len(t.response_ids) for t in active}
+        start = time.perf_counter()
+        for budget, group in sorted(by_budget.items(), reverse=True):
+            params = SamplingParams(max_tokens=budget, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+                                    stop=STOP_STRINGS, stop_token_ids=tuple(s.stop_token_ids), logprobs=True,
+                                    seed=None if s.seed is None else s.seed + turn)
+            outs = engine.generate([t.prompt_ids + t.response_ids for t in group], params)
+            if len(outs) != len(group):
+                raise RuntimeError(f"engine returned {len(outs)} generations for {len(group)} prompts")
+            stats.turns += 1
+            for t, g in zip(group, outs):
+                stats.generated_tokens += len(g.token_ids)
+                stats.prefill_tokens += len(t.prompt_ids) + len(t.response_ids) - g.num_cached_tokens
+                t.extend(g.token_ids, 1, g.logprobs)
+                t.turns += 1
+        stats.gen_seconds += time.perf_counter() - start
+
+        pending: list[tuple[Trajectory, str]] = []
+        for t in active:
+            turn_ids = t.response_ids[turn_start[id(t)]:]
+            action, content = parse_action(tokenizer.decode(turn_ids, skip_special_tokens=False))
+            if action == "answer":
+                t.answer = content
+                t.finish("answer")
+            elif action == "search" and not final:
+                t.queries.append(content)
+                pending.append((t, content))
+            elif final:
+                if action == "invalid":
+                    t.n_invalid += 1
+                t.finish("max_turns" if action == "search" else "invalid")
+            else:
+                t.n_invalid += 1
+                t.extend(invalid_ids[: s.max_response_length - len(t.response_ids)], 0)
+            if t.active and len(t.response_ids) >= s.max_response_length:
+                t.finish("length")
+        pending = [(t, q) for t, q in pending if t.active]
+
+        if pending:
+            start = time.perf_counter()
+            results = search([q for _, q in pending])
+            stats.search_seconds += time.perf_counter() - start
+            stats.search_calls += 1
+            if len(results) != len(pending):
+                raise RuntimeError(f"search returned {len(results)} results for {len(pending)} queries")
+            for (t, _), docs in zip(pending, results):
+                t.n_searches += 1
+                room = s.max_response_length - len(t.response_ids)
+                ids = _observation_ids(tokenizer, docs, min(s.max_obs_length, room))
+                stats.observation_tokens += len(ids)
+                t.extend(ids, 0)
+                if docs.startswith(SEARCH_FAILED):
+                    t.finish("search_error")
+                elif len(t.response_ids) >= s.max_response_length:
+                    t.finish("length")
+        if progress is not None:
+            progress(sum(not t.active for t in trajs), len(trajs))
+    for t in trajs:  # max_turns = 0 and an empty batch leave nothing active; anything else was finished above
+        if t.active:
+            t.finish("max_turns")
+    stats.finish.update(t.finish_reason for t in trajs)
+    return stats
+
+
+def response_text(tokenizer, t: Trajectory) -> str:
+    """The whole response as text (for the reward and for printing; never tokenized again)."""
+    return tokenizer.decode(t.response_ids, skip_special_tokens=False)
