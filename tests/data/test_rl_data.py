@@ -1,0 +1,68 @@
+"""RL prompt loading: render + tokenize once, drop (never cut) long prompts, unique group ids, resumable order."""
+import pytest
+
+from megatron_searchr1.data import rl_data
+from megatron_searchr1.data.prompts import render_prompt
+from megatron_searchr1.data.qa import make_row, write_rows
+from megatron_searchr1.data.rl_data import PromptSampler, dp_shard, load_prompts
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    from megatron_searchr1.models.tiny import TinyModelConfig, train_tokenizer
+
+    return train_tokenizer(TinyModelConfig(output_dir=str(tmp_path_factory.mktemp("tok")), vocab_size=400))
+
+
+def test_load_prompts_renders_like_sft_and_drops_long_ones(tmp_path, tok):
+    rows = [make_row("who founded acme", ["Bo"], "nq", "train", 0, uid="nq-train-0"),
+            make_row("what is " + "very " * 400 + "long", ["x"], "nq", "train", 1, uid="nq-train-1"),
+            make_row("when was bo born", ["1901"], "hotpotqa", "train", 0, uid="nq-train-0")]  # a colliding uid
+    path = tmp_path / "train.parquet"
+    write_rows(rows[:2], str(path))
+    path2 = tmp_path / "train2.parquet"
+    write_rows(rows[2:], str(path2))
+    every, _ = load_prompts([str(path), str(path2)], tok, max_prompt_length=100_000)
+    short, long = len(every[0].prompt_ids), len(every[1].prompt_ids)
+    assert long > short + 300
+    data, dropped = load_prompts([str(path), str(path2)], tok, max_prompt_length=short + 20)
+    assert dropped == 1 and len(data) == 2
+    assert data[0].prompt_ids == tok.encode(render_prompt(rows[0]["prompt"], tok), add_special_tokens=False)
+    assert data[0].ground_truth == {"target": ["Bo"]} and data[0].question == "who founded acme?"
+    assert len({d.uid for d in data}) == 2  # group ids stay unique across merged files
+    raw, _ = load_prompts([str(path)], tok, max_prompt_length=10_000, chat_template="never")
+    assert tok.decode(raw[0].prompt_ids).startswith("Answer the given question.")
+
+
+def test_missing_columns_are_named(tmp_path, tok):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"question": ["q"]}), str(tmp_path / "bad.parquet"))
+    with pytest.raises(ValueError, match=r"lacks column\(s\) \['prompt', 'data_source', 'reward_model'\]"):
+        load_prompts([str(tmp_path / "bad.parquet")], tok, 100)
+
+
+def test_sampler_epochs_and_cursor_replay():
+    s = PromptSampler(10, 4, seed=3)
+    seen = [s.next_batch() for _ in range(2)]
+    assert len(set(seen[0] + seen[1])) == 8  # distinct within an epoch
+    state = s.state_dict()
+    after = [s.next_batch() for _ in range(3)]  # epochs 1 and 2 (each skips the tail of 2)
+    assert s.epoch == 2
+    t = PromptSampler(10, 4, seed=3)
+    t.load_state_dict(state)
+    assert [t.next_batch() for _ in range(3)] == after
+    with pytest.raises(ValueError, match="same data.train_files"):
+        PromptSampler(12, 4, seed=3).load_state_dict(state)
+    with pytest.raises(ValueError, match="lower it"):
+        PromptSampler(3, 4, seed=0)
+
+
+def test_dp_shard():
+    assert dp_shard(list(range(6)), 0, 2) == [0, 1, 2]
+    with pytest.raises(ValueError):
+        dp_shard(list(range(5)), 0, 2)
+    import doctest
+
+    assert doctest.testmod(rl_data).failed == 0
