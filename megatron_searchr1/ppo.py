@@ -1,0 +1,158 @@
+"""From finished trajectories to PPO/GRPO training data: rewards, advantages, and the actor/critic loss callbacks.
+
+    seqs = to_sequences(trajs)                                      # prompt/response ids + loss_mask per trajectory
+    scores = score_trajectories(trajs, tokenizer, cfg.algo)         # EM on the response, routed by data_source
+    add_advantages(seqs, scores, cfg.algo, kl_ctrl)                 # advantages/returns (+ token rewards)
+    train_step(actor, opt, None, mbs, actor_loss_fn(cfg.algo), ...) # workers/schedule.py
+
+The per-token arithmetic is algo/'s pure functions; this module lays trajectories out as (B, T) tensors for them and
+back, and writes the loss callbacks in the workers' contract (a micro-batch's contribution to the mini-batch
+loss, see workers/schedule.py). Masks: `loss_mask` is 1 on generated tokens, 0 on observations; every
+token-level quantity uses it (algo/__init__.py).
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from megatron_searchr1 import algo
+from megatron_searchr1.config import AlgoConfig
+from megatron_searchr1.rollout.loop import Trajectory, response_text
+
+
+def pad_rows(rows: Sequence[torch.Tensor], value: float = 0.0) -> torch.Tensor:
+    """1-D tensors -> (B, T) right-padded with `value`, T = the longest row."""
+    T = max((len(r) for r in rows), default=0)
+    out = torch.full((len(rows), T), value, dtype=torch.float32)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = torch.as_tensor(r, dtype=torch.float32)
+    return out
+
+
+def unpad_rows(mat: torch.Tensor, lengths: Sequence[int]) -> list[torch.Tensor]:
+    return [mat[i, :n].clone() for i, n in enumerate(lengths)]
+
+
+def to_sequences(trajs: Sequence[Trajectory], drop_search_errors: bool = True) -> list[dict]:
+    """Worker sequences; a trajectory that ended in a failed search gets an all-zero loss mask (when asked), since
+    its reward says nothing about the policy."""
+    seqs = []
+    for t in trajs:
+        mask = torch.tensor(t.loss_mask, dtype=torch.float32)
+        if drop_search_errors and t.finish_reason == "search_error":
+            mask = torch.zeros_like(mask)
+        seqs.append({"prompt_ids": list(t.prompt_ids), "response_ids": list(t.response_ids), "loss_mask": mask,
+                     "engine_log_probs": torch.tensor(t.logprobs, dtype=torch.float32)})
+    return seqs
+
+
+def score_trajectories(trajs: Sequence[Trajectory], tokenizer, cfg: AlgoConfig) -> list[dict]:
+    """Per trajectory: `score` (the training reward: cfg.reward with cfg.format_score) plus em / subem / f1 for logs.
+
+    The response alone is scored (the prompt's example answer never counts)."""
+    from megatron_searchr1.reward import compute_score
+
+    out = []
+    for t in trajs:
+        text = response_text(tokenizer, t)
+        source, truth = t.meta["data_source"], t.meta["ground_truth"]
+        kw = {"format_score": cfg.format_score} if cfg.reward in ("em", "subem") else {}
+        out.append({"score": float(compute_score(source, text, truth, kind=cfg.reward, **kw)),
+                    "em": float(compute_score(source, text, truth, kind="em")),
+                    "subem": float(compute_score(source, text, truth, kind="subem")),
+                    "f1": float(compute_score(source, text, truth, kind="f1"))})
+    return out
+
+
+def add_advantages(seqs: list[dict], scores: Sequence[float], group_ids: Sequence[str], cfg: AlgoConfig,
+                   kl_ctrl=None) -> dict[str, float]:
+    """Fill `advantages` and `returns` (per response token) into each sequence; returns metrics.
+
+    Needs `old_log_probs` (and `ref_log_probs` for KL in the reward, `values` for GAE) already in the sequences.
+    A sequence with an all-zero loss mask gets its own group so it moves no other sequence's baseline.
+    """
+    lengths = [len(s["response_ids"]) for s in seqs]
+    mask = pad_rows([s["loss_mask"] for s in seqs])                      # (B, T)
+    rewards = algo.outcome_token_rewards(list(scores), mask)              # (B, T)
+    metrics: dict[str, float] = {}
+    if cfg.use_kl_in_reward:
+        rewards, current_kl = algo.apply_kl_penalty(rewards, pad_rows([s["old_log_probs"] for s in seqs]),
+                                                    pad_rows([s["ref_log_probs"] for s in seqs]), mask, kl_ctrl,
+                                                    cfg.kl_penalty)
+        metrics.update({"actor/reward_kl_penalty": current_kl, "actor/reward_kl_coef": kl_ctrl.value})
+    index = [g if bool(mask[i].any()) else f"{g}#masked{i}" for i, g in enumerate(group_ids)]
+    est = cfg.adv_estimator
+    if est == "gae":
+        adv, ret = algo.compute_gae_advantage_return(rewards, pad_rows([s["values"] for s in seqs]), mask,
+                                                     cfg.gamma, cfg.lam)
+    elif est == "grpo":
+        adv, ret = algo.compute_grpo_outcome_advantage(rewards, mask, index,
+                                                       norm_adv_by_std_in_grpo=cfg.norm_adv_by_std_in_grpo)
+    elif est == "rloo":
+        adv, ret = algo.compute_rloo_outcome_advantage(rewards, mask, index)
+    else:
+        adv, ret = algo.compute_reinforce_plus_plus_outcome_advantage(rewards, mask, cfg.gamma)
+    for s, a, r, w in zip(seqs, unpad_rows(adv, lengths), unpad_rows(ret, lengths), unpad_rows(rewards, lengths)):
+        s["advantages"], s["returns"], s["token_rewards"] = a, r, w
+    m = mask.bool()
+    if m.any():
+        metrics.update({"actor/advantages_mean": float(adv[m].mean()), "actor/advantages_abs_mean": float(adv[m].abs().mean()),
+                        "critic/returns_mean": float(ret[m].mean())})
+    return metrics
+
+
+def _weight(mb, mode: str) -> float:
+    """This micro-batch's share of the mini-batch loss (workers/schedule.py's contract)."""
+    if mode == "token-mean":
+        return mb.loss_token_weight
+    return mb.num_rows / max(mb.global_num_seqs, 1)
+
+
+def actor_loss_fn(cfg: AlgoConfig):
+    """PPO clipped policy loss (+ KL to the reference, - entropy bonus) for workers.train_step."""
+
+    def loss_fn(outputs: dict, mb):
+        mask = mb["loss_mask"]                                                   # (b, R)
+        log_prob = outputs["log_probs"]                                          # (b, R)
+        pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower = algo.compute_policy_loss(
+            mb["old_log_probs"], log_prob, mb["advantages"], mask, cfg.clip_ratio, cfg.clip_ratio_low,
+            cfg.clip_ratio_high, cfg.clip_ratio_c, cfg.loss_agg_mode)
+        loss = pg_loss
+        metrics = {"pg_loss": pg_loss, "pg_clipfrac": pg_clipfrac, "ppo_kl": ppo_kl,
+                   "pg_clipfrac_lower": pg_clipfrac_lower}
+        if "entropy" in outputs:
+            entropy = algo.agg_loss(outputs["entropy"], mask, cfg.loss_agg_mode)
+            loss = loss - cfg.entropy_coeff * entropy
+            metrics["entropy"] = entropy
+        if cfg.use_kl_loss:
+            kl = algo.agg_loss(algo.kl_penalty(log_prob, mb["ref_log_probs"], cfg.kl_loss_type), mask,
+                               cfg.loss_agg_mode)
+            loss = loss + cfg.kl_loss_coef * kl
+            metrics["kl_loss"] = kl
+        return loss * _weight(mb, cfg.loss_agg_mode), {k: v.detach() for k, v in metrics.items()}
+
+    return loss_fn
+
+
+def critic_loss_fn(cfg: AlgoConfig):
+    """Clipped value loss for workers.train_step (outputs["values"]: (b, R))."""
+
+    def loss_fn(outputs: dict, mb):
+        vf_loss, vf_clipfrac = algo.compute_value_loss(outputs["values"], mb["returns"], mb["values"],
+                                                       mb["loss_mask"], cfg.cliprange_value, cfg.loss_agg_mode)
+        return vf_loss * _weight(mb, cfg.loss_agg_mode), {"vf_loss": vf_loss.detach(),
+                                                          "vf_clipfrac": vf_clipfrac.detach()}
+
+    return loss_fn
+
+
+def logprob_gap(seqs: Sequence[dict]) -> float:
+    """Mean |engine log-prob - trainer log-prob| over generated tokens: how far the rollout engine's numbers are
+    from the trainer's on the same tokens (weight sync, precision, kernels)."""
+    num, den = 0.0, 0.0
+    for s in seqs:
+        m = s["loss_mask"]
+        num += float(((s["engine_log_probs"] - s["old_log_probs"]).abs() * m).sum())
+        den += float(m.sum())
+    return num / max(den, 1.0)
