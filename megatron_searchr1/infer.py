@@ -1,0 +1,105 @@
+"""Ask a trained model a question with a live retrieval server, and watch it search, turn by turn.
+
+    python tools/infer.py --model runs/demo/rl/hf --url http://127.0.0.1:8000 \
+        --question "In which year was the university attended by the CEO of Quorvin Labs founded?"
+    python tools/infer.py --model runs/demo/rl/checkpoints ...      # a Megatron checkpoint (converted first)
+
+Runs the same rollout loop as training (rollout/loop.py) on vLLM (`--engine hf` for the transformers reference),
+greedy by default, and prints each generated turn and each observation as it was appended to the context.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from typing import Optional, Sequence
+
+from megatron_searchr1.cli import ArgumentParser, UsageError, run_main
+
+
+def turn_segments(tokenizer, traj) -> list[tuple[str, str]]:
+    """[(kind, text)] of a trajectory: 'model' for generated runs (loss mask 1), 'context' for what was appended
+    (observations, invalid-action feedback)."""
+    out, start = [], 0
+    mask = traj.loss_mask
+    for i in range(1, len(mask) + 1):
+        if i == len(mask) or mask[i] != mask[start]:
+            kind = "model" if mask[start] == 1 else "context"
+            out.append((kind, tokenizer.decode(traj.response_ids[start:i], skip_special_tokens=False)))
+            start = i
+    return out
+
+
+def _resolve_model(path: str, workdir: str) -> str:
+    """An HF dir as is; a Megatron checkpoint (converter's, or a run's checkpoints root) converted to HF first."""
+    from megatron_searchr1.runtime import resolve_model_source
+
+    if os.path.isfile(os.path.join(path, "config.json")) and any(
+            f.endswith(".safetensors") or f.endswith(".index.json") for f in os.listdir(path)):
+        return path
+    src = resolve_model_source(path)
+    if not os.path.isfile(os.path.join(src, "metadata.json")):
+        raise UsageError(f"--model {path!r} is neither a Hugging Face model dir nor a Megatron checkpoint")
+    from megatron_searchr1.models.convert import megatron_to_hf
+
+    out = os.path.join(workdir, "hf")
+    megatron_to_hf(src, out, overwrite=True)
+    return out
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    p = ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True, help="HF model dir, or a Megatron checkpoint dir / run checkpoints root")
+    p.add_argument("--question", required=True, help="the question to answer")
+    p.add_argument("--url", default="http://127.0.0.1:8000", help="retrieval server")
+    p.add_argument("--topk", type=int, default=3, help="passages per search")
+    p.add_argument("--engine", default="vllm", choices=["vllm", "hf"], help="generation engine")
+    p.add_argument("--max-turns", type=int, default=4, help="search turns before the final answer turn")
+    p.add_argument("--max-tokens-per-turn", type=int, default=500, help="tokens generated per turn at most")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--template", default="base", choices=["base", "chat"], help="prompt template (data/prompts.py)")
+    p.add_argument("--chat-template", default="auto", choices=["auto", "always", "never"],
+                   help="render through the tokenizer's chat template (auto: when it has one)")
+    a = p.parse_args(argv)
+    if not os.path.isdir(a.model):
+        raise UsageError(f"--model {a.model!r} does not exist")
+    if a.max_turns < 0 or a.max_tokens_per_turn < 1 or a.topk < 1 or a.temperature < 0:
+        raise UsageError("--max-turns >= 0, --max-tokens-per-turn >= 1, --topk >= 1 and --temperature >= 0")
+    from megatron_searchr1.search.client import RetrievalClient
+
+    client = RetrievalClient(a.url, topk=a.topk, max_retries=0)
+    try:
+        client.health()
+    except Exception as e:  # noqa: BLE001
+        raise UsageError(f"no retrieval server at {a.url} ({type(e).__name__}): start one with "
+                         "python -m megatron_searchr1.search.server --index-dir DIR --port 8000") from None
+
+    import tempfile
+
+    from transformers import AutoTokenizer
+
+    from megatron_searchr1.data.prompts import make_prompt, normalize_question, render_prompt
+    from megatron_searchr1.rollout.engines import make_engine
+    from megatron_searchr1.rollout.loop import LoopSettings, Trajectory, run_rollout
+    from megatron_searchr1.runtime import _stop_token_ids
+
+    with tempfile.TemporaryDirectory() as work:
+        model_dir = _resolve_model(a.model, work)
+        tok = AutoTokenizer.from_pretrained(model_dir)
+        prompt = render_prompt(make_prompt(normalize_question(a.question), a.template), tok, a.chat_template)
+        ids = tok.encode(prompt, add_special_tokens=False)
+        kw = {"dtype": "float32", "max_model_len": len(ids) + (a.max_turns + 1) * (a.max_tokens_per_turn + 600)}
+        engine = make_engine(a.engine, model_dir, **(kw if a.engine == "vllm" else {}))
+        traj = Trajectory(prompt_ids=ids, uid="infer")
+        settings = LoopSettings(max_turns=a.max_turns, max_tokens_per_turn=a.max_tokens_per_turn,
+                                max_response_length=(a.max_turns + 1) * (a.max_tokens_per_turn + 600),
+                                temperature=a.temperature, stop_token_ids=_stop_token_ids(tok, model_dir))
+        run_rollout(engine, tok, client.search, [traj], settings)
+    print(f"[prompt]\n{prompt}")
+    for kind, text in turn_segments(tok, traj):
+        print(f"[{kind}]\n{text.strip()}\n")
+    print(f"[finish] {traj.finish_reason}; searches: {traj.n_searches}; answer: {traj.answer!r}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_main(main))
