@@ -18,7 +18,7 @@ from __future__ import annotations
 import re
 import string
 from collections import Counter
-from typing import Iterable, Mapping
+from typing import Mapping
 
 from megatron_searchr1.data.prompts import ANSWER_END, ANSWER_START
 
@@ -175,7 +175,7 @@ def compute_score_f1(response: str, ground_truth: Mapping) -> float:
     return 0.0 if answer is None else f1_score(answer, _targets(ground_truth))
 
 
-__all__: Iterable[str] = [
+__all__ = [
     "normalize_answer", "em_check", "subem_check", "f1_score", "extract_solution",
     "compute_score_em", "compute_score_subem", "compute_score_f1",
 ]
