@@ -1,0 +1,31 @@
+"""RL algorithms as pure tensor functions, under verl's names and argument order (what Search-R1 users know).
+
+- ``advantages``: GAE, GRPO, RLOO, REINFORCE++ and ``outcome_token_rewards`` (where an outcome reward goes);
+- ``losses``: the PPO policy loss (dual clip, low/high clip ranges), the value loss, entropy, ``agg_loss``;
+- ``kl``: KL estimators, the fixed/adaptive KL coefficient controllers, KL as a reward penalty;
+- ``masked``: masked mean / variance / whitening.
+
+One rule runs through all of them: a token with loss mask 0 (retrieved ``<information>`` text, padding) is not
+an action, so it is excluded from every token-level quantity: policy loss, KL, entropy, value loss, GAE and
+return recursions (stepped over, not cut), and every normalisation statistic. Search-R1 applies the mask to the
+policy loss only. No config objects and no ``torch.distributed`` here: the trainer reduces across ranks.
+"""
+from megatron_searchr1.algo.advantages import (
+    compute_gae_advantage_return, compute_grpo_outcome_advantage, compute_reinforce_plus_plus_outcome_advantage,
+    compute_rloo_outcome_advantage, outcome_token_rewards,
+)
+from megatron_searchr1.algo.kl import (
+    KL_ESTIMATORS, AdaptiveKLController, FixedKLController, apply_kl_penalty, kl_penalty,
+)
+from megatron_searchr1.algo.losses import (
+    AGG_MODES, agg_loss, compute_entropy_loss, compute_policy_loss, compute_value_loss, entropy_from_logits,
+)
+from megatron_searchr1.algo.masked import masked_mean, masked_sum, masked_var, masked_whiten
+
+__all__ = [
+    "compute_gae_advantage_return", "compute_grpo_outcome_advantage", "compute_rloo_outcome_advantage",
+    "compute_reinforce_plus_plus_outcome_advantage", "outcome_token_rewards",
+    "compute_policy_loss", "compute_value_loss", "agg_loss", "entropy_from_logits", "compute_entropy_loss",
+    "AGG_MODES", "kl_penalty", "KL_ESTIMATORS", "FixedKLController", "AdaptiveKLController", "apply_kl_penalty",
+    "masked_mean", "masked_sum", "masked_var", "masked_whiten",
+]
