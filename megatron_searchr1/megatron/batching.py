@@ -1,0 +1,244 @@
+"""Token-budget micro-batches and PPO mini-batches: how a DP rank's sequences reach the model.
+
+    minis = split_mini_batches(len(seqs), num_mini_batches=4, seed=epoch)          # index lists
+    mbs = make_micro_batches([seqs[i] for i in minis[0]], max_tokens_per_micro_batch=8192)
+    per_seq = restore_order([per_row_results_of(mb) for mb in mbs], mbs)          # back in input order
+
+A sequence is a mapping with `prompt_ids` and `response_ids` (lists of ints or 1-D tensors) and any number of
+per-response-token fields (1-D tensors of length len(response_ids): loss_mask, advantages, old_log_probs, ...)
+or per-sequence numbers (rewards, group ids). Other entries (strings, nested lists) are not batched.
+
+Packing: sequences are sorted by total length, longest first (ties: input order), and cut greedily into
+micro-batches whose *padded* size, rows x longest row, stays within `max_tokens_per_micro_batch`. Sorting
+puts similar lengths together, so padding stays small (tools/benchmarks/bench_padding.py measures it
+against Search-R1's layout, where every row is padded to max_prompt + max_response). The packing is a pure
+function of the lengths, so every rank of a model-parallel group (same input) gets the same plan.
+
+Layout of one micro-batch (`MicroBatch`), right-padded because Megatron's RoPE uses positions 0..T-1:
+
+    input_ids      (b, T)        prompt + response, then `pad_id`
+    response_mask  (b, R)        1.0 on the response tokens, R = longest response in the micro-batch
+    fields[k]      (b, R) / (b,) per-response-token fields zero-padded to R; per-sequence numbers
+    prompt_lens, response_lens (b,)
+
+Response token j of row i sits at position prompt_lens[i] + j of input_ids and is predicted from position
+prompt_lens[i] + j - 1: `response_positions` gives those positions (the workers gather log-probs and values
+there, verl's `[:, prompt_len - 1 : -1]`).
+
+Data parallelism: every DP rank packs its own share. Only the pipeline stages of one DP rank share a
+schedule, so DP ranks may run different numbers of micro-batches (gradients are all-reduced once, after
+the schedule). They must run the same number of *optimizer steps*: `split_mini_batches` cuts by a count,
+not by a size, so equal shares give equal counts.
+"""
+from __future__ import annotations
+
+import dataclasses
+import random
+from typing import Any, Mapping, Optional, Sequence
+
+import torch
+
+
+def _as_long(x) -> torch.Tensor:
+    return x.detach().to("cpu", torch.long).reshape(-1) if isinstance(x, torch.Tensor) else torch.tensor(x, dtype=torch.long)
+
+
+def sequence_lengths(seqs: Sequence[Mapping[str, Any]]) -> list[int]:
+    """len(prompt_ids) + len(response_ids) per sequence (checks both are present and the prompt is not empty)."""
+    lengths = []
+    for i, s in enumerate(seqs):
+        if "prompt_ids" not in s or "response_ids" not in s:
+            raise ValueError(f"sequence {i} needs 'prompt_ids' and 'response_ids' (got keys {sorted(s)})")
+        p, r = len(s["prompt_ids"]), len(s["response_ids"])
+        if p < 1:
+            raise ValueError(f"sequence {i} has an empty prompt: response token 0 is predicted from the last "
+                             "prompt token, so give every sequence at least one prompt token (SFT: the first token)")
+        lengths.append(p + r)
+    return lengths
+
+
+def plan_micro_batches(lengths: Sequence[int], max_tokens_per_micro_batch: int) -> list[list[int]]:
+    """Index lists, longest sequences first, each with rows x longest row <= the budget.
+
+    >>> plan_micro_batches([3, 9, 4, 8, 2], 16)
+    [[1], [3, 2], [0, 4]]
+    """
+    if max_tokens_per_micro_batch < 1:
+        raise ValueError(f"max_tokens_per_micro_batch must be >= 1, got {max_tokens_per_micro_batch}")
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))  # deterministic on every rank
+    if order and lengths[order[0]] > max_tokens_per_micro_batch:
+        raise ValueError(f"a sequence has {lengths[order[0]]} tokens but max_tokens_per_micro_batch is "
+                         f"{max_tokens_per_micro_batch}: raise the budget to at least max prompt + max response "
+                         "length")
+    plan: list[list[int]] = []
+    for i in order:
+        # Rows arrive longest first, so the first row of a micro-batch sets its padded length.
+        if plan and (len(plan[-1]) + 1) * lengths[plan[-1][0]] <= max_tokens_per_micro_batch:
+            plan[-1].append(i)
+        else:
+            plan.append([i])
+    return plan
+
+
+def split_mini_batches(n: int, num_mini_batches: int, seed: Optional[int] = None) -> list[list[int]]:
+    """`num_mini_batches` index lists covering range(n) (sizes differ by at most 1), shuffled when `seed` is given.
+
+    A count, not a size: DP ranks holding equal shares take the same number of optimizer steps.
+
+    >>> split_mini_batches(5, 2)
+    [[0, 1, 2], [3, 4]]
+    """
+    if num_mini_batches < 1 or n < num_mini_batches:
+        raise ValueError(f"cannot split {n} sequences into {num_mini_batches} mini-batches: use between 1 and "
+                         f"{n} mini-batches per DP rank (ppo_mini_batch_size <= the per-rank batch)")
+    idx = list(range(n))
+    if seed is not None:
+        random.Random(seed).shuffle(idx)
+    size, extra = divmod(n, num_mini_batches)
+    out, start = [], 0
+    for k in range(num_mini_batches):
+        end = start + size + (k < extra)
+        out.append(idx[start:end])
+        start = end
+    return out
+
+
+@dataclasses.dataclass
+class MicroBatch:
+    """One right-padded micro-batch (see the module doc for the layout); rows are `indices` of the input list."""
+
+    indices: list[int]
+    input_ids: torch.Tensor       # (b, T) long
+    prompt_lens: torch.Tensor     # (b,) long
+    response_lens: torch.Tensor   # (b,) long
+    response_mask: torch.Tensor   # (b, R) float32
+    fields: dict[str, torch.Tensor]
+    # Set by the workers' train step for the mini-batch this micro-batch belongs to (see workers/train_step.py):
+    num_loss_tokens: float = 0.0
+    """loss-mask tokens in this micro-batch."""
+    global_num_loss_tokens: float = 0.0
+    """loss-mask tokens in the whole mini-batch, summed over micro-batches and DP ranks."""
+    global_num_seqs: int = 0
+    """sequences in the whole mini-batch, summed over DP ranks."""
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        return self.fields[key]
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.fields
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def num_padded_tokens(self) -> int:
+        """Tokens the model computes: rows x longest row."""
+        return int(self.input_ids.numel())
+
+    @property
+    def num_real_tokens(self) -> int:
+        return int((self.prompt_lens + self.response_lens).sum())
+
+    @property
+    def loss_token_weight(self) -> float:
+        """This micro-batch's share of the mini-batch's loss tokens: a token-mean over this micro-batch times
+        this is its contribution to the token-mean over the whole mini-batch."""
+        return self.num_loss_tokens / max(self.global_num_loss_tokens, 1.0)
+
+    def response_positions(self) -> torch.Tensor:
+        """(b, R) long: position in input_ids that predicts response token j (prompt_len + j - 1), clamped to a
+        valid position on padding (the result there is masked by response_mask)."""
+        R = self.response_mask.shape[1]
+        j = torch.arange(R, device=self.input_ids.device)
+        pos = self.prompt_lens.unsqueeze(1) - 1 + j  # (b, R)
+        return pos.clamp(max=self.input_ids.shape[1] - 1)
+
+    def response_targets(self) -> torch.Tensor:
+        """(b, R) long: the response token ids, 0 on padding."""
+        pos = (self.response_positions() + 1).clamp(max=self.input_ids.shape[1] - 1)
+        return torch.gather(self.input_ids, 1, pos) * self.response_mask.long()
+
+    def to(self, device) -> "MicroBatch":
+        """A copy with every tensor on `device`."""
+        move = lambda t: t.to(device, non_blocking=True)  # noqa: E731
+        return dataclasses.replace(
+            self, input_ids=move(self.input_ids), prompt_lens=move(self.prompt_lens),
+            response_lens=move(self.response_lens), response_mask=move(self.response_mask),
+            fields={k: move(v) for k, v in self.fields.items()},
+        )
+
+
+def _collate(seqs: Sequence[Mapping[str, Any]], indices: list[int], pad_id: int) -> MicroBatch:
+    prompts = [_as_long(seqs[i]["prompt_ids"]) for i in indices]
+    responses = [_as_long(seqs[i]["response_ids"]) for i in indices]
+    b = len(indices)
+    T = max(len(p) + len(r) for p, r in zip(prompts, responses))
+    R = max(1, max(len(r) for r in responses))
+    input_ids = torch.full((b, T), pad_id, dtype=torch.long)
+    response_mask = torch.zeros(b, R)
+    for row, (p, r) in enumerate(zip(prompts, responses)):
+        input_ids[row, : len(p)] = p
+        input_ids[row, len(p): len(p) + len(r)] = r
+        response_mask[row, : len(r)] = 1.0
+
+    fields: dict[str, torch.Tensor] = {}
+    first = seqs[indices[0]]
+    for key in first:
+        if key in ("prompt_ids", "response_ids"):
+            continue
+        values = [seqs[i].get(key) for i in indices]
+        if all(isinstance(v, torch.Tensor) and v.dim() == 1 for v in values):
+            out = torch.zeros((b, R), dtype=values[0].dtype)
+            for row, (v, r) in enumerate(zip(values, responses)):
+                if v.shape[0] != len(r):
+                    raise ValueError(f"field {key!r} of sequence {indices[row]} has {v.shape[0]} values but the "
+                                     f"response has {len(r)} tokens: per-token fields cover the response only")
+                out[row, : len(r)] = v.detach().cpu()
+            fields[key] = out
+        elif all(isinstance(v, (int, float, bool)) or (isinstance(v, torch.Tensor) and v.dim() == 0)
+                 for v in values):
+            fields[key] = torch.stack([torch.as_tensor(v) for v in values]).cpu()
+        # anything else (strings, nested lists, None) is not a tensor field: left out on purpose
+    return MicroBatch(indices=list(indices), input_ids=input_ids,
+                      prompt_lens=torch.tensor([len(p) for p in prompts], dtype=torch.long),
+                      response_lens=torch.tensor([len(r) for r in responses], dtype=torch.long),
+                      response_mask=response_mask, fields=fields)
+
+
+def make_micro_batches(seqs: Sequence[Mapping[str, Any]], max_tokens_per_micro_batch: int,
+                       pad_id: int = 0) -> list[MicroBatch]:
+    """Pack `seqs` by the token budget (see the module doc); tensors stay on the CPU until the worker moves them.
+
+    `pad_id` only fills positions after a row's last token: causal attention keeps them from touching real
+    tokens and their outputs are masked, so any valid id works.
+    """
+    if not seqs:
+        return []
+    plan = plan_micro_batches(sequence_lengths(seqs), max_tokens_per_micro_batch)
+    return [_collate(seqs, idx, pad_id) for idx in plan]
+
+
+def restore_order(per_micro_batch: Sequence[Sequence[Any]], micro_batches: Sequence[MicroBatch]) -> list[Any]:
+    """Per-row results grouped by micro-batch -> one list in the order of the sequences given to
+    make_micro_batches. `per_micro_batch[k][r]` belongs to row r of micro_batches[k].
+
+    >>> mbs = [MicroBatch([2, 0], *[torch.zeros(2, 1)] * 4, {}), MicroBatch([1], *[torch.zeros(1, 1)] * 4, {})]
+    >>> restore_order([["c", "a"], ["b"]], mbs)
+    ['a', 'b', 'c']
+    """
+    n = sum(len(mb.indices) for mb in micro_batches)
+    out: list[Any] = [None] * n
+    for results, mb in zip(per_micro_batch, micro_batches, strict=True):
+        if len(results) != len(mb.indices):
+            raise ValueError(f"got {len(results)} results for a micro-batch of {len(mb.indices)} rows")
+        for row, i in enumerate(mb.indices):
+            out[i] = results[row]
+    return out
+
+
+def padding_share(micro_batches: Sequence[MicroBatch]) -> float:
+    """Share of computed tokens that are padding: 1 - real / (sum over micro-batches of rows x longest row)."""
+    padded = sum(mb.num_padded_tokens for mb in micro_batches)
+    real = sum(mb.num_real_tokens for mb in micro_batches)
+    return 1.0 - real / padded if padded else 0.0

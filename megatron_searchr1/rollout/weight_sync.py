@@ -1,0 +1,384 @@
+"""Weight sync Megatron -> rollout engine: TP all-gather, PP broadcast, HF names, bucket by bucket.
+
+    sync = WeightSync(model, bind_mapping(hf_config, model), bucket_bytes=256 << 20, dtype=torch.bfloat16)
+    stats = sync.sync(engine)          # every rank calls it; engine=None on ranks that feed no engine
+    # or, with the plan cached per model: stats = sync_weights(model, engine, mapping, dtype=torch.bfloat16)
+
+What moves, per pipeline stage s (every rank walks the stages in order, so the collectives match):
+1. The stage's TP ranks pack their shards of a bucket of parameters into one flat byte buffer, cast at the source
+   to `dtype`, and all-gather it over the TP group: one collective per bucket, not one per tensor. Replicated
+   tensors (norms) are not gathered.
+2. Each parameter's shards are merged (`families.tp_merge`) and mapped to HF (name, tensor) pairs by the family
+   mapping, `mapping.megatron_to_hf`: the SAME mapping the checkpoint converter uses (QKV de-interleave, gate/up
+   split, padded vocab rows trimmed). A tied model's last-stage `output_layer.weight` copy and a critic's
+   `value_head.*` are skipped: HF has no tensor for them.
+3. The HF pairs are packed into one flat byte bucket and broadcast over the pipeline group from stage s, so every
+   rank ends with the whole model (a rank that feeds no engine still relays: it is a member of the groups).
+4. Each bucket is handed to `engine.load_weights` as (hf_name, view into the flat bucket); the views are valid
+   for that call only (the engine copies them into its own parameters). `engine.finish_weight_sync()` at the end.
+
+The plan (which parameters go in which bucket, and the HF names, shapes, dtypes and byte offsets of every bucket
+of every stage) is built once: the shapes come from running the mapping on meta tensors, and the stages exchange
+their plans once with `all_gather_object` over the pipeline group (names, shapes and dtypes before any bytes).
+Later syncs only move bytes; a model whose parameters changed shape since then is refused.
+
+Layer indices come from the layers themselves (`decoder.layers[i].layer_number - 1`, Megatron's global 1-based
+number), never from an even-split offset formula, so an uneven pipeline split (`num_layers_in_first_pipeline_stage`
+/ `num_layers_in_last_pipeline_stage`) or virtual pipeline chunks cannot misplace weights.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron_searchr1.models.families.base import (
+    OUTPUT_LAYER, ModelFamily, layer_name, split_layer_name, te_to_local_name, tp_kind, tp_merge,
+)
+
+DEFAULT_BUCKET_BYTES = 256 << 20
+"""256 MiB: few enough collectives for a 7B model (~60 buckets in bf16), little enough transient memory."""
+ALIGN = 64
+"""Byte alignment of every tensor inside a flat bucket (any dtype can be viewed at such an offset)."""
+SKIP_PREFIXES = ("value_head.",)
+"""Parameters with no HF counterpart (a critic's value head): never sent."""
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Flat byte buckets (pure functions: no torch.distributed)
+# ----------------------------------------------------------------------------------------------------------------
+def _aligned(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One tensor inside a flat bucket."""
+
+    name: str
+    """HF (or Megatron) name."""
+    shape: tuple[int, ...]
+    """Tensor shape."""
+    dtype: torch.dtype
+    """Element type."""
+    offset: int
+    """Byte offset in the bucket (a multiple of ALIGN)."""
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n * torch.empty((), dtype=self.dtype).element_size()
+
+
+@dataclass(frozen=True)
+class BucketLayout:
+    """Where each tensor of a bucket lives in its flat uint8 buffer."""
+
+    slots: tuple[Slot, ...]
+    """Tensors in order."""
+    nbytes: int
+    """Buffer size in bytes."""
+
+
+def layout_bucket(specs: Sequence[tuple[str, Sequence[int], torch.dtype]]) -> BucketLayout:
+    """(name, shape, dtype) of each tensor -> their slots, packed in order at ALIGN-ed offsets."""
+    slots, offset = [], 0
+    for name, shape, dtype in specs:
+        slot = Slot(name, tuple(int(s) for s in shape), dtype, offset)
+        slots.append(slot)
+        offset += _aligned(slot.nbytes)
+    return BucketLayout(tuple(slots), offset)
+
+
+def plan_buckets(sizes: Sequence[int], bucket_bytes: int) -> list[range]:
+    """Split items of `sizes` bytes, in order, into consecutive runs of at most `bucket_bytes` (ALIGN-ed sizes).
+
+    An item larger than `bucket_bytes` gets a bucket of its own (never split, never dropped).
+    >>> plan_buckets([64, 64, 64, 200, 64], 128)
+    [range(0, 2), range(2, 3), range(3, 4), range(4, 5)]
+    """
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
+    runs, start, used = [], 0, 0
+    for i, size in enumerate(sizes):
+        size = _aligned(size)
+        if i > start and used + size > bucket_bytes:
+            runs.append(range(start, i))
+            start, used = i, 0
+        used += size
+    if start < len(sizes):
+        runs.append(range(start, len(sizes)))
+    return runs
+
+
+def pack_bucket(tensors: Sequence[torch.Tensor], layout: BucketLayout,
+                out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Copy `tensors` (matching `layout` in shape and dtype) into a flat uint8 buffer (nbytes,)."""
+    if len(tensors) != len(layout.slots):
+        raise ValueError(f"{len(tensors)} tensors for a bucket of {len(layout.slots)} slots")
+    device = tensors[0].device if tensors else "cpu"
+    flat = out if out is not None else torch.empty(layout.nbytes, dtype=torch.uint8, device=device)
+    for t, slot in zip(tensors, layout.slots):
+        if tuple(t.shape) != slot.shape or t.dtype != slot.dtype:
+            raise ValueError(f"{slot.name}: got {tuple(t.shape)} {t.dtype}, the plan says {slot.shape} {slot.dtype}")
+        dst = flat[slot.offset: slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape)
+        dst.copy_(t)
+    return flat
+
+
+def unpack_bucket(flat: torch.Tensor, layout: BucketLayout) -> list[tuple[str, torch.Tensor]]:
+    """A flat uint8 buffer -> (name, view) per slot: no copies; the views share `flat`'s memory."""
+    return [(s.name, flat[s.offset: s.offset + s.nbytes].view(s.dtype).view(s.shape)) for s in layout.slots]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The model: unwrapping and global names
+# ----------------------------------------------------------------------------------------------------------------
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The bare GPTModel inside Megatron DDP / Float16Module wrappers (each keeps the next one in `.module`)."""
+    while hasattr(model, "module") and isinstance(model.module, torch.nn.Module):
+        model = model.module
+    return model
+
+
+def global_param_names(model: torch.nn.Module) -> list[tuple[str, str, torch.nn.Parameter]]:
+    """(local name, global Megatron name, parameter) of a bare model chunk, skipping SKIP_PREFIXES.
+
+    `decoder.layers.{i}.` (index within this chunk) becomes `decoder.layers.{layer_number - 1}.`: Megatron sets each
+    TransformerLayer's `layer_number` to its global 1-based index, whatever the pipeline split.
+    """
+    rename: dict[int, int] = {}
+    decoder = getattr(model, "decoder", None)
+    for i, layer in enumerate(getattr(decoder, "layers", ())):
+        rename[i] = int(layer.layer_number) - 1
+    out = []
+    for name, p in model.named_parameters():
+        if name.startswith(SKIP_PREFIXES):
+            continue
+        parsed = split_layer_name(name)
+        if parsed is not None:
+            if parsed[0] not in rename:
+                raise ValueError(f"parameter {name!r} names layer {parsed[0]} but decoder.layers has {len(rename)}")
+            out.append((name, layer_name(rename[parsed[0]], parsed[1]), p))
+        else:
+            out.append((name, name, p))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The plan
+# ----------------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Source:
+    """One parameter of this rank's stage as the sync reads it."""
+
+    global_name: str
+    param: torch.nn.Parameter
+    gather: bool
+    """True when its shards differ per TP rank (all-gathered); False for replicated tensors."""
+
+
+@dataclass(frozen=True)
+class _SendBucket:
+    """A bucket this rank's stage sends: the parameters, their shards' gather layout, the HF output layout."""
+
+    sources: tuple[_Source, ...]
+    gather_layout: BucketLayout
+    """This rank's shards of the gathered sources (cast to the sync dtype)."""
+    hf_layout: BucketLayout
+    """The HF tensors the sources map to: what every rank receives."""
+
+
+@dataclass
+class SyncStats:
+    """What one sync moved, for logging."""
+
+    bytes: int
+    """HF tensor bytes handed to this rank's engine (or that would have been, engine=None), all stages."""
+    seconds: float
+    """Wall time of the whole sync on this rank (collectives, mapping, engine loads, finish)."""
+    tensors: int
+    """HF tensors delivered."""
+    buckets: int
+    """Buckets delivered (= engine.load_weights calls)."""
+    gathered_bytes: int
+    """Bytes this rank received in TP all-gathers."""
+    broadcast_bytes: int
+    """Bytes moved in PP broadcasts (sent or received by this rank)."""
+
+    @property
+    def bytes_per_s(self) -> float:
+        return self.bytes / self.seconds if self.seconds > 0 else float("inf")
+
+    def as_dict(self) -> dict[str, float]:
+        return dict(bytes=self.bytes, seconds=self.seconds, tensors=self.tensors, buckets=self.buckets,
+                    gathered_bytes=self.gathered_bytes, broadcast_bytes=self.broadcast_bytes,
+                    bytes_per_s=self.bytes_per_s)
+
+
+def _parallel_groups() -> tuple[int, Any, int, int, Any]:
+    """(tp, tp group, pp, pp rank, pp group) from Megatron's parallel state."""
+    from megatron.core import parallel_state as ps
+
+    return (ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_group(),
+            ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank(),
+            ps.get_pipeline_model_parallel_group())
+
+
+class WeightSync:
+    """Moves a Megatron actor's weights into a rollout engine; the plan is built once (collectively) at init.
+
+    model: this rank's stage (Megatron DDP / Float16Module wrappers are unwrapped) or a list of virtual-pipeline
+    chunks. mapping: the family mapping bound to it (`models.convert.bind_mapping(hf_config, model)`, which knows
+    the padded vocab so the padding rows are trimmed). bucket_bytes: HF bytes per bucket (a tensor larger than
+    that travels alone). dtype: what the engine receives (cast on the source rank before anything moves; None =
+    the parameters' dtype). Every rank of the trainer constructs it and calls `sync` in the same order.
+    """
+
+    def __init__(self, model: torch.nn.Module | Sequence[torch.nn.Module], mapping: ModelFamily, *,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, dtype: Optional[torch.dtype] = None):
+        if bucket_bytes <= 0:
+            raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
+        chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+        self.chunks = [unwrap(c) for c in chunks]
+        self.mapping = mapping
+        self.bucket_bytes = int(bucket_bytes)
+        self.dtype = dtype
+        self.tp, self.tp_group, self.pp, self.pp_rank, self.pp_group = _parallel_groups()
+        self._sources = self._read_sources()
+        self._signature = self._param_signature()
+        self._send = self._plan_send()
+        # Names, shapes and dtypes of every stage's buckets, exchanged once over the pipeline group.
+        mine = [b.hf_layout for b in self._send]
+        if self.pp > 1:
+            stages: list = [None] * self.pp
+            dist.all_gather_object(stages, mine, group=self.pp_group)
+            self.stage_layouts: list[list[BucketLayout]] = stages
+        else:
+            self.stage_layouts = [mine]
+        self._pp_ranks = dist.get_process_group_ranks(self.pp_group) if self.pp > 1 else []
+
+    # -- planning -------------------------------------------------------------------------------------------
+    def _read_sources(self) -> list[_Source]:
+        sources = []
+        for chunk in self.chunks:
+            for _, global_name, p in global_param_names(chunk):
+                if te_to_local_name(global_name) == OUTPUT_LAYER and self.mapping.dims.tie_embeddings:
+                    continue  # the last stage's copy of a tied embedding: HF has no lm_head then
+                gather = self.tp > 1 and tp_kind(global_name) != "replicated"
+                sources.append(_Source(global_name, p, gather))
+        return sources
+
+    def _param_signature(self) -> list[tuple]:
+        return [(s.global_name, tuple(s.param.shape), s.param.dtype) for s in self._sources]
+
+    def _out_dtype(self, p: torch.Tensor) -> torch.dtype:
+        return self.dtype or p.dtype
+
+    def _hf_specs(self, src: _Source) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+        """The HF (name, shape, dtype) a source maps to, by running the mapping on meta tensors."""
+        dtype = self._out_dtype(src.param)
+        shard = torch.empty(src.param.shape, dtype=dtype, device="meta")
+        full = tp_merge(src.global_name, [shard] * self.tp) if src.gather else shard
+        return [(n, tuple(t.shape), t.dtype) for n, t in self.mapping.megatron_to_hf(src.global_name, full)]
+
+    def _plan_send(self) -> list[_SendBucket]:
+        specs = [self._hf_specs(s) for s in self._sources]
+        sizes = [sum(_aligned(Slot(n, sh, dt, 0).nbytes) for n, sh, dt in sp) for sp in specs]
+        buckets = []
+        for run in plan_buckets(sizes, self.bucket_bytes):
+            srcs = tuple(self._sources[i] for i in run)
+            gather_layout = layout_bucket([(s.global_name, tuple(s.param.shape), self._out_dtype(s.param))
+                                           for s in srcs if s.gather])
+            hf_layout = layout_bucket([spec for i in run for spec in specs[i]])
+            buckets.append(_SendBucket(srcs, gather_layout, hf_layout))
+        return buckets
+
+    # -- moving ---------------------------------------------------------------------------------------------
+    def _gather_and_map(self, bucket: _SendBucket) -> tuple[list[torch.Tensor], int]:
+        """This stage's bucket: TP all-gather (one collective), merge, map to HF. Returns the HF tensors in
+        hf_layout order and the bytes received."""
+        gathered: dict[str, list[torch.Tensor]] = {}
+        received = 0
+        if bucket.gather_layout.slots:
+            shards = [s.param.detach().to(self._out_dtype(s.param)) for s in bucket.sources if s.gather]
+            local = pack_bucket(shards, bucket.gather_layout)
+            everything = torch.empty(self.tp * local.numel(), dtype=torch.uint8, device=local.device)
+            dist.all_gather_into_tensor(everything, local, group=self.tp_group)
+            received = everything.numel() - local.numel()
+            per_rank = [unpack_bucket(chunk, bucket.gather_layout) for chunk in everything.chunk(self.tp)]
+            for j, slot in enumerate(bucket.gather_layout.slots):
+                gathered[slot.name] = [per_rank[r][j][1] for r in range(self.tp)]
+        out = []
+        for s in bucket.sources:
+            full = (tp_merge(s.global_name, gathered[s.global_name]) if s.gather
+                    else s.param.detach().to(self._out_dtype(s.param)))
+            out += [t for _, t in self.mapping.megatron_to_hf(s.global_name, full)]
+        return out, received
+
+    @torch.no_grad()
+    def sync(self, engine: Optional[Any]) -> SyncStats:
+        """Send every weight to `engine` (None: only take part in the collectives); returns what moved."""
+        if self._param_signature() != self._signature:
+            raise ValueError("the model's parameters changed name, shape or dtype since this WeightSync planned "
+                             "them: build a new WeightSync for the new model")
+        start = time.perf_counter()
+        nbytes = tensors = buckets = gathered = broadcast = 0
+        for stage, layouts in enumerate(self.stage_layouts):
+            for i, layout in enumerate(layouts):
+                if stage == self.pp_rank:
+                    hf, got = self._gather_and_map(self._send[i])
+                    gathered += got
+                    if self.pp > 1:
+                        flat = pack_bucket(hf, layout)
+                        pairs = unpack_bucket(flat, layout)
+                    else:  # nothing to broadcast: skip the packing copy, hand the mapped tensors over
+                        pairs = [(s.name, t) for s, t in zip(layout.slots, hf)]
+                        for (name, t), s in zip(pairs, layout.slots):
+                            if tuple(t.shape) != s.shape or t.dtype != s.dtype:
+                                raise ValueError(f"{name}: mapped to {tuple(t.shape)} {t.dtype}, planned "
+                                                 f"{s.shape} {s.dtype}")
+                else:
+                    flat = torch.empty(layout.nbytes, dtype=torch.uint8, device=self._device())
+                if self.pp > 1:
+                    dist.broadcast(flat, src=self._pp_ranks[stage], group=self.pp_group)
+                    broadcast += layout.nbytes
+                    if stage != self.pp_rank:
+                        pairs = unpack_bucket(flat, layout)
+                if engine is not None:
+                    engine.load_weights(iter(pairs))
+                nbytes += sum(s.nbytes for s in layout.slots)
+                tensors += len(layout.slots)
+                buckets += 1
+        if engine is not None:
+            engine.finish_weight_sync()
+        return SyncStats(bytes=nbytes, seconds=time.perf_counter() - start, tensors=tensors, buckets=buckets,
+                         gathered_bytes=gathered, broadcast_bytes=broadcast)
+
+    def _device(self) -> torch.device:
+        for c in self.chunks:
+            for p in c.parameters():
+                return p.device
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+    @property
+    def hf_names(self) -> list[str]:
+        """Every HF name the engine receives, in sync order."""
+        return [s.name for layouts in self.stage_layouts for lay in layouts for s in lay.slots]
+
+
+def sync_weights(model: torch.nn.Module | Sequence[torch.nn.Module], engine: Optional[Any], mapping: ModelFamily, *,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, dtype: Optional[torch.dtype] = None) -> SyncStats:
+    """`WeightSync(model, mapping, ...).sync(engine)`, the WeightSync (its plan) cached on the bare model per
+    mapping, bucket size and dtype. Every rank calls it in the same order; engine=None on ranks that feed no engine."""
+    bare = unwrap(model[0] if isinstance(model, (list, tuple)) else model)
+    cache = bare.__dict__.setdefault("_searchr1_weight_syncs", {})
+    key = (id(mapping), int(bucket_bytes), dtype)
+    if key not in cache or cache[key].mapping is not mapping:
+        cache[key] = WeightSync(model, mapping, bucket_bytes=bucket_bytes, dtype=dtype)
+    return cache[key].sync(engine)
