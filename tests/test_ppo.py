@@ -1,0 +1,86 @@
+"""ppo.py: trajectories -> sequences -> advantages, and the loss callbacks' share of the mini-batch loss."""
+import pytest
+import torch
+
+from megatron_searchr1 import algo, ppo
+from megatron_searchr1.config import AlgoConfig
+from megatron_searchr1.megatron.batching import make_micro_batches
+from megatron_searchr1.rollout.loop import Trajectory
+
+
+def _traj(uid, gen, obs, finish="answer"):
+    t = Trajectory(prompt_ids=[1, 2, 3], uid=uid)
+    t.extend(gen, 1, [-0.5] * len(gen))
+    t.extend(obs, 0)
+    t.extend(gen, 1, [-0.25] * len(gen))
+    t.finish(finish)
+    return t
+
+
+def test_sequences_mask_failed_searches_and_keep_engine_logprobs():
+    ok, bad = _traj("a", [5, 6], [7, 8, 9]), _traj("a", [5], [7], finish="search_error")
+    seqs = ppo.to_sequences([ok, bad])
+    assert seqs[0]["loss_mask"].tolist() == [1, 1, 0, 0, 0, 1, 1]
+    assert seqs[0]["engine_log_probs"].tolist() == [-0.5, -0.5, 0, 0, 0, -0.25, -0.25]
+    assert seqs[1]["loss_mask"].sum() == 0  # a failed search teaches nothing
+    assert ppo.to_sequences([bad], drop_search_errors=False)[0]["loss_mask"].sum() == 2
+
+
+def test_grpo_advantages_per_group_and_masked_rows_out_of_the_baseline():
+    trajs = [_traj("g1", [5, 6], [7]), _traj("g1", [5, 6], [7]), _traj("g2", [5], [7]), _traj("g2", [5], [7]),
+             _traj("g1", [5], [7], finish="search_error")]
+    seqs = ppo.to_sequences(trajs)
+    metrics = ppo.add_advantages(seqs, [1.0, 0.0, 1.0, 1.0, 0.0], [t.uid for t in trajs], AlgoConfig())
+    a0, a1 = seqs[0]["advantages"], seqs[1]["advantages"]
+    # group g1 = {1, 0}: mean 0.5, unbiased std 0.7071 -> +-0.7071 on generated tokens, 0 on the observation
+    assert torch.allclose(a0, torch.tensor([0.7071, 0.7071, 0, 0.7071, 0.7071]), atol=1e-3)
+    assert torch.allclose(a1, -a0)
+    assert seqs[2]["advantages"].abs().max() == 0  # g2 agrees: no signal
+    assert seqs[4]["advantages"].abs().max() == 0  # the masked row did not join g1 (else g1's mean would move)
+    assert metrics["actor/advantages_abs_mean"] > 0
+
+
+def _micro_batches(seqs, budget=10_000):
+    mbs = make_micro_batches(seqs, budget)
+    total = sum(float(s["loss_mask"].sum()) for s in seqs)
+    for mb in mbs:
+        mb.num_loss_tokens = float(mb["loss_mask"].sum())
+        mb.global_num_loss_tokens = total
+        mb.global_num_seqs = len(seqs)
+    return mbs
+
+
+def test_actor_loss_shares_add_up_to_the_mini_batch_token_mean():
+    torch.manual_seed(0)
+    trajs = [_traj("g", [5, 6, 7][: k + 1], [8] * (k + 1)) for k in range(3)]
+    seqs = ppo.to_sequences(trajs)
+    for s in seqs:
+        R = len(s["response_ids"])
+        s.update(old_log_probs=-torch.rand(R), ref_log_probs=-torch.rand(R), advantages=torch.randn(R))
+    new = [-torch.rand(len(s["response_ids"])) for s in seqs]
+    cfg = AlgoConfig(kl_loss_coef=0.1)
+    loss_fn = ppo.actor_loss_fn(cfg)
+
+    def total(budget):
+        out = 0.0
+        for mb in _micro_batches(seqs, budget):
+            lp = torch.zeros_like(mb["old_log_probs"])
+            for row, i in enumerate(mb.indices):
+                lp[row, : len(new[i])] = new[i]
+            out += float(loss_fn({"log_probs": lp}, mb)[0])
+        return out
+
+    # the whole batch's token-mean, computed directly
+    mask = ppo.pad_rows([s["loss_mask"] for s in seqs])
+    old, ref = ppo.pad_rows([s["old_log_probs"] for s in seqs]), ppo.pad_rows([s["ref_log_probs"] for s in seqs])
+    adv, lp = ppo.pad_rows([s["advantages"] for s in seqs]), ppo.pad_rows(new)
+    expected = float(algo.compute_policy_loss(old, lp, adv, mask, 0.2)[0]
+                     + 0.1 * algo.agg_loss(algo.kl_penalty(lp, ref, "low_var_kl"), mask, "token-mean"))
+    assert total(10_000) == pytest.approx(expected, abs=1e-6)  # one micro-batch
+    assert total(13) == pytest.approx(expected, abs=1e-6)      # one sequence per micro-batch (lengths 6, 9, 12)
+
+
+def test_logprob_gap_counts_generated_tokens_only():
+    seqs = ppo.to_sequences([_traj("a", [5, 6], [7, 8])])
+    seqs[0]["old_log_probs"] = seqs[0]["engine_log_probs"] + torch.tensor([0.1, 0.1, 9, 9, 0.1, 0.1])
+    assert ppo.logprob_gap(seqs) == pytest.approx(0.1)
