@@ -50,9 +50,9 @@ class TinyModelConfig:
     """Plain-text files to train the BPE tokenizer on; empty = a small built-in English text."""
     vocab_size: int = 1000
     """Target BPE vocabulary size (the result can be smaller when the text is small)."""
-    hidden_size: int = 64
-    """Model width."""
-    intermediate_size: int = 128
+    hidden_size: int = 128
+    """Model width (with 4 heads: head_dim 32, the smallest vLLM's CPU attention accepts; 16 is rejected)."""
+    intermediate_size: int = 256
     """MLP width (SwiGLU)."""
     num_layers: int = 2
     """Number of transformer layers."""
@@ -205,7 +205,7 @@ def parse_args(argv=None) -> TinyModelConfig:
     p.add_argument("--arch", default="qwen2", choices=sorted(ARCHITECTURES))
     p.add_argument("--text", nargs="*", default=[], help="text files for the tokenizer (default: built-in text)")
     p.add_argument("--vocab-size", type=int, default=1000)
-    p.add_argument("--hidden-size", type=int, default=64)
+    p.add_argument("--hidden-size", type=int, default=128)
     p.add_argument("--intermediate-size", type=int, default=None, help="default: 2 x hidden size")
     p.add_argument("--num-layers", type=int, default=2)
     p.add_argument("--num-heads", type=int, default=4)

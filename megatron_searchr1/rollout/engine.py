@@ -47,6 +47,17 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
 
 
+def derive_seed(seed: int, index: int) -> int:
+    """The seed of prompt `index` in a generate() call with base seed `seed`, shared by the engines (63 bits).
+
+    A per-prompt seed makes a sample independent of the other prompts of the call and of how they are batched.
+
+    >>> derive_seed(1, 0) != derive_seed(1, 1) != derive_seed(2, 0)
+    True
+    """
+    return (seed * 1_000_003 + index * 7_919 + 1) % (2 ** 63 - 1)
+
+
 @dataclass
 class Generation:
     """What an engine returns for one prompt."""

