@@ -46,7 +46,7 @@ class DataConfig:
     val_batch_size: int = 64
     """Prompts per validation generate batch per DP rank."""
     val_max_samples: Optional[int] = None
-    """Validate on the first N validation rows only (None = all)."""
+    """Validate on the first N rows of each validation file (None = all)."""
     max_prompt_length: int = 512
     """Prompts longer than this (in tokens, after rendering) are dropped at load time, with a count; never cut."""
     chat_template: str = "auto"

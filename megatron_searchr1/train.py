@@ -204,7 +204,7 @@ class Trainer:
 
         return [Trajectory(prompt_ids=list(row.prompt_ids), uid=row.uid, sample=k,
                            meta={"data_source": row.data_source, "ground_truth": row.ground_truth,
-                                 "question": row.question})
+                                 "question": row.question, "split": row.extra.get("split", "")})
                 for row in rows for k in range(n)]
 
     def rollout(self, trajs: list, temperature: float, seed: int) -> tuple[list, dict]:
@@ -282,13 +282,20 @@ class Trainer:
                                 max_response_length=r.max_response_length, max_obs_length=r.max_obs_length,
                                 temperature=r.val_temperature, stop_token_ids=rt.stop_token_ids,
                                 seed=cfg.trainer.seed)
-        records = []
+        from megatron_searchr1.infer import turn_segments
+
+        records, samples = [], []
         bs = cfg.data.val_batch_size
         for start in range(0, len(rows), bs):
             trajs = self.make_trajectories(rows[start:start + bs], 1)
             run_rollout(rt.engine, rt.tokenizer, rt.client.search, trajs, settings)
             for tr, sc in zip(trajs, ppo.score_trajectories(trajs, rt.tokenizer, cfg.algo)):
-                records.append({"data_source": tr.meta["data_source"], "uid": tr.uid, **sc,
+                if len(samples) < cfg.logging.trajectories_per_step:
+                    samples.append({"uid": tr.uid, "question": tr.meta["question"], "score": sc["score"],
+                                    "target": list(tr.meta["ground_truth"].get("target", [])),
+                                    "finish": tr.finish_reason, "turns": turn_segments(rt.tokenizer, tr)})
+                records.append({"data_source": tr.meta["data_source"], "split": tr.meta.get("split", ""),
+                                "uid": tr.uid, **sc,
                                 "searches": tr.n_searches, "turns": tr.turns, "finish": tr.finish_reason,
                                 "length": len(tr.response_ids)})
         self.sleep_engine()
@@ -298,6 +305,7 @@ class Trainer:
         report = summarize_eval(records)
         metrics = {f"val/{k}": v for k, v in report["metrics"].items()}
         rt.logger.log(self.step_no, metrics)
+        rt.logger.trajectories(self.step_no, samples, name="val_trajectories.jsonl")
         if rt.rank == 0:
             print(format_eval_table(report, title=f"validation at step {self.step_no}"), flush=True)
             with open(os.path.join(cfg.trainer.output_dir, "val_report.jsonl"), "a") as f:
@@ -388,6 +396,8 @@ def summarize_eval(records: list[dict]) -> dict:
     groups: dict[str, list] = defaultdict(list)
     for rec in records:
         groups[rec["data_source"]].append(rec)
+        if rec.get("split"):  # validation and test files of one source: also reported per split
+            groups[f"split:{rec['split']}"].append(rec)
     groups["all"] = list(records)
     table, metrics = {}, {}
     for source, recs in sorted(groups.items()):

@@ -19,7 +19,7 @@ ANSWER_START, ANSWER_END = "<answer>", "</answer>"
 # Generation stops at these: a turn ends either with a query to run or with the final answer.
 STOP_STRINGS = (SEARCH_END, ANSWER_END)
 
-TEMPLATES = ("base", "chat")
+TEMPLATES = ("base", "chat", "short")
 
 # Search-R1's instruction; `base` appends " Question: {question}\n" to it (see make_prefix).
 INSTRUCTION = (
@@ -30,6 +30,13 @@ INSTRUCTION = (
     "You can search as many times as your want. "
     "If you find no further external knowledge needed, you can directly provide the answer inside <answer> and "
     "</answer>, without detailed illustrations. For example, <answer> Beijing </answer>."
+)
+
+# A ~30-token version of the same protocol for tiny models trained from scratch (the CPU demo): the long instruction
+# is a third of every SFT example's tokens, and a model that has never seen English gains nothing from it.
+SHORT_INSTRUCTION = (
+    "Answer the question. Think in <think> </think>, search with <search> query </search>, read results in "
+    "<information> </information>, answer in <answer> </answer>."
 )
 
 # Search-R1 tells the model this when a turn has neither a query nor an answer.
@@ -68,11 +75,14 @@ def make_prompt(question: str, template: str = "base") -> list[dict]:
 
     base: one user message holding the whole Search-R1 prefix (render it raw, without a chat template).
     chat: a system message with the instruction and a user message with the question.
+    short: one user message with SHORT_INSTRUCTION (tiny models trained from scratch, the CPU demo).
     """
     if template == "base":
         return [{"role": "user", "content": make_prefix(question)}]
     if template == "chat":
         return [{"role": "system", "content": INSTRUCTION}, {"role": "user", "content": f"Question: {question}"}]
+    if template == "short":
+        return [{"role": "user", "content": f"{SHORT_INSTRUCTION} Question: {question}\n"}]
     raise ValueError(f"unknown prompt template {template!r}; choose one of {TEMPLATES}")
 
 

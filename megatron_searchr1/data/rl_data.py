@@ -60,12 +60,12 @@ def read_rows(paths: list[str]) -> list[dict]:
 
 def load_prompts(paths: list[str], tokenizer, max_prompt_length: int, chat_template: str = "auto",
                  limit: int | None = None) -> tuple[list[PromptRow], int]:
-    """(prompt rows, number dropped for being longer than max_prompt_length)."""
+    """(prompt rows, number dropped for being longer than max_prompt_length); `limit`: the first N rows of EACH file
+    (validation on a sample of every split)."""
     out, dropped = [], 0
     seen: set[str] = set()
-    for i, row in enumerate(read_rows(paths)):
-        if limit is not None and len(out) >= limit:
-            break
+    rows = [r for path in paths for r in read_rows([path])[:limit]] if limit is not None else read_rows(paths)
+    for i, row in enumerate(rows):
         extra = dict(row.get("extra_info") or {})
         uid = str(extra.pop("uid", "") or f"{row['data_source']}-{extra.get('split', '')}-{extra.get('index', i)}")
         if uid in seen:  # merged datasets with restarting indexes (Search-R1's bug): make the group id unique

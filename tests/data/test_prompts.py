@@ -86,3 +86,11 @@ def test_base_prompt_follows_search_r1s_chat_template_rule():
         prompts.render_prompt(msgs, None, chat_template="always")
     with pytest.raises(ValueError, match="must be one of"):
         prompts.render_prompt(msgs, tok, chat_template="sometimes")
+
+
+def test_short_template_keeps_the_protocol_tags():
+    (msg,) = prompts.make_prompt("Who wrote Dune?", "short")
+    for tag in ("<think>", "<search>", "</search>", "<information>", "<answer>", "</answer>"):
+        assert tag in msg["content"]
+    assert msg["content"].endswith("Question: Who wrote Dune?\n")
+    assert len(msg["content"].split()) < len(prompts.INSTRUCTION.split()) / 2
