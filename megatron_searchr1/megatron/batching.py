@@ -8,9 +8,10 @@ A sequence is a mapping with `prompt_ids` and `response_ids` (lists of ints or 1
 per-response-token fields (1-D tensors of length len(response_ids): loss_mask, advantages, old_log_probs, ...)
 or per-sequence numbers (rewards, group ids). Other entries (strings, nested lists) are not batched.
 
-Packing: sequences are sorted by total length, longest first (ties: input order), and cut greedily into
-micro-batches whose *padded* size, rows x longest row, stays within `max_tokens_per_micro_batch`. Sorting
-puts similar lengths together, so padding stays small (tools/benchmarks/bench_padding.py measures it
+Packing: sequences are sorted by total length, longest first (ties: input order), and cut into consecutive
+micro-batches whose *padded* size, rows x longest row, stays within `max_tokens_per_micro_batch`; the cuts
+minimise padding plus a small charge per micro-batch (`plan_micro_batches`). Sorting puts similar lengths
+together, so padding stays small (tools/benchmarks/bench_padding.py measures it
 against Search-R1's layout, where every row is padded to max_prompt + max_response). The packing is a pure
 function of the lengths, so every rank of a model-parallel group (same input) gets the same plan.
 
@@ -57,27 +58,49 @@ def sequence_lengths(seqs: Sequence[Mapping[str, Any]]) -> list[int]:
     return lengths
 
 
-def plan_micro_batches(lengths: Sequence[int], max_tokens_per_micro_batch: int) -> list[list[int]]:
+def plan_micro_batches(lengths: Sequence[int], max_tokens_per_micro_batch: int,
+                       micro_batch_cost_tokens: Optional[int] = None) -> list[list[int]]:
     """Index lists, longest sequences first, each with rows x longest row <= the budget.
 
-    >>> plan_micro_batches([3, 9, 4, 8, 2], 16)
-    [[1], [3, 2], [0, 4]]
+    Among all ways to cut the length-sorted order into consecutive micro-batches within the budget, this takes
+    the one with the least `padded tokens + micro_batch_cost_tokens x number of micro-batches` (dynamic
+    programming, O(n x rows per micro-batch)). The per-micro-batch charge stands for what a micro-batch costs
+    besides its tokens (reading every weight again, kernel launches, a pipeline slot); default: 1/32 of the
+    budget. 0 minimises padding alone (down to one row per micro-batch); a large charge gives the fewest
+    micro-batches, and among those the least padding.
+
+    >>> plan_micro_batches([3, 9, 4, 8, 2], 16, micro_batch_cost_tokens=0)
+    [[1], [3], [2], [0], [4]]
+    >>> plan_micro_batches([3, 9, 4, 8, 2], 16, micro_batch_cost_tokens=100)
+    [[1], [3], [2, 0, 4]]
     """
-    if max_tokens_per_micro_batch < 1:
-        raise ValueError(f"max_tokens_per_micro_batch must be >= 1, got {max_tokens_per_micro_batch}")
+    budget = max_tokens_per_micro_batch
+    if budget < 1:
+        raise ValueError(f"max_tokens_per_micro_batch must be >= 1, got {budget}")
+    charge = budget // 32 if micro_batch_cost_tokens is None else micro_batch_cost_tokens
+    if charge < 0:
+        raise ValueError(f"micro_batch_cost_tokens must be >= 0, got {charge}")
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))  # deterministic on every rank
-    if order and lengths[order[0]] > max_tokens_per_micro_batch:
+    if order and lengths[order[0]] > budget:
         raise ValueError(f"a sequence has {lengths[order[0]]} tokens but max_tokens_per_micro_batch is "
-                         f"{max_tokens_per_micro_batch}: raise the budget to at least max prompt + max response "
-                         "length")
-    plan: list[list[int]] = []
-    for i in order:
-        # Rows arrive longest first, so the first row of a micro-batch sets its padded length.
-        if plan and (len(plan[-1]) + 1) * lengths[plan[-1][0]] <= max_tokens_per_micro_batch:
-            plan[-1].append(i)
-        else:
-            plan.append([i])
-    return plan
+                         f"{budget}: raise the budget to at least max prompt + max response length")
+    L = [lengths[i] for i in order]  # descending: row i is the longest of any micro-batch starting at i
+    n = len(L)
+    best = [0.0] + [float("inf")] * n  # best[j]: cheapest plan for the first j sorted rows
+    start = [0] * (n + 1)              # where the last micro-batch of that plan starts
+    for j in range(1, n + 1):
+        for i in range(j - 1, -1, -1):
+            padded = (j - i) * L[i]
+            if padded > budget:
+                break
+            cost = best[i] + padded + charge
+            if cost < best[j]:
+                best[j], start[j] = cost, i
+    plan, j = [], n
+    while j > 0:
+        plan.append(order[start[j]: j])
+        j = start[j]
+    return plan[::-1]
 
 
 def split_mini_batches(n: int, num_mini_batches: int, seed: Optional[int] = None) -> list[list[int]]:
@@ -206,16 +229,16 @@ def _collate(seqs: Sequence[Mapping[str, Any]], indices: list[int], pad_id: int)
                       response_mask=response_mask, fields=fields)
 
 
-def make_micro_batches(seqs: Sequence[Mapping[str, Any]], max_tokens_per_micro_batch: int,
-                       pad_id: int = 0) -> list[MicroBatch]:
+def make_micro_batches(seqs: Sequence[Mapping[str, Any]], max_tokens_per_micro_batch: int, pad_id: int = 0,
+                       micro_batch_cost_tokens: Optional[int] = None) -> list[MicroBatch]:
     """Pack `seqs` by the token budget (see the module doc); tensors stay on the CPU until the worker moves them.
 
-    `pad_id` only fills positions after a row's last token: causal attention keeps them from touching real
+    `micro_batch_cost_tokens`: see plan_micro_batches. `pad_id` only fills positions after a row's last token: causal attention keeps them from touching real
     tokens and their outputs are masked, so any valid id works.
     """
     if not seqs:
         return []
-    plan = plan_micro_batches(sequence_lengths(seqs), max_tokens_per_micro_batch)
+    plan = plan_micro_batches(sequence_lengths(seqs), max_tokens_per_micro_batch, micro_batch_cost_tokens)
     return [_collate(seqs, idx, pad_id) for idx in plan]
 
 

@@ -143,3 +143,15 @@ def test_sync_uneven_pipeline_split(tiny_models):
     _check(results, ["names", "logprobs", "resync"], [0])
     layers = [r["layer_numbers"] for r in results if r["check"] == "layers"]
     assert layers == [[1], [1]], layers  # rank 0 = stage 0 holds only layer 1 (global index 0)
+
+
+@pytest.mark.slow
+def test_sync_into_vllm_tp2_pp2(tiny_models):
+    """Megatron TP=2 x PP=2 (4 processes) -> a vLLM engine (fp32, CPU) on every rank: its log-probs of its own
+    greedy tokens equal Megatron's (<= 1e-4) after the sync, were not before it, and follow a second sync."""
+    pytest.importorskip("vllm")
+    pytest.importorskip("megatron_searchr1.rollout.engines")
+    env = dict(VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    out = run_torchrun(SCRIPT, 4, "--hf-dirs", tiny_models[0], "--tp", "2", "--pp", "2", "--engine", "vllm",
+                       timeout=900, env=env)
+    _check(_results(out), ["logprobs", "resync"], [0, 1, 2, 3], archs=1)

@@ -81,7 +81,10 @@ def main():
     ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--first-stage-layers", type=int, default=None)
     ap.add_argument("--bucket-bytes", type=int, default=16 << 10, help="small: many buckets, some single tensors")
+    ap.add_argument("--engine", default="state_dict", choices=["state_dict", "vllm"])
     a = ap.parse_args()
+    if a.engine == "vllm":
+        return vllm_main(a)
 
     import torch.distributed as dist
     from safetensors.torch import load_file
@@ -158,6 +161,63 @@ def main():
                 bad = [n for n, t in bf.received.items() if not torch.equal(t, fp.received[n].to(torch.bfloat16))]
                 report(arch, "bf16", ok=dtypes == ["torch.bfloat16"] and not bad and len(bf.received) > 0,
                        dtypes=dtypes, bad=bad[:5], buckets_one=fp.calls)
+        dist.barrier()
+    destroy_megatron()
+
+
+def vllm_main(a):
+    """Every rank runs its own vLLM engine (TP=1, fp32, external_launcher) fed by the sync from Megatron TP x PP.
+
+    The engine greedily generates from fixed prompts; its log-probs of the generated tokens must equal the Megatron
+    model's log-probs of the same sequences (`logprobs`); after a perturbation and a second sync they must equal the
+    new model's, and the new model's differ from the old ones on the first sequences (`resync`).
+    """
+    import torch.distributed as dist
+    from transformers import AutoConfig
+
+    from megatron_searchr1.megatron.initialize import destroy_megatron, initialize_megatron
+    from megatron_searchr1.models.convert import SafetensorsReader, bind_mapping, load_hf_weights
+    from megatron_searchr1.models.gpt import build_gpt_model
+    from megatron_searchr1.rollout.engine import SamplingParams
+    from megatron_searchr1.rollout.engines import make_engine
+    from megatron_searchr1.rollout.weight_sync import sync_weights
+
+    initialize_megatron(tp=a.tp, pp=a.pp)
+    rank = dist.get_rank()
+    g = torch.Generator().manual_seed(0)
+    for hf_dir in a.hf_dirs:
+        hf_config = AutoConfig.from_pretrained(hf_dir)
+        arch = hf_config.architectures[0] + ("-tied" if hf_config.tie_word_embeddings else "")
+        model = build_gpt_model(hf_config)
+        load_hf_weights(model, SafetensorsReader(hf_dir), bind_mapping(hf_config, model))
+        model.eval()
+        mapping = bind_mapping(hf_config, model)
+        # The engine starts from the checkpoint; perturb Megatron first so the first sync must change the engine.
+        perturb(model)
+        engine = make_engine("vllm", hf_dir, dtype="float32", kv_cache_gib=0.05, max_model_len=64, seed=0)
+        prompts = torch.randint(0, hf_config.vocab_size, (3, 6), generator=g)
+        params = SamplingParams(max_tokens=6, temperature=0.0)
+
+        def engine_vs_megatron():
+            outs = engine.generate([p.tolist() for p in prompts], params)
+            seqs = torch.cat([prompts, torch.tensor([o.token_ids for o in outs])], dim=1)
+            ref = megatron_logprobs(model, seqs)[:, prompts.shape[1] - 1:]  # log p(generated token i)
+            got = torch.tensor([o.logprobs for o in outs])
+            return seqs, ref, (got - ref).abs().max().item()
+
+        before, _, stale = engine_vs_megatron()  # the engine still holds the checkpoint's weights
+        sync_weights(model, engine, mapping, bucket_bytes=a.bucket_bytes)
+        seqs, ref, diff = engine_vs_megatron()
+        print("RESULT " + json.dumps(dict(rank=rank, arch=arch, check="logprobs", diff=diff, stale=stale,
+                                          ok=diff <= TOL and stale > 1e-2)), flush=True)
+        old_lp = megatron_logprobs(model, seqs)
+        perturb(model)
+        moved = (megatron_logprobs(model, seqs) - old_lp).abs().max().item()
+        sync_weights(model, engine, mapping, bucket_bytes=a.bucket_bytes)
+        _, _, diff2 = engine_vs_megatron()
+        print("RESULT " + json.dumps(dict(rank=rank, arch=arch, check="resync", diff=diff2, moved=moved,
+                                          ok=diff2 <= TOL and moved > 1e-2)), flush=True)
+        engine.close()
         dist.barrier()
     destroy_megatron()
 
