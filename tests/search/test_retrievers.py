@@ -9,7 +9,7 @@ import pytest
 from megatron_searchr1.search.base import topk_desc
 from megatron_searchr1.search.encoder import BGE_QUERY_INSTRUCTION, EncoderConfig, packaged_minilm_dir
 from megatron_searchr1.search.hybrid import reciprocal_rank_fusion
-from megatron_searchr1.search.retrievers import (build_index, faiss_index_meta, load_retriever, open_faiss_index,
+from megatron_searchr1.search.retrievers import (index_corpus, faiss_index_meta, load_retriever, open_faiss_index,
                                                  read_index_meta, register_faiss_index)
 
 
@@ -98,7 +98,7 @@ def test_bm25_stems_english_like_pyserini_and_the_index_remembers(tmp_path):
     index_dir = tmp_path / "bm25"
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text("".join(json.dumps({"id": d["id"], "contents": d["contents"]}) + "\n" for d in docs))
-    build_index(str(corpus), str(index_dir), kind="bm25", stemmer="", show_progress=False)
+    index_corpus(str(corpus), str(index_dir), kind="bm25", stemmer="", show_progress=False)
     assert load_retriever(str(index_dir)).search(["founding year"], 3) == [[]]  # no stemmer at build: none at query
 
 
@@ -138,7 +138,7 @@ def test_topk_larger_than_corpus(tmp_path):
     from megatron_searchr1.search.corpus import write_corpus
 
     write_corpus([{"id": str(i), "title": f"T{i}", "text": f"word{i} common"} for i in range(3)], tmp_path / "c.jsonl")
-    r = build_index(tmp_path / "c.jsonl", tmp_path / "idx", kind="bm25", show_progress=False)
+    r = index_corpus(tmp_path / "c.jsonl", tmp_path / "idx", kind="bm25", show_progress=False)
     hits = r.search(["common"], topk=10)[0]
     assert sorted(d["id"] for d, _ in hits) == ["0", "1", "2"]
     with pytest.raises(ValueError, match="topk"):
