@@ -239,6 +239,7 @@ class MicroBatcher:
         self.timeout_s = timeout_s
         self.stalled_since: float | None = None
         self._overdue = 0  # timed-out searches still running on the worker thread
+        self._concurrent = True  # requests arrived together lately: worth waiting for the window
         self.stats = BatchStats()
         self._queue: asyncio.Queue[_Pending] | None = None
         self._task: asyncio.Task | None = None
@@ -272,15 +273,19 @@ class MicroBatcher:
         while True:
             batch = [await self._queue.get()]
             n = len(batch[0].queries)
-            # Wait out the window measured from the first request's arrival. Under load the first request has
-            # usually waited through the previous batch already, so this adds no latency then.
+            # Wait out the window measured from the first request's arrival, but only when requests have been
+            # arriving together: a lone client sending one request at a time would pay the window on every
+            # request and gain nothing. Under load the first request has usually waited through the previous
+            # batch already, so the window adds no latency then either.
             remaining = batch[0].arrived + self.window_s - time.perf_counter()
-            if remaining > 0 and n < self.max_batch_queries:
+            if self._concurrent and remaining > 0 and n < self.max_batch_queries:
                 await asyncio.sleep(remaining)
             while n < self.max_batch_queries and not self._queue.empty():
                 item = self._queue.get_nowait()
                 batch.append(item)
                 n += len(item.queries)
+            # concurrency seen: this batch joined several requests, or more arrived while it was collected
+            self._concurrent = len(batch) > 1 or not self._queue.empty()
             try:
                 await self._run(batch)
             except Exception as e:  # noqa: BLE001 - a bug here must not kill the loop and hang every later request

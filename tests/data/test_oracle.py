@@ -7,7 +7,7 @@ import socket
 import httpx
 import pytest
 
-from megatron_searchr1.data import oracle, synthetic
+from megatron_searchr1.data import make_world, oracle, synthetic
 from megatron_searchr1.data.prompts import format_observation
 from megatron_searchr1.search.client import RetrievalClient, format_docs
 from megatron_searchr1.search.launch import ServerProcess
@@ -155,7 +155,7 @@ def test_oracle_through_a_real_server(world, server, tmp_path):
 def test_cli_oracle_url(world, server, tmp_path):
     """`make_synthetic_world.py --oracle-url` regenerates the same world (same seed) and writes gold data."""
     out = str(tmp_path / "cli")
-    synthetic.main(["--out-dir", out, "--oracle-url", f"{server}/retrieve", "--oracle-splits", "train,validation,test"]
+    make_world.main(["--out-dir", out, "--oracle-url", f"{server}/retrieve", "--oracle-splits", "train,validation,test"]
                    + [f"--{k.replace('_', '-')}={v}" for k, v in SMALL.items()])
     assert open(os.path.join(out, "corpus.jsonl")).read() == open(os.path.join(world["out"], "corpus.jsonl")).read()
     info = json.load(open(os.path.join(out, "sft", "dataset_info.json")))
