@@ -189,3 +189,33 @@ def test_client_waits_out_429_honouring_retry_after(world, search_r1_like):
         out = client.search(queries)
         assert time.monotonic() - t0 < 3
         assert all(o.startswith("Search failed: HTTP 429") and "overloaded for 0.5s" in o for o in out)
+
+
+class _Slow:
+    """A retriever whose search of "__slow__" takes 1.5 s."""
+
+    def __init__(self, inner):
+        self.inner, self.corpus, self.kind = inner, inner.corpus, "slow"
+
+    def search_ids(self, queries, topk):
+        if "__slow__" in queries:
+            time.sleep(1.5)
+        return self.inner.search_ids(queries, topk)
+
+    def describe(self):
+        return {"kind": "slow", "num_docs": len(self.corpus)}
+
+
+def test_a_search_past_the_timeout_is_a_503_and_health_says_stalled_until_it_ends(world, bm25_index):
+    with BackgroundServer(_Slow(bm25_index[1]), ServerConfig(port=0, search_timeout_s=0.3)) as srv:
+        t0 = time.monotonic()
+        r = post(srv.url, {"queries": ["__slow__"]})
+        assert r.status_code == 503 and "did not finish within 0.3s" in r.json()["detail"]
+        assert time.monotonic() - t0 < 1.2
+        h = httpx.get(f"{srv.url}/health", timeout=10)
+        assert h.status_code == 503 and h.json()["status"] == "stalled"
+        time.sleep(1.5)
+        h = httpx.get(f"{srv.url}/health", timeout=10)
+        assert h.status_code == 200 and h.json()["status"] == "ok"
+        assert h.json()["batching"]["timed_out_requests"] == 1
+        assert post(srv.url, {"queries": [world["queries"][40]]}).status_code == 200
