@@ -1,4 +1,5 @@
-"""A seeded fictional world: corpus, single- and multi-hop questions, splits (and, via oracle.py, gold trajectories).
+"""A seeded fictional world: corpus, single- and multi-hop questions, splits. It knows nothing of retrieval or of
+the oracle: oracle.py writes gold trajectories over it, make_world.py is the command line that does both.
 
 Why: a model can only learn to *search* if it cannot already know the answers. Every name here is made of invented
 syllables, so no pretrained model has seen them; the only way to answer is to retrieve.
@@ -31,6 +32,12 @@ that only validation/test ask about. What is guaranteed:
     them unless told to keep them (--keep-heldout), so no WRITTEN train trajectory shows a held-out passage
     (tested in tests/data/test_oracle.py). RL rollouts on train questions search the whole corpus and can see them.
 
+No shortcuts: a multi-hop question needs one search per hop. Relations are stated in the subject's passage only
+(a CEO's passage does not name the company, which names its CEO), and fact-free overview passages soak up the
+generic words of the questions, so one BM25 search with the whole question never returns the passages of all its
+hops (tested in tests/data/test_synthetic_shortcuts.py). Names are invented words, never a real place or common
+name (`real_names.py`).
+
     python tools/make_synthetic_world.py --out-dir data/synthetic --seed 0
 """
 from __future__ import annotations
@@ -46,6 +53,7 @@ import pyarrow as pa
 
 from megatron_searchr1.data.prompts import TEMPLATES
 from megatron_searchr1.data.qa import make_row, write_rows
+from megatron_searchr1.data.real_names import REAL_NAMES
 from megatron_searchr1.search.corpus import make_contents, write_corpus
 
 SPLITS = ("train", "validation", "test")
@@ -128,7 +136,8 @@ class NameMaker:
 
     `used` holds every name handed out (lower case), a suffixed one ("Kaboland") as well as its stem ("Kabo"):
     a one-word name made of stem + suffix could otherwise equal a word drawn later (or earlier), and two entities
-    with one name would make two questions with one text.
+    with one name would make two questions with one text. A word that is a real place or a common name
+    (`real_names.REAL_NAMES`: "Roma", "Provo", "Mila") is redrawn: a model may know facts about it.
     """
 
     def __init__(self, rng: random.Random):
@@ -140,13 +149,13 @@ class NameMaker:
             n = self.rng.choice((2, 2, 3))
             w = "".join(self.rng.choice(_ONSETS) + self.rng.choice(_VOWELS) for _ in range(n))
             w = (w + self.rng.choice(_CODAS)).capitalize()
-            if not 4 <= len(w) <= 11 or w.lower() in self.used:
+            if not 4 <= len(w) <= 11 or w.lower() in self.used or w.lower() in REAL_NAMES:
                 continue
             # the suffix is drawn only here, as before suffixes were passed in, so worlds without a clash keep
             # their exact bytes
             full = w + self.rng.choice(suffixes) if suffixes else w
-            if full.lower() in self.used:
-                continue  # redraw both: this stem + suffix is a name already taken
+            if full.lower() in self.used or full.lower() in REAL_NAMES:
+                continue  # redraw both: this stem + suffix is a name already taken, or a real one
             self.used.update((w.lower(), full.lower()))
             return full
         raise RuntimeError("name space exhausted; lower the entity counts")
@@ -252,6 +261,7 @@ def build_world(cfg: WorldConfig) -> World:
 
     docs = [(e["name"], _entity_text(w, e, rng), e["id"]) for e in w.entities.values()]
     docs += [(*_distractor(w, names, rng), None) for _ in range(cfg.n_distractors)]
+    docs += [(title, text, None) for title, text in _overviews(names)]
     rng.shuffle(docs)  # so that passage ids carry no hint of the entity type
     for i, (title, text, eid) in enumerate(docs):
         w.passages.append({"id": str(i), "title": title, "text": text})
@@ -282,8 +292,11 @@ def _populate(region: str, n: dict[str, int], add, names: NameMaker, rng: random
               for _ in range(n["people"])]
     for company, person in zip(companies, rng.sample(people, len(companies))):
         company["facts"]["ceo"] = person["id"]
-        person["facts"]["employer"] = company["id"]  # a CEO works for the company they run
-        person["facts"]["ceo_of"] = company["id"]
+        # A CEO's own passage does not name the company: only the company's passage links the two. Were the link
+        # stated both ways, one search for "the birth year of the CEO of O" would return O's passage and the CEO's
+        # together (the whole chain: 19 of 19 such questions did), and the question would need no second search.
+        del person["facts"]["employer"]
+        person["facts"]["profession"] = "business executive"
     for _ in range(n["products"]):
         add("product", region, f"{names.word()} {rng.choice(_PRODUCT_SUFFIXES)}", maker=rng.choice(companies)["id"],
             launch_year=str(rng.randint(1985, 2024)), category=rng.choice(_PRODUCT_KINDS))
@@ -310,11 +323,16 @@ def _entity_text(w: World, e: dict, rng: random.Random) -> str:
                              p=w.name(f["ceo"]))
     if e["type"] == "person":
         last = n.split()[-1]
-        role = "as its CEO" if "ceo_of" in f else f"as {_article(f['profession'])} {f['profession']}"
-        return pick(["{n} (born {y} in {b}) attended {u}. {l} works for {o} {j}.",
-                     "{n} was born in {b} in {y}. After attending {u}, {l} now works for {o} {j}."]
+        job = f"{_article(f['profession'])} {f['profession']}"
+        if "employer" not in f:  # a CEO (see _populate): no company named here
+            return pick(["{n} (born {y} in {b}) attended {u}. {l} is {j}.",
+                         "{n} was born in {b} in {y}. After attending {u}, {l} became {j}."]
+                        ).format(n=n, y=f["born_year"], b=w.name(f["birthplace"]), l=last,
+                                 u=w.name(f["alma_mater"]), j=job)
+        return pick(["{n} (born {y} in {b}) attended {u}. {l} works for {o} as {j}.",
+                     "{n} was born in {b} in {y}. After attending {u}, {l} now works for {o} as {j}."]
                     ).format(n=n, y=f["born_year"], b=w.name(f["birthplace"]), l=last,
-                             u=w.name(f["alma_mater"]), o=w.name(f["employer"]), j=role)
+                             u=w.name(f["alma_mater"]), o=w.name(f["employer"]), j=job)
     if e["type"] == "product":
         return pick(["{n} is {a} {k} made by {o}. It was first launched in {y}.",
                      "The {n}, a {k}, is made by {o} and was launched in {y}."]
@@ -346,6 +364,32 @@ def _distractor(w: World, names: NameMaker, rng: random.Random) -> tuple[str, st
     return title, f"The {title} is a river that flows past {a} and {b}. It is about {rng.randint(40, 900)} km long."
 
 
+_NOUN = {"city": "city", "country": "country", "university": "university", "company": "company",
+         "person": "person", "product": "product"}
+
+
+def _overviews(names: NameMaker) -> list[tuple[str, str]]:
+    """Two fact-free passages per relation, worded like its question and its phrase ("the founding year of a
+    university ... In which year was a university founded?"). Why: without them a whole multi-hop question such as
+    "In which year was the university attended by P founded?" ranks P's passage first and then, on the generic
+    words alone, whichever two university passages BM25 likes best, so now and then the second hop's gold passage
+    came back by chance and one search answered the question. These passages match the generic words better than
+    any entity passage and name no entity, so only a search with the first hop's answer finds the second hop's
+    passage; a search that names an entity still gets that entity's passage first."""
+    out = []
+    for r in RELATIONS.values():
+        noun = _NOUN[r.subject]
+        question = r.question.format(x=f"a {noun}" if noun[0] not in "aeiou" else f"an {noun}")
+        phrase = r.phrase.format(x=f"each {noun}")
+        out.append((f"{names.word()} Handbook",
+                    f"A reference handbook. Readers often ask: {question} The handbook explains how {phrase} is "
+                    f"recorded, and why {phrase} matters, without listing any {noun} by name."))
+        out.append((f"{names.word()} Survey",
+                    f"A survey about {phrase}. The survey's opening question is: {question} It reports general "
+                    f"trends only; {phrase} is not given for any {noun} in particular."))
+    return out
+
+
 # ----------------------------------------------------------------------------------------------- questions
 def _chains(max_hops: int = 3) -> list[tuple[str, ...]]:
     """Every relation sequence whose types line up (object of hop i = subject of hop i+1), up to max_hops."""
@@ -365,7 +409,9 @@ def enumerate_questions(w: World) -> list[dict]:
         for start in w.of_type(RELATIONS[chain[0]].subject):
             node, hops, visited = start["id"], [], {start["id"]}
             for r in chain:
-                obj = w.entities[node]["facts"][r]
+                obj = w.entities[node]["facts"].get(r)
+                if obj is None:  # this entity lacks the relation (a CEO has no `employer`): no such question
+                    break
                 hops.append({"query": RELATIONS[r].question.format(x=w.name(node)), "subject": w.name(node),
                              "relation": r, "answer": w.name(obj), "doc_id": w.doc_of[node]})
                 if obj in visited:  # e.g. capital of the country of a capital: the answer would be the start
@@ -471,88 +517,3 @@ def write_world(world: World, rows: dict[str, list[dict]], out_dir: str) -> dict
         json.dump({"config": dataclasses.asdict(world.config), "entities": world.entities, "doc_of": world.doc_of},
                   f, indent=1, sort_keys=True)
     return paths
-
-
-# ----------------------------------------------------------------------------------------------- CLI
-def main(argv: list[str] | None = None) -> None:
-    import argparse
-    import time
-
-    p = argparse.ArgumentParser(description="Generate the synthetic world: corpus, questions, gold trajectories.")
-    p.add_argument("--out-dir", required=True, help="writes corpus.jsonl, {train,validation,test}.parquet, "
-                                                    "world.json (and sft/, index_<kind>/ with --oracle)")
-    for f in dataclasses.fields(WorldConfig):
-        if f.name == "hop_fractions":
-            p.add_argument("--hop-fractions", default="0.4,0.35,0.25", help="shares of 1,2,3-hop questions")
-        elif f.name == "template":
-            p.add_argument("--template", default=f.default, choices=TEMPLATES, help="prompt template")
-        else:
-            p.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=f.default)
-    g = p.add_mutually_exclusive_group()
-    g.add_argument("--oracle", choices=("bm25", "dense", "hybrid"),
-                   help="build this index over the corpus in <out-dir>/index_<kind> and write gold trajectories "
-                        "with it (in-process; serve that index for RL so rollouts see the same results)")
-    g.add_argument("--oracle-index-dir", help="write gold trajectories with an existing index directory")
-    g.add_argument("--oracle-url", help="write gold trajectories through a running retrieval server "
-                                        "(e.g. http://127.0.0.1:8000/retrieve)")
-    p.add_argument("--oracle-splits", default="train", help="comma list of splits to write trajectories for")
-    p.add_argument("--topk", type=int, default=3, help="passages per search (as in the RL rollout)")
-    p.add_argument("--keep-misses", action="store_true",
-                   help="also write trajectories whose retrieval missed a gold passage (flagged gold_retrieved)")
-    p.add_argument("--keep-heldout", action="store_true",
-                   help="also write train trajectories whose searches returned a held-out passage (flagged "
-                        "shows_heldout); by default they are dropped so SFT never shows a validation/test fact")
-    args = p.parse_args(argv)
-
-    t0 = time.time()
-    cfg = WorldConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(WorldConfig)
-                         if f.name != "hop_fractions"},
-                      hop_fractions=tuple(float(x) for x in args.hop_fractions.split(",")))
-    world, rows = generate(cfg)
-    paths = write_world(world, rows, args.out_dir)
-    print(f"{len(world.entities)} entities, {len(world.passages)} passages -> {paths['corpus']}")
-    for split in SPLITS:
-        hops = [r["extra_info"]["hops"] for r in rows[split]]
-        mix = ", ".join(f"{h}-hop {hops.count(h)}" for h in (1, 2, 3))
-        print(f"{split}: {len(hops)} questions ({mix}) -> {paths[split]}")
-    print(f"world generated in {time.time() - t0:.1f}s")
-
-    if not (args.oracle or args.oracle_index_dir or args.oracle_url):
-        return
-    from megatron_searchr1.data import oracle
-
-    if args.oracle_url:
-        from megatron_searchr1.search.client import RetrievalClient
-
-        search = oracle.client_searcher(RetrievalClient(args.oracle_url, topk=args.topk))
-    else:
-        from megatron_searchr1.search.retrievers import build_index, load_retriever
-
-        if args.oracle:
-            index_dir = os.path.join(args.out_dir, f"index_{args.oracle}")
-            retriever = build_index(paths["corpus"], index_dir, kind=args.oracle)
-            print(f"built {args.oracle} index -> {index_dir}")
-        else:
-            retriever = load_retriever(args.oracle_index_dir)
-        search = oracle.retriever_searcher(retriever, topk=args.topk)
-    gold_text = {p["id"]: p["text"] for p in world.passages}
-    splits = [s for s in args.oracle_splits.split(",") if s]
-    bad = set(splits) - set(SPLITS)
-    if bad:
-        p.error(f"--oracle-splits: unknown split(s) {sorted(bad)}; choose from {SPLITS}")
-    # only train trajectories are checked for held-out passages: those passages are validation/test's own gold
-    held = heldout_titles(world)
-    trajs = {s: oracle.gold_trajectories(rows[s], search, gold_text, heldout_titles=held if s == "train" else None)
-             for s in splits}
-    sft_dir = os.path.join(args.out_dir, "sft")
-    counts = oracle.write_sft(trajs, sft_dir, keep_misses=args.keep_misses, keep_heldout=args.keep_heldout)
-    for s in splits:
-        skipped = oracle.skipped_counts(trajs[s])
-        print(f"sft {s}: {counts[s]} of {len(trajs[s])} trajectories written ({skipped['missed_gold']} missed a "
-              f"gold passage{'' if args.keep_misses else ', skipped'}; {skipped['shows_heldout']} were shown a "
-              f"held-out passage{'' if args.keep_heldout else ', skipped'}) -> {sft_dir}/{s}.jsonl")
-    print(f"done in {time.time() - t0:.1f}s")
-
-
-if __name__ == "__main__":
-    main()

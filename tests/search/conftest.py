@@ -75,10 +75,10 @@ def world(tmp_path_factory):
 
 
 def _built(tmp_path_factory, world, kind, **options):
-    from megatron_searchr1.search.retrievers import build_index
+    from megatron_searchr1.search.retrievers import index_corpus
 
     out = tmp_path_factory.mktemp(f"index_{kind}")
-    return str(out), build_index(world["path"], out, kind=kind, show_progress=False, **options)
+    return str(out), index_corpus(world["path"], out, kind=kind, show_progress=False, **options)
 
 
 @pytest.fixture(scope="session")

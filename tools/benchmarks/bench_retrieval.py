@@ -1,169 +1,291 @@
-# python tools/benchmarks/bench_retrieval.py            (default: 1000 generated docs, BM25 + dense, ~1-2 min)
-# python tools/benchmarks/bench_retrieval.py --corpus my.jsonl --docs 0 --seconds 10 --concurrency 1 8 32 64
-"""Retrieval server throughput and latency, measured side by side in one run.
+# python tools/benchmarks/bench_retrieval.py                 (2,000 generated passages, dense MiniLM, ~5 min on 2 cores)
+# python tools/benchmarks/bench_retrieval.py --docs 20000 --seconds 10 --torch-threads 2
+"""Our retrieval server against a Search-R1-style baseline on the same faiss index, side by side, with ratios.
 
-For each index kind (BM25, dense with the packaged MiniLM) a real server process is started on loopback and hit
-  1. by C concurrent single-query clients (C = 1, 8, 32) for a fixed time each: QPS, p50/p99 latency, and how
-     many queries the server's micro-batcher put into one encoder/faiss call;
-  2. by one client sending batches of B queries in a single request (as the rollout does every turn):
-     queries/s over HTTP next to queries/s of the same retriever called in-process (the HTTP + JSON overhead).
-Ratios are against the first row of each table, so they hold on any machine.
+The baseline is written here to do what Search-R1's retrieval_server.py does per request (its code cannot serve on
+a CPU: it moves inputs to CUDA unconditionally): a synchronous FastAPI endpoint, run on FastAPI's thread pool, that
+tokenizes the request's queries padded to the longest, encodes them, searches faiss and builds the documents; and
+a baseline index build that does what its index_builder.py does (batches of 512 in corpus order, padded to the
+longest, tokenized then encoded). Both servers are separate processes with the same CPU thread budget.
+
+Modes (the last two are the workload of an RL step: GRPO sends n=5 samples of each question, so a turn's batch
+repeats its queries; the `distinct` rows have no repeats at all):
+  1 client sending 1-query requests; 32 concurrent clients sending 1-query requests (QPS, p99 latency);
+  1 client sending 16- and 64-query requests, distinct and GRPO-repeated.
+Every query of a run is new to the server (no cross-request cache hits), except where a row says so.
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
+import json
 import os
 import random
+import subprocess
+import sys
 import tempfile
 import time
 
 import numpy as np
 
-from megatron_searchr1.search.launch import ServerProcess
+from megatron_searchr1.cli import ArgumentParser, UsageError, run_main
+
+_WORDS = ("baker astronomer carpenter violinist surgeon beekeeper pilot glassblower librarian fisherman architect "
+          "chemist Lisbon Nairobi Oslo Kyoto Lima Cairo Toronto Sydney Warsaw Hanoi chess surfing pottery "
+          "birdwatching knitting climbing origami sailing gardening fencing").split()
+_SYL = ["ka", "lo", "mi", "ra", "ven", "tor", "zel", "dri", "os", "bel", "qua", "fin"]
+_FILLER = ["The family moved several times during the early years.", "Neighbours remember long walks by the river.",
+           "A small museum now keeps letters and photographs from that period.",
+           "Local newspapers wrote about the work more than once.", "Friends describe a patient and curious person.",
+           "Later projects took the work abroad for a few seasons."]
 
 
-def make_corpus(path: str, n: int, seed: int = 0) -> list[str]:
-    """n invented-people passages and one matching question each; returns the questions."""
+def make_corpus(path: str, n: int, seed: int = 0) -> None:
+    """n invented-people passages of 1-7 sentences (varied lengths, as real corpora have)."""
     rng = random.Random(seed)
-    words = ("baker astronomer carpenter violinist surgeon beekeeper pilot glassblower librarian fisherman "
-             "architect chemist Lisbon Nairobi Oslo Kyoto Lima Cairo Toronto Sydney Warsaw Hanoi chess surfing "
-             "pottery birdwatching knitting climbing origami sailing gardening fencing").split()
-    syllables = ["ka", "lo", "mi", "ra", "ven", "tor", "zel", "dri", "os", "bel", "qua", "fin"]
-    import json
-
-    questions = []
     with open(path, "w") as f:
         for i in range(n):
-            name = "".join(rng.choice(syllables) for _ in range(3)).capitalize() + f" {i}"
-            a, b, c = rng.sample(words, 3)
+            name = "".join(rng.choice(_SYL) for _ in range(3)).capitalize() + f" {i}"
+            a, b, c = rng.sample(_WORDS, 3)
+            extra = " ".join(rng.choice(_FILLER) for _ in range(rng.randint(0, 6)))
             f.write(json.dumps({"id": str(i), "contents": f'"{name}"\n{name} is a {a} from {b} who loves {c}. '
-                                                          f"{name} was born in {1800 + i % 200}."}) + "\n")
-            questions.append(f"the {a} from {b} who loves {c}")
-    return questions
+                                                          f"{name} was born in {1800 + i % 200}. {extra}"}) + "\n")
 
 
-async def closed_loop(url: str, questions: list[str], concurrency: int, seconds: float, topk: int) -> dict:
-    """`concurrency` clients, each sending one-query requests back to back until the time is up."""
+class Queries:
+    """Fresh queries on demand (none repeats unless asked to), so the server's cache only helps where it should."""
+
+    def __init__(self, seed: int = 1):
+        self.rng, self.i = random.Random(seed), 0
+
+    def fresh(self, k: int) -> list[str]:
+        out = []
+        for _ in range(k):
+            a, b, c = self.rng.sample(_WORDS, 3)
+            out.append(f"which {a} from {b} loves {c} and was born in {1800 + self.i % 200} (case {self.i})")
+            self.i += 1
+        return out
+
+    def grpo(self, k: int, n: int = 5) -> list[str]:
+        """k queries made of k/n fresh questions, each asked n times (GRPO's samples), shuffled."""
+        qs = [q for q in self.fresh(max(1, k // n)) for _ in range(n)][:k]
+        qs += self.fresh(k - len(qs))
+        self.rng.shuffle(qs)
+        return qs
+
+
+# ---- the Search-R1-style baseline ------------------------------------------------------------------------------
+
+def baseline_server(index_dir: str, port_file: str) -> None:
+    """Serve /retrieve the way Search-R1's server does: one request = tokenize, encode, search, on a worker thread."""
+    import threading
+
+    import faiss
+    import torch
+    import uvicorn
+    from fastapi import FastAPI
+    from transformers import AutoModel, AutoTokenizer
+
+    from megatron_searchr1.search.corpus import open_corpus
+    from megatron_searchr1.search.encoder import pool, resolve_model_dir
+    from megatron_searchr1.search.retrievers import read_index_meta
+    from megatron_searchr1.search.server import bind_socket
+
+    meta = read_index_meta(index_dir)
+    enc = meta["dense"]["encoder"]
+    corpus = open_corpus(os.path.join(index_dir, meta["corpus"]) if not os.path.isabs(meta["corpus"])
+                         else meta["corpus"])
+    index = faiss.read_index(os.path.join(index_dir, meta["dense"]["faiss_index"]))
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(enc["model"]))
+    model = AutoModel.from_pretrained(resolve_model_dir(enc["model"])).eval()
+    tok_lock = threading.Lock()  # its shared tokenizer fails ("Already borrowed") when two threads use it at once
+    app = FastAPI()
+
+    @app.post("/retrieve")
+    def retrieve(body: dict):  # sync: FastAPI runs it on its thread pool, several requests at once
+        queries, topk = body["queries"], body.get("topk") or 3
+        with tok_lock:
+            inputs = tokenizer([enc["query_prefix"] + q for q in queries], max_length=enc["max_length"],
+                               padding=True, truncation=True, return_tensors="pt")
+        with torch.no_grad():
+            out = model(**inputs, return_dict=True)
+            emb = torch.nn.functional.normalize(pool(out.last_hidden_state, inputs["attention_mask"], "mean"), dim=-1)
+        scores, idxs = index.search(emb.numpy().astype(np.float32), k=topk)
+        result = [[{"document": corpus[int(i)], "score": float(s)} for i, s in zip(row_i, row_s)]
+                  for row_i, row_s in zip(idxs, scores)]
+        return {"result": result}
+
+    sock = bind_socket("127.0.0.1", 0)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
+    with open(port_file, "w") as f:
+        f.write(str(sock.getsockname()[1]))
+    server.run(sockets=[sock])
+
+
+class BaselineProcess:
+    def __init__(self, index_dir: str, threads: int):
+        self.index_dir, self.threads = index_dir, threads
+
+    def __enter__(self):
+        fd, self.port_file = tempfile.mkstemp()
+        os.close(fd)
+        os.unlink(self.port_file)
+        env = {**os.environ, "OMP_NUM_THREADS": str(self.threads), "MKL_NUM_THREADS": str(self.threads)}
+        self.proc = subprocess.Popen([sys.executable, __file__, "--serve-baseline", self.index_dir, self.port_file],
+                                     env=env)
+        deadline = time.time() + 180
+        while not os.path.exists(self.port_file):
+            if self.proc.poll() is not None or time.time() > deadline:
+                raise RuntimeError("baseline server did not start")
+            time.sleep(0.2)
+        time.sleep(0.5)
+        self.url = f"http://127.0.0.1:{open(self.port_file).read()}"
+        return self
+
+    def __exit__(self, *exc):
+        self.proc.terminate()
+        self.proc.wait(timeout=30)
+        os.unlink(self.port_file)
+
+
+# ---- load generators -------------------------------------------------------------------------------------------
+
+async def closed_loop(url: str, queries: Queries, clients: int, seconds: float, topk: int) -> dict:
+    """`clients` concurrent clients, each sending one fresh 1-query request after the other until time is up."""
     import httpx
 
-    latencies: list[float] = []
-    errors = 0
+    latencies, errors = [], 0
     deadline = time.perf_counter() + seconds
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(timeout=60, limits=limits) as client:
-        async def worker(w: int):
+    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
+    async with httpx.AsyncClient(timeout=120, limits=limits) as client:
+        async def worker():
             nonlocal errors
-            i = w
             while time.perf_counter() < deadline:
                 t0 = time.perf_counter()
-                r = await client.post(f"{url}/retrieve", json={"queries": [questions[i % len(questions)]],
-                                                               "topk": topk, "return_scores": True})
+                r = await client.post(f"{url}/retrieve", json={"queries": queries.fresh(1), "topk": topk,
+                                                               "return_scores": True})
                 if r.status_code == 200:
                     latencies.append(time.perf_counter() - t0)
                 else:
                     errors += 1
-                i += concurrency
 
-        before = (await client.get(f"{url}/health")).json()["batching"]
         t0 = time.perf_counter()
-        await asyncio.gather(*(worker(w) for w in range(concurrency)))
+        await asyncio.gather(*(worker() for _ in range(clients)))
         wall = time.perf_counter() - t0
-        after = (await client.get(f"{url}/health")).json()["batching"]
-    batches = max(after["batches"] - before["batches"], 1)
-    lat = np.array(latencies) * 1000
-    return {"requests": len(latencies), "errors": errors, "qps": len(latencies) / wall,
-            "p50": float(np.percentile(lat, 50)) if lat.size else float("nan"),
-            "p99": float(np.percentile(lat, 99)) if lat.size else float("nan"),
-            "per_batch": (after["queries"] - before["queries"]) / batches}
+    lat = np.array(latencies)
+    return {"qps": len(latencies) / wall, "p99": float(np.percentile(lat, 99)) if lat.size else float("nan"),
+            "errors": errors}
 
 
-def batch_throughput(url: str, retriever, questions: list[str], batch: int, topk: int, min_seconds: float) -> dict:
+def batches(url: str, make, batch: int, topk: int, seconds: float) -> dict:
+    """One client sending `make(batch)` queries per request back to back: queries per second."""
     import httpx
 
-    def run(fn):
-        n, t0 = 0, time.perf_counter()
-        while True:
-            qs = [questions[(n * batch + j) % len(questions)] for j in range(batch)]
-            fn(qs)
+    n, errors = 0, 0
+    with httpx.Client(timeout=300) as client:
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < seconds or n < 2:
+            r = client.post(f"{url}/retrieve", json={"queries": make(batch), "topk": topk, "return_scores": True})
+            errors += r.status_code != 200
             n += 1
-            if time.perf_counter() - t0 >= min_seconds and n >= 2:
-                return n * batch / (time.perf_counter() - t0), (time.perf_counter() - t0) / n * 1000
-
-    with httpx.Client(timeout=120) as client:
-        http_qps, http_ms = run(lambda qs: client.post(f"{url}/retrieve", json={
-            "queries": qs, "topk": topk, "return_scores": True}).raise_for_status())
-    local_qps, _ = run(lambda qs: retriever.search_ids(qs, topk))
-    return {"http_qps": http_qps, "http_ms": http_ms, "local_qps": local_qps}
+        wall = time.perf_counter() - t0
+    return {"qps": n * batch / wall, "p99": float("nan"), "errors": errors}
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--corpus", help="corpus JSONL to index (default: generate --docs passages)")
-    p.add_argument("--docs", type=int, default=1000, help="generated passages when --corpus is not given")
-    p.add_argument("--kinds", nargs="+", default=["bm25", "dense"], choices=["bm25", "dense", "hybrid"])
-    p.add_argument("--concurrency", nargs="+", type=int, default=[1, 8, 32])
-    p.add_argument("--batches", nargs="+", type=int, default=[1, 32, 256])
-    p.add_argument("--seconds", type=float, default=4.0, help="per concurrency level")
-    p.add_argument("--topk", type=int, default=3)
-    p.add_argument("--server-args", default="", help="extra server flags, e.g. '--batch-window-ms 0'")
-    p.add_argument("--torch-threads", type=int, default=1, help="encoder threads, here and in the server")
-    args = p.parse_args(argv)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+def cache_hit_rate(url: str) -> float | None:
     import httpx
+
+    cache = httpx.get(f"{url}/health", timeout=10).json().get("query_cache")
+    return cache["hit_rate"] if cache else None
+
+
+# ---- index build -----------------------------------------------------------------------------------------------
+
+def baseline_build(corpus_path: str, threads: int, batch_size: int = 512) -> tuple[float, np.ndarray]:
+    """index_builder.py's encode_all on the CPU: corpus order, batches of 512 padded to the longest."""
     import torch
+    from transformers import AutoModel, AutoTokenizer
 
-    torch.set_num_threads(args.torch_threads)  # the in-process column must use what the server uses
-    server_args = ["--torch-threads", str(args.torch_threads), *args.server_args.split()]
-    from megatron_searchr1.search.corpus import load_corpus
-    from megatron_searchr1.search.retrievers import build_index
+    from megatron_searchr1.search.encoder import PACKAGED_MINILM, pool, resolve_model_dir
 
+    torch.set_num_threads(threads)
+    texts = [json.loads(line)["contents"] for line in open(corpus_path)]
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(PACKAGED_MINILM))
+    model = AutoModel.from_pretrained(resolve_model_dir(PACKAGED_MINILM)).eval()
+    t0 = time.perf_counter()
+    out = []
+    with torch.no_grad():
+        for s in range(0, len(texts), batch_size):
+            inputs = tokenizer(texts[s:s + batch_size], padding=True, truncation=True, max_length=256,
+                               return_tensors="pt")
+            h = model(**inputs, return_dict=True).last_hidden_state
+            out.append(torch.nn.functional.normalize(pool(h, inputs["attention_mask"], "mean"), dim=-1).numpy())
+    return time.perf_counter() - t0, np.concatenate(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--docs", type=int, default=2000, help="generated passages")
+    p.add_argument("--seconds", type=float, default=6.0, help="per measurement")
+    p.add_argument("--topk", type=int, default=3)
+    p.add_argument("--torch-threads", type=int, default=None, help="CPU threads of both servers (default: all)")
+    p.add_argument("--skip-build", action="store_true", help="no index build comparison")
+    args = p.parse_args(argv)
+    if args.docs < 10 or args.seconds <= 0:
+        raise UsageError("--docs must be >= 10 and --seconds > 0")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from megatron_searchr1.search.encoder import available_cores, set_cpu_threads
+    from megatron_searchr1.search.launch import ServerProcess
+    from megatron_searchr1.search.retrievers import index_corpus
+
+    threads = args.torch_threads or available_cores()
+    set_cpu_threads(threads)
+    print(f"machine: {os.cpu_count()} CPUs ({available_cores()} usable), {threads} threads per server; "
+          f"{args.docs} passages, MiniLM, faiss Flat, top-{args.topk}")
     with tempfile.TemporaryDirectory(prefix="bench_retrieval_") as tmp:
-        if args.corpus:
-            corpus_path = args.corpus
-            docs = load_corpus(corpus_path)  # once: a big corpus takes a while to parse
-            num_docs, questions = len(docs), [d["text"][:80] for d in docs[:1000]]
-            del docs
-        else:
-            corpus_path = os.path.join(tmp, "corpus.jsonl")
-            num_docs, questions = args.docs, make_corpus(corpus_path, args.docs)
-        print(f"corpus: {corpus_path}, {num_docs} docs; {os.cpu_count()} CPUs; "
-              f"server flags: {' '.join(server_args)}")
-        for kind in args.kinds:
-            t0 = time.time()
-            retriever = build_index(corpus_path, os.path.join(tmp, kind), kind=kind, show_progress=False)
-            print(f"\n== {kind}: index built in {time.time() - t0:.1f}s")
-            server = ServerProcess(["--index-dir", os.path.join(tmp, kind), "--log-level", "warning", *server_args])
-            url = server.start().url
-            try:
-                asyncio.run(closed_loop(url, questions, 4, 0.5, args.topk))  # warm-up
-                print(f"{'clients':>8} {'requests':>9} {'QPS':>8} {'x QPS':>6} {'p50 ms':>8} {'p99 ms':>8} "
-                      f"{'q/batch':>8} {'errors':>6}")
-                base = None
-                for c in args.concurrency:
-                    r = asyncio.run(closed_loop(url, questions, c, args.seconds, args.topk))
-                    base = base or r["qps"]
-                    print(f"{c:>8} {r['requests']:>9} {r['qps']:>8.1f} {r['qps'] / base:>6.2f} {r['p50']:>8.1f} "
-                          f"{r['p99']:>8.1f} {r['per_batch']:>8.1f} {r['errors']:>6}")
-                print(f"{'batch':>8} {'HTTP q/s':>9} {'x q/s':>6} {'ms/req':>8} {'local q/s':>10} {'HTTP/local':>10}")
-                base = None
-                max_queries = httpx.get(f"{url}/health", timeout=10).json()["limits"]["max_queries"]
-                batches = []
-                for b in args.batches:
-                    if b > max_queries:  # the server would answer 413: one request cannot carry more
-                        print(f"batch {b} is above the server's max_queries {max_queries}: measuring {max_queries} "
-                              f"instead (raise the limit with --server-args '--max-queries {b}')")
-                        b = max_queries
-                    if b not in batches:
-                        batches.append(b)
-                for b in batches:
-                    r = batch_throughput(url, retriever, questions, b, args.topk, min_seconds=args.seconds / 4)
-                    base = base or r["http_qps"]
-                    print(f"{b:>8} {r['http_qps']:>9.1f} {r['http_qps'] / base:>6.1f} {r['http_ms']:>8.1f} "
-                          f"{r['local_qps']:>10.1f} {r['http_qps'] / r['local_qps']:>10.2f}")
-            finally:
-                server.stop()
+        corpus = os.path.join(tmp, "corpus.jsonl")
+        make_corpus(corpus, args.docs)
+        t0 = time.perf_counter()
+        ours = index_corpus(corpus, os.path.join(tmp, "dense"), kind="dense", show_progress=False)
+        build_ours = time.perf_counter() - t0
+        if not args.skip_build:
+            build_base, emb = baseline_build(corpus, threads)
+            diff = float(np.abs(ours.cpu_index.reconstruct_n(0, args.docs) - emb).max())
+            print(f"\nindex build: baseline {build_base:.1f}s, ours {build_ours:.1f}s "
+                  f"({build_base / build_ours:.2f}x; ours includes reading the corpus and writing the index); "
+                  f"embeddings differ by at most {diff:.1e}")
+        del ours
+        server_flags = ["--index-dir", os.path.join(tmp, "dense"), "--log-level", "warning",
+                        "--torch-threads", str(threads)]
+        rows = [("1 client, 1-query requests", lambda url, q: asyncio.run(closed_loop(url, q, 1, args.seconds, args.topk))),
+                ("32 clients, 1-query requests", lambda url, q: asyncio.run(closed_loop(url, q, 32, args.seconds, args.topk)))]
+        for b in (16, 64):
+            rows.append((f"1 client, {b}-query requests, GRPO n=5 repeats",
+                         lambda url, q, b=b: batches(url, q.grpo, b, args.topk, args.seconds)))
+            rows.append((f"1 client, {b}-query requests, distinct",
+                         lambda url, q, b=b: batches(url, q.fresh, b, args.topk, args.seconds)))
+        results = {}
+        for name, server in (("baseline", lambda: BaselineProcess(os.path.join(tmp, "dense"), threads)),
+                             ("ours", lambda: ServerProcess(server_flags))):
+            with server() as srv:
+                warm = Queries(seed=99)
+                batches(srv.url, warm.fresh, 8, args.topk, 1.0)  # load pages, JIT paths, thread pools
+                for i, (label, fn) in enumerate(rows):  # the same queries for both servers
+                    results[(name, label)] = fn(srv.url, Queries(seed=i))
+                if name == "ours":
+                    results["hit_rate"] = cache_hit_rate(srv.url)
+        print(f"\n| mode | Search-R1-style baseline | ours | ours / baseline |\n|---|---|---|---|")
+        for label, _ in rows:
+            b, o = results[("baseline", label)], results[("ours", label)]
+            fmt = lambda r: f"{r['qps']:.1f} q/s" + (f", p99 {r['p99']:.2f} s" if r["p99"] == r["p99"] else "") + \
+                (f", {r['errors']} errors" if r["errors"] else "")
+            print(f"| {label} | {fmt(b)} | {fmt(o)} | {o['qps'] / b['qps']:.2f}x |")
+        print(f"\nour query-embedding cache hit rate over the whole run (in-batch repeats included): "
+              f"{results['hit_rate']:.1%}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    if len(sys.argv) == 4 and sys.argv[1] == "--serve-baseline":
+        baseline_server(sys.argv[2], sys.argv[3])
+    else:
+        raise SystemExit(run_main(main))
