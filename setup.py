@@ -43,7 +43,7 @@ CONSOLE = [
     "searchr1-build-index=megatron_searchr1.search.build_index:main",
     "searchr1-retrieval-server=megatron_searchr1.search.server:main",
     "searchr1-prepare-qa=megatron_searchr1.data.qa:main",
-    "searchr1-synthetic-world=megatron_searchr1.data.synthetic:main",
+    "searchr1-synthetic-world=megatron_searchr1.data.make_world:main",
 ]
 
 setup(

@@ -138,7 +138,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     world = os.path.join(work, "world")
     start = time.time()
     if not os.path.isfile(os.path.join(world, "sft", "dataset_info.json")):
-        _run([sys.executable, "-m", "megatron_searchr1.data.synthetic", "--out-dir", world, "--template", "short",
+        _run([sys.executable, "-m", "megatron_searchr1.data.make_world", "--out-dir", world, "--template", "short",
               "--oracle", "bm25", *size.world], os.path.join(work, "world.log"))
     timings["world"] = time.time() - start
 
@@ -157,7 +157,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     # 3. the retrieval server, for the whole demo
     from megatron_searchr1.search.launch import ServerProcess
 
-    with ServerProcess(["--index-dir", os.path.join(world, "index_bm25")]) as server:
+    with ServerProcess(["--index-dir", os.path.join(world, "index_bm25"), "--torch-threads", "1"]) as server:
         _log(f"retrieval server up at {server.url}")
         common = [f"model.path={model}", f"retrieval.url={server.url}"]
         val = [f"data.val_files=[{world}/validation.parquet,{world}/test.parquet]",
