@@ -8,7 +8,6 @@ the same model with the two ids exchanged, so its greedy output is the original 
 a token that the original greedily emits at step k with `</search>` makes the new model emit `</search>` at step k.
 """
 import os
-import subprocess
 import sys
 
 import pytest
@@ -26,10 +25,12 @@ GREEDY = SamplingParams(max_tokens=24, temperature=0)
 
 
 def _vllm_importable() -> str:
-    """'' when vllm imports in a clean interpreter, else the reason (checked in a subprocess: importing vLLM here
-    would slow every quick test and a broken install can abort the interpreter)."""
-    proc = subprocess.run([sys.executable, "-c", "import vllm"], capture_output=True, text=True, timeout=300)
-    return "" if proc.returncode == 0 else (proc.stderr.strip().splitlines() or ["import vllm failed"])[-1]
+    """'' when vllm imports, else the reason (only the slow tests ask, so the quick ones never pay for the import)."""
+    try:
+        import vllm  # noqa: F401
+    except Exception as e:  # ImportError, or a broken install (e.g. CPU torch with CUDA torchvision)
+        return f"{type(e).__name__}: {e}"
+    return ""
 
 
 @pytest.fixture(scope="module")
@@ -232,7 +233,7 @@ def test_vllm_sampling_logprobs_are_model_logprobs_and_seeded(vllm_a, hf_a, prom
 def test_vllm_nothing_after_stop_tag(vllm_a, hf_a, models, prompts, tok):
     stops = ("</search>", "</answer>")
     # 1. the invariant on many sampled outputs (a hot, flat distribution emits the tags now and then)
-    outs = vllm_a.generate(prompts * 40, SamplingParams(max_tokens=48, temperature=3.0, stop=stops, seed=5))
+    outs = vllm_a.generate(prompts * 40, SamplingParams(max_tokens=48, temperature=2.0, stop=stops, seed=5))
     tag_ids = {tok.convert_tokens_to_ids(s) for s in stops}
     n_stopped = 0
     for g in outs:
