@@ -36,11 +36,20 @@ def _vllm_importable() -> str:
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     """Two tiny Qwen2 models with the same tokenizer and different random weights (A: seed 0, B: seed 1)."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
     root = tmp_path_factory.mktemp("engines")
-    dirs = {}
-    for name, seed in (("A", 0), ("B", 1)):
-        dirs[name] = make_tiny_model(TinyModelConfig(output_dir=str(root / name), seed=seed, init_std=0.1))
-    return dirs
+    a = make_tiny_model(TinyModelConfig(output_dir=str(root / "A"), seed=0, init_std=0.1))
+    b = shutil.copytree(a, str(root / "B"))  # same tokenizer and config (training a tokenizer takes seconds)
+    model = AutoModelForCausalLM.from_pretrained(a)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1.0 + 0.1 * torch.randn_like(p) if name.endswith("norm.weight") else 0.1 * torch.randn_like(p))
+    model.save_pretrained(b)
+    return {"A": a, "B": b}
 
 
 @pytest.fixture(scope="module")
@@ -201,7 +210,10 @@ def vllm_a(models):
     reason = _vllm_importable()
     if reason:
         pytest.skip(f"vllm does not import ({reason}); install the cpu or gpu extra")
+    torch.manual_seed(1234)
+    before = torch.get_rng_state()
     engine = make_engine("vllm", models["A"], dtype="float32", kv_cache_gib=0.25, seed=0)
+    engine.rng_state_kept = torch.equal(torch.get_rng_state(), before)  # vLLM re-seeds in-process; we restore
     yield engine
     engine.close()
 
@@ -215,6 +227,7 @@ def assert_same(vllm_outs: list[Generation], hf_outs: list[Generation], tol=1e-4
 
 @pytest.mark.slow
 def test_vllm_greedy_equals_hf(vllm_a, hf_a, prompts):
+    assert vllm_a.rng_state_kept  # starting the engine left the process-global torch RNG where it was
     assert_same(vllm_a.generate(prompts, GREEDY), hf_a.generate(prompts, GREEDY))
 
 
