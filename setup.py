@@ -47,6 +47,11 @@ CONSOLE = [
     "searchr1-retrieval-server=megatron_searchr1.search.server:main",
     "searchr1-prepare-qa=megatron_searchr1.data.qa:main",
     "searchr1-synthetic-world=megatron_searchr1.data.make_world:main",
+    "searchr1-train=megatron_searchr1.train:cli",
+    "searchr1-sft=megatron_searchr1.sft:cli",
+    "searchr1-evaluate=megatron_searchr1.evaluate:cli",
+    "searchr1-infer=megatron_searchr1.infer:cli",
+    "searchr1-cpu-demo=megatron_searchr1.demo:cli",
 ]
 
 setup(

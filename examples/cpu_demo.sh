@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# bash examples/cpu_demo.sh
-# The one-command CPU demo: synthetic world -> retrieval server -> tiny model -> SFT warm-up -> GRPO.
+# bash examples/cpu_demo.sh [--size full|ci] [--work-dir runs/cpu_demo] [--fresh]
+# The one-command CPU demo (after `bash tools/install.sh cpu`): synthetic world -> BM25 server -> tiny model ->
+# Megatron SFT (TP=2) -> GRPO with vLLM rollouts (TP=2) -> evaluation -> HF export. See megatron_searchr1/demo.py.
 set -euo pipefail
-echo "cpu_demo: not built yet — the RL trainer and the demo land with the later issues (trainer, SFT + demo)." >&2
-echo "What runs today: the tests (see README.md), checkpoints_convert/, tools/." >&2
-exit 0
+cd "$(dirname "$0")/.."
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
+exec python -m megatron_searchr1.demo "$@"

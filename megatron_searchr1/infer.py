@@ -101,5 +101,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return 0
 
 
+def cli() -> int:
+    """Console-script entry: user mistakes become one `error:` line and exit code 2."""
+    return run_main(main)
+
+
 if __name__ == "__main__":
-    sys.exit(run_main(main))
+    sys.exit(cli())

@@ -123,5 +123,10 @@ def train_sft(cfg: SFTConfig) -> dict:
     return metrics
 
 
+def cli() -> int:
+    """Console-script entry: user mistakes become one `error:` line and exit code 2."""
+    return run_main(main)
+
+
 if __name__ == "__main__":
-    sys.exit(run_main(main))
+    sys.exit(cli())
