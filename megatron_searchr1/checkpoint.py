@@ -44,7 +44,7 @@ import re
 import shutil
 import time
 import warnings
-from typing import Any, Optional, Union
+from typing import Optional, Union
 
 import numpy as np
 import torch
