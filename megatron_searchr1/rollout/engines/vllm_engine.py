@@ -214,7 +214,9 @@ class VLLMEngine:
 
     # -- weights ----------------------------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Hand (HF name, full tensor) pairs to the model's own loader (it shards for vLLM TP and stacks qkv)."""
+        """Hand (HF name, full tensor) pairs to the model's own loader (it shards for vLLM TP and stacks qkv).
+
+        With vLLM TP > 1 under torchrun every rank of the vLLM TP group calls this with the same full tensors."""
         if self.sleeping:
             raise RuntimeError("VLLMEngine.load_weights() while asleep: call wake_up() first")
         batch = list(weights)

@@ -1,0 +1,320 @@
+"""Training checkpoints (RL trainer and SFT): Megatron dist checkpoints of every model and optimizer, plus the
+scheduler, RNG and loop state, written so that a crash mid-save never damages the previous checkpoint.
+
+    save_checkpoint(root, step, {"actor": actor, "critic": critic}, {"actor": actor_opt, "critic": critic_opt},
+                    {"actor": actor_sched}, extra={"data_cursor": 96, "kl_ctl": kl_ctl.state_dict()},
+                    hf_dirs={"actor": hf_dir}, keep_last=3)                   # every rank calls it
+    step = latest_step(root)                                                 # trainer.resume=auto: None = fresh
+    extra = load_checkpoint(root, "latest", models, optimizers, schedulers)  # every rank calls it
+
+Layout of one checkpoint (`<root>/step_000010/`):
+
+    actor/                  the model's `sharded_state_dict()` (Megatron dist checkpoint: metadata.json, common.pt,
+                            *.distcp), keys UNPREFIXED, so it loads at any TP/PP and models/convert.py's
+                            `megatron_to_hf` converts it as is (with `hf_dirs`, it also holds the converter's
+                            searchr1_checkpoint.json and hf/ config + tokenizer)
+    critic/                 the same for every other model
+    optimizer/actor/        `optimizer.sharded_state_dict(model_sharded_state_dict)`: Adam moments keyed by the
+                            model's tensor names (Megatron's own format, so it reshards with TP/PP too; the
+                            distributed optimizer uses its reshardable `fully_sharded_model_space` layout)
+    rng/rank_00000.pt       each rank's python / numpy / torch / CUDA RNG and Megatron's RNG-tracker states
+    trainer_state.pt        scheduler state dicts and `extra` (anything picklable: data cursor, KL controller, ...)
+    checkpoint.json         written LAST by rank 0: step, world layout, what the checkpoint holds
+
+Atomicity: everything is written into `step_000010.tmp/`; after all ranks finish (barrier) rank 0 writes
+checkpoint.json, renames the directory to `step_000010/` and only then points `<root>/latest` at it (a temp file
+and os.replace). A crash at any point leaves `latest` on the previous complete checkpoint, and `latest_step` /
+`load_checkpoint` accept only directories with checkpoint.json. Stale `*.tmp` directories of crashed saves are
+removed by the next save; `keep_last` keeps the newest k checkpoints.
+
+RNG states are restored only when the world size matches the saved one (each rank gets its own state back);
+otherwise a warning says that random streams restart from the live seeds. Models must be the same architecture
+and may be loaded at another TP/PP (the dist checkpoint reshards); optimizer state reshards likewise.
+
+Resuming a step saved twice (a resumed run saving a step again): the old directory is renamed to a `.tmp` name
+before the new one takes its place, so a crash between the two renames leaves `latest` on a missing directory;
+`latest_step` then falls back to the newest complete checkpoint.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import time
+import warnings
+from typing import Optional, Union
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+FORMAT = "megatron_searchr1.training_checkpoint"
+LATEST_FILE = "latest"
+MARKER_FILE = "checkpoint.json"
+STATE_FILE = "trainer_state.pt"
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+# Megatron-LM's choice for the distributed optimizer: reshardable across TP/PP/DP, fully parallel save.
+OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_sharded_model_space", "chained_optim_avoid_prefix": True}
+
+
+class CheckpointError(Exception):
+    """A checkpoint that cannot be written or loaded as asked; the message says what to change."""
+
+
+def step_dir(ckpt_root: str, step: int) -> str:
+    """`<root>/step_000010`."""
+    return os.path.join(ckpt_root, f"step_{step:06d}")
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The bare GPTModel/CriticModel under Megatron's DDP (and Float16Module) wrappers."""
+    while hasattr(model, "module") and isinstance(model.module, torch.nn.Module):
+        model = model.module
+    return model
+
+
+def _complete_steps(ckpt_root: str) -> list[int]:
+    if not os.path.isdir(ckpt_root):
+        return []
+    steps = []
+    for name in os.listdir(ckpt_root):
+        m = _STEP_DIR.match(name)
+        if m and os.path.isfile(os.path.join(ckpt_root, name, MARKER_FILE)):
+            steps.append(int(m.group(1)))
+    return sorted(steps)
+
+
+def latest_step(ckpt_root: str) -> Optional[int]:
+    """The step `<root>/latest` names, if that checkpoint is complete; else the newest complete one; None if none."""
+    try:
+        with open(os.path.join(ckpt_root, LATEST_FILE)) as f:
+            step = int(f.read().strip())
+        if os.path.isfile(os.path.join(step_dir(ckpt_root, step), MARKER_FILE)):
+            return step
+    except (OSError, ValueError):
+        pass
+    steps = _complete_steps(ckpt_root)
+    return steps[-1] if steps else None
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# RNG
+# ----------------------------------------------------------------------------------------------------------------
+def rng_state() -> dict:
+    """This rank's random states: python, numpy, torch (CPU), CUDA (when present) and Megatron's RNG tracker
+    (the model-parallel streams used for TP-region dropout and initialisation; CPU tensors on the CPU)."""
+    from megatron.core import tensor_parallel
+
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+             "tracker": {k: v.clone() for k, v in tensor_parallel.get_cuda_rng_tracker().get_states().items()}}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    """Restore what `rng_state` returned."""
+    from megatron.core import tensor_parallel
+
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    if state["tracker"]:
+        tensor_parallel.get_cuda_rng_tracker().set_states({k: v.clone() for k, v in state["tracker"].items()})
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Save
+# ----------------------------------------------------------------------------------------------------------------
+def _parallel_layout() -> dict:
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized():
+        return {"tp": 1, "pp": 1, "dp": _world()}
+    return {"tp": ps.get_tensor_model_parallel_world_size(), "pp": ps.get_pipeline_model_parallel_world_size(),
+            "dp": ps.get_data_parallel_world_size()}
+
+
+def _check_names(models: dict, optimizers: dict) -> None:
+    lone = sorted(set(optimizers) - set(models))
+    if lone:
+        raise CheckpointError(f"optimizer(s) {lone} have no model of the same name: an optimizer's state is keyed by "
+                              f"its model's tensors, so pass models={{name: model}} for each (have {sorted(models)})")
+
+
+def _write_convert_metadata(model_dir: str, model: torch.nn.Module, hf_dir: str, layout: dict) -> None:
+    """Rank 0: the converter's searchr1_checkpoint.json + hf/ files, so `megatron_to_hf(model_dir, ...)` works."""
+    from megatron_searchr1.models.convert import bind_mapping, load_hf_config, write_checkpoint_metadata
+
+    bare = _unwrap(model)
+    mapping = bind_mapping(load_hf_config(hf_dir), bare)
+    dtype = next(bare.parameters()).dtype
+    write_checkpoint_metadata(model_dir, hf_dir, tp=layout["tp"], pp=layout["pp"],
+                              padded_vocab_size=mapping.dims.padded_vocab_size, dtype=dtype)
+
+
+def _remove_stale(ckpt_root: str) -> None:
+    """Rank 0: leftovers of saves that crashed (`*.tmp` directories and files)."""
+    for name in os.listdir(ckpt_root):
+        if name.endswith(".tmp"):
+            path = os.path.join(ckpt_root, name)
+            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+
+
+def _prune(ckpt_root: str, keep_last: int, protect: int) -> None:
+    for step in _complete_steps(ckpt_root)[:-keep_last]:
+        if step != protect:
+            shutil.rmtree(step_dir(ckpt_root, step))
+
+
+def save_checkpoint(ckpt_root: str, step: int, models: dict[str, torch.nn.Module], optimizers: dict,
+                    schedulers: dict, extra: Optional[dict] = None, *, hf_dirs: Optional[dict[str, str]] = None,
+                    keep_last: Optional[int] = None) -> str:
+    """Write `<root>/step_<step>/` atomically and point `<root>/latest` at it; every rank must call this.
+
+    models: name -> Megatron model (bare or DDP-wrapped, one chunk per rank); optimizers: name -> Megatron optimizer
+    of the model with that name; schedulers: name -> object with state_dict()/load_state_dict() (e.g. Megatron's
+    OptimizerParamScheduler); extra: picklable loop state (data cursor, KL controller, step counters...).
+    hf_dirs: name -> HF directory (config + tokenizer) the model was built from: those model subdirectories also
+    get the converter's metadata, so models/convert.py's megatron_to_hf can export them directly.
+    keep_last: keep only the newest k complete checkpoints (None keeps all). Returns the checkpoint directory.
+    """
+    from megatron.core import dist_checkpointing
+
+    if step < 0:
+        raise CheckpointError(f"step must be >= 0, got {step}")
+    if keep_last is not None and keep_last < 1:
+        raise CheckpointError(f"keep_last must be >= 1 (or None to keep every checkpoint), got {keep_last}")
+    _check_names(models, optimizers)
+    unknown = sorted(set(hf_dirs or {}) - set(models))
+    if unknown:
+        raise CheckpointError(f"hf_dirs names {unknown}, which are not among the models {sorted(models)}")
+    for name, hf_dir in (hf_dirs or {}).items():  # checked on every rank, before any collective
+        if not os.path.isfile(os.path.join(hf_dir, "config.json")):
+            raise CheckpointError(f"hf_dirs[{name!r}] = {hf_dir!r} has no config.json: pass the Hugging Face "
+                                  "directory (config + tokenizer) the model was built from")
+    rank, layout = _rank(), _parallel_layout()
+    final, tmp = step_dir(ckpt_root, step), step_dir(ckpt_root, step) + ".tmp"
+
+    if rank == 0:
+        os.makedirs(ckpt_root, exist_ok=True)
+        _remove_stale(ckpt_root)
+        for sub in [*models, *(os.path.join("optimizer", n) for n in optimizers), "rng"]:
+            os.makedirs(os.path.join(tmp, sub))
+    _barrier()
+
+    for name, model in models.items():
+        dist_checkpointing.save(_unwrap(model).sharded_state_dict(), os.path.join(tmp, name))
+        if name in optimizers:
+            # The optimizer's state is keyed by the model's sharded tensors (matched by parameter identity); a
+            # fresh model sharded state dict, since save() rewrites the one it is given in place.
+            opt_sd = optimizers[name].sharded_state_dict(_unwrap(model).sharded_state_dict(),
+                                                         metadata=dict(OPTIMIZER_METADATA))
+            dist_checkpointing.save(opt_sd, os.path.join(tmp, "optimizer", name))
+    torch.save(rng_state(), os.path.join(tmp, "rng", f"rank_{rank:05d}.pt"))
+    _barrier()  # every rank's files are on disk
+
+    if rank == 0:
+        for name, hf_dir in (hf_dirs or {}).items():
+            _write_convert_metadata(os.path.join(tmp, name), models[name], hf_dir, layout)
+        torch.save({"step": step, "schedulers": {n: s.state_dict() for n, s in schedulers.items()},
+                    "extra": extra or {}}, os.path.join(tmp, STATE_FILE))
+        marker = {"format": FORMAT, "version": 1, "step": step, "world_size": _world(), **layout,
+                  "models": sorted(models), "optimizers": sorted(optimizers), "schedulers": sorted(schedulers),
+                  "time": time.time()}
+        with open(os.path.join(tmp, MARKER_FILE), "w") as f:
+            json.dump(marker, f, indent=2)
+        if os.path.exists(final):  # the same step saved again: move the old one aside first
+            os.replace(final, final + ".replaced.tmp")
+        os.replace(tmp, final)
+        latest_tmp = os.path.join(ckpt_root, LATEST_FILE + ".tmp")
+        with open(latest_tmp, "w") as f:
+            f.write(f"{step}\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(latest_tmp, os.path.join(ckpt_root, LATEST_FILE))
+        _remove_stale(ckpt_root)
+        if keep_last is not None:
+            _prune(ckpt_root, keep_last, protect=step)
+    _barrier()
+    return final
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Load
+# ----------------------------------------------------------------------------------------------------------------
+def _resolve_step(ckpt_root: str, step: Union[str, int]) -> int:
+    if step == "latest":
+        found = latest_step(ckpt_root)
+        if found is None:
+            raise CheckpointError(f"no complete checkpoint under {ckpt_root!r} (a directory step_N/ with "
+                                  f"{MARKER_FILE}); start without resuming or point the checkpoint root elsewhere")
+        return found
+    if isinstance(step, bool) or not isinstance(step, int):
+        raise CheckpointError(f"step must be 'latest' or an int, got {step!r}")
+    if not os.path.isfile(os.path.join(step_dir(ckpt_root, step), MARKER_FILE)):
+        have = _complete_steps(ckpt_root)
+        raise CheckpointError(f"no complete checkpoint for step {step} under {ckpt_root!r}; complete steps: {have}")
+    return step
+
+
+def load_checkpoint(ckpt_root: str, step: Union[str, int], models: dict[str, torch.nn.Module], optimizers: dict,
+                    schedulers: dict) -> dict:
+    """Load `step` ("latest" or an int) into the given models, optimizers and schedulers (every rank calls this);
+    returns the saved `extra` (with "step" added). Names must be among those saved; a name not passed is not loaded.
+
+    Load before training starts; optimizers must be built over the models already (the optimizer state is matched
+    to the parameters through the models' sharded state dicts, as Megatron-LM does).
+    """
+    from megatron.core import dist_checkpointing
+
+    from megatron_searchr1.models.convert import ConversionError, load_megatron_checkpoint
+
+    _check_names(models, optimizers)
+    step = _resolve_step(ckpt_root, step)
+    path = step_dir(ckpt_root, step)
+    with open(os.path.join(path, MARKER_FILE)) as f:
+        marker = json.load(f)
+    for kind, have in (("models", models), ("optimizers", optimizers), ("schedulers", schedulers)):
+        missing = sorted(set(have) - set(marker[kind]))
+        if missing:
+            raise CheckpointError(f"{path} has no {kind} {missing} (it holds {marker[kind]})")
+
+    for name, model in models.items():
+        try:
+            load_megatron_checkpoint(_unwrap(model), os.path.join(path, name))
+        except ConversionError as e:
+            raise CheckpointError(f"model {name!r}: {e}") from None
+    for name, opt in optimizers.items():
+        model_sd = _unwrap(models[name]).sharded_state_dict()
+        opt_sd = opt.sharded_state_dict(model_sd, is_loading=True, metadata=dict(OPTIMIZER_METADATA))
+        opt.load_state_dict(dist_checkpointing.load(opt_sd, os.path.join(path, "optimizer", name)))
+
+    state = torch.load(os.path.join(path, STATE_FILE), weights_only=False)
+    for name, sched in schedulers.items():
+        sched.load_state_dict(state["schedulers"][name])
+
+    if marker["world_size"] == _world():
+        set_rng_state(torch.load(os.path.join(path, "rng", f"rank_{_rank():05d}.pt"), weights_only=False))
+    elif _rank() == 0:
+        warnings.warn(f"{path} was saved by {marker['world_size']} ranks, this run has {_world()}: random states are "
+                      "not restored (sampling and dropout streams restart from this run's seeds)")
+    _barrier()
+    return {**state["extra"], "step": step}
