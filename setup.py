@@ -1,6 +1,6 @@
 """megatron-searchr1: Search-R1 style RL (PPO/GRPO with a search engine in the loop) on Megatron-core.
 
-CPU machines: install the pinned CPU torch first (`pip install torch==2.13.0`), then `pip install -e .[test]`.
+CPU machines: `bash tools/install.sh` (the pinned CPU torch first, then `pip install -e .[cpu,test]`).
 GPU machines: bring your own CUDA torch, then `pip install -e .[gpu]`.
 """
 from setuptools import find_packages, setup
