@@ -181,7 +181,7 @@ def sft_example(tok, messages: list[dict]) -> tuple[list[int], list[int]]:
     return ids, mask
 
 
-def fit_policy(model_dir: str, examples: list[tuple[list[int], list[int]]], steps: int, seed: int) -> dict:
+def fit_policy(model_dir: str, examples: list[tuple[list[int], list[int]]], steps: int, seed: int, log=print) -> dict:
     """A few hundred AdamW steps on the examples (loss on mask-1 tokens), saved in place; returns the losses."""
     import torch
     from transformers import AutoModelForCausalLM
@@ -200,7 +200,7 @@ def fit_policy(model_dir: str, examples: list[tuple[list[int], list[int]]], step
         y[i, :len(ids) - 1] = lab[1:]  # position j predicts token j+1
     attn = (torch.arange(pad)[None, :] < torch.tensor([len(i) for i, _ in examples])[:, None]).long()
     losses = []
-    batch = min(8, len(examples))
+    batch = min(4, len(examples))
     g = torch.Generator().manual_seed(seed)
     for step in range(steps):
         idx = torch.randperm(len(examples), generator=g)[:batch]
@@ -212,6 +212,8 @@ def fit_policy(model_dir: str, examples: list[tuple[list[int], list[int]]], step
         opt.step()
         sched.step()
         losses.append(loss.item())
+        if (step + 1) % 25 == 0:
+            log(f"fit step {step + 1}/{steps}: loss {sum(losses[-10:]) / 10:.3f}")
     model.save_pretrained(model_dir)
     return {"first_loss": losses[0], "last_loss": sum(losses[-10:]) / len(losses[-10:])}
 
@@ -257,7 +259,9 @@ def prepare(a, log) -> tuple[str, str, list[list[dict]]]:
                                         num_layers=a.num_layers, num_heads=a.hidden_size // 32, num_kv_heads=a.hidden_size // 32,
                                         max_position_embeddings=4096, seed=a.seed))
         tok = AutoTokenizer.from_pretrained(model_dir)
-        info = fit_policy(model_dir, [sft_example(tok, msgs) for msgs in gold], a.fit_steps, a.seed)
+        examples = [sft_example(tok, msgs) for msgs in gold]
+        log(f"policy: fitting on {len(examples)} gold trajectories of {sum(len(i) for i, _ in examples) / len(examples):.0f} tokens")
+        info = fit_policy(model_dir, examples, a.fit_steps, a.seed, log)
         info["seconds"] = round(time.perf_counter() - t0, 1)
         with open(os.path.join(model_dir, "fitted.json"), "w") as f:
             json.dump(info, f)
@@ -289,7 +293,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--topk", type=int, default=3, help="passages per search")
     p.add_argument("--hidden-size", type=int, default=128, help="tiny model width (head_dim 32: width/32 heads)")
     p.add_argument("--num-layers", type=int, default=2, help="tiny model layers")
-    p.add_argument("--fit-steps", type=int, default=300, help="optimizer steps fitting the policy to the gold turns")
+    p.add_argument("--fit-steps", type=int, default=150, help="optimizer steps fitting the policy to the gold turns")
     p.add_argument("--block-size", type=int, default=0, help="vLLM KV block size (0: the engine's default)")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
