@@ -1,6 +1,6 @@
 # PYTHONPATH=$PWD OMP_NUM_THREADS=2 python tools/benchmarks/bench_rollout.py --work-dir /tmp/bench_rollout
 # (first run ~2-3 min on 2 cores: world + tokenizer + a short fit of the tiny model, cached in --work-dir;
-#  later runs ~1 min. --prompts 32 --max-tokens-per-turn 500 for a bigger run; --block-size 16 to vary vLLM's KV block)
+#  later runs ~1 min. --prompts 32 --max-tokens-per-turn 500 for a bigger run; --block-size 32 to vary vLLM's KV block: the CPU backend takes multiples of 32, default 128)
 """Tokens computed per trajectory by our rollout loop, by a Search-R1-style loop and the lower bound, side by side.
 
 The same prompts go through the same vLLM engine (`make_engine("vllm", ...)`, float32, greedy) twice:
