@@ -185,6 +185,12 @@ class VLLMEngine:
             llm_kwargs["kv_cache_memory_bytes"] = int(kv_cache_gib * 2 ** 30)
         if self.on_cpu:
             _use_plain_cpu_linear()
+            # vLLM 0.32 on the CPU: a seeded request whose prefill is split into chunks crashes the sampler
+            # ("CPU Generator does not use offset": it rewinds a Philox offset the CPU generator does not have).
+            # Multi-turn rollouts re-send long contexts, so chunking happens at the second turn; prefill whole.
+            llm_kwargs.setdefault("enable_chunked_prefill", False)
+            if not llm_kwargs["enable_chunked_prefill"] and max_model_len:
+                llm_kwargs.setdefault("max_num_batched_tokens", max(int(max_model_len), 8192))
         if _under_torchrun():
             llm_kwargs.setdefault("distributed_executor_backend", "external_launcher")
 
