@@ -45,7 +45,7 @@ class ArgumentParser(argparse.ArgumentParser):
 
 
 class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """Defaults in --help (not `None`, not for on/off switches), and descriptions/epilogs printed as written
+    """Defaults in --help (not None or empty, not for on/off switches), and descriptions/epilogs printed as written
     (examples keep their lines)."""
 
     def _format_action(self, action):
@@ -61,7 +61,9 @@ class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescription
 
 
 def _shows_default(action: argparse.Action) -> bool:
-    return bool(action.option_strings) and action.nargs != 0 and action.default not in (None, argparse.SUPPRESS)
+    """A default worth printing: not for positionals or on/off switches, not None / empty / suppressed."""
+    return (bool(action.option_strings) and action.nargs != 0
+            and not any(action.default is d or action.default == d for d in (None, argparse.SUPPRESS, "", [], ())))
 
 
 def at_least(low: float, kind: type = int) -> Callable[[str], float]:

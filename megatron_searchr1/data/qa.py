@@ -1,4 +1,4 @@
-"""FlashRAG QA files -> training/validation parquet in Search-R1's schema.
+r"""FlashRAG QA files -> training/validation parquet in Search-R1's schema.
 
 Input: FlashRAG-format files (``.jsonl`` or ``.parquet``) with columns ``question``, ``golden_answers`` (a list of
 strings; a bare string is accepted) and optionally ``id``. The data source name (nq, hotpotqa, ...) comes from the

@@ -1,4 +1,4 @@
-"""CLI: build a retrieval index directory from a corpus JSONL, or register an existing faiss index.
+r"""CLI: build a retrieval index directory from a corpus JSONL, or register an existing faiss index.
 
     python tools/build_index.py --corpus corpus.jsonl --out-dir index/bm25 --kind bm25
     python tools/build_index.py --corpus corpus.jsonl --out-dir index/dense --kind dense          # packaged MiniLM

@@ -1,4 +1,4 @@
-"""The retrieval server: Search-R1's `POST /retrieve` over any of our retrievers, plus `GET /health`.
+r"""The retrieval server: Search-R1's `POST /retrieve` over any of our retrievers, plus `GET /health`.
 
     python -m megatron_searchr1.search.server --index-dir /data/index --host 127.0.0.1 --port 8000
     python -m megatron_searchr1.search.server --faiss-index e5_Flat.index --corpus wiki-18.jsonl \
