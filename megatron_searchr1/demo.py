@@ -64,14 +64,20 @@ def _run(cmd: list[str], log_path: str, env: Optional[dict] = None) -> None:
     """Run a stage's command, its output teed to a log file; a failure shows the log's tail and stops the demo."""
     _log(" ".join(cmd) + f"   (log: {log_path})")
     full_env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", **(env or {})}
+    bar_open = False  # a progress bar redraws one terminal line ("\r"); anything else starts a new line
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env)
-        for line in proc.stdout:
+        for line in proc.stdout:  # universal newlines: tqdm's "\r" redraws arrive as lines too
             log.write(line)
-            if _worth_showing(line):
-                sys.stdout.write(line)
-                sys.stdout.flush()
+            if not _worth_showing(line):
+                continue
+            is_bar = "/step" in line and "|" in line
+            sys.stdout.write(("\r" + line.rstrip("\n")) if is_bar else (("\n" if bar_open else "") + line))
+            bar_open = is_bar
+            sys.stdout.flush()
         rc = proc.wait()
+        if bar_open:
+            sys.stdout.write("\n")
     if rc != 0:
         with open(log_path) as f:
             tail = "".join(f.readlines()[-40:])

@@ -5,13 +5,20 @@
 Without torchrun's variables (a plain `python` run, a notebook, a unit test) we start a 1-process world on a free
 loopback port, so the same code path serves both. NCCL with CUDA, gloo without; on the CPU the compatibility layer
 in `compat.py` is installed first.
+
+CPU mode is never a silent fallback: it is chosen when the machine has no GPU at all. When the launch says GPUs are
+expected (`MEGATRON_SEARCHR1_DEVICE=cuda` or `device="cuda"`, `CUDA_VISIBLE_DEVICES` naming devices, `/dev/nvidia*`
+present) but torch sees no CUDA (a broken driver, a CPU-only torch, a wrong `CUDA_VISIBLE_DEVICES`), we refuse with the
+reasons instead of training on CPUs over gloo; `MEGATRON_SEARCHR1_DEVICE=cpu` (or `device="cpu"`) says CPU on purpose.
 """
 from __future__ import annotations
 
+import glob
 import os
 import random
 import socket
 from datetime import timedelta
+from typing import Optional
 
 import numpy as np
 import torch
@@ -31,7 +38,59 @@ def _free_port() -> int:
 _ENV_WE_SET: list[str] = []
 
 
-def _init_process_group(timeout_minutes: int) -> None:
+DEVICE_ENV = "MEGATRON_SEARCHR1_DEVICE"
+
+
+def gpu_expected_reasons(env: Optional[dict] = None, nvidia_devices: Optional[list] = None) -> list[str]:
+    """Why this launch looks like a GPU job (empty when nothing says so): CUDA_VISIBLE_DEVICES naming devices, or
+    NVIDIA device files present."""
+    env = os.environ if env is None else env
+    nvidia_devices = glob.glob("/dev/nvidia[0-9]*") if nvidia_devices is None else nvidia_devices
+    reasons = []
+    visible = env.get("CUDA_VISIBLE_DEVICES", "").strip()
+    if visible and visible not in ("-1", "none", "NoDevFiles"):
+        reasons.append(f"CUDA_VISIBLE_DEVICES={visible}")
+    if nvidia_devices:
+        reasons.append(f"{', '.join(sorted(nvidia_devices)[:2])} present")
+    return reasons
+
+
+def resolve_device(device: Optional[str] = None, *, cuda_available: Optional[bool] = None,
+                   env: Optional[dict] = None, nvidia_devices: Optional[list] = None) -> str:
+    """'cuda' or 'cpu' for this process: `device` if given, else $MEGATRON_SEARCHR1_DEVICE, else what the machine
+    has. Refuses (RuntimeError) a GPU launch that finds no CUDA unless CPU mode is asked for explicitly."""
+    env = os.environ if env is None else env
+    cuda = torch.cuda.is_available() if cuda_available is None else cuda_available
+    wanted = (device or env.get(DEVICE_ENV, "") or "").strip().lower() or None
+    if wanted not in (None, "cpu", "cuda"):
+        raise ValueError(f"device={wanted!r} (or ${DEVICE_ENV}) must be 'cpu' or 'cuda'")
+    if cuda:
+        if wanted == "cpu":
+            raise RuntimeError(f"CPU mode was asked for (device='cpu' / {DEVICE_ENV}=cpu) but CUDA is available: "
+                               "hide the GPUs (CUDA_VISIBLE_DEVICES=) for a CPU run, or unset it")
+        return "cuda"
+    if wanted == "cpu":
+        return "cpu"
+    reasons = ([f"device='cuda' / {DEVICE_ENV}=cuda was asked for"] if wanted == "cuda" else []) + \
+        gpu_expected_reasons(env, nvidia_devices)
+    if reasons:
+        raise RuntimeError(
+            f"this launch expects GPUs ({'; '.join(reasons)}) but torch.cuda.is_available() is False (CPU-only torch "
+            "build, broken driver, or wrong CUDA_VISIBLE_DEVICES?): fix the CUDA setup, or set "
+            f"{DEVICE_ENV}=cpu (initialize_megatron(device='cpu')) to run on CPUs over gloo on purpose")
+    return "cpu"
+
+
+def process_group_kwargs(device: str, local_rank: int, timeout_minutes: int) -> dict:
+    """`init_process_group` arguments: NCCL bound to this rank's GPU (`device_id`, so NCCL connects eagerly and
+    never guesses the device), gloo on the CPU."""
+    if device == "cuda":
+        return dict(backend="nccl", device_id=torch.device("cuda", local_rank),
+                    timeout=timedelta(minutes=timeout_minutes))
+    return dict(backend="gloo", timeout=timedelta(minutes=timeout_minutes))
+
+
+def _init_process_group(timeout_minutes: int, device: str) -> None:
     if dist.is_initialized():
         return
     if "RANK" not in os.environ:  # not under torchrun: a world of one
@@ -40,33 +99,45 @@ def _init_process_group(timeout_minutes: int) -> None:
             if key not in os.environ:
                 os.environ[key] = value
                 _ENV_WE_SET.append(key)
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend=backend, timeout=timedelta(minutes=timeout_minutes))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if device == "cuda":
+        torch.cuda.set_device(local_rank)
+    dist.init_process_group(**process_group_kwargs(device, local_rank, timeout_minutes))
 
 
-def seed_everything(seed: int) -> None:
-    """Seed python, numpy, torch and Megatron's model-parallel RNG tracker (needs parallel state)."""
+def seed_everything(seed: int) -> int:
+    """Seed python, numpy, torch and Megatron's model-parallel RNG tracker (needs parallel state); returns the seed
+    used on this rank.
+
+    Megatron-LM's rule: `seed + 100 * pp_rank`, so pipeline stages initialise their (different) layers from
+    different streams; the same on every DP replica (identical replicas), and the tracker offsets it per TP rank
+    for TP-region dropout.
+    """
+    from megatron.core import parallel_state as mpu
     from megatron.core import tensor_parallel
 
+    seed = seed + 100 * mpu.get_pipeline_model_parallel_rank()
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-    # Same seed on every DP replica, offset per TP rank for TP-region dropout (Megatron's rule).
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    return seed
 
 
-def initialize_megatron(tp: int = 1, pp: int = 1, seed: int = 1234, timeout_minutes: int = 30) -> None:
+def initialize_megatron(tp: int = 1, pp: int = 1, seed: int = 1234, timeout_minutes: int = 30,
+                        device: Optional[str] = None) -> None:
     """Initialise torch.distributed and Megatron's TP/PP/DP groups; DP = world_size / (tp * pp).
 
-    Idempotent for the same sizes, so a test or tool may call it more than once.
+    `device`: 'cuda', 'cpu' or None (= $MEGATRON_SEARCHR1_DEVICE, else what the machine has; see the module doc:
+    a GPU launch without CUDA is refused, not run on CPUs). Idempotent for the same sizes, so a test or tool may
+    call it more than once.
     """
     from megatron.core import parallel_state as mpu
 
     if tp < 1 or pp < 1:
         raise ValueError(f"tensor/pipeline parallel sizes must be >= 1, got tp={tp}, pp={pp}")
-    _init_process_group(timeout_minutes)
+    device = resolve_device(device)
+    _init_process_group(timeout_minutes, device)
     world = dist.get_world_size()
     if world % (tp * pp):
         raise ValueError(

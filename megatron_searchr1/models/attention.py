@@ -1,11 +1,10 @@
 """Core attention for Megatron's local layer spec on top of `torch.nn.functional.scaled_dot_product_attention`.
 
 Megatron's local `DotProductAttention` materialises the full [b*np, sq, sk] score matrix with `baddbmm`,
-builds a boolean causal mask, fills it, runs an fp32 softmax, and multiplies again: on the CPU that is
-~30% slower than Hugging Face's sdpa path for a 20M model. `SDPAttention` is a drop-in replacement
-(same constructor, same forward contract) that lets PyTorch pick its fused kernel (flash attention on
-the CPU and GPU, or the math fallback), with GQA handled inside the kernel (`enable_gqa`), so no
-repeated K/V copy is made.
+builds a boolean causal mask, fills it, runs an fp32 softmax, and multiplies again. `SDPAttention` is a
+drop-in replacement (same constructor, same forward contract) that lets PyTorch pick its fused kernel (flash
+attention on the CPU and GPU, or the math fallback), with GQA handled inside the kernel (`enable_gqa`), so no
+repeated K/V copy is made (tools/benchmarks/bench_megatron_vs_hf.py measures the difference).
 
 `SDPSelfAttention` (Megatron's `SelfAttention` plus one shortcut) hands RoPE to this module: Megatron's
 unfused RoPE recomputes cos/sin of the frequencies for q and for k in every layer and copies q and k
@@ -14,6 +13,9 @@ computed once per forward (shared by all layers) and applied per half into one b
 same IEEE operations per element, so the result is bit-identical. Keys come out of RoPE already in the
 memory layout the CPU flash kernel reads fastest (heads-major), and without a mask the batch is folded
 into the heads so the kernel's output is Megatron's [s, b, h*d] without a copy.
+
+The local spec never runs with sequence parallelism (the builder refuses it: Megatron's torch norms do not
+support it), so nothing here handles sequence-parallel inputs.
 
 Contract (identical to `DotProductAttention`):
     query: [sq, b, np, hn], key/value: [sk, b, ng, hn]  (np, ng = heads, query groups on this TP rank)
@@ -24,6 +26,7 @@ Contract (identical to `DotProductAttention`):
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Optional
 
@@ -197,7 +200,7 @@ class SDPAttention(MegatronModule):
         if attn_mask is None:
             # Fold the batch into the heads: [s, b, h, d] -> [1, b*h, s, d]. PyTorch's flash kernels lay their
             # output out as [batch, s, heads, d] in memory, which is then exactly Megatron's [s, b, h, d]: no
-            # copy of the output nor of its gradient. The kernel is ~10% faster (CPU, measured) when each
+            # copy of the output nor of its gradient. The kernel is faster when each
             # head's keys and values [s, d] are contiguous, so q/k/v are stored heads-major: RoPE writes q and
             # k that way for free, values (small under GQA) are copied.
             # GQA still pairs query head b*h + i with key/value head b*g + i // (h/g).
@@ -208,15 +211,10 @@ class SDPAttention(MegatronModule):
 
         dropout_p = self.dropout_p if self.training else 0.0
         gqa = self.num_attention_heads_per_partition != self.num_query_groups_per_partition
-        if dropout_p > 0.0 and not self.config.sequence_parallel:
-            # Heads are split over TP ranks, so their dropout masks must differ: use the TP RNG stream,
-            # exactly where Megatron's DotProductAttention does.
-            with tensor_parallel.get_cuda_rng_tracker().fork():
-                out = F.scaled_dot_product_attention(
-                    q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
-                    scale=self.softmax_scale, enable_gqa=gqa,
-                )
-        else:
+        # Heads are split over TP ranks, so their dropout masks must differ: draw from the TP RNG stream, exactly
+        # where Megatron's DotProductAttention does (no dropout: no RNG use, so no fork needed).
+        rng = tensor_parallel.get_cuda_rng_tracker().fork() if dropout_p > 0.0 else contextlib.nullcontext()
+        with rng:
             out = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                 scale=self.softmax_scale, enable_gqa=gqa,

@@ -25,9 +25,8 @@ from typing import Any, Iterable
 
 import torch
 
-from megatron_searchr1.models.families import (
-    ModelFamily, get_family, local_to_global_name, tp_merge, tp_split,
-)
+from megatron_searchr1.models.config import check_parallel_sizes, padded_vocab_size
+from megatron_searchr1.models.families import ModelFamily, get_family, rename_layer, tp_merge, tp_split
 
 META_FILE = "searchr1_checkpoint.json"
 HF_SUBDIR = "hf"
@@ -112,19 +111,13 @@ def load_hf_config(hf_dir: str):
         raise ConversionError(f"{hf_dir}/config.json is invalid: {type(e).__name__}: {e}") from None
 
 
-def check_parallel_sizes(hf_config: Any, tp: int, pp: int) -> None:
-    """Refuse TP/PP that do not fit the model (gpt.check_parallel_sizes, Megatron's rules) or the world size,
-    before starting any process group."""
-    from megatron_searchr1.models.gpt import check_parallel_sizes as check_model_sizes
-
+def _check_sizes(hf_config: Any, tp: int, pp: int) -> None:
+    """`check_parallel_sizes` for this model, TP/PP and torchrun's world size, as a ConversionError naming the
+    flags, before any process group starts."""
     try:
-        check_model_sizes(hf_config, tp, pp)
+        check_parallel_sizes(hf_config, tp, pp, world_size=int(os.environ.get("WORLD_SIZE", "1")))
     except ValueError as e:
         raise ConversionError(f"{e} (--tp/--pp)") from None
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world % (tp * pp):
-        raise ConversionError(f"world size {world} is not a multiple of tp*pp={tp * pp}: launch with "
-                              f"`torchrun --nproc_per_node {tp * pp} ...` (or use --tp 1 --pp 1 in one process)")
 
 
 def check_hf_tensor_names(mapping: ModelFamily, reader: SafetensorsReader) -> None:
@@ -156,10 +149,19 @@ def bind_mapping(hf_config: Any, model: torch.nn.Module, mapping_cls: type[Model
         if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
             padded = p.shape[0] * tp
     if padded is None:  # a middle pipeline stage has no vocab tensors; use Megatron's rule
-        from megatron_searchr1.models.gpt import padded_vocab_size
-
         padded = padded_vocab_size(hf_config.vocab_size, tp)
     return (mapping_cls or get_family(hf_config)).from_hf_config(hf_config, padded_vocab_size=padded)
+
+
+def global_names(model: torch.nn.Module) -> list[tuple[str, str, torch.nn.Parameter]]:
+    """(stage-local name, global Megatron name, parameter) for every parameter of this pipeline stage.
+
+    Each layer's global index is read off the layer (`layer_number - 1`, Megatron's offset for this stage), so
+    uneven splits (num_layers_in_first/last_pipeline_stage) name their layers right.
+    """
+    decoder = getattr(model, "decoder", None)
+    index = [layer.layer_number - 1 for layer in decoder.layers] if decoder is not None else []
+    return [(n, rename_layer(n, index), p) for n, p in model.named_parameters()]
 
 
 def load_hf_weights(model: torch.nn.Module, reader: SafetensorsReader, mapping: ModelFamily,
@@ -170,10 +172,9 @@ def load_hf_weights(model: torch.nn.Module, reader: SafetensorsReader, mapping: 
     """
     from tqdm import tqdm
 
-    tp, tp_rank, pp, pp_rank = _parallel_info()
-    params = [(n, p) for n, p in model.named_parameters() if not _is_fresh(n)]
-    for local_name, param in tqdm(params, desc="HF -> Megatron", disable=not progress, unit="tensor"):
-        name = local_to_global_name(local_name, mapping.dims.num_layers, pp, pp_rank)
+    tp, tp_rank, _, _ = _parallel_info()
+    params = [(n, g, p) for n, g, p in global_names(model) if not _is_fresh(n)]
+    for _, name, param in tqdm(params, desc="HF -> Megatron", disable=not progress, unit="tensor"):
         full = mapping.hf_to_megatron(name, reader.get_many(mapping.hf_sources(name)))
         shard = tp_split(name, full, tp)[tp_rank]
         if tuple(shard.shape) != tuple(param.shape):
@@ -192,11 +193,9 @@ def gather_hf_weights(model: torch.nn.Module, mapping: ModelFamily, progress: bo
     from megatron.core import parallel_state as ps
     from tqdm import tqdm
 
-    tp, _, pp, pp_rank = _parallel_info()
+    tp = _parallel_info()[0]
     group = ps.get_tensor_model_parallel_group()
-    for local_name, param in tqdm(list(model.named_parameters()), desc="Megatron -> HF", disable=not progress,
-                                  unit="tensor"):
-        name = local_to_global_name(local_name, mapping.dims.num_layers, pp, pp_rank)
+    for _, name, param in tqdm(global_names(model), desc="Megatron -> HF", disable=not progress, unit="tensor"):
         t = param.detach()
         if tp > 1:
             shards = [torch.empty_like(t) for _ in range(tp)]
@@ -205,9 +204,24 @@ def gather_hf_weights(model: torch.nn.Module, mapping: ModelFamily, progress: bo
         yield from mapping.megatron_to_hf(name, t)
 
 
-def host_tensors(pairs: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def export_role(tp_rank: int, dp_rank: int) -> str:
+    """What a rank does in megatron_to_hf: 'write' (TP rank 0 of DP replica 0: keeps its stage's tensors and
+    writes them), 'gather' (the other TP ranks of replica 0: take part in the all-gathers, keep nothing) or 'skip'
+    (every other DP replica: the same weights again, so no gather at all)."""
+    if dp_rank != 0:
+        return "skip"
+    return "write" if tp_rank == 0 else "gather"
+
+
+def host_tensors(pairs: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype,
+                 keep: bool = True) -> dict[str, torch.Tensor]:
     """(hf_name, tensor) pairs -> {hf_name: contiguous CPU tensor in `dtype`}, moved one at a time, so a GPU holds at
-    most one exported tensor (not a whole stage's) besides the model while a stage is collected for writing."""
+    most one exported tensor (not a whole stage's) besides the model while a stage is collected for writing.
+    `keep=False` runs through the pairs (their collectives) and keeps nothing: ranks that do not write."""
+    if not keep:
+        for _ in pairs:
+            pass
+        return {}
     return {n: t.to(dtype).cpu().contiguous() for n, t in pairs}
 
 
@@ -341,7 +355,7 @@ def hf_to_megatron(hf_dir: str, out_dir: str, *, tp: int = 1, pp: int = 1, dtype
                    overwrite: bool = False) -> None:
     """Convert an HF dir to a Megatron dist checkpoint; every rank of the (tp*pp*dp) world calls this."""
     hf_config = load_hf_config(hf_dir)
-    check_parallel_sizes(hf_config, tp, pp)
+    _check_sizes(hf_config, tp, pp)
     reader = SafetensorsReader(hf_dir)
     mapping = get_family(hf_config).from_hf_config(hf_config)
     check_hf_tensor_names(mapping, reader)
@@ -379,7 +393,7 @@ def megatron_to_hf(ckpt_dir: str, out_dir: str, *, tp: int = 1, pp: int = 1, dty
     meta = read_checkpoint_metadata(ckpt_dir)
     hf_aux = os.path.join(ckpt_dir, HF_SUBDIR)
     hf_config = load_hf_config(hf_aux)
-    check_parallel_sizes(hf_config, tp, pp)
+    _check_sizes(hf_config, tp, pp)
     _prepare_out_dir(out_dir, overwrite, ckpt_dir)
     params_dtype = DTYPES[meta.get("dtype", "float32")]
     out_dtype = _resolve_dtype(dtype, hf_config)
@@ -397,10 +411,12 @@ def megatron_to_hf(ckpt_dir: str, out_dir: str, *, tp: int = 1, pp: int = 1, dty
     model = all_ranks_ok(build_gpt_model, hf_config, params_dtype=params_dtype)
     all_ranks_ok(load_megatron_checkpoint, model, ckpt_dir)
     mapping = bind_mapping(hf_config, model)
-    tensors = host_tensors(gather_hf_weights(model, mapping, progress=rank == 0), out_dtype)
-
-    # One safetensors file per pipeline stage, written by the stage's first TP / DP rank; rank 0 adds the index.
-    writer = ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
+    # One safetensors file per pipeline stage, written by the stage's first TP rank of DP replica 0; only it keeps
+    # the stage's tensors on the host, and other DP replicas (the same weights) do not gather. Rank 0 adds the index.
+    role = export_role(ps.get_tensor_model_parallel_rank(), ps.get_data_parallel_rank())
+    writer = role == "write"
+    tensors = {} if role == "skip" else host_tensors(gather_hf_weights(model, mapping, progress=rank == 0),
+                                                     out_dtype, keep=writer)
     pp_rank = ps.get_pipeline_model_parallel_rank()
     fname = "model.safetensors" if pp == 1 else f"model-{pp_rank + 1:05d}-of-{pp:05d}.safetensors"
     if rank == 0:
@@ -451,7 +467,7 @@ def _run(fn, kwargs) -> int:
     _quiet_known_warnings()
     try:
         fn(**kwargs)
-    except (ConversionError, ValueError) as e:  # ValueError: what gpt.py / the mapping reject, with a message
+    except (ConversionError, ValueError) as e:  # ValueError: what the builder / the mapping reject, with a message
         print("error: " + " ".join(str(e).split()), file=sys.stderr)  # one line: easy to grep, the last thing shown
         return 2
     finally:
@@ -473,7 +489,7 @@ def _common_args(p: argparse.ArgumentParser) -> None:
 
 
 def hf_to_megatron_main(argv=None) -> int:
-    p = argparse.ArgumentParser(description="Convert a Hugging Face Qwen2/Llama dir to a Megatron dist checkpoint "
+    p = argparse.ArgumentParser(description="Convert a Hugging Face Qwen2/Qwen3/Llama/Mistral dir to a Megatron dist checkpoint "
                                             "that loads at any TP/PP.")
     p.add_argument("--hf-dir", required=True, help="HF model directory (config.json + safetensors + tokenizer)")
     p.add_argument("--out-dir", required=True, help="checkpoint directory to write")

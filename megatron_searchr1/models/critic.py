@@ -3,7 +3,7 @@
     critic = build_critic_model(hf_config)      # TP/PP from parallel_state, like build_gpt_model
     values = critic(input_ids, None, None)      # (B, T) fp32 on the last PP stage; hidden states elsewhere
 
-Parameter names: the trunk is named exactly like the actor's (see gpt.py: embedding.*, decoder.layers.*,
+Parameter names: the trunk is named exactly like the actor's (see models/gpt.py: embedding.*, decoder.layers.*,
 decoder.final_layernorm.weight), so models/convert.py's `load_hf_weights` (an HF causal-LM dir) and
 `load_megatron_checkpoint` (a converted actor checkpoint) load the actor's weights into it unchanged, leaving the
 value head as built; there is no `output_layer.weight`. The head, on the last pipeline stage only, is
@@ -12,8 +12,8 @@ value head as built; there is no `output_layer.weight`. The head, on the last pi
     value_head.bias     [1]
 
 It starts at zero (values 0 before the first update, so the first GAE pass sees no random baseline), and is
-initialised by us, not loaded: HF checkpoints have no value head. When exporting a critic to HF, the matching
-`*ForTokenClassification` (num_labels=1) names it `score.weight` / `score.bias`.
+initialised by us, not loaded: HF checkpoints have no value head. The converter exports actors only; a critic is
+saved and resumed as a Megatron dist checkpoint (its value head included).
 
 Construction note: GPTModel always builds an LM output layer on the last stage; we drop it right after
 construction (a transient vocab x hidden allocation, freed before training).

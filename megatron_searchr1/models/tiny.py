@@ -2,7 +2,7 @@
 
 `make_tiny_model(TinyModelConfig(...))` writes a Hugging Face checkpoint directory:
   tokenizer.json + tokenizer_config.json (+ chat template)   a byte-level BPE `transformers` fast tokenizer
-  config.json + generation_config.json + model.safetensors   a randomly initialised Qwen2 or Llama model
+  config.json + generation_config.json + model.safetensors   a randomly initialised Qwen2, Qwen3, Llama or Mistral model
 
 The tokenizer is trained on the given text files (or a small built-in English text) with the special tokens a chat
 model needs: `<|endoftext|>` (pad, and bos for configs that want one), `<|im_start|>` / `<|im_end|>` (eos of a chat
@@ -35,7 +35,8 @@ CHAT_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 
-ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
+ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "mistral": "MistralForCausalLM"}
 
 
 @dataclass
@@ -45,7 +46,8 @@ class TinyModelConfig:
     output_dir: str
     """Directory to create (tokenizer, config, generation config and safetensors weights)."""
     arch: str = "qwen2"
-    """Model family: 'qwen2' (qkv bias) or 'llama' (no bias)."""
+    """Model family: 'qwen2' (qkv bias), 'llama' (no bias), 'qwen3' (q/k norms, no bias) or 'mistral' (Llama layout,
+    no sliding window)."""
     text_files: Sequence[str] = field(default_factory=list)
     """Plain-text files to train the BPE tokenizer on; empty = a small built-in English text."""
     vocab_size: int = 1000
@@ -151,7 +153,7 @@ def train_tokenizer(cfg: TinyModelConfig):
 
 def build_hf_config(cfg: TinyModelConfig, vocab_size: int, pad_id: int, eos_id: int):
     """The `transformers` config for the tiny model."""
-    from transformers import LlamaConfig, Qwen2Config
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     common = dict(
         vocab_size=vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
@@ -163,6 +165,10 @@ def build_hf_config(cfg: TinyModelConfig, vocab_size: int, pad_id: int, eos_id: 
     )
     if cfg.arch == "qwen2":
         return Qwen2Config(**common)
+    if cfg.arch == "qwen3":
+        return Qwen3Config(attention_bias=False, head_dim=cfg.hidden_size // cfg.num_heads, **common)
+    if cfg.arch == "mistral":
+        return MistralConfig(sliding_window=None, head_dim=cfg.hidden_size // cfg.num_heads, **common)
     return LlamaConfig(attention_bias=False, mlp_bias=False, head_dim=cfg.hidden_size // cfg.num_heads, **common)
 
 
@@ -199,7 +205,7 @@ def make_tiny_model(cfg: TinyModelConfig) -> str:
 
 
 def parse_args(argv=None) -> TinyModelConfig:
-    p = argparse.ArgumentParser(description="Write a random tiny Qwen2/Llama HF checkpoint with a locally trained "
+    p = argparse.ArgumentParser(description="Write a random tiny Qwen2/Qwen3/Llama/Mistral HF checkpoint with a locally trained "
                                             "BPE chat tokenizer (no model hub needed).")
     p.add_argument("--output-dir", required=True, help="directory to write")
     p.add_argument("--arch", default="qwen2", choices=sorted(ARCHITECTURES))

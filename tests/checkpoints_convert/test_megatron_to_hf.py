@@ -118,6 +118,14 @@ def test_round_trip_bf16_bit_exact(tmp_path):
     rc, out = run_cli(HF_TO_MEGATRON, "--hf-dir", hf, "--out-dir", tmp_path / "ckpt")
     assert rc == 0, out
     assert json.load(open(tmp_path / "ckpt" / "searchr1_checkpoint.json"))["dtype"] == "bfloat16"
+    # ... and the dist checkpoint holds what the metadata says: every tensor bf16 (torch norms included)
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    saved = {k: m.properties.dtype for k, m in dcp.FileSystemReader(str(tmp_path / "ckpt")).read_metadata()
+             .state_dict_metadata.items() if isinstance(m, TensorStorageMetadata)}
+    assert any("layernorm" in k for k in saved)
+    assert set(saved.values()) == {torch.bfloat16}, {k: d for k, d in saved.items() if d != torch.bfloat16}
     rc, out = run_cli(MEGATRON_TO_HF, "--ckpt-dir", tmp_path / "ckpt", "--out-dir", tmp_path / "back")
     assert rc == 0, out
     back = hf_tensors(tmp_path / "back")

@@ -68,3 +68,82 @@ def test_a_world_of_one_cleans_up_its_environment(monkeypatch):
         destroy_megatron()
     assert "RANK" not in os.environ and "MASTER_PORT" not in os.environ
     assert not dist.is_initialized()
+
+
+# ------------------------------------------------------------------------------------------------ device choice
+def test_no_gpu_anywhere_is_cpu_mode_without_asking():
+    from megatron_searchr1.megatron.initialize import resolve_device
+
+    assert resolve_device(cuda_available=False, env={}, nvidia_devices=[]) == "cpu"
+    assert resolve_device(cuda_available=False, env={"CUDA_VISIBLE_DEVICES": ""}, nvidia_devices=[]) == "cpu"
+    assert resolve_device(cuda_available=True, env={}, nvidia_devices=["/dev/nvidia0"]) == "cuda"
+
+
+@pytest.mark.parametrize("env, devices, reason", [
+    ({"CUDA_VISIBLE_DEVICES": "0,1"}, [], "CUDA_VISIBLE_DEVICES=0,1"),
+    ({"LOCAL_RANK": "3"}, ["/dev/nvidia3", "/dev/nvidia0"], "/dev/nvidia0"),
+    ({"MEGATRON_SEARCHR1_DEVICE": "cuda"}, [], "MEGATRON_SEARCHR1_DEVICE=cuda was asked for"),
+])
+def test_a_gpu_launch_without_cuda_is_refused_not_run_on_cpus(env, devices, reason):
+    from megatron_searchr1.megatron.initialize import resolve_device
+
+    with pytest.raises(RuntimeError, match="expects GPUs") as e:
+        resolve_device(cuda_available=False, env=env, nvidia_devices=devices)
+    assert reason in str(e.value) and "MEGATRON_SEARCHR1_DEVICE=cpu" in str(e.value)  # says how to override
+    # CPU mode on purpose: the env var or the argument
+    assert resolve_device(cuda_available=False, env={**env, "MEGATRON_SEARCHR1_DEVICE": "cpu"},
+                          nvidia_devices=devices) == "cpu"
+    if "MEGATRON_SEARCHR1_DEVICE" not in env:
+        assert resolve_device("cpu", cuda_available=False, env=env, nvidia_devices=devices) == "cpu"
+    with pytest.raises(ValueError, match="'cpu' or 'cuda'"):
+        resolve_device("tpu", cuda_available=False, env=env, nvidia_devices=devices)
+
+
+def test_initialize_refuses_a_gpu_launch_without_cuda(monkeypatch):
+    """The check runs before any process group starts (nothing to clean up, no gloo world on a GPU job)."""
+    import torch.distributed as dist
+
+    from megatron_searchr1.megatron.initialize import initialize_megatron
+
+    if torch.cuda.is_available():
+        pytest.skip("checks a machine without CUDA")
+    if dist.is_initialized():
+        pytest.skip("a process group from another test is still alive")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    monkeypatch.delenv("MEGATRON_SEARCHR1_DEVICE", raising=False)
+    with pytest.raises(RuntimeError, match="CUDA_VISIBLE_DEVICES=0"):
+        initialize_megatron(tp=1, pp=1)
+    assert not dist.is_initialized()
+
+
+def test_nccl_process_group_is_bound_to_the_local_gpu():
+    from megatron_searchr1.megatron.initialize import process_group_kwargs
+
+    nccl = process_group_kwargs("cuda", 3, 5)
+    assert nccl["backend"] == "nccl" and nccl["device_id"] == torch.device("cuda", 3)
+    gloo = process_group_kwargs("cpu", 3, 5)
+    assert gloo["backend"] == "gloo" and "device_id" not in gloo
+    assert gloo["timeout"].total_seconds() == 300
+
+
+def test_seed_is_offset_per_pipeline_stage(monkeypatch):
+    """Megatron-LM's rule: seed + 100 * pp_rank (pipeline stages initialise different layers from different
+    streams); the trainer relies on it."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as mpu
+
+    from megatron_searchr1.megatron.initialize import destroy_megatron, initialize_megatron, seed_everything
+
+    if dist.is_initialized():
+        pytest.skip("a process group from another test is still alive")
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+    initialize_megatron(tp=1, pp=1, seed=7)
+    try:
+        assert torch.initial_seed() == 7
+        first = torch.rand(4)
+        monkeypatch.setattr(mpu, "get_pipeline_model_parallel_rank", lambda: 2)
+        assert seed_everything(7) == 207 and torch.initial_seed() == 207
+        assert not torch.equal(torch.rand(4), first)
+    finally:
+        destroy_megatron()

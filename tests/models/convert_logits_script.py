@@ -1,11 +1,13 @@
-# torchrun --nproc_per_node 2 tests/models/convert_logits_script.py --hf-dirs HF1 HF2 --ckpt-dirs C1 C2 --cases 2x1 1x2
+# torchrun --nproc_per_node 2 tests/models/convert_logits_script.py --hf-dirs HF1 HF2 --ckpt-dirs C1 C2 --cases 2x1 1x2f1
 """Converted Megatron model logits vs the HF `transformers` model's, at the given TP x PP cases (world = TP*PP).
 
-For every HF dir and case: build the Megatron stage, fill it from the HF safetensors through the family mapping, and
-compare the full-vocabulary logits with HF's (fp32, max abs diff <= 1e-4); then check that deliberately wrong
-mappings (no QKV interleave; gate/up swapped) FAIL that comparison; then load the converter's dist checkpoint
-(saved at TP=1 PP=1) at this case's TP/PP and compare again. Prints one `RESULT ...` line per check from the last
-stage's first TP rank.
+A case is `TPxPP`, or `TPxPPfN` for an uneven pipeline split with N layers on the first stage
+(num_layers_in_first_pipeline_stage). For every HF dir and case: build the Megatron stage, fill it from the HF
+safetensors through the family mapping, and compare the full-vocabulary logits with HF's (fp32, max abs diff <= 1e-4);
+export the stage back to HF names (`gather_hf_weights`) and check every tensor is bit-identical to the HF file and
+every HF tensor comes back exactly once; then check that deliberately wrong mappings (no QKV interleave; gate/up
+swapped) FAIL the logits comparison; then load the converter's dist checkpoint (saved at TP=1 PP=1) at this case's
+TP/PP and compare again. Prints one `RESULT ...` line per check from the last stage's first TP rank.
 """
 import argparse
 import json
@@ -48,13 +50,17 @@ def main():
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from megatron_searchr1.megatron.initialize import destroy_megatron, initialize_megatron
-    from megatron_searchr1.models.convert import SafetensorsReader, bind_mapping, load_hf_weights, load_megatron_checkpoint
+    from megatron_searchr1.models.convert import (
+        SafetensorsReader, bind_mapping, gather_hf_weights, load_hf_weights, load_megatron_checkpoint,
+    )
     from megatron_searchr1.models.families import get_family
     from megatron_searchr1.models.forward import forward_logits
-    from megatron_searchr1.models.gpt import build_gpt_model
+    from megatron_searchr1.models.gpt import build_gpt_model, transformer_config_from_hf
 
     for case in a.cases:
-        tp, pp = map(int, case.split("x"))
+        tp, rest = case.split("x")
+        pp, _, first = rest.partition("f")
+        tp, pp, first = int(tp), int(pp), (int(first) if first else None)
         if ps.model_parallel_is_initialized():
             ps.destroy_model_parallel()
         initialize_megatron(tp=tp, pp=pp)
@@ -81,17 +87,35 @@ def main():
                           flush=True)
                 assert ok, f"{arch} TP={tp} PP={pp} {label}: max abs diff {diff} (expect_match={expect_match})"
 
+            def build():
+                overrides = {} if first is None else {"num_layers_in_first_pipeline_stage": first}
+                config = transformer_config_from_hf(hf_config, tp=tp, pp=pp, **overrides)
+                return build_gpt_model(hf_config, config=config).eval()
+
             reader = SafetensorsReader(hf_dir)
-            model = build_gpt_model(hf_config)
-            model.eval()
-            load_hf_weights(model, reader, bind_mapping(hf_config, model))
+            model = build()
+            if first is not None and ps.get_pipeline_model_parallel_rank() == 0:
+                assert len(model.decoder.layers) == first, len(model.decoder.layers)
+            mapping = bind_mapping(hf_config, model)
+            load_hf_weights(model, reader, mapping)
             check(model, "hf_weights", True)
+
+            # Megatron -> HF names again: bit-identical, and over all stages every HF tensor exactly once.
+            exported = dict(gather_hf_weights(model, mapping))
+            bad = sorted(n for n, t in exported.items() if not torch.equal(t, reader.get(n)))
+            names = [None] * dist.get_world_size()
+            dist.all_gather_object(names, sorted(exported) if ps.get_tensor_model_parallel_rank() == 0 else [])
+            listed = [n for part in names for n in part]
+            exact = not bad and sorted(listed) == sorted(reader.names())
+            if report:
+                print("RESULT " + json.dumps(dict(arch=arch, tp=tp, pp=pp, check="gather_round_trip", diff=0.0,
+                                                  ok=exact, bad=bad[:4])), flush=True)
+            assert exact, f"{arch} TP={tp} PP={pp}: exported tensors differ {bad[:4]} or names {len(listed)}"
             for label, cls in wrong_mappings(get_family(hf_config)).items():
                 load_hf_weights(model, reader, bind_mapping(hf_config, model, mapping_cls=cls))
                 check(model, label, False)
 
-            fresh = build_gpt_model(hf_config)
-            fresh.eval()
+            fresh = build()
             load_megatron_checkpoint(fresh, ckpt_dir)
             check(fresh, "dist_checkpoint_tp1", True)
         dist.barrier()

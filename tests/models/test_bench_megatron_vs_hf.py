@@ -35,6 +35,7 @@ def test_bench_checks_logits_and_prints_ratios(megatron_tp1, capsys):
     assert bench.main(TINY) == 0
     out = capsys.readouterr().out
     assert "ratio megatron_ours / hf_sdpa" in out and "ratio megatron_original / hf_sdpa" in out
+    assert "device cpu, local spec" in out  # every model on one device, both Megatron models on the local spec
     diffs = [float(line.rsplit("=", 1)[1]) for line in out.splitlines() if line.startswith("max |logits(")]
     assert len(diffs) == 2 and max(diffs) <= bench.TOL
 
@@ -42,3 +43,13 @@ def test_bench_checks_logits_and_prints_ratios(megatron_tp1, capsys):
     assert bench.main(TINY + ["--no-original"], mapping_cls=UpGateSwapped) == 1  # a wrong mapping fails loudly
     captured = capsys.readouterr()
     assert "megatron_ours logits differ from HF's" in captured.err and "ratio" not in captured.out
+
+
+def test_bench_device_choice_and_te_flag(capsys):
+    """Every model goes to one device (auto: the GPU when torch sees one); --te needs a GPU."""
+    bench = _bench()
+    assert bench.resolve_device("cpu") == "cpu"
+    assert bench.resolve_device("auto") == ("cuda" if torch.cuda.is_available() else "cpu")
+    if not torch.cuda.is_available():
+        assert bench.main(TINY + ["--device", "cpu", "--te"]) == 2
+        assert "--te needs --device cuda" in capsys.readouterr().err

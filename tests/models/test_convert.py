@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from megatron_searchr1.models.convert import (
-    ConversionError, SafetensorsReader, check_hf_tensor_names, check_parallel_sizes, load_hf_config,
+    ConversionError, SafetensorsReader, _check_sizes, check_hf_tensor_names, load_hf_config,
 )
 from megatron_searchr1.models.families import mapping_for
 from megatron_searchr1.models.tiny import TinyModelConfig, make_tiny_model
@@ -31,15 +31,19 @@ def _hf_to_megatron(hf_dir, out_dir):
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
+FAMILIES = (("qwen2", False, 0), ("llama", True, 1), ("qwen3", True, 2), ("mistral", False, 3))
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    """Qwen2 (untied, qkv bias) and Llama (tied) with 4 layers, 4 heads, 2 kv heads, plus their TP1 checkpoints.
+    """Qwen2 (untied, qkv bias), Llama (tied), Qwen3 (tied, q/k norms) and Mistral (untied) with 4 layers, 4 heads,
+    2 kv heads, plus their TP1 checkpoints.
 
     init_std 0.1 gives logits of order 1, so a wrong mapping moves them by far more than the 1e-4 tolerance.
     """
     root = tmp_path_factory.mktemp("convert")
     out = {}
-    for arch, tie, seed in (("qwen2", False, 0), ("llama", True, 1)):
+    for arch, tie, seed in FAMILIES:
         hf = str(root / arch)
         make_tiny_model(TinyModelConfig(output_dir=hf, arch=arch, num_layers=4, num_heads=4, num_kv_heads=2,
                                         hidden_size=64, intermediate_size=128, tie_embeddings=tie, init_std=0.1,
@@ -50,14 +54,15 @@ def models(tmp_path_factory):
     return out
 
 
-def _run_cases(models, nproc, cases):
-    args = ["--hf-dirs", models["qwen2"][0], models["llama"][0], "--ckpt-dirs", models["qwen2"][1],
-            models["llama"][1], "--cases", *cases]
-    out = run_torchrun(SCRIPT, nproc, *args, timeout=600)
+def _run_cases(models, nproc, cases, archs=("qwen2", "llama")):
+    args = ["--hf-dirs", *(models[a][0] for a in archs), "--ckpt-dirs", *(models[a][1] for a in archs),
+            "--cases", *cases]
+    out = run_torchrun(SCRIPT, nproc, *args, timeout=900)
     results = [json.loads(line.split("RESULT ", 1)[1]) for line in out.splitlines() if "RESULT " in line]
-    # 2 families x cases x (right mapping, 2 wrong mappings, dist checkpoint)
-    assert len(results) == 2 * len(cases) * 4, out[-4000:]
+    # families x cases x (right mapping, export round trip, 2 wrong mappings, dist checkpoint)
+    assert len(results) == len(archs) * len(cases) * 5, out[-4000:]
     assert all(r["ok"] for r in results), results
+    results = [r for r in results if r["check"] != "gather_round_trip"]
     right = [r for r in results if r["check"] in ("hf_weights", "dist_checkpoint_tp1")]
     wrong = [r for r in results if r not in right]
     assert max(r["diff"] for r in right) <= 1e-4 and min(r["diff"] for r in wrong) > 1e-2
@@ -65,7 +70,7 @@ def _run_cases(models, nproc, cases):
 
 
 def test_logits_match_hf_tp1(models):
-    _run_cases(models, 1, ["1x1"])
+    _run_cases(models, 1, ["1x1"], archs=[a for a, _, _ in FAMILIES])
 
 
 @pytest.mark.slow
@@ -75,7 +80,14 @@ def test_logits_match_hf_tp2_and_pp2(models):
 
 @pytest.mark.slow
 def test_logits_match_hf_tp2_pp2(models):
-    _run_cases(models, 4, ["2x2"])
+    _run_cases(models, 4, ["2x2"], archs=[a for a, _, _ in FAMILIES])
+
+
+@pytest.mark.slow
+def test_uneven_pipeline_split_loads_and_exports_the_right_layers(models):
+    """PP=2 with one layer on the first stage and three on the last: every layer's global index comes from the
+    layer itself (an even-split assumption would load layer 1's weights into layer 2 and export them misnamed)."""
+    _run_cases(models, 2, ["1x2f1", "1x2f3"], archs=("qwen2", "qwen3"))
 
 
 def test_checkpoint_metadata_written(models):
@@ -91,18 +103,18 @@ def test_input_checks(models, tmp_path):
     hf, _ = models["qwen2"]
     cfg = load_hf_config(hf)
     with pytest.raises(ConversionError, match="TP=3 does not divide num_attention_heads=4"):
-        check_parallel_sizes(cfg, 3, 1)
+        _check_sizes(cfg, 3, 1)
     with pytest.raises(ConversionError, match="PP=3 does not divide num_hidden_layers=4"):
-        check_parallel_sizes(cfg, 1, 3)
+        _check_sizes(cfg, 1, 3)
     with pytest.raises(ConversionError, match="torchrun --nproc_per_node 4"):
-        check_parallel_sizes(cfg, 2, 2)  # this pytest process is a world of one
+        _check_sizes(cfg, 2, 2)  # this pytest process is a world of one
     # Megatron's GQA rule: KV heads may divide TP (replicated) but must otherwise be a multiple of it
     cfg.num_key_value_heads = 1
     with pytest.raises(ConversionError, match="torchrun --nproc_per_node 2"):  # the model fits; the world does not
-        check_parallel_sizes(cfg, 2, 1)
+        _check_sizes(cfg, 2, 1)
     cfg.num_attention_heads, cfg.num_key_value_heads = 6, 3
     with pytest.raises(ConversionError, match="num_key_value_heads .*=3 must be a multiple of TP=2 .* or divide it"):
-        check_parallel_sizes(cfg, 2, 1)
+        _check_sizes(cfg, 2, 1)
     with pytest.raises(ConversionError, match="does not exist"):
         load_hf_config(str(tmp_path / "nope"))
 
@@ -141,3 +153,22 @@ def test_exported_tensors_are_host_tensors():
         assert t.device.type == "cpu" and t.dtype == torch.bfloat16 and t.is_contiguous()
         assert torch.equal(t, ref.to(torch.bfloat16).cpu())
 
+
+
+def test_export_keeps_tensors_on_writers_only():
+    """megatron_to_hf: TP rank 0 of DP replica 0 keeps and writes its stage; the other TP ranks take part in the
+    all-gathers and keep nothing; other DP replicas do not gather at all."""
+    from megatron_searchr1.models.convert import export_role, host_tensors
+
+    assert export_role(0, 0) == "write" and export_role(1, 0) == "gather"
+    assert export_role(0, 1) == export_role(3, 2) == "skip"
+    seen = []
+
+    def pairs():  # stands for gather_hf_weights: each step is a collective every TP rank must run
+        for i in range(3):
+            seen.append(i)
+            yield f"t{i}", torch.full((2,), float(i))
+
+    assert host_tensors(pairs(), torch.float32, keep=False) == {} and seen == [0, 1, 2]
+    kept = host_tensors(pairs(), torch.bfloat16)
+    assert sorted(kept) == ["t0", "t1", "t2"] and kept["t2"].dtype == torch.bfloat16

@@ -3,9 +3,10 @@ import pytest
 import torch
 
 from megatron_searchr1.models.families import (
-    SUPPORTED_ARCHITECTURES, LlamaFamily, Qwen2Family, deinterleave_qkv, get_family, global_to_local_name,
-    interleave_qkv, local_to_global_name, local_to_te_name, mapping_for, pad_vocab, pp_layer_range, te_to_local_name,
-    tp_kind, tp_merge, tp_split, trim_vocab,
+    SUPPORTED_ARCHITECTURES, LlamaFamily, MistralFamily, Qwen2Family, Qwen3Family, deinterleave_qkv, get_family,
+    global_to_local_name, interleave_qkv, local_to_global_name, local_to_te_name, mapping_for, pad_vocab,
+    pp_layer_range, read_dims, rename_layer, stage_layer_counts, te_to_local_name, tp_kind, tp_merge, tp_split,
+    trim_vocab,
 )
 
 
@@ -25,6 +26,22 @@ def llama_cfg(**kw):
     return cfg
 
 
+def qwen3_cfg(**kw):
+    cfg = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", num_hidden_layers=2, hidden_size=16,
+               num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=24, vocab_size=50,
+               tie_word_embeddings=True, attention_bias=False)
+    cfg.update(kw)
+    return cfg
+
+
+def mistral_cfg(**kw):
+    cfg = dict(architectures=["MistralForCausalLM"], model_type="mistral", num_hidden_layers=2, hidden_size=16,
+               num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=24, vocab_size=50,
+               tie_word_embeddings=False, sliding_window=None)
+    cfg.update(kw)
+    return cfg
+
+
 def random_hf_state(mapping, seed=0):
     g = torch.Generator().manual_seed(seed)
     d = mapping.dims
@@ -35,6 +52,8 @@ def random_hf_state(mapping, seed=0):
             shapes[name] = (d.vocab_size, d.hidden_size)
         elif name == "model.norm.weight" or short.endswith("layernorm.weight"):
             shapes[name] = (d.hidden_size,)
+        elif short.endswith(("q_norm.weight", "k_norm.weight")):
+            shapes[name] = (d.head_dim,)
         elif "q_proj" in short:
             shapes[name] = (d.num_heads * d.head_dim, d.hidden_size)[: 1 if short.endswith("bias") else 2]
         elif "k_proj" in short or "v_proj" in short:
@@ -51,7 +70,8 @@ def random_hf_state(mapping, seed=0):
 
 
 @pytest.mark.parametrize("cfg", [qwen2_cfg(), llama_cfg(), llama_cfg(attention_bias=True, mlp_bias=True,
-                                                                      tie_word_embeddings=False)])
+                                                                      tie_word_embeddings=False),
+                                 qwen3_cfg(), mistral_cfg()])
 def test_hf_megatron_hf_identity(cfg):
     mapping = mapping_for(cfg, padded_vocab_size=64)
     hf = random_hf_state(mapping)
@@ -79,7 +99,7 @@ def test_layer_by_layer_streaming_equals_whole_dict():
 
 def test_family_bias_and_tie_flags():
     q = mapping_for(qwen2_cfg())
-    assert q.dims.qkv_bias and not q.dims.proj_bias and not q.dims.tie_embeddings
+    assert q.dims.qkv_bias and not q.dims.linear_bias and not q.dims.tie_embeddings
     assert "decoder.layers.0.self_attention.linear_qkv.bias" in q.megatron_names()
     assert "output_layer.weight" in q.megatron_names() and "lm_head.weight" in q.hf_names()
     ll = mapping_for(llama_cfg())
@@ -172,8 +192,8 @@ def test_get_family_registry_and_errors():
     assert get_family("Qwen2ForCausalLM") is Qwen2Family and get_family(llama_cfg()) is LlamaFamily
     assert get_family({"model_type": "llama"}) is LlamaFamily
     with pytest.raises(ValueError) as e:
-        get_family({"architectures": ["MistralForCausalLM"]})
-    assert "MistralForCausalLM" in str(e.value) and all(a in str(e.value) for a in SUPPORTED_ARCHITECTURES)
+        get_family({"architectures": ["GemmaForCausalLM"]})
+    assert "GemmaForCausalLM" in str(e.value) and all(a in str(e.value) for a in SUPPORTED_ARCHITECTURES)
 
 
 def test_shape_disagreement_is_reported():
@@ -184,3 +204,59 @@ def test_shape_disagreement_is_reported():
         mapping.hf_to_megatron("decoder.layers.0.self_attention.linear_qkv.weight", hf)
     with pytest.raises(KeyError, match="layer 9 does not exist"):
         mapping.hf_sources("decoder.layers.9.mlp.linear_fc2.weight")
+
+
+def test_qwen3_and_mistral_families():
+    """Qwen3: q/k norms over the head dim (replicated over TP), explicit head_dim; Mistral: the Llama layout."""
+    assert get_family(qwen3_cfg()) is Qwen3Family and get_family("MistralForCausalLM") is MistralFamily
+    q3 = mapping_for(qwen3_cfg(), padded_vocab_size=64)
+    assert q3.dims.qk_norm and not q3.dims.qkv_bias and q3.dims.head_dim == 8
+    qn = "decoder.layers.1.self_attention.q_layernorm.weight"
+    assert qn in q3.megatron_names() and "model.layers.1.self_attn.k_norm.weight" in q3.hf_names()
+    assert q3.hf_sources(qn) == ["model.layers.1.self_attn.q_norm.weight"] and q3.megatron_shape(qn) == (8,)
+    assert tp_kind(qn) == "replicated" and all(torch.equal(s, torch.arange(8.0)) for s in tp_split(qn, torch.arange(8.0), 2))
+    # head_dim * heads (32) != hidden (16): o_proj is (hidden, heads * head_dim)
+    assert q3.megatron_shape("decoder.layers.0.self_attention.linear_proj.weight") == (16, 32)
+    mi = mapping_for(mistral_cfg())
+    assert not mi.dims.qk_norm and not mi.dims.qkv_bias and mi.dims.architecture == "MistralForCausalLM"
+    assert mi.megatron_names() == mapping_for(llama_cfg(num_key_value_heads=2, tie_word_embeddings=False)).megatron_names()
+
+
+@pytest.mark.parametrize("cfg, message", [
+    (mistral_cfg(sliding_window=4096), "sliding_window=4096"),
+    (qwen3_cfg(attention_bias=True), "attention_bias"),
+    (llama_cfg(attention_bias=True), "mlp_bias"),  # o_proj bias without MLP biases: Megatron cannot express it
+    (llama_cfg(mlp_bias=True), "mlp_bias"),
+    (qwen2_cfg(hidden_act="gelu"), "hidden_act"),
+])
+def test_configs_the_families_refuse(cfg, message):
+    with pytest.raises(ValueError, match=message):
+        mapping_for(cfg)
+
+
+def test_linear_bias_needs_attention_and_mlp_bias_together():
+    both = mapping_for(llama_cfg(attention_bias=True, mlp_bias=True))
+    assert both.dims.qkv_bias and both.dims.linear_bias
+    names = both.layer_megatron_names(0)
+    for suffix in ("linear_proj.bias", "linear_fc1.bias", "linear_fc2.bias", "linear_qkv.bias"):
+        assert any(n.endswith(suffix) for n in names), suffix
+
+
+def test_dims_read_once_carry_what_megatron_needs():
+    dims = read_dims(llama_cfg(rms_norm_eps=1e-5, rope_theta=5e5, max_position_embeddings=1024,
+                               initializer_range=0.1))
+    assert (dims.norm_eps, dims.rope.theta, dims.max_position_embeddings, dims.init_std) == (1e-5, 5e5, 1024, 0.1)
+    assert read_dims(dims) is dims and mapping_for(dims, padded_vocab_size=64).dims.padded_vocab_size == 64
+
+
+def test_uneven_pipeline_stages_and_layer_renaming():
+    assert stage_layer_counts(8, 2) == [4, 4]
+    assert stage_layer_counts(6, 2, first=2) == [2, 4] and stage_layer_counts(7, 3, last=1) == [3, 3, 1]
+    assert stage_layer_counts(5, 3, first=1, last=2) == [1, 2, 2]
+    with pytest.raises(ValueError, match="PP=3 does not divide num_hidden_layers=8"):
+        stage_layer_counts(8, 3)
+    with pytest.raises(ValueError, match="num_layers_in_first_pipeline_stage"):
+        stage_layer_counts(8, 3, first=1)  # 7 layers over 2 stages
+    # a stage holding global layers 2..5 (first stage took 2): local index 1 is global 3, whatever the even split says
+    assert rename_layer("decoder.layers.1.mlp.linear_fc2.weight", range(2, 6)) == "decoder.layers.3.mlp.linear_fc2.weight"
+    assert rename_layer("decoder.final_layernorm.weight", range(2, 6)) == "decoder.final_layernorm.weight"

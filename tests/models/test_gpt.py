@@ -16,17 +16,21 @@ import torch
 if __name__ == "__main__":  # torchrun worker: make the repo importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import LlamaConfig, Qwen2Config
 
+from megatron_searchr1.models.families import get_family
+from megatron_searchr1.models.families.dims import rope_settings
 from megatron_searchr1.models.gpt import (
     SUPPORTED_ARCHITECTURES,
     build_gpt_model,
-    model_family,
     padded_vocab_size,
-    rope_settings,
     transformer_config_from_hf,
     uses_te_spec,
 )
+
+
+def model_family(cfg) -> str:
+    return get_family(cfg).model_types[0]
 
 VOCAB = 250  # not a multiple of 128: exercises vocab padding and trimming
 LLAMA3_ROPE = dict(rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
@@ -40,6 +44,14 @@ def tiny_config(kind: str, **kw):
                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
     if kind == "qwen2":
         return Qwen2Config(**{**base, "tie_word_embeddings": False, **kw})
+    if kind == "qwen3":  # q/k norms, head_dim 32 != hidden / heads
+        from transformers import Qwen3Config
+
+        return Qwen3Config(**{**base, "tie_word_embeddings": False, "head_dim": 32, **kw})
+    if kind == "mistral":
+        from transformers import MistralConfig
+
+        return MistralConfig(**{**base, "tie_word_embeddings": False, "head_dim": 16, "sliding_window": None, **kw})
     if kind == "qwen2kv1":
         return Qwen2Config(**{**base, "tie_word_embeddings": False, "num_key_value_heads": 1, **kw})
     if kind == "llama":
@@ -54,7 +66,9 @@ def tiny_hf_model(kind: str, seed: int = 0):
     """A deterministic random HF model with every tensor (biases, norms too) far from its default init."""
     cfg = tiny_config(kind)
     torch.manual_seed(seed)
-    model = (Qwen2ForCausalLM if kind.startswith("qwen2") else LlamaForCausalLM)(cfg).eval()
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(cfg).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
@@ -171,11 +185,12 @@ def test_config_translates_qwen2_and_llama():
     assert rope_settings(tiny_config("qwen2", rope_parameters={"rope_type": "default", "rope_theta": 1e6})).theta == 1e6
     assert rope_settings(tiny_config("llama3rope")).llama3_factor == 8.0
     assert model_family(tiny_config("qwen2")) == "qwen2" and model_family(tiny_config("llama")) == "llama"
-    assert set(SUPPORTED_ARCHITECTURES) == {"Qwen2ForCausalLM", "LlamaForCausalLM"}
+    assert set(SUPPORTED_ARCHITECTURES) == {"Qwen2ForCausalLM", "Qwen3ForCausalLM", "LlamaForCausalLM",
+                                            "MistralForCausalLM"}
 
 
 @pytest.mark.parametrize("make, kwargs, message", [
-    (lambda: tiny_config("qwen2", architectures=["MistralForCausalLM"]), {}, "Qwen2ForCausalLM"),
+    (lambda: tiny_config("qwen2", architectures=["GemmaForCausalLM"]), {}, "Qwen2ForCausalLM"),
     (lambda: tiny_config("qwen2", num_attention_heads=4, num_key_value_heads=4), {"tp": 3}, "num_attention_heads"),
     (lambda: tiny_config("qwen2", num_attention_heads=6, num_key_value_heads=3), {"tp": 2},
      "num_key_value_heads .*=3 must be a multiple of TP=2 .* or divide it"),
@@ -197,11 +212,9 @@ def test_config_errors_are_clear(make, kwargs, message):
 
 def test_builder_and_mapping_accept_the_same_configs():
     """gpt.py delegates to the families registry: a config one accepts, the other accepts (and vice versa)."""
-    from megatron_searchr1.models.families import get_family
-
     for cfg in (tiny_config("qwen2"), tiny_config("llama"), tiny_config("qwen2", architectures=["Qwen2ForCausalLM"]),
                 tiny_config("qwen2", architectures=["Qwen2ForTokenClassification"]),
-                tiny_config("qwen2", architectures=["MistralForCausalLM"])):
+                tiny_config("qwen2", architectures=["GemmaForCausalLM"])):
         try:
             family = get_family(cfg)
         except ValueError:
@@ -243,6 +256,28 @@ def test_config_for_other_parallel_sizes_says_how_to_build_it(megatron_tp1):
         build_gpt_model(cfg, config=transformer_config_from_hf(cfg, tp=2))
 
 
+def test_bf16_model_holds_bf16_norms(megatron_tp1):
+    """torch norms are created in fp32 whatever params_dtype says; the builder casts them (as Float16Module would)."""
+    model = build_gpt_model(tiny_config("qwen3"), params_dtype=torch.bfloat16)
+    dtypes = {n: p.dtype for n, p in model.named_parameters()}
+    assert "decoder.layers.0.self_attention.q_layernorm.weight" in dtypes
+    assert set(dtypes.values()) == {torch.bfloat16}, {n: d for n, d in dtypes.items() if d != torch.bfloat16}
+    logits = model(sample_ids(seq=8), None, None)
+    assert logits.dtype == torch.bfloat16 and torch.isfinite(logits.float()).all()
+
+
+def test_sequence_parallel_with_the_local_spec_is_refused():
+    """Megatron's torch norm asserts sequence parallelism off deep inside construction; the builder refuses first
+    (the TP=2 worker below checks build_gpt_model itself)."""
+    from megatron_searchr1.models.gpt import check_sequence_parallel
+
+    sp = transformer_config_from_hf(tiny_config("qwen2"), tp=2, sequence_parallel=True)
+    with pytest.raises(ValueError, match="sequence_parallel=True needs the Transformer Engine spec"):
+        check_sequence_parallel(sp, use_te=False)
+    check_sequence_parallel(sp, use_te=True)
+    check_sequence_parallel(transformer_config_from_hf(tiny_config("qwen2"), tp=2), use_te=False)
+
+
 # ------------------------------------------------------------------------------------------------ logits
 @pytest.mark.parametrize("kind", ["qwen2", "llama", "llama3rope"])
 def test_logits_equal_transformers(megatron_tp1, kind):
@@ -267,6 +302,29 @@ def test_logits_equal_transformers(megatron_tp1, kind):
     # A deliberately wrong mapping (k and v swapped) must be caught by the same check.
     load_into(model, hf_to_megatron_state(hf, cfg, vocab_pad=model.vocab_size, swap_kv=True))
     assert (forward_logits(model, ids) - ref).abs().max().item() > 1e-2
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "mistral"])
+def test_new_families_logits_equal_transformers(megatron_tp1, kind):
+    """Qwen3 (q/k norms, head_dim 32 != hidden / heads) and Mistral through the families mapping: HF's logits."""
+    from megatron_searchr1.models.families import mapping_for
+    from megatron_searchr1.models.forward import forward_logits
+
+    cfg, hf = tiny_hf_model(kind)
+    model = build_gpt_model(cfg).eval()
+    names = {n for n, _ in model.named_parameters()}
+    assert ("decoder.layers.0.self_attention.q_layernorm.weight" in names) == (kind == "qwen3")
+    mapping, sd = mapping_for(cfg, model.vocab_size), hf.state_dict()
+    load_into(model, {n: mapping.hf_to_megatron(n, sd) for n in names})
+    ids = sample_ids()
+    with torch.no_grad():
+        ref = hf(input_ids=ids).logits
+    assert ref.abs().max() > 1.0
+    assert (forward_logits(model, ids) - ref).abs().max().item() <= 1e-4
+    if kind == "qwen3":  # the q/k norms matter: unit norms instead of the HF ones move the logits
+        load_into(model, {n: (torch.ones_like(t) if "q_layernorm" in n else t)
+                          for n, t in ((n, mapping.hf_to_megatron(n, sd)) for n in names)})
+        assert (forward_logits(model, ids) - ref).abs().max().item() > 1e-2
 
 
 def test_batch_first_output_layer_matches_megatron_layout(megatron_tp1):
@@ -450,6 +508,13 @@ def _worker(out_dir: str) -> None:
                 grads = labels_loss_grads(model, tp)
                 if parallel_state.get_tensor_model_parallel_rank() == 0:
                     results[f"{kind}_tp2_grads"] = grads
+        if tp == 2:  # sequence parallelism with the local spec: refused by the builder, with what to change
+            cfg = tiny_config("qwen2")
+            try:
+                build_gpt_model(cfg, use_te=False, config=transformer_config_from_hf(cfg, tp=2, sequence_parallel=True))
+                raise AssertionError("sequence_parallel with the local spec was built")
+            except ValueError as e:
+                assert "needs the Transformer Engine spec" in str(e), e
         # The critic (same trunk, value head) at this TP/PP: values equal to the TP=1 critic's.
         cfg, hf = tiny_hf_model("qwen2")
         critic = build_critic_model(cfg).eval()

@@ -1,12 +1,14 @@
 # Run: OMP_NUM_THREADS=2 HF_HUB_OFFLINE=1 python tools/benchmarks/bench_megatron_vs_hf.py
-#      (options: --threads 2 --batch 4 --seq 512 --iters 5; --profile prints the top ops of each model)
-"""Megatron GPTModel (local spec + our SDPAttention) vs Hugging Face Qwen2ForCausalLM (sdpa): fwd+bwd on the CPU.
+#      (options: --threads 2 --batch 4 --seq 512 --iters 5; --profile prints the top ops of each model;
+#       on a GPU: --device cuda, and --te to time the Transformer Engine spec instead of the local one)
+"""Megatron GPTModel (local spec + our SDPAttention) vs Hugging Face Qwen2ForCausalLM (sdpa): fwd+bwd on one device.
 
 The same ~20M-parameter Qwen2-shaped random model is built in both frameworks (HF weights loaded into Megatron through
 the families mapping, the converter's; logits asserted equal within 1e-4, exit status 1 otherwise), then each runs forward + cross-entropy + backward on the same batch, interleaved
 iteration by iteration so machine load hits all of them alike. Printed: median seconds per fwd+bwd for
 HF, ours, and Megatron's original local spec (DotProductAttention), and the ratio Megatron / HF
-(target <= 1.0).
+(target <= 1.0). Every model runs on the same device (`--device`, default: the GPU when there is one), and both
+Megatron models use the same spec family (local; `--te` builds ours with Transformer Engine and skips the original).
 """
 from __future__ import annotations
 
@@ -35,6 +37,16 @@ def load_hf_into_megatron(hf_model, megatron_model, cfg, mapping_cls=None) -> No
         raise RuntimeError(f"weight load mismatch: missing={missing} unexpected={unexpected}")
 
 
+def resolve_device(name: str) -> str:
+    """'auto' -> 'cuda' when torch sees a GPU, else 'cpu'; 'cuda' without one is an error (SystemExit 2)."""
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        print("error: --device cuda but torch sees no GPU", file=sys.stderr)
+        raise SystemExit(2)
+    return name
+
+
 def main(argv=None, mapping_cls=None) -> int:
     """Run the benchmark; returns 1 when a Megatron model's logits differ from HF's by more than TOL."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -51,8 +63,17 @@ def main(argv=None, mapping_cls=None) -> int:
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--no-original", action="store_true", help="skip Megatron's original local-spec attention")
     p.add_argument("--profile", action="store_true", help="print the top ops per model (one extra iteration)")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                   help="where every model runs (auto: cuda when available)")
+    p.add_argument("--te", action="store_true", help="build ours with the Transformer Engine spec (GPU only)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
+    device = resolve_device(args.device)
+    if args.te and device != "cuda":
+        print("error: --te needs --device cuda (Transformer Engine runs on GPUs only)", file=sys.stderr)
+        return 2
+    if args.te:
+        args.no_original = True  # the original is Megatron's *local* spec; compare like with like
 
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -61,7 +82,7 @@ def main(argv=None, mapping_cls=None) -> int:
     from megatron_searchr1.megatron.initialize import initialize_megatron
     from megatron_searchr1.models.gpt import build_gpt_model, gpt_model_kwargs, transformer_config_from_hf
 
-    initialize_megatron(tp=1, pp=1)
+    initialize_megatron(tp=1, pp=1, device=device)
     cfg = Qwen2Config(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.ffn,
                       num_hidden_layers=args.layers, num_attention_heads=args.heads,
                       num_key_value_heads=args.kv_heads, max_position_embeddings=max(2048, args.seq),
@@ -73,19 +94,21 @@ def main(argv=None, mapping_cls=None) -> int:
         for name, prm in hf.named_parameters():
             if name.endswith("bias"):
                 prm.normal_(0, 0.02)
-    ours = build_gpt_model(cfg)
+    hf = hf.to(device)
+    ours = build_gpt_model(cfg, use_te=args.te).to(device)
     load_hf_into_megatron(hf, ours, cfg, mapping_cls)
     models = {"hf_sdpa": hf, "megatron_ours": ours}
     if not args.no_original:
         kwargs = gpt_model_kwargs(cfg, transformer_config_from_hf(cfg), use_te=False)
         kwargs["transformer_layer_spec"] = get_gpt_layer_local_spec(normalization="RMSNorm")
-        orig = GPTModel(**kwargs)
+        orig = GPTModel(**kwargs).to(device)
         load_hf_into_megatron(hf, orig, cfg, mapping_cls)
         models["megatron_original"] = orig
     n_params = sum(prm.numel() for prm in hf.parameters())
 
-    ids = torch.randint(0, args.vocab, (args.batch, args.seq))
-    labels = torch.randint(0, args.vocab, (args.batch, args.seq))
+    ids = torch.randint(0, args.vocab, (args.batch, args.seq)).to(device)
+    labels = torch.randint(0, args.vocab, (args.batch, args.seq)).to(device)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)  # time the kernels, not their launch
 
     def step(name, model):
         if name == "hf_sdpa":
@@ -111,13 +134,15 @@ def main(argv=None, mapping_cls=None) -> int:
     for it in range(args.warmup + args.iters):
         for name, model in models.items():
             model.zero_grad(set_to_none=True)
+            sync()
             t0 = time.perf_counter()
             step(name, model)
+            sync()
             if it >= args.warmup:
                 times[name].append(time.perf_counter() - t0)
     med = {name: statistics.median(ts) for name, ts in times.items()}
-    print(f"model: Qwen2-shaped, {n_params / 1e6:.1f}M params, fp32; batch {args.batch} x seq {args.seq}, "
-          f"{args.threads} threads, median of {args.iters} fwd+bwd (after {args.warmup} warm-up)")
+    print(f"device {device}, {'TE' if args.te else 'local'} spec; model: Qwen2-shaped, {n_params / 1e6:.1f}M params, "
+          f"fp32; batch {args.batch} x seq {args.seq}, {args.threads} threads, median of {args.iters} fwd+bwd (after {args.warmup} warm-up)")
     for name, t in med.items():
         print(f"  {name:<18} {t:7.3f} s   (min {min(times[name]):.3f}, max {max(times[name]):.3f})")
     best = {name: min(ts) for name, ts in times.items()}

@@ -8,18 +8,22 @@
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from megatron_searchr1.models.families.base import (  # noqa: F401  (re-exported API)
-    EMBEDDING, FINAL_NORM, OUTPUT_LAYER, ModelDims, ModelFamily, config_get, deinterleave_qkv,
-    global_to_local_layer, global_to_local_name, interleave_qkv, local_to_global_name, local_to_te_name,
-    pad_vocab, pp_layer_range, split_layer_name, stack_gate_up, te_to_local_name, tp_kind, tp_merge, tp_split,
+    EMBEDDING, FINAL_NORM, LAYER_TENSORS, OUTPUT_LAYER, ModelFamily, deinterleave_qkv, global_to_local_layer,
+    global_to_local_name, interleave_qkv, local_to_global_name, local_to_te_name, pad_vocab, pp_layer_range,
+    rename_layer, split_layer_name, stack_gate_up, stage_layer_counts, te_to_local_name, tp_kind, tp_merge, tp_split,
     trim_vocab, unstack_gate_up,
 )
+from megatron_searchr1.models.families.dims import ModelDims, RopeSettings, config_get  # noqa: F401
 from megatron_searchr1.models.families.llama import LlamaFamily
+from megatron_searchr1.models.families.mistral import MistralFamily
 from megatron_searchr1.models.families.qwen2 import Qwen2Family
+from megatron_searchr1.models.families.qwen3 import Qwen3Family
 
-FAMILIES: tuple[type[ModelFamily], ...] = (Qwen2Family, LlamaFamily)
+FAMILIES: tuple[type[ModelFamily], ...] = (Qwen2Family, Qwen3Family, LlamaFamily, MistralFamily)
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(a for f in FAMILIES for a in f.architectures)
 
 
@@ -28,8 +32,8 @@ def get_family(hf_config_or_arch: Any) -> type[ModelFamily]:
 
     A config's `architectures` decide when it lists any (`Qwen2ForTokenClassification` is not a causal LM whose
     weights this mapping reads, even though its model_type is qwen2); `model_type` is used only when it lists none
-    (a config built in code, e.g. `Qwen2Config(...)`). This is the one registry: gpt.py's model_family /
-    hf_architecture delegate here.
+    (a config built in code, e.g. `Qwen2Config(...)`). This is the one registry the builder, the converter and the
+    weight sync consult.
     """
     if isinstance(hf_config_or_arch, str):
         wanted = [hf_config_or_arch]
@@ -46,5 +50,17 @@ def get_family(hf_config_or_arch: Any) -> type[ModelFamily]:
 
 
 def mapping_for(hf_config: Any, padded_vocab_size: int | None = None) -> ModelFamily:
-    """`get_family(hf_config).from_hf_config(hf_config, padded_vocab_size)`."""
+    """`get_family(hf_config).from_hf_config(hf_config, padded_vocab_size)`; a ModelDims is bound as it is
+    (with `padded_vocab_size` replaced when given)."""
+    if isinstance(hf_config, ModelDims):
+        dims = hf_config if padded_vocab_size is None else dataclasses.replace(hf_config,
+                                                                               padded_vocab_size=padded_vocab_size)
+        return get_family(dims.architecture)(dims)
     return get_family(hf_config).from_hf_config(hf_config, padded_vocab_size)
+
+
+def read_dims(hf_config: Any, padded_vocab_size: int | None = None) -> ModelDims:
+    """The model's ModelDims (validated); a ModelDims is returned as it is."""
+    if isinstance(hf_config, ModelDims):
+        return hf_config
+    return get_family(hf_config).read_dims(hf_config, padded_vocab_size)

@@ -1,4 +1,4 @@
-"""Hugging Face <-> Megatron-core weight mapping shared by the dense decoder families (Qwen2, Llama).
+"""Hugging Face <-> Megatron-core weight mapping shared by the dense decoder families (Qwen2, Qwen3, Llama, Mistral).
 
 Everything here is a pure tensor function over names and tensors: no torch.distributed, no Megatron import. The
 checkpoint converter and the rollout weight sync both use it, one tensor (or one layer) at a time, so a converter
@@ -7,7 +7,8 @@ can stream safetensors shards and a weight sync can go bucket by bucket.
 Conventions
 - A *Megatron name* is the name in a GPTModel's `state_dict()` built with Megatron's local layer spec, with a GLOBAL
   layer index (`decoder.layers.{i}.self_attention.linear_qkv.weight`). A pipeline stage's own state dict uses
-  stage-LOCAL layer indices: convert with `local_to_global_name` / `global_to_local_name`.
+  stage-LOCAL layer indices: `rename_layer` with the global indices the stage's layers carry (any split), or
+  `local_to_global_name` / `global_to_local_name` for a uniform split.
   The Transformer Engine spec fuses the pre-attention / pre-MLP norms into the next linear
   (`linear_qkv.layer_norm_weight`, `linear_fc1.layer_norm_weight`): `te_to_local_name` / `local_to_te_name`.
 - A *full* Megatron tensor is the TP-merged tensor (what TP=1 holds), with the vocab padded to `padded_vocab_size`.
@@ -16,15 +17,18 @@ Conventions
 Layouts (h = hidden, d = head dim, nq = query heads, ng = query groups = kv heads, f = ffn hidden)
 - linear_qkv.weight (ng * (nq/ng + 2) * d, h): rows grouped per query group, each group [q heads of the group, k, v].
 - linear_fc1.weight (2f, h): [gate; up] stacked; a TP rank holds [gate_r; up_r] (each split, then stacked).
+- q_layernorm / k_layernorm.weight (d,): Qwen3's per-head RMSNorm weights, the same on every TP rank.
 - embedding / output_layer (padded_vocab, h): vocab rows, split over TP; padding rows are zeros.
 """
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
+
+from megatron_searchr1.models.families.dims import ModelDims, check_common, config_get, rope_settings
 
 Tensor = torch.Tensor
 
@@ -37,28 +41,53 @@ OUTPUT_LAYER = "output_layer.weight"
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _HF_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
-# Per-layer Megatron suffixes and how each is split over tensor-parallel ranks.
-#   "column": rows (dim 0) split; "row": columns (dim 1) split; "replicated": every rank holds it all;
-#   "fc1": gate and up each split on rows then stacked per rank; "vocab": padded vocab rows split.
-TP_KIND_BY_SUFFIX = {
-    "input_layernorm.weight": "replicated",
-    "self_attention.linear_qkv.weight": "column",
-    "self_attention.linear_qkv.bias": "column",
-    "self_attention.linear_proj.weight": "row",
-    "self_attention.linear_proj.bias": "replicated",
-    "pre_mlp_layernorm.weight": "replicated",
-    "mlp.linear_fc1.weight": "fc1",
-    "mlp.linear_fc1.bias": "fc1",
-    "mlp.linear_fc2.weight": "row",
-    "mlp.linear_fc2.bias": "replicated",
+# The one per-layer table: Megatron suffix -> how it is split over TP, the HF tensors it is built from (within
+# `model.layers.{i}.`), its full (TP-merged) shape, whether a model has it, and its Transformer Engine name when TE
+# fuses it into the following linear. TP kinds: "column": rows (dim 0) split; "row": columns (dim 1) split;
+# "replicated": every rank holds it all; "fc1": gate and up each split on rows then stacked per rank.
+@dataclass(frozen=True)
+class LayerTensor:
+    tp: str
+    hf: tuple[str, ...]
+    shape: Callable[[ModelDims], tuple[int, ...]]
+    present: Callable[[ModelDims], bool] = lambda d: True
+    te_name: str | None = None
+
+
+def _qkv_rows(d: ModelDims) -> int:
+    return (d.num_heads + 2 * d.num_kv_heads) * d.head_dim
+
+
+_ATTN = "self_attn."
+LAYER_TENSORS: dict[str, LayerTensor] = {
+    "input_layernorm.weight": LayerTensor(
+        "replicated", ("input_layernorm.weight",), lambda d: (d.hidden_size,),
+        te_name="self_attention.linear_qkv.layer_norm_weight"),
+    "self_attention.linear_qkv.weight": LayerTensor(
+        "column", tuple(f"{_ATTN}{p}_proj.weight" for p in "qkv"), lambda d: (_qkv_rows(d), d.hidden_size)),
+    "self_attention.linear_qkv.bias": LayerTensor(
+        "column", tuple(f"{_ATTN}{p}_proj.bias" for p in "qkv"), lambda d: (_qkv_rows(d),), lambda d: d.qkv_bias),
+    "self_attention.q_layernorm.weight": LayerTensor(
+        "replicated", (f"{_ATTN}q_norm.weight",), lambda d: (d.head_dim,), lambda d: d.qk_norm),
+    "self_attention.k_layernorm.weight": LayerTensor(
+        "replicated", (f"{_ATTN}k_norm.weight",), lambda d: (d.head_dim,), lambda d: d.qk_norm),
+    "self_attention.linear_proj.weight": LayerTensor(
+        "row", (f"{_ATTN}o_proj.weight",), lambda d: (d.hidden_size, d.num_heads * d.head_dim)),
+    "self_attention.linear_proj.bias": LayerTensor(
+        "replicated", (f"{_ATTN}o_proj.bias",), lambda d: (d.hidden_size,), lambda d: d.linear_bias),
+    "pre_mlp_layernorm.weight": LayerTensor(
+        "replicated", ("post_attention_layernorm.weight",), lambda d: (d.hidden_size,),
+        te_name="mlp.linear_fc1.layer_norm_weight"),
+    "mlp.linear_fc1.weight": LayerTensor(
+        "fc1", ("mlp.gate_proj.weight", "mlp.up_proj.weight"), lambda d: (2 * d.ffn_hidden_size, d.hidden_size)),
+    "mlp.linear_fc1.bias": LayerTensor(
+        "fc1", ("mlp.gate_proj.bias", "mlp.up_proj.bias"), lambda d: (2 * d.ffn_hidden_size,), lambda d: d.linear_bias),
+    "mlp.linear_fc2.weight": LayerTensor(
+        "row", ("mlp.down_proj.weight",), lambda d: (d.hidden_size, d.ffn_hidden_size)),
+    "mlp.linear_fc2.bias": LayerTensor(
+        "replicated", ("mlp.down_proj.bias",), lambda d: (d.hidden_size,), lambda d: d.linear_bias),
 }
 TP_KIND_NON_LAYER = {EMBEDDING: "vocab", OUTPUT_LAYER: "vocab", FINAL_NORM: "replicated"}
-
-# Transformer Engine spec: the norm lives inside the following fused linear.
-_TE_RENAMES = {
-    "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
-    "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
-}
 
 
 def split_layer_name(name: str) -> tuple[int, str] | None:
@@ -73,17 +102,17 @@ def layer_name(index: int, suffix: str) -> str:
 
 def te_to_local_name(name: str) -> str:
     """Transformer Engine spec name -> local spec name (identity for names that do not differ)."""
-    for local, te in _TE_RENAMES.items():
-        if name.endswith("." + te):
-            return name[: -len(te)] + local
+    for local, entry in LAYER_TENSORS.items():
+        if entry.te_name and name.endswith("." + entry.te_name):
+            return name[: -len(entry.te_name)] + local
     return name
 
 
 def local_to_te_name(name: str) -> str:
     """Local spec name -> Transformer Engine spec name."""
-    for local, te in _TE_RENAMES.items():
-        if name.endswith("." + local) and name.startswith("decoder.layers."):
-            return name[: -len(local)] + te
+    for local, entry in LAYER_TENSORS.items():
+        if entry.te_name and name.endswith("." + local) and name.startswith("decoder.layers."):
+            return name[: -len(local)] + entry.te_name
     return name
 
 
@@ -93,9 +122,9 @@ def tp_kind(name: str) -> str:
     if name in TP_KIND_NON_LAYER:
         return TP_KIND_NON_LAYER[name]
     parsed = split_layer_name(name)
-    if parsed is None or parsed[1] not in TP_KIND_BY_SUFFIX:
+    if parsed is None or parsed[1] not in LAYER_TENSORS:
         raise KeyError(f"no tensor-parallel rule for Megatron parameter {name!r}")
-    return TP_KIND_BY_SUFFIX[parsed[1]]
+    return LAYER_TENSORS[parsed[1]].tp
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -179,10 +208,40 @@ def tp_merge(name: str, shards: list[Tensor]) -> Tensor:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Pipeline parallelism (uniform split of layers over stages)
+# Pipeline parallelism. A stage's state dict uses stage-local layer indices; its layers know their global index
+# (`layer.layer_number - 1`), which is what the converter and the weight sync read (`rename_layer`), so uneven
+# splits (num_layers_in_first/last_pipeline_stage) map correctly. The helpers below compute the uniform split.
 # ----------------------------------------------------------------------------------------------------------------
+def stage_layer_counts(num_layers: int, pp: int, first: int | None = None, last: int | None = None) -> list[int]:
+    """Layers per pipeline stage, as Megatron splits them: `first` / `last` (when given) on the first / last stage,
+    the rest evenly over the other stages; ValueError saying what to change when that does not divide.
+
+    >>> stage_layer_counts(8, 4), stage_layer_counts(7, 3, first=1), stage_layer_counts(5, 2, last=2)
+    ([2, 2, 2, 2], [1, 3, 3], [3, 2])
+    """
+    if pp == 1:
+        return [num_layers]
+    ends = [x for x in (first, last) if x is not None]
+    middle_stages = pp - len(ends)
+    middle_layers = num_layers - sum(ends)
+    if any(x < 1 for x in ends) or middle_layers < 0:
+        raise ValueError(f"num_layers_in_first/last_pipeline_stage={first}/{last} do not fit num_layers={num_layers}")
+    if middle_stages == 0:
+        if middle_layers:
+            raise ValueError(f"PP={pp}: first + last stage layers ({first} + {last}) must equal num_layers={num_layers}")
+        return [first, last]
+    if middle_layers % middle_stages:
+        what = "PP" if not ends else "the stages between the first and last"
+        raise ValueError(f"PP={pp} does not divide num_hidden_layers={num_layers}: choose a PP that divides it"
+                         if not ends else
+                         f"{what} ({middle_stages}) must split the remaining {middle_layers} layers evenly: change "
+                         "num_layers_in_first_pipeline_stage / num_layers_in_last_pipeline_stage")
+    per = middle_layers // middle_stages
+    return ([first] if first is not None else []) + [per] * middle_stages + ([last] if last is not None else [])
+
+
 def pp_layer_range(num_layers: int, pp: int, pp_rank: int) -> range:
-    """Global indices of the layers stage `pp_rank` holds (uniform split, as Megatron does without a layout)."""
+    """Global indices of the layers stage `pp_rank` holds (uniform split, as Megatron does without overrides)."""
     if num_layers % pp != 0:
         raise ValueError(f"num_layers={num_layers} is not divisible by pipeline-parallel size {pp}")
     per_stage = num_layers // pp
@@ -190,21 +249,26 @@ def pp_layer_range(num_layers: int, pp: int, pp_rank: int) -> range:
 
 
 def global_to_local_layer(index: int, num_layers: int, pp: int) -> tuple[int, int]:
-    """Global layer index -> (pp_rank, index within that stage)."""
+    """Global layer index -> (pp_rank, index within that stage), uniform split."""
     per_stage = pp_layer_range(num_layers, pp, 0).stop
     return index // per_stage, index % per_stage
 
 
-def local_to_global_name(name: str, num_layers: int, pp: int, pp_rank: int) -> str:
-    """A stage's state-dict name (local layer index) -> the global Megatron name."""
+def rename_layer(name: str, global_index: Sequence[int]) -> str:
+    """A stage's state-dict name -> the global name, `global_index[i]` being the global index of local layer i
+    (read off the model: `[layer.layer_number - 1 for layer in model.decoder.layers]`)."""
     parsed = split_layer_name(name)
-    if parsed is None:
-        return name
-    return layer_name(pp_layer_range(num_layers, pp, pp_rank).start + parsed[0], parsed[1])
+    return name if parsed is None else layer_name(global_index[parsed[0]], parsed[1])
+
+
+def local_to_global_name(name: str, num_layers: int, pp: int, pp_rank: int) -> str:
+    """A stage's state-dict name (local layer index) -> the global Megatron name, uniform split."""
+    return rename_layer(name, pp_layer_range(num_layers, pp, pp_rank))
 
 
 def global_to_local_name(name: str, num_layers: int, pp: int) -> tuple[int | None, str]:
-    """Global Megatron name -> (pp_rank owning the layer, stage-local name); pp_rank None for non-layer names."""
+    """Global Megatron name -> (pp_rank owning the layer, stage-local name), uniform split; pp_rank None for
+    non-layer names."""
     parsed = split_layer_name(name)
     if parsed is None:
         return None, name
@@ -232,45 +296,8 @@ def trim_vocab(t: Tensor, vocab_size: int) -> Tensor:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# The model dimensions a mapping needs
+# The family: reads an HF config into ModelDims, maps names and tensors
 # ----------------------------------------------------------------------------------------------------------------
-def config_get(cfg: Any, key: str, default: Any = None) -> Any:
-    """Read a field from a `transformers` config object or a config.json dict."""
-    if isinstance(cfg, Mapping):
-        return cfg.get(key, default)
-    return getattr(cfg, key, default)
-
-
-@dataclass(frozen=True)
-class ModelDims:
-    """What the mapping needs to know about a model."""
-
-    num_layers: int
-    """Number of transformer layers."""
-    hidden_size: int
-    """Model width h."""
-    num_heads: int
-    """Query heads nq."""
-    num_kv_heads: int
-    """Key/value heads = Megatron query groups ng."""
-    head_dim: int
-    """Per-head width d (may differ from h / nq)."""
-    ffn_hidden_size: int
-    """MLP width f."""
-    vocab_size: int
-    """True vocabulary size (HF)."""
-    padded_vocab_size: int
-    """Megatron embedding rows (>= vocab_size; padding rows are zeros)."""
-    tie_embeddings: bool
-    """Output layer shares the input embedding."""
-    qkv_bias: bool
-    """q/k/v projections have a bias."""
-    proj_bias: bool = False
-    """o_proj has a bias (Llama attention_bias)."""
-    mlp_bias: bool = False
-    """gate/up/down have a bias (Llama mlp_bias)."""
-
-
 class ModelFamily:
     """Name and tensor mapping for a dense decoder; subclasses set the architectures and read their config."""
 
@@ -280,20 +307,31 @@ class ModelFamily:
     def __init__(self, dims: ModelDims):
         self.dims = dims
 
-    # -- construction -------------------------------------------------------------------------------------------
+    # -- reading the HF config (once) ---------------------------------------------------------------------------
     @classmethod
     def qkv_bias(cls, hf_config: Any) -> bool:
         """Whether q/k/v projections carry a bias in this family."""
         raise NotImplementedError
 
     @classmethod
-    def proj_bias(cls, hf_config: Any) -> bool:
-        """Whether o_proj carries a bias in this family."""
+    def linear_bias(cls, hf_config: Any) -> bool:
+        """Whether o_proj and the MLP linears carry a bias (Megatron's add_bias_linear)."""
         return False
 
     @classmethod
-    def from_hf_config(cls, hf_config: Any, padded_vocab_size: int | None = None) -> "ModelFamily":
-        """Bind the mapping to a model: `padded_vocab_size` defaults to the unpadded vocab size."""
+    def qk_norm(cls, hf_config: Any) -> bool:
+        """Whether queries and keys are RMS-normalised over the head dim."""
+        return False
+
+    @classmethod
+    def check_config(cls, hf_config: Any) -> None:
+        """Refuse what this family cannot translate (ValueError saying what to change)."""
+        check_common(hf_config)
+
+    @classmethod
+    def read_dims(cls, hf_config: Any, padded_vocab_size: int | None = None) -> ModelDims:
+        """Validate `hf_config` and read it into ModelDims; `padded_vocab_size` defaults to the unpadded size."""
+        cls.check_config(hf_config)
         g = lambda k, d=None: config_get(hf_config, k, d)  # noqa: E731
         num_heads = g("num_attention_heads")
         vocab = g("vocab_size")
@@ -303,36 +341,27 @@ class ModelFamily:
             head_dim=g("head_dim") or g("hidden_size") // num_heads, ffn_hidden_size=g("intermediate_size"),
             vocab_size=vocab, padded_vocab_size=padded_vocab_size or vocab,
             tie_embeddings=bool(g("tie_word_embeddings", False)), qkv_bias=cls.qkv_bias(hf_config),
-            proj_bias=cls.proj_bias(hf_config),
-            mlp_bias=bool(g("mlp_bias", False)),
+            linear_bias=cls.linear_bias(hf_config), qk_norm=cls.qk_norm(hf_config),
+            norm_eps=float(g("rms_norm_eps", 1e-6)), rope=rope_settings(hf_config),
+            max_position_embeddings=int(g("max_position_embeddings", 4096) or 4096),
+            attention_dropout=float(g("attention_dropout", 0.0) or 0.0),
+            init_std=float(g("initializer_range", 0.02)), architecture=cls.architectures[0],
         )
         if dims.num_heads % dims.num_kv_heads != 0:
             raise ValueError(f"num_attention_heads={num_heads} is not a multiple of "
                              f"num_key_value_heads={dims.num_kv_heads}")
-        return cls(dims)
+        return dims
+
+    @classmethod
+    def from_hf_config(cls, hf_config: Any, padded_vocab_size: int | None = None) -> "ModelFamily":
+        """Bind the mapping to a model: `padded_vocab_size` defaults to the unpadded vocab size."""
+        return cls(cls.read_dims(hf_config, padded_vocab_size))
 
     # -- the names ----------------------------------------------------------------------------------------------
-    # Per-layer Megatron suffix -> the HF suffixes it is built from (within `model.layers.{i}.`).
-    def layer_sources(self) -> dict[str, list[str]]:
-        d = self.dims
-        m = {
-            "input_layernorm.weight": ["input_layernorm.weight"],
-            "self_attention.linear_qkv.weight": ["self_attn.q_proj.weight", "self_attn.k_proj.weight",
-                                                 "self_attn.v_proj.weight"],
-            "self_attention.linear_proj.weight": ["self_attn.o_proj.weight"],
-            "pre_mlp_layernorm.weight": ["post_attention_layernorm.weight"],
-            "mlp.linear_fc1.weight": ["mlp.gate_proj.weight", "mlp.up_proj.weight"],
-            "mlp.linear_fc2.weight": ["mlp.down_proj.weight"],
-        }
-        if d.qkv_bias:
-            m["self_attention.linear_qkv.bias"] = ["self_attn.q_proj.bias", "self_attn.k_proj.bias",
-                                                   "self_attn.v_proj.bias"]
-        if d.proj_bias:
-            m["self_attention.linear_proj.bias"] = ["self_attn.o_proj.bias"]
-        if d.mlp_bias:
-            m["mlp.linear_fc1.bias"] = ["mlp.gate_proj.bias", "mlp.up_proj.bias"]
-            m["mlp.linear_fc2.bias"] = ["mlp.down_proj.bias"]
-        return m
+    def layer_sources(self) -> dict[str, tuple[str, ...]]:
+        """Per-layer Megatron suffix -> the HF suffixes it is built from (within `model.layers.{i}.`), for the
+        tensors this model has."""
+        return {suffix: t.hf for suffix, t in LAYER_TENSORS.items() if t.present(self.dims)}
 
     def layer_megatron_names(self, index: int) -> list[str]:
         """Megatron names of one layer (global index): stream a model layer by layer with
@@ -444,20 +473,11 @@ class ModelFamily:
         """Full (TP-merged) shape of a Megatron tensor, to check a config against the tensors."""
         d = self.dims
         local = te_to_local_name(name)
-        h, f, hd = d.hidden_size, d.ffn_hidden_size, d.head_dim
-        qkv_rows = (d.num_heads + 2 * d.num_kv_heads) * hd
         if local in (EMBEDDING, OUTPUT_LAYER):
-            return (d.padded_vocab_size, h)
+            return (d.padded_vocab_size, d.hidden_size)
         if local == FINAL_NORM:
-            return (h,)
-        suffix = split_layer_name(local)[1]
-        return {
-            "input_layernorm.weight": (h,), "pre_mlp_layernorm.weight": (h,),
-            "self_attention.linear_qkv.weight": (qkv_rows, h), "self_attention.linear_qkv.bias": (qkv_rows,),
-            "self_attention.linear_proj.weight": (h, d.num_heads * hd), "self_attention.linear_proj.bias": (h,),
-            "mlp.linear_fc1.weight": (2 * f, h), "mlp.linear_fc1.bias": (2 * f,),
-            "mlp.linear_fc2.weight": (h, f), "mlp.linear_fc2.bias": (h,),
-        }[suffix]
+            return (d.hidden_size,)
+        return LAYER_TENSORS[split_layer_name(local)[1]].shape(d)
 
     @staticmethod
     def _check_shape(name: str, t: Tensor, expected: tuple[int, ...]) -> None:

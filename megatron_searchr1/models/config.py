@@ -1,0 +1,121 @@
+"""ModelDims -> Megatron `TransformerConfig`, and the parallel sizes a model fits.
+
+    config = transformer_config_from_hf(hf_config, tp=2, pp=2)        # validate + translate (ModelDims accepted too)
+    check_parallel_sizes(hf_config, tp=2, pp=2, world_size=8)          # ValueError naming every problem
+
+The HF config is read once (`families.read_dims`); everything here reads the resulting ModelDims.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron_searchr1.models.families import ModelDims, read_dims, stage_layer_counts
+
+
+def check_parallel_sizes(hf_config_or_dims: Any, tp: int, pp: int, *, first_stage_layers: Optional[int] = None,
+                         last_stage_layers: Optional[int] = None, world_size: Optional[int] = None) -> None:
+    """Refuse TP/PP (and a world size) that do not fit the model: a ValueError listing every problem and what to do.
+
+    Megatron's rules: TP divides the query heads and the MLP width; the KV heads (query groups) are a multiple of
+    TP (each rank holds whole groups) or divide TP (each group is replicated over TP/groups ranks, as Megatron's
+    attention does); the layers split over PP stages (evenly, or with `first_stage_layers` / `last_stage_layers`
+    on the end stages and the rest evenly); the world size, when given, is a multiple of TP*PP.
+    """
+    dims = read_dims(hf_config_or_dims)
+    heads, groups, ffn = dims.num_heads, dims.num_kv_heads, dims.ffn_hidden_size
+    problems = []
+    if tp < 1 or pp < 1:
+        problems.append(f"TP and PP must be >= 1 (got TP={tp}, PP={pp})")
+    else:
+        if heads % tp:
+            problems.append(f"TP={tp} does not divide num_attention_heads={heads}: choose a TP that divides it")
+        if groups % tp and tp % groups:
+            problems.append(f"num_key_value_heads (query groups)={groups} must be a multiple of TP={tp} (each rank "
+                            f"holds whole groups) or divide it (groups replicated over ranks): choose such a TP")
+        if ffn % tp:
+            problems.append(f"TP={tp} does not divide intermediate_size={ffn}: choose a TP that divides it")
+        try:
+            stage_layer_counts(dims.num_layers, pp, first_stage_layers, last_stage_layers)
+        except ValueError as e:
+            problems.append(str(e))
+        if world_size is not None and world_size % (tp * pp):
+            problems.append(f"world size {world_size} is not a multiple of tp*pp={tp * pp}: launch with "
+                            f"`torchrun --nproc_per_node {tp * pp} ...` (or use TP=1 PP=1 in one process)")
+    if problems:
+        raise ValueError("; ".join(problems))
+
+
+def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
+    """Megatron's rule: round the vocabulary up to a multiple of `divisible_by * tp`.
+
+    >>> padded_vocab_size(151643, 1), padded_vocab_size(256, 2), padded_vocab_size(257, 1, 64)
+    (151680, 256, 320)
+    """
+    if vocab_size <= 0 or tp <= 0 or divisible_by <= 0:
+        raise ValueError(f"padded_vocab_size needs positive numbers, got vocab_size={vocab_size}, tp={tp}, "
+                         f"divisible_by={divisible_by}")
+    multiple = divisible_by * tp
+    return ((vocab_size + multiple - 1) // multiple) * multiple
+
+
+def transformer_config_from_hf(
+    hf_config: Any, *, tp: int = 1, pp: int = 1, params_dtype: torch.dtype = torch.float32, **overrides: Any
+) -> TransformerConfig:
+    """A Megatron TransformerConfig equivalent to `hf_config` (or its ModelDims) for TP=`tp`, PP=`pp`.
+
+    `overrides` are TransformerConfig fields applied last (e.g. recompute_granularity="full",
+    bias_activation_fusion=True, apply_rope_fusion=True on GPU, num_layers_in_first_pipeline_stage=...).
+    """
+    dims: ModelDims = read_dims(hf_config)
+    fields = {f.name for f in dataclasses.fields(TransformerConfig)}
+    unknown = sorted(set(overrides) - fields)
+    if unknown:
+        raise ValueError(f"Unknown TransformerConfig override(s) {unknown}: they are not TransformerConfig fields.")
+    check_parallel_sizes(dims, tp, pp, first_stage_layers=overrides.get("num_layers_in_first_pipeline_stage"),
+                         last_stage_layers=overrides.get("num_layers_in_last_pipeline_stage"))
+    if params_dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"params_dtype must be float32, bfloat16 or float16, got {params_dtype}.")
+
+    kwargs = dict(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        num_layers=dims.num_layers,
+        hidden_size=dims.hidden_size,
+        ffn_hidden_size=dims.ffn_hidden_size,
+        num_attention_heads=dims.num_heads,
+        num_query_groups=dims.num_kv_heads,
+        kv_channels=dims.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=dims.norm_eps,
+        qk_layernorm=dims.qk_norm,
+        gated_linear_unit=True,  # SwiGLU: linear_fc1 holds [gate; up]
+        activation_func=F.silu,
+        add_bias_linear=dims.linear_bias,
+        add_qkv_bias=dims.qkv_bias,
+        hidden_dropout=0.0,  # HF decoders have no residual dropout
+        attention_dropout=dims.attention_dropout,
+        init_method_std=dims.init_std,
+        params_dtype=params_dtype,
+        pipeline_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        fp16=params_dtype == torch.float16,
+        # Fusions are CUDA kernels or TE ops; the trainer may turn them on through `overrides` on GPU.
+        masked_softmax_fusion=False,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        use_cpu_initialization=not torch.cuda.is_available(),
+        # RL micro-batches have different lengths: pipeline stages exchange shapes first.
+        variable_seq_lengths=True,
+        moe_token_dispatcher_type="alltoall",  # unused by dense models; the default rejects variable lengths
+    )
+    kwargs.update(overrides)
+    return TransformerConfig(**kwargs)

@@ -1,0 +1,97 @@
+"""Which modules a GPTModel is built from: Transformer Engine's (GPU) or Megatron's local spec with our attention.
+
+    spec = block_spec(config, use_te=resolve_use_te(None), qk_norm=dims.qk_norm)   # GPTModel's transformer_layer_spec
+
+A whole-block spec (every layer of this pipeline stage and the final norm) rather than a layer spec: handed a layer
+spec, Megatron picks the block's final norm from whatever is installed (TE, else Apex, else torch), so a machine with
+Apex but no working TE would build an Apex LayerNorm for an RMSNorm model (it refuses), and `use_te=False` on a TE
+machine would still get a TE final norm. Here every norm follows `use_te`: TENorm with TE, torch's RMSNorm without.
+"""
+from __future__ import annotations
+
+import copy
+import logging
+from typing import Optional
+
+import torch
+
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.torch_norm import WrappedTorchNorm
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron_searchr1.models.attention import SDPAttention, SDPSelfAttention
+
+log = logging.getLogger(__name__)
+_te_import_error: Optional[str] = None  # why transformer_engine did not import (logged once)
+
+
+def te_available() -> bool:
+    """True when CUDA is present and Transformer Engine imports; when CUDA is present but TE fails to import, the
+    reason is logged (once) instead of silently falling back to the local spec."""
+    global _te_import_error
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception as e:  # ImportError, or a CUDA/ABI mismatch inside TE
+        if _te_import_error is None:
+            _te_import_error = f"{type(e).__name__}: {e}"
+            log.warning("Transformer Engine does not import (%s): building Megatron's local spec instead, which is "
+                        "slower on GPU and refuses sequence parallelism. Fix the TE install or pass use_te=False to "
+                        "silence this.", _te_import_error)
+        return False
+    return True
+
+
+def resolve_use_te(use_te: Optional[bool]) -> bool:
+    """None -> TE when available; True without CUDA/TE -> a RuntimeError that says what to do."""
+    if use_te is None:
+        return te_available()
+    if use_te and not torch.cuda.is_available():
+        raise RuntimeError("use_te=True needs CUDA, and this machine has none: build with use_te=False "
+                           "(Megatron's local spec) on the CPU.")
+    if use_te and not te_available():
+        raise RuntimeError(f"use_te=True but transformer_engine does not import ({_te_import_error}): install "
+                           "`transformer-engine[pytorch]` (pip install -e .[gpu]) or pass use_te=False.")
+    return bool(use_te)
+
+
+def norm_module(use_te: bool) -> type:
+    """The norm class for every norm of the model: TENorm with TE, Megatron's torch wrapper (torch.nn.RMSNorm)
+    without."""
+    if use_te:
+        from megatron.core.extensions.transformer_engine import TENorm
+
+        return TENorm
+    return WrappedTorchNorm
+
+
+def layer_spec(use_te: bool, qk_norm: bool = False) -> ModuleSpec:
+    """One transformer layer: TE's spec, or Megatron's local spec with SDPAttention and torch norms throughout."""
+    if use_te:
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_norm)
+    spec = copy.deepcopy(get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_norm))
+    layer = spec.submodules
+    layer.input_layernorm = layer.pre_mlp_layernorm = WrappedTorchNorm
+    if qk_norm:
+        layer.self_attention.submodules.q_layernorm = layer.self_attention.submodules.k_layernorm = WrappedTorchNorm
+    layer.self_attention.module = SDPSelfAttention
+    layer.self_attention.submodules.core_attention = SDPAttention
+    return spec
+
+
+def block_spec(config: TransformerConfig, use_te: bool, qk_norm: bool = False) -> TransformerBlockSubmodules:
+    """This pipeline stage's block: its layers (as many as Megatron builds here, uneven splits included) and a
+    final norm of the same kind as the layers' norms."""
+    layer = layer_spec(use_te, qk_norm)
+    return TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(config),
+                                      layer_norm=norm_module(use_te))
+
+
+def uses_te_spec(model: torch.nn.Module) -> bool:
+    """True when `model` was built with Transformer Engine layers (fused norm naming), False for the local spec."""
+    return any(type(m).__module__.startswith("megatron.core.extensions.transformer_engine") for m in model.modules())
