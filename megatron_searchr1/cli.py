@@ -8,6 +8,8 @@
             raise UsageError(f"--data {args.data!r} does not exist: run tools/make_synthetic_world.py first")
         ...heavy imports and work...
 
+    cli = console(main)                     # setup.py's console script: `name=package.module:cli`
+
     if __name__ == "__main__":
         raise SystemExit(run_main(main))
 
@@ -105,3 +107,12 @@ def run_main(main: Callable[[Optional[Sequence[str]]], Optional[int]], argv: Opt
         return int(main(argv) or 0)
     except UsageError as e:
         error_exit(str(e))
+
+
+def console(main: Callable[[Optional[Sequence[str]]], Optional[int]]) -> Callable[[], int]:
+    """The zero-argument entry point a console script calls (setup.py `name=module:cli`), reading sys.argv."""
+    def cli() -> int:
+        return run_main(main)
+
+    cli.__doc__ = f"Console-script entry of {main.__module__}.main: user mistakes are one `error:` line, exit 2."
+    return cli

@@ -31,7 +31,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
-from megatron_searchr1.cli import ArgumentParser, UsageError, run_main
+from megatron_searchr1.cli import ArgumentParser, UsageError, console, run_main
 from megatron_searchr1.data.prompts import TEMPLATES, make_prompt, normalize_question
 
 REQUIRED_COLUMNS = ("question", "golden_answers")
@@ -247,6 +247,9 @@ def main(argv: list[str] | None = None) -> int:
         counts = ", ".join(f"{s.name}={sum(r['data_source'] == s.name for r in rows)}" for s in sources)
         print(f"wrote {path}: {len(rows)} rows ({counts})")
     return 0
+
+
+cli = console(main)  # the console script (setup.py)
 
 
 if __name__ == "__main__":

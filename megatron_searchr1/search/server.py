@@ -44,7 +44,7 @@ import numpy as np
 from fastapi import FastAPI, Request  # module level: FastAPI resolves the handlers' annotations from globals
 from fastapi.responses import JSONResponse, Response
 
-from megatron_searchr1.cli import ArgumentParser, UsageError, at_least, run_main
+from megatron_searchr1.cli import ArgumentParser, UsageError, at_least, console, run_main
 from megatron_searchr1.search.base import Retriever
 from megatron_searchr1.search.encoder import add_encoder_args, encoder_options
 
@@ -659,6 +659,9 @@ def main(argv: list[str] | None = None) -> int:
     with contextlib.suppress(KeyboardInterrupt):
         server.run(sockets=[sock])
     return 0
+
+
+cli = console(main)  # the console script (setup.py)
 
 
 if __name__ == "__main__":
