@@ -23,7 +23,8 @@ def _common_args(p: ArgumentParser) -> None:
     p.add_argument("--tp", type=at_least(1), default=1,
                    help="tensor-parallel size (world size must be a multiple of tp*pp)")
     p.add_argument("--pp", type=at_least(1), default=1, help="pipeline-parallel size")
-    p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help="weight dtype (auto: the dtype in config.json)")
+    p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
+                   help="weight dtype (auto: the dtype in config.json)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
 
 

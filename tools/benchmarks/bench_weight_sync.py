@@ -46,7 +46,8 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=at_least(1), default=4, help="transformer layers")
     p.add_argument("--heads", type=at_least(1), default=8, help="query heads")
     p.add_argument("--kv-heads", type=at_least(1), default=2, help="key/value heads")
-    p.add_argument("--vocab", type=at_least(1), default=16000, help="vocabulary (padded by Megatron; the sync trims it)")
+    p.add_argument("--vocab", type=at_least(1), default=16000,
+                   help="vocabulary (padded by Megatron; the sync trims it)")
     p.add_argument("--bucket-mb", type=above(0.0), default=32.0, help="sync bucket size in MiB")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                    help="what the engine receives (the model is fp32; bfloat16 = cast at the source)")
