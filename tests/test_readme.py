@@ -71,21 +71,24 @@ def _fresh_clone(dest) -> None:
 
 
 def _run_block(code: str, cwd, env) -> tuple[int, str]:
-    proc = subprocess.Popen(["bash", "-e", "-o", "pipefail", "-c", code], cwd=cwd, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=BLOCK_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        out, rc = f"TIMEOUT after {BLOCK_TIMEOUT_S}s", -1
-    else:
-        rc = proc.returncode
-    finally:
-        try:  # a server the block started in the background, or the whole block on a timeout
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait()
-    return rc, out
+    """Run one block; its output goes to a file, not a pipe (a server left in the background would hold a pipe
+    open), and its whole process group is killed when the block's shell is done."""
+    log = cwd / ".block.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(["bash", "-e", "-o", "pipefail", "-c", code], cwd=cwd, env=env, text=True,
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=BLOCK_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            rc = -1
+        finally:
+            try:  # a server the block started in the background, or the whole block on a timeout
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+    text = log.read_text(errors="replace")
+    return rc, text + (f"\nTIMEOUT after {BLOCK_TIMEOUT_S}s" if rc == -1 else "")
 
 
 @pytest.mark.slow  # minutes: it builds a world, an index, a tiny model and converts it both ways
