@@ -24,6 +24,9 @@ from typing import Any, Iterable
 import torch
 
 from megatron_searchr1.models.config import check_parallel_sizes, padded_vocab_size
+# The command lines live in convert_cli.py (checked before torch loads); these names keep the console scripts of an
+# install made before the move working until `pip install -e .` regenerates them.
+from megatron_searchr1.models.convert_cli import hf_to_megatron_main, megatron_to_hf_main  # noqa: F401
 from megatron_searchr1.models.families import ModelFamily, get_family, rename_layer, tp_merge, tp_split
 
 META_FILE = "searchr1_checkpoint.json"
