@@ -335,6 +335,10 @@ class Config:
                    f"`torchrun --nproc_per_node {p.tp * p.pp}` (or a multiple), or change parallel.tp / parallel.pp")
             _check(world_size % r.engine_tp == 0,
                    f"rollout.engine_tp={r.engine_tp} must divide the world size {world_size}")
+            # a vLLM TP group must hold one DP rank's trajectories: its ranks lie inside one model-parallel group
+            _check((p.tp * p.pp) % r.engine_tp == 0,
+                   f"rollout.engine_tp={r.engine_tp} must divide parallel.tp * parallel.pp = {p.tp * p.pp} (an "
+                   "engine serves the ranks of one model replica)")
             dp = world_size // (p.tp * p.pp)
             _check(d.train_batch_size % dp == 0,
                    f"data.train_batch_size={d.train_batch_size} must be a multiple of the DP size {dp}")

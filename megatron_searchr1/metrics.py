@@ -68,7 +68,7 @@ class RunLogger:
     def console(self, step: int, total: int, metrics: dict[str, float], write=print) -> None:
         if not self.enabled or step % self.console_every:
             return
-        shown = " ".join(f"{k.split('/')[-1]}={metrics[k]:.4g}" for k in CONSOLE_KEYS if k in metrics)
+        shown = " ".join(f"{_label(k)}={metrics[k]:.4g}" for k in CONSOLE_KEYS if k in metrics)
         write(f"step {step}/{total} {shown} elapsed={time.time() - self._t0:.0f}s")
 
     def trajectories(self, step: int, records: list[dict], name: str = "trajectories.jsonl") -> None:
@@ -82,6 +82,12 @@ class RunLogger:
         if self._writer is not None:
             self._writer.close()
             self._writer = None
+
+
+def _label(key: str) -> str:
+    """Console name of a metric: its last part, or its first for `reward/mean` (`reward=`, not `mean=`)."""
+    parts = key.split("/")
+    return parts[0] if parts[-1] == "mean" else parts[-1]
 
 
 def read_scalars(tb_dir: str) -> dict[str, list[tuple[int, float]]]:

@@ -145,6 +145,8 @@ def build_runtime(cfg: Config) -> Runtime:
                                              weight_decay=o.weight_decay, adam_betas=tuple(o.betas),
                                              clip_grad=o.clip_grad, warmup_steps=warmup, decay_steps=decay,
                                              decay_style=o.lr_decay)
+    if warmup:  # Megatron's warmup starts at LR 0: step once so RL step k trains at k/warmup * lr, not 0 at step 1
+        actor_sched.step(1)
     ref = None
     if a.use_kl_loss or a.use_kl_in_reward:
         ref = build_reference(hf_config, params_dtype=dtype, load_weights=load_actor)
@@ -157,6 +159,8 @@ def build_runtime(cfg: Config) -> Runtime:
                                                    weight_decay=o.weight_decay, adam_betas=tuple(o.betas),
                                                    clip_grad=o.clip_grad, warmup_steps=warmup, decay_steps=decay,
                                                    decay_style=o.lr_decay)
+        if warmup:
+            critic_sched.step(1)
     mapping = bind_mapping(hf_config, actor.module if hasattr(actor, "module") else actor)
 
     # -- data ------------------------------------------------------------------------------------------------
@@ -179,7 +183,8 @@ def build_runtime(cfg: Config) -> Runtime:
     max_len = d.max_prompt_length + r.max_response_length
     engine_kw: dict = dict(dtype=engine_dtype)
     if r.engine == "vllm":
-        engine_kw.update(tensor_parallel_size=r.engine_tp, max_model_len=max_len, seed=t.seed + rank,
+        # one seed per vLLM TP group: its ranks must sample alike (requests carry their own seeds anyway)
+        engine_kw.update(tensor_parallel_size=r.engine_tp, max_model_len=max_len, seed=t.seed + rank // r.engine_tp,
                          gpu_memory_utilization=r.gpu_memory_utilization, enforce_eager=r.enforce_eager)
         if not torch.cuda.is_available():
             engine_kw["kv_cache_gib"] = r.kv_cache_gib

@@ -149,11 +149,12 @@ class Trainer:
             if a.use_kl_in_reward:  # one coefficient for all ranks: update from the DP-averaged KL
                 kl = mean_over_ranks({"kl": adv_metrics["actor/reward_kl_penalty"]})["kl"]
                 rt.kl_ctrl.update(kl, n_steps=cfg.data.train_batch_size * r.n)
+            lr_used = rt.actor_opt.param_groups[0]["lr"]  # before update() steps the schedule
             with timer() as t_train:
                 update_metrics = self.update(seqs)
             self.synced = False
             # 7. metrics (the rest happens in fit: logging, checkpoints, validation)
-            metrics = {**roll_metrics, **adv_metrics, **update_metrics, **_reward_metrics(trajs, scores),
+            metrics = {**roll_metrics, **adv_metrics, **update_metrics, **self.reward_metrics(trajs, scores),
                        **{f"sync/{k}": v for k, v in sync_stats.items()}}
             if r.temperature == 1.0:  # engine log-probs are of the untempered model (vllm: raw_logprobs)
                 metrics["train/logprob_gap_engine"] = ppo.logprob_gap(seqs)
@@ -161,7 +162,7 @@ class Trainer:
         metrics.update({"time/step": t_step.seconds, "time/sync": t_sync.seconds, "time/rollout": t_gen.seconds,
                         "time/old_log_probs": t_old.seconds, "time/update": t_train.seconds,
                         "perf/response_tokens_per_s": gen_tokens / max(t_gen.seconds, 1e-9),
-                        "train/lr": rt.actor_opt.param_groups[0]["lr"]})
+                        "train/lr": lr_used})
         metrics = mean_over_ranks(metrics)
         self.write_samples(trajs, scores)
         return metrics
@@ -176,17 +177,14 @@ class Trainer:
         a, o = cfg.algo, cfg.optim
         n_mini = cfg.data.train_batch_size // a.ppo_mini_batch_size
         sums: dict[str, float] = {}
-        count = 0
 
         def run(model, opt, loss_fn, prefix, **kw):
-            nonlocal count
             for epoch in range(a.ppo_epochs):
                 for mini in split_mini_batches(len(seqs), n_mini, seed=self.step_seed() + epoch):
                     mbs = make_micro_batches([seqs[i] for i in mini], o.max_tokens_per_micro_batch)
                     m = train_step(model, opt, None, mbs, loss_fn, **kw)
                     for k, v in m.items():
                         sums[f"{prefix}/{k}"] = sums.get(f"{prefix}/{k}", 0.0) + float(v)
-                    count += prefix == "actor"
 
         if rt.critic is not None:
             run(rt.critic, rt.critic_opt, ppo.critic_loss_fn(a), "critic")
@@ -213,7 +211,9 @@ class Trainer:
         import torch.distributed as dist
         from megatron.core import parallel_state as mpu
 
-        from megatron_searchr1.rollout.loop import LoopSettings, run_rollout
+        from collections import Counter
+
+        from megatron_searchr1.rollout.loop import LoopSettings, RolloutStats, run_rollout
 
         cfg, rt, r = self.cfg, self.rt, self.cfg.rollout
         group = mpu.get_model_parallel_group()
@@ -224,7 +224,8 @@ class Trainer:
                                 max_response_length=r.max_response_length, max_obs_length=r.max_obs_length,
                                 temperature=temperature, top_p=r.top_p if temperature > 0 else 1.0,
                                 top_k=r.top_k if temperature > 0 else -1, stop_token_ids=rt.stop_token_ids,
-                                seed=seed + me // r.engine_tp)
+                                # the loop adds the turn to the seed: shares must be further apart than turns
+                                seed=seed + (me // r.engine_tp) * 104_729)
         self.wake_engine()
         stats = run_rollout(rt.engine, rt.tokenizer, rt.client.search, mine, settings)
         metrics = stats.as_metrics(mine)
@@ -235,7 +236,9 @@ class Trainer:
             for k in range(shares):
                 done[k::shares] = parts[k * r.engine_tp]
             trajs = done
-            metrics = {**stats.as_metrics(trajs), "time/generate": metrics["time/generate"],
+            # the counters in `stats` are this engine's share: finish reasons are recounted over all trajectories
+            everything = RolloutStats(finish=Counter(tr.finish_reason for tr in trajs))
+            metrics = {**everything.as_metrics(trajs), "time/generate": metrics["time/generate"],
                        "time/search": metrics["time/search"], "rollout/computed_tokens": metrics["rollout/computed_tokens"]}
         return trajs, metrics
 
@@ -277,7 +280,9 @@ class Trainer:
         cfg, rt, r = self.cfg, self.rt, self.cfg.rollout
         self.sync_engine()
         self.wake_engine()
-        rows = rt.val_data[rt.rank::rt.world]
+        # ranks of one vLLM TP group send the same prompts: split the rows over engine groups, not ranks
+        group, n_groups = rt.rank // r.engine_tp, rt.world // r.engine_tp
+        rows = rt.val_data[group::n_groups]
         settings = LoopSettings(max_turns=r.max_turns, max_tokens_per_turn=r.max_tokens_per_turn,
                                 max_response_length=r.max_response_length, max_obs_length=r.max_obs_length,
                                 temperature=r.val_temperature, stop_token_ids=rt.stop_token_ids,
@@ -300,7 +305,7 @@ class Trainer:
                                 "length": len(tr.response_ids)})
         self.sleep_engine()
         parts: list = [None] * rt.world
-        dist.all_gather_object(parts, records)
+        dist.all_gather_object(parts, records if rt.rank % r.engine_tp == 0 else [])
         records = [x for part in parts for x in part]
         report = summarize_eval(records)
         metrics = {f"val/{k}": v for k, v in report["metrics"].items()}
@@ -360,6 +365,17 @@ class Trainer:
         if self.rt.rank == 0:
             print(f"exported the actor as a Hugging Face model to {out_dir}", flush=True)
 
+    def reward_metrics(self, trajs: list, scores: list) -> dict:
+        """Reward and EM overall and per data source, over the whole batch: the DP ranks hold different data
+        sources, so their records are gathered (the metrics then have the same keys and values on every rank)."""
+        import torch.distributed as dist
+        from megatron.core import parallel_state as mpu
+
+        mine = [(tr.meta["data_source"], sc["score"], sc["em"]) for tr, sc in zip(trajs, scores)]
+        parts: list = [None] * self.rt.dp_size
+        dist.all_gather_object(parts, mine, group=mpu.get_data_parallel_group())
+        return reward_table([x for part in parts for x in part])
+
     def write_samples(self, trajs: list, scores: list) -> None:
         from megatron_searchr1.rollout.loop import response_text
 
@@ -382,10 +398,18 @@ def _dp_shard(rows: list, dp_rank: int, dp_size: int) -> list:
     return dp_shard(rows, dp_rank, dp_size)
 
 
-def _reward_metrics(trajs: list, scores: list) -> dict:
-    """Reward and EM overall and per data source."""
-    out = {"reward/mean": sum(s["score"] for s in scores) / max(len(scores), 1),
-           "reward/em": sum(s["em"] for s in scores) / max(len(scores), 1)}
+def reward_table(records: list[tuple[str, float, float]]) -> dict:
+    """(data_source, reward, em) per trajectory -> reward and EM overall and per data source.
+
+    >>> reward_table([("nq", 1.0, 1.0), ("nq", 0.0, 0.0), ("hotpotqa", 0.5, 0.0)])["reward/nq/mean"]
+    0.5
+    """
+    out: dict[str, float] = {}
+    for name, recs in [("", records)] + sorted(
+            (f"{src}/", [x for x in records if x[0] == src]) for src in {x[0] for x in records}):
+        n = max(len(recs), 1)
+        out[f"reward/{name}mean"] = sum(x[1] for x in recs) / n
+        out[f"reward/{name}em"] = sum(x[2] for x in recs) / n
     return out
 
 

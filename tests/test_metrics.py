@@ -16,7 +16,7 @@ def test_logger_round_trip(tmp_path):
     assert scalars["reward/mean"] == [(1, 0.25), (2, 0.75)]
     assert json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[1])["actor/pg_loss"] == -0.25
     assert json.loads((tmp_path / "trajectories.jsonl").read_text())["uid"] == "a"
-    assert lines[0].startswith("step 2/10 mean=0.75 pg_loss=-0.25")
+    assert lines[0].startswith("step 2/10 reward=0.75 pg_loss=-0.25")
     off = RunLogger(str(tmp_path / "off"), enabled=False)
     off.log(1, {"x": 1.0})
     assert not (tmp_path / "off").exists()

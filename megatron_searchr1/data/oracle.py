@@ -32,6 +32,7 @@ import re
 from collections.abc import Callable, Collection
 
 from megatron_searchr1.data.prompts import answer_turn, format_observation, search_turn
+from megatron_searchr1.data.qa import plain
 from megatron_searchr1.data.synthetic import RELATIONS
 
 # queries -> one observation text per query (the `format_docs` string, before <information> wrapping)
@@ -77,17 +78,6 @@ def observed_titles(text: str) -> list[str]:
     return titles
 
 
-def _plain(obj):
-    """Parquet gives numpy arrays for lists; make rows JSON-ready."""
-    if hasattr(obj, "tolist"):
-        obj = obj.tolist()
-    if isinstance(obj, dict):
-        return {k: _plain(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_plain(v) for v in obj]
-    return obj
-
-
 def _fact(hop: dict) -> str:
     """'the CEO of Quorvin Labs' for a hop (the object phrase with the resolved subject name)."""
     return RELATIONS[hop["relation"]].phrase.format(x=hop["subject"])
@@ -107,7 +97,7 @@ def gold_trajectories(rows: list[dict], search: Searcher, gold_text: dict[str, s
     held-out passages are the gold of validation/test): `shows_heldout` is true when any observation contains a
     passage with one of these titles (always false without it).
     """
-    rows = [_plain(r) for r in rows]
+    rows = [plain(r) for r in rows]
     heldout = frozenset(heldout_titles or ())
     chains = [r["extra_info"]["chain"] for r in rows]
     obs: list[list[str]] = [[] for _ in rows]

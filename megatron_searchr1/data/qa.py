@@ -180,6 +180,21 @@ def build_split(sources: list[SourceFile], split: str, template: str = "base") -
     return rows
 
 
+def plain(obj):
+    """A parquet row as plain python: numpy arrays (how pyarrow/pandas hand back lists) become lists, recursively.
+
+    >>> import numpy as np; plain({"target": np.array(["a", "b"]), "n": [np.array([1])]})
+    {'target': ['a', 'b'], 'n': [[1]]}
+    """
+    if hasattr(obj, "tolist"):
+        obj = obj.tolist()
+    if isinstance(obj, dict):
+        return {k: plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [plain(v) for v in obj]
+    return obj
+
+
 def write_rows(rows: list[dict], path: str, extra_info_type: pa.DataType = QA_EXTRA_INFO_TYPE) -> None:
     """Write rows to parquet with an explicit schema (so every file of a run has the same types)."""
     uids = [r["extra_info"]["uid"] for r in rows]

@@ -17,6 +17,7 @@ import random
 from dataclasses import dataclass, field
 
 from megatron_searchr1.data.prompts import render_prompt
+from megatron_searchr1.data.qa import plain
 
 
 @dataclass
@@ -33,16 +34,6 @@ class PromptRow:
     """`extra_info` minus what is above (hops, chain for the synthetic world)."""
 
 
-def _plain(obj):
-    if hasattr(obj, "tolist"):
-        obj = obj.tolist()
-    if isinstance(obj, dict):
-        return {k: _plain(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_plain(v) for v in obj]
-    return obj
-
-
 def read_rows(paths: list[str]) -> list[dict]:
     """All rows of the parquet files, in order, as plain python (lists, dicts)."""
     import pyarrow.parquet as pq
@@ -54,7 +45,7 @@ def read_rows(paths: list[str]) -> list[dict]:
         if missing:
             raise ValueError(f"{path} lacks column(s) {missing}: expected Search-R1's parquet schema "
                              "(tools/prepare_qa_data.py or tools/make_synthetic_world.py write it)")
-        rows += [_plain(r) for r in table.to_pylist()]
+        rows += [plain(r) for r in table.to_pylist()]
     return rows
 
 

@@ -9,6 +9,8 @@ maps each token of the path to the next one (a bigram machine, greedy and determ
 """
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -47,7 +49,6 @@ def setup(tmp_path_factory):
 
     from megatron_searchr1.models.tiny import TinyModelConfig, make_tiny_model
     from megatron_searchr1.search.launch import ServerProcess
-    from megatron_searchr1.search.retrievers import index_corpus
 
     root = tmp_path_factory.mktemp("loop_e2e")
     base = make_tiny_model(TinyModelConfig(output_dir=str(root / "base"), hidden_size=64, intermediate_size=128,
@@ -71,7 +72,8 @@ def setup(tmp_path_factory):
         for i, text in enumerate([f"{query} is where the founder lived.", "An unrelated passage about rivers.",
                                   f"Another note on {query} and its history."]):
             f.write(json.dumps({"id": str(i), "contents": f'"Doc{i}"\n{text}'}) + "\n")
-    index_corpus(str(corpus), str(root / "index"), kind="bm25")
+    subprocess.run([sys.executable, "-m", "megatron_searchr1.search.build_index", "--corpus", str(corpus), "--out-dir",
+                    str(root / "index"), "--kind", "bm25", "--quiet"], check=True, capture_output=True, timeout=300)
     server = ServerProcess(["--index-dir", str(root / "index"), "--torch-threads", "1"]).start()
     try:
         from megatron_searchr1.search.client import RetrievalClient
@@ -125,6 +127,8 @@ def test_hf_engine_runs_the_loop_against_the_server(setup):
 @pytest.mark.slow
 def test_vllm_engine_gives_the_hf_engines_tokens(setup):
     pytest.importorskip("vllm")
+    import bm25s  # noqa: F401 - imports numba, hence llvmlite, which vLLM's CPU start-up trips over unless hidden
+    assert "llvmlite" in sys.modules
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from megatron_searchr1.rollout.engines import make_engine
 

@@ -47,6 +47,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import sys
 from typing import Iterable, Optional, Sequence
 
 import torch
@@ -65,6 +66,27 @@ def _import_vllm():
     except ImportError as e:
         raise ImportError(f"{INSTALL_HINT} ({e})") from e
     return vllm
+
+
+@contextlib.contextmanager
+def _llvmlite_hidden(active: bool):
+    """Hide llvmlite's modules from `sys.modules` while a CPU engine starts.
+
+    vLLM 0.32's CPU worker rebinds Triton kernels by scanning every module namespace and calling `vars(x).get` on
+    each attribute that has a `__dict__`. llvmlite's `lib` wrapper answers any attribute, `__dict__` included, with
+    a function wrapper, so the scan raises AttributeError and the engine never starts. llvmlite is in the process
+    whenever numba is, and `import bm25s` imports numba (an in-process BM25 index, the synthetic world's oracle).
+    The modules are put back unchanged right after.
+    """
+    hidden = {name: mod for name, mod in sys.modules.items() if name == "llvmlite" or name.startswith("llvmlite.")}
+    if active:
+        for name in hidden:
+            del sys.modules[name]
+    try:
+        yield
+    finally:
+        if active:
+            sys.modules.update(hidden)
 
 
 def _use_plain_cpu_linear() -> None:
@@ -168,7 +190,8 @@ class VLLMEngine:
 
         self.sleep_mode = bool(enable_sleep_mode)
         self.sleeping = False
-        with _global_rng_kept():  # an in-process vLLM worker re-seeds random/numpy/torch with `seed` at start
+        with _global_rng_kept(), _llvmlite_hidden(self.on_cpu):
+            # _global_rng_kept: an in-process vLLM worker re-seeds random/numpy/torch with `seed` at start
             self.llm = vllm.LLM(
                 model=model_dir, tokenizer=tokenizer or model_dir, tensor_parallel_size=tensor_parallel_size,
                 dtype=dtype, gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len, seed=seed,

@@ -1,0 +1,95 @@
+"""Shared pieces for trainer tests: one synthetic world, one tiny model and one retrieval server per session.
+
+    from tests.rl_fixtures import world, tiny_model, server, run_module   # pytest picks up the fixtures
+
+The world is the CPU demo's (megatron_searchr1.data.synthetic, short prompt template, BM25 oracle, seed 0); the
+model is a random tiny Qwen2 with a BPE tokenizer trained on the world's text (head_dim 32 for vLLM's CPU
+attention); the server is the real retrieval server over the world's BM25 index, started once and stopped at the
+end of the session. Everything lives under one session temp dir so several test files can share it.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.dist_utils import REPO
+
+TINY_MODEL_ARGS = dict(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=2, num_kv_heads=2,
+                       vocab_size=1000, tie_embeddings=True)
+"""Smaller than the demo's model (head_dim still 32); 2 layers so PP=2 splits it, 2 heads so TP=2 splits them."""
+
+
+def child_env(**extra: str) -> dict:
+    env = dict(os.environ)
+    env.update(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+               PYTHONPATH=f"{REPO}{os.pathsep}{env.get('PYTHONPATH', '')}")
+    env.update(extra)
+    return env
+
+
+def run_module(module: str, args: list[str], nproc: int = 1, timeout: float = 600, check: bool = True
+               ) -> subprocess.CompletedProcess:
+    """`python -m module args` (nproc=1 and no torchrun) or `torchrun --standalone --nproc_per_node N -m module`."""
+    if nproc > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m",
+               module, *args]
+    else:
+        cmd = [sys.executable, "-m", module, *args]
+    proc = subprocess.run(cmd, cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"rc={proc.returncode}: {' '.join(cmd)}\n{(proc.stdout + proc.stderr)[-8000:]}")
+    return proc
+
+
+def _world_text(world_dir: str, out_path: str) -> None:
+    from megatron_searchr1.demo import _world_text as demo_world_text
+
+    demo_world_text(world_dir, out_path)
+
+
+@pytest.fixture(scope="session")
+def rl_root(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("rl"))
+
+
+@pytest.fixture(scope="session")
+def world(rl_root) -> str:
+    """The synthetic world dir: {train,validation,test}.parquet, index_bm25/, sft/dataset_info.json."""
+    out = os.path.join(rl_root, "world")
+    run_module("megatron_searchr1.data.synthetic", ["--out-dir", out, "--template", "short", "--oracle", "bm25",
+                                                    "--seed", "0"], timeout=300)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_model(world, rl_root) -> str:
+    """HF dir of a random tiny Qwen2 whose tokenizer knows the world's words."""
+    from megatron_searchr1.models.tiny import TinyModelConfig, make_tiny_model
+
+    out = os.path.join(rl_root, "tiny_model")
+    text = os.path.join(rl_root, "world_text.txt")
+    _world_text(world, text)
+    make_tiny_model(TinyModelConfig(output_dir=out, text_files=[text], **TINY_MODEL_ARGS))
+    return out
+
+
+@pytest.fixture(scope="session")
+def server(world):
+    """A live retrieval server over the world's BM25 index; yields its URL."""
+    from megatron_searchr1.search.launch import ServerProcess
+
+    with ServerProcess(["--index-dir", os.path.join(world, "index_bm25")]) as proc:
+        yield proc.url
+
+
+def wait_for(predicate, timeout: float, every: float = 0.2) -> bool:
+    end = time.time() + timeout
+    while time.time() < end:
+        if predicate():
+            return True
+        time.sleep(every)
+    return predicate()
