@@ -136,6 +136,8 @@ def _cases(t: str) -> list[tuple[str, list[str], str]]:
         ("bench_retrieval-range", [PY, "tools/benchmarks/bench_retrieval.py", "--concurrency", "0"],
          "--concurrency"),
         ("bench_padding-range", [PY, "tools/benchmarks/bench_padding.py", "--sequences", "0"], "--sequences"),
+        ("bench_rollout-range", [PY, "tools/benchmarks/bench_rollout.py", "--work-dir", f"{t}/roll", "--prompts", "0"],
+         "--prompts"),
         ("bench_weight_sync-range", [PY, "tools/benchmarks/bench_weight_sync.py", "--iters", "0"], "--iters"),
         ("bench_megatron_vs_hf-range", [PY, "tools/benchmarks/bench_megatron_vs_hf.py", "--layers", "0"],
          "--layers"),
