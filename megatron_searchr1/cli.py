@@ -8,11 +8,14 @@
             raise UsageError(f"--data {args.data!r} does not exist: run tools/make_synthetic_world.py first")
         ...heavy imports and work...
 
+    cli = console(main)                     # setup.py's console script: `name=package.module:cli`
+
     if __name__ == "__main__":
         raise SystemExit(run_main(main))
 
 Check arguments and paths before heavy imports (torch, megatron, vllm), so a mistake is reported in well under a
-second. A traceback is for our bugs: anything other than UsageError propagates.
+second. A traceback is for our bugs: anything other than UsageError propagates. Range checks that need no other
+flag go into the argument's type: `p.add_argument("--iters", type=at_least(1), default=5)`.
 """
 from __future__ import annotations
 
@@ -32,7 +35,8 @@ def error_exit(message: str, code: int = 2) -> NoReturn:
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse with defaults shown in --help and parse errors as one `error:` line (exit 2)."""
+    """argparse with defaults shown in --help (also for flags without a help text) and parse errors as one
+    `error:` line (exit 2)."""
 
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("formatter_class", _Formatter)
@@ -43,7 +47,58 @@ class ArgumentParser(argparse.ArgumentParser):
 
 
 class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """Defaults in --help, and descriptions/epilogs printed as written (examples keep their lines)."""
+    """Defaults in --help (not None or empty, not for on/off switches), and descriptions/epilogs printed as written
+    (examples keep their lines)."""
+
+    def _format_action(self, action):
+        if action.help is None and _shows_default(action):
+            action.help = "default: %(default)s"  # argparse prints nothing for a flag without a help text
+        return super()._format_action(action)
+
+    def _get_help_string(self, action):
+        text = (action.help or "").strip()
+        if not _shows_default(action) or "%(default)" in text:
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+def _shows_default(action: argparse.Action) -> bool:
+    """A default worth printing: not for positionals or on/off switches, not None / empty / suppressed."""
+    return (bool(action.option_strings) and action.nargs != 0
+            and not any(action.default is d or action.default == d for d in (None, argparse.SUPPRESS, "", [], ())))
+
+
+def at_least(low: float, kind: type = int) -> Callable[[str], float]:
+    """An argparse `type` that reads `kind` and refuses values below `low`: `type=at_least(1)`, `at_least(0.0, float)`.
+
+    The parse error names the flag: `error: argument --iters: must be >= 1, got 0`.
+    """
+    def convert(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'}, got {text!r}")
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {text}")
+        return value
+
+    convert.__name__ = kind.__name__
+    return convert
+
+
+def above(low: float, kind: type = float) -> Callable[[str], float]:
+    """Like `at_least`, for a strict bound: `type=above(0)` (seconds, sizes in MiB)."""
+    def convert(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'}, got {text!r}")
+        if not value > low:
+            raise argparse.ArgumentTypeError(f"must be > {low}, got {text}")
+        return value
+
+    convert.__name__ = kind.__name__
+    return convert
 
 
 def run_main(main: Callable[[Optional[Sequence[str]]], Optional[int]], argv: Optional[Sequence[str]] = None) -> int:
@@ -52,3 +107,12 @@ def run_main(main: Callable[[Optional[Sequence[str]]], Optional[int]], argv: Opt
         return int(main(argv) or 0)
     except UsageError as e:
         error_exit(str(e))
+
+
+def console(main: Callable[[Optional[Sequence[str]]], Optional[int]]) -> Callable[[], int]:
+    """The zero-argument entry point a console script calls (setup.py `name=module:cli`), reading sys.argv."""
+    def cli() -> int:
+        return run_main(main)
+
+    cli.__doc__ = f"Console-script entry of {main.__module__}.main: user mistakes are one `error:` line, exit 2."
+    return cli

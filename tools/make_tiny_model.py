@@ -1,9 +1,10 @@
-# python tools/make_tiny_model.py --output-dir /tmp/tiny-qwen2 --arch qwen2 [--text corpus.txt ...] [--tie-embeddings]
+# python tools/make_tiny_model.py --output-dir /tmp/tiny-qwen2 --arch qwen2 [--text corpus.txt ...] [--overwrite]
 """Write a random tiny Qwen2/Llama Hugging Face checkpoint with a locally trained BPE chat tokenizer (no hub).
 
 Thin wrapper over `megatron_searchr1.models.tiny.main`; `python tools/make_tiny_model.py --help` lists the options.
 """
+from megatron_searchr1.cli import run_main
 from megatron_searchr1.models.tiny import main
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_main(main))

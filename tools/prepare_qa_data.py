@@ -4,7 +4,8 @@
 # python tools/prepare_qa_data.py --flashrag-dir raw --train-sources nq,hotpotqa \
 #     --test-sources nq,triviaqa,popqa,hotpotqa,2wikimultihopqa,musique,bamboogle --out-dir data/nq_hotpotqa
 """Convert FlashRAG QA files into Search-R1-schema parquet (see megatron_searchr1/data/qa.py)."""
+from megatron_searchr1.cli import run_main
 from megatron_searchr1.data.qa import main
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(run_main(main))

@@ -15,7 +15,7 @@ import dataclasses
 import os
 import time
 
-from megatron_searchr1.cli import ArgumentParser, UsageError, run_main
+from megatron_searchr1.cli import ArgumentParser, UsageError, console, run_main
 from megatron_searchr1.data.prompts import TEMPLATES
 from megatron_searchr1.data.synthetic import SPLITS, WorldConfig, generate, heldout_titles, write_world
 
@@ -110,6 +110,9 @@ def main(argv: list[str] | None = None) -> int:
               f"held-out passage{'' if args.keep_heldout else ', skipped'}) -> {sft_dir}/{s}.jsonl")
     print(f"done in {time.time() - t0:.1f}s")
     return 0
+
+
+cli = console(main)  # the console script (setup.py)
 
 
 if __name__ == "__main__":

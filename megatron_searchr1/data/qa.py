@@ -1,4 +1,4 @@
-"""FlashRAG QA files -> training/validation parquet in Search-R1's schema.
+r"""FlashRAG QA files -> training/validation parquet in Search-R1's schema.
 
 Input: FlashRAG-format files (``.jsonl`` or ``.parquet``) with columns ``question``, ``golden_answers`` (a list of
 strings; a bare string is accepted) and optionally ``id``. The data source name (nq, hotpotqa, ...) comes from the
@@ -13,8 +13,9 @@ Output row (Search-R1's, plus ``extra_info.uid``)::
      "extra_info": {"split": "train", "index": 17, "uid": "nq-train-17", "id": "train_17", "question": "...?"}}
 
 ``index`` restarts at 0 for every source, as in Search-R1 (kept for compatibility); ``uid`` is unique across all
-sources merged into one file, so GRPO groups never collide. Run:
+sources merged into one file, so GRPO groups never collide.
 
+Examples:
     python tools/prepare_qa_data.py --train nq=raw/nq/train.jsonl hotpotqa=raw/hotpotqa/train.jsonl \
         --test nq=raw/nq/test.jsonl bamboogle=raw/bamboogle/test.jsonl --out-dir data/nq_hotpotqa
     python tools/prepare_qa_data.py --flashrag-dir raw --train-sources nq,hotpotqa \
@@ -22,7 +23,6 @@ sources merged into one file, so GRPO groups never collide. Run:
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 from dataclasses import dataclass
@@ -31,6 +31,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
+from megatron_searchr1.cli import ArgumentParser, UsageError, console, run_main
 from megatron_searchr1.data.prompts import TEMPLATES, make_prompt, normalize_question
 
 REQUIRED_COLUMNS = ("question", "golden_answers")
@@ -60,6 +61,11 @@ def row_schema(extra_info_type: pa.DataType = QA_EXTRA_INFO_TYPE) -> pa.Schema:
     )
 
 
+class QADataError(ValueError):
+    """A QA input file that cannot be used as given (bad JSON, missing columns, ...); the message names the file,
+    the line or row, and what is expected."""
+
+
 @dataclass
 class SourceFile:
     """One input file and the data source name its rows get."""
@@ -85,7 +91,7 @@ def parse_source_spec(spec: str) -> SourceFile:
     if "=" in spec and not os.path.exists(spec):
         name, path = spec.split("=", 1)
         if not name:
-            raise ValueError(f"source spec {spec!r} has an empty name; write NAME=PATH, e.g. nq=raw/nq/train.jsonl")
+            raise QADataError(f"source spec {spec!r} has an empty name; write NAME=PATH, e.g. nq=raw/nq/train.jsonl")
     else:
         name, path = source_name_from_path(spec), spec
     return SourceFile(name=name, path=path)
@@ -99,10 +105,13 @@ def read_flashrag(path: str) -> list[dict]:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"QA file {path!r} does not exist")
     if path.endswith(".parquet"):
-        table = pq.read_table(path)
+        try:
+            table = pq.read_table(path)
+        except pa.ArrowException as err:
+            raise QADataError(f"{path}: not a readable parquet file ({err})") from None
         missing = [c for c in REQUIRED_COLUMNS if c not in table.column_names]
         if missing:
-            raise ValueError(
+            raise QADataError(
                 f"{path}: missing column(s) {missing}; FlashRAG QA files need {list(REQUIRED_COLUMNS)} "
                 f"(found {table.column_names})"
             )
@@ -116,25 +125,25 @@ def read_flashrag(path: str) -> list[dict]:
                 try:
                     rec = json.loads(line)
                 except json.JSONDecodeError as err:
-                    raise ValueError(f"{path}:{lineno}: not valid JSON ({err.msg}); expected one object per line")
+                    raise QADataError(f"{path}:{lineno}: not valid JSON ({err.msg}); expected one object per line")
                 if not isinstance(rec, dict):
-                    raise ValueError(f"{path}:{lineno}: expected a JSON object, got {type(rec).__name__}")
+                    raise QADataError(f"{path}:{lineno}: expected a JSON object, got {type(rec).__name__}")
                 missing = [c for c in REQUIRED_COLUMNS if c not in rec]
                 if missing:
-                    raise ValueError(f"{path}:{lineno}: missing column(s) {missing} (found {sorted(rec)})")
+                    raise QADataError(f"{path}:{lineno}: missing column(s) {missing} (found {sorted(rec)})")
                 records.append(rec)
     else:
-        raise ValueError(f"{path}: unsupported file type; give a FlashRAG .jsonl or .parquet file")
+        raise QADataError(f"{path}: unsupported file type; give a FlashRAG .jsonl or .parquet file")
     out = []
     for i, rec in enumerate(records):
         where = f"{path} row {i}"
         question, answers = rec["question"], rec["golden_answers"]
         if not isinstance(question, str) or not question.strip():
-            raise ValueError(f"{where}: column 'question' must be a non-empty string, got {question!r}")
+            raise QADataError(f"{where}: column 'question' must be a non-empty string, got {question!r}")
         if isinstance(answers, str):
             answers = [answers]
         if not isinstance(answers, (list, tuple)) or not answers or not all(isinstance(a, str) for a in answers):
-            raise ValueError(f"{where}: column 'golden_answers' must be a non-empty list of strings, got {answers!r}")
+            raise QADataError(f"{where}: column 'golden_answers' must be a non-empty list of strings, got {answers!r}")
         rid = rec.get("id")
         out.append({"question": question, "golden_answers": list(answers), "id": None if rid is None else str(rid)})
     return out
@@ -160,7 +169,7 @@ def build_split(sources: list[SourceFile], split: str, template: str = "base") -
     names = [s.name for s in sources]
     dups = sorted({n for n in names if names.count(n) > 1})
     if dups:
-        raise ValueError(f"{split}: data source(s) {dups} given twice; their uids would collide. Give each once.")
+        raise QADataError(f"{split}: data source(s) {dups} given twice; their uids would collide. Give each once.")
     rows = []
     for src in sources:
         records = read_flashrag(src.path)
@@ -207,9 +216,9 @@ def find_flashrag_file(root: str, name: str, splits: tuple[str, ...]) -> str:
     raise FileNotFoundError(f"no FlashRAG file for source {name!r}; looked for {tried}")
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+def main(argv: list[str] | None = None) -> int:
+    examples = __doc__[__doc__.index("Examples:"):]
+    p = ArgumentParser(description=__doc__.split("\n\n")[0], epilog=examples)
     p.add_argument("--train", nargs="*", default=[], metavar="NAME=PATH", help="train files, merged in order")
     p.add_argument("--test", nargs="*", default=[], metavar="NAME=PATH", help="test/validation files, merged")
     p.add_argument("--flashrag-dir", help="FlashRAG layout root: <dir>/<name>/{train,dev,test}.jsonl")
@@ -221,26 +230,42 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out-dir", required=True, help="writes train.parquet and test.parquet here")
     args = p.parse_args(argv)
 
-    train = [parse_source_spec(s) for s in args.train]
-    test = [parse_source_spec(s) for s in args.test]
-    if args.train_sources or args.test_sources:
-        if not args.flashrag_dir:
-            p.error("--train-sources/--test-sources need --flashrag-dir")
+    if os.path.exists(args.out_dir) and not os.path.isdir(args.out_dir):
+        raise UsageError(f"--out-dir {args.out_dir!r} is a file: give a directory")
+    if (args.train_sources or args.test_sources) and not args.flashrag_dir:
+        raise UsageError("--train-sources/--test-sources need --flashrag-dir")
+    if args.flashrag_dir and not os.path.isdir(args.flashrag_dir):
+        raise UsageError(f"--flashrag-dir {args.flashrag_dir!r} is not a directory")
+    try:
+        train = [parse_source_spec(s) for s in args.train]
+        test = [parse_source_spec(s) for s in args.test]
         for n in filter(None, args.train_sources.split(",")):
             train.append(SourceFile(n, find_flashrag_file(args.flashrag_dir, n, ("train",))))
         for n in filter(None, args.test_sources.split(",")):
             test.append(SourceFile(n, find_flashrag_file(args.flashrag_dir, n, ("test", "dev"))))
-    if not train and not test:
-        p.error("nothing to do: give --train/--test files or --flashrag-dir with --train-sources/--test-sources")
-    for split, sources in (("train", train), ("test", test)):
-        if not sources:
-            continue
-        rows = build_split(sources, split, args.template)
+        for flag, sources in (("--train", train), ("--test", test)):
+            for src in sources:
+                if not os.path.isfile(src.path):
+                    raise UsageError(f"{flag}: QA file {src.path!r} (source {src.name!r}) does not exist")
+        if not train and not test:
+            raise UsageError("nothing to do: give --train/--test files or --flashrag-dir with "
+                             "--train-sources/--test-sources")
+        splits = {split: build_split(sources, split, args.template)
+                  for split, sources in (("train", train), ("test", test)) if sources}
+    except (QADataError, FileNotFoundError) as e:  # the messages name the file and what to fix
+        raise UsageError(str(e)) from None
+    # Written only once every input has been read: a mistake in the test files leaves no half-written output.
+    for split, rows in splits.items():
+        sources = train if split == "train" else test
         path = os.path.join(args.out_dir, f"{split}.parquet")
         write_rows(rows, path)
         counts = ", ".join(f"{s.name}={sum(r['data_source'] == s.name for r in rows)}" for s in sources)
         print(f"wrote {path}: {len(rows)} rows ({counts})")
+    return 0
+
+
+cli = console(main)  # the console script (setup.py)
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(run_main(main))

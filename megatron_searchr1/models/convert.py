@@ -1,6 +1,6 @@
 """Checkpoint conversion: Hugging Face safetensors dir <-> Megatron `dist_checkpointing` checkpoint.
 
-    # HF -> Megatron (one process is enough: the checkpoint loads at any TP/PP)
+    # HF -> Megatron (one process is enough: the checkpoint loads at any TP/PP); the CLIs: models/convert_cli.py
     python checkpoints_convert/hf_to_megatron.py --hf-dir HF --out-dir CKPT
     torchrun --nproc_per_node 4 checkpoints_convert/hf_to_megatron.py --hf-dir HF --out-dir CKPT --tp 2 --pp 2
     # Megatron (saved at any TP/PP) -> HF
@@ -16,16 +16,17 @@ in memory beyond this rank's Megatron stage). Weight mapping: `megatron_searchr1
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
-import sys
 from typing import Any, Iterable
 
 import torch
 
 from megatron_searchr1.models.config import check_parallel_sizes, padded_vocab_size
+# The command lines live in convert_cli.py (checked before torch loads); these names keep the console scripts of an
+# install made before the move working until `pip install -e .` regenerates them.
+from megatron_searchr1.models.convert_cli import hf_to_megatron_main, megatron_to_hf_main  # noqa: F401
 from megatron_searchr1.models.families import ModelFamily, get_family, rename_layer, tp_merge, tp_split
 
 META_FILE = "searchr1_checkpoint.json"
@@ -48,7 +49,7 @@ def _is_fresh(name: str) -> bool:
 
 
 class ConversionError(Exception):
-    """A user-facing problem with the inputs (the CLIs print it and exit non-zero)."""
+    """A user-facing problem with the inputs (the CLIs, models/convert_cli.py, print it as one `error:` line)."""
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -449,62 +450,3 @@ def megatron_to_hf(ckpt_dir: str, out_dir: str, *, tp: int = 1, pp: int = 1, dty
             json.dump(cfg, f, indent=2)
         print(f"wrote HF checkpoint ({cfg['dtype']}) to {out_dir}")
     dist.barrier()
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# CLIs
-# ----------------------------------------------------------------------------------------------------------------
-def _quiet_known_warnings() -> None:
-    """Hide start-up noise that says nothing about the conversion (no Apex/TE on CPU, DCP deprecations)."""
-    import warnings
-
-    for pattern in (".*Apex.*", ".*Transformer Engine.*", ".*Please use DTensor instead.*",
-                    ".*`load_state_dict` is deprecated.*", ".*full scope is deprecated.*"):
-        warnings.filterwarnings("ignore", message=pattern)
-
-
-def _run(fn, kwargs) -> int:
-    _quiet_known_warnings()
-    try:
-        fn(**kwargs)
-    except (ConversionError, ValueError) as e:  # ValueError: what the builder / the mapping reject, with a message
-        print("error: " + " ".join(str(e).split()), file=sys.stderr)  # one line: easy to grep, the last thing shown
-        return 2
-    finally:
-        try:
-            from megatron_searchr1.megatron.initialize import destroy_megatron
-
-            destroy_megatron()
-        except Exception:
-            pass
-    return 0
-
-
-def _common_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (world size must be a multiple of tp*pp)")
-    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
-    p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
-                   help="weight dtype (auto: the dtype in config.json)")
-    p.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
-
-
-def hf_to_megatron_main(argv=None) -> int:
-    p = argparse.ArgumentParser(description="Convert a Hugging Face Qwen2/Qwen3/Llama/Mistral dir to a Megatron dist checkpoint "
-                                            "that loads at any TP/PP.")
-    p.add_argument("--hf-dir", required=True, help="HF model directory (config.json + safetensors + tokenizer)")
-    p.add_argument("--out-dir", required=True, help="checkpoint directory to write")
-    _common_args(p)
-    a = p.parse_args(argv)
-    return _run(hf_to_megatron, dict(hf_dir=a.hf_dir, out_dir=a.out_dir, tp=a.tp, pp=a.pp, dtype=a.dtype,
-                                     overwrite=a.overwrite))
-
-
-def megatron_to_hf_main(argv=None) -> int:
-    p = argparse.ArgumentParser(description="Convert a Megatron dist checkpoint (saved at any TP/PP) to a Hugging "
-                                            "Face safetensors dir with config and tokenizer.")
-    p.add_argument("--ckpt-dir", required=True, help="checkpoint directory written by hf_to_megatron")
-    p.add_argument("--out-dir", required=True, help="HF directory to write")
-    _common_args(p)
-    a = p.parse_args(argv)
-    return _run(megatron_to_hf, dict(ckpt_dir=a.ckpt_dir, out_dir=a.out_dir, tp=a.tp, pp=a.pp, dtype=a.dtype,
-                                     overwrite=a.overwrite))

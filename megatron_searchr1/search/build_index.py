@@ -1,4 +1,4 @@
-"""CLI: build a retrieval index directory from a corpus JSONL, or register an existing faiss index.
+r"""CLI: build a retrieval index directory from a corpus JSONL, or register an existing faiss index.
 
     python tools/build_index.py --corpus corpus.jsonl --out-dir index/bm25 --kind bm25
     python tools/build_index.py --corpus corpus.jsonl --out-dir index/dense --kind dense          # packaged MiniLM
@@ -15,7 +15,7 @@ import logging
 import os
 import time
 
-from megatron_searchr1.cli import ArgumentParser, UsageError, run_main
+from megatron_searchr1.cli import ArgumentParser, UsageError, console, run_main
 from megatron_searchr1.search.encoder import add_encoder_args, encoder_options
 
 KINDS = ("bm25", "dense", "hybrid")  # = retrievers.KINDS, repeated so --help needs no faiss/bm25s import
@@ -80,6 +80,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"built a {args.kind} index over {len(retriever)} docs in {args.out_dir} ({time.time() - t0:.1f}s); "
           f"serve it with: python -m megatron_searchr1.search.server --index-dir {args.out_dir}")
     return 0
+
+
+cli = console(main)  # the console script (setup.py)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""The retrieval server: Search-R1's `POST /retrieve` over any of our retrievers, plus `GET /health`.
+r"""The retrieval server: Search-R1's `POST /retrieve` over any of our retrievers, plus `GET /health`.
 
     python -m megatron_searchr1.search.server --index-dir /data/index --host 127.0.0.1 --port 8000
     python -m megatron_searchr1.search.server --faiss-index e5_Flat.index --corpus wiki-18.jsonl \
@@ -44,7 +44,7 @@ import numpy as np
 from fastapi import FastAPI, Request  # module level: FastAPI resolves the handlers' annotations from globals
 from fastapi.responses import JSONResponse, Response
 
-from megatron_searchr1.cli import ArgumentParser, UsageError, run_main
+from megatron_searchr1.cli import ArgumentParser, UsageError, at_least, console, run_main
 from megatron_searchr1.search.base import Retriever
 from megatron_searchr1.search.encoder import add_encoder_args, encoder_options
 
@@ -121,7 +121,7 @@ def parse_request(body: bytes, config: ServerConfig) -> tuple[list[str], int, bo
         raise RequestError(422, f"'queries' must be a list of strings, got {type(queries).__name__}")
     if len(queries) > config.max_queries:
         raise RequestError(413, f"too many queries: {len(queries)} in one request, the limit is "
-                                f"{config.max_queries}; split the batch")
+                                f"{config.max_queries} (the server's --max-queries); split the batch")
     for i, q in enumerate(queries):
         if not isinstance(q, str):
             raise RequestError(422, f"queries[{i}] must be a string, got {type(q).__name__}")
@@ -531,7 +531,7 @@ def build_arg_parser() -> ArgumentParser:
     srv = p.add_argument_group("server")
     d = ServerConfig()
     srv.add_argument("--host", default=d.host)
-    srv.add_argument("--port", type=int, default=d.port)
+    srv.add_argument("--port", type=at_least(0), default=d.port, help="0 = any free port (printed at start)")
     srv.add_argument("--default-topk", type=int, default=d.default_topk)
     srv.add_argument("--max-queries", type=int, default=d.max_queries, help="queries one request may carry")
     srv.add_argument("--max-topk", type=int, default=d.max_topk)
@@ -557,6 +557,25 @@ def build_arg_parser() -> ArgumentParser:
     return p
 
 
+def check_index_dir(index_dir: str, flag: str = "--index-dir") -> None:
+    """UsageError unless `index_dir` holds an index; the message names the step that writes one, or the index
+    folder(s) inside when the user passed their parent (`data/synthetic` instead of `data/synthetic/index_bm25`)."""
+    import os
+
+    if os.path.isfile(os.path.join(index_dir, "index_meta.json")):
+        return
+    inside = sorted(d for d in (os.listdir(index_dir) if os.path.isdir(index_dir) else [])
+                    if os.path.isfile(os.path.join(index_dir, d, "index_meta.json")))
+    if inside:
+        raise UsageError(f"{flag} {index_dir!r} is not an index but holds {len(inside)}: pass "
+                         + " or ".join(f"{flag} {os.path.join(index_dir, d)}" for d in inside))
+    what = "does not exist" if not os.path.exists(index_dir) else "has no index_meta.json"
+    raise UsageError(f"{flag} {index_dir!r} {what}: build an index first, with "
+                     f"`python tools/build_index.py --corpus CORPUS.jsonl --out-dir {index_dir}`, or for the "
+                     f"synthetic world `python tools/make_synthetic_world.py --out-dir data/synthetic --oracle bm25` "
+                     f"(writes data/synthetic/index_bm25)")
+
+
 def check_args(args) -> None:
     """Mistakes in the flags, found before anything heavy loads (UsageError: one `error:` line, exit 2)."""
     import os
@@ -565,12 +584,13 @@ def check_args(args) -> None:
         raise UsageError("give either --index-dir or --faiss-index, not both")
     if not args.index_dir and not (args.faiss_index and args.corpus):
         raise UsageError("no index: pass --index-dir DIR, or --faiss-index FILE with --corpus FILE.jsonl")
-    if args.index_dir and not os.path.isfile(os.path.join(args.index_dir, "index_meta.json")):
-        raise UsageError(f"--index-dir {args.index_dir!r} has no index_meta.json: build it first "
-                         f"(python tools/build_index.py --corpus C --out-dir {args.index_dir})")
+    if args.index_dir:
+        check_index_dir(args.index_dir)
     for flag, path in (("--faiss-index", args.faiss_index), ("--corpus", args.corpus)):
         if path and not os.path.isfile(path):
             raise UsageError(f"{flag} {path!r} is not a file")
+    if args.port > 65535:
+        raise UsageError(f"--port must be at most 65535, got {args.port}")
     for flag in ("torch_threads", "faiss_threads", "query_cache_size"):
         if (getattr(args, flag) or 0) < 0:
             raise UsageError(f"--{flag.replace('_', '-')} must be >= 0, got {getattr(args, flag)}")
@@ -639,6 +659,9 @@ def main(argv: list[str] | None = None) -> int:
     with contextlib.suppress(KeyboardInterrupt):
         server.run(sockets=[sock])
     return 0
+
+
+cli = console(main)  # the console script (setup.py)
 
 
 if __name__ == "__main__":

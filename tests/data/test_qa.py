@@ -9,6 +9,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from megatron_searchr1.cli import UsageError
 from megatron_searchr1.data import qa
 from megatron_searchr1.data.prompts import make_prefix
 
@@ -104,8 +105,10 @@ def test_bad_jsonl_inputs_name_file_and_column(tmp_path, case, content, match):
         path.write_text('{"question": "q", "golden_answers": ["a"]}\n{"question": \n')
     else:
         _write_jsonl(str(path), content)
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(UsageError, match=match):  # the CLI: one `error:` line, exit 2
         qa.main(["--train", f"nq={path}", "--out-dir", str(tmp_path / "out")])
+    with pytest.raises(qa.QADataError, match=match):  # the library: a ValueError naming file and line
+        qa.read_flashrag(str(path))
     assert not (tmp_path / "out" / "train.parquet").exists()
 
 
@@ -113,15 +116,18 @@ def test_bad_files_and_sources(flashrag, tmp_path):
     pq.write_table(pa.table({"id": ["1"], "query": ["q"]}), tmp_path / "x.parquet")
     with pytest.raises(ValueError, match=r"x\.parquet: missing column\(s\) \['question', 'golden_answers'\]"):
         qa.read_flashrag(str(tmp_path / "x.parquet"))
-    with pytest.raises(FileNotFoundError, match="nope.jsonl"):
+    with pytest.raises(UsageError, match=r"--train: QA file '.*nope\.jsonl' \(source 'nq'\) does not exist"):
         qa.main(["--train", f"nq={tmp_path}/nope.jsonl", "--out-dir", str(tmp_path / "out")])
     (tmp_path / "a.csv").write_text("question,golden_answers\n")
     with pytest.raises(ValueError, match="unsupported file type"):
         qa.read_flashrag(str(tmp_path / "a.csv"))
-    with pytest.raises(ValueError, match=r"data source\(s\) \['nq'\] given twice"):
+    with pytest.raises(UsageError, match=r"data source\(s\) \['nq'\] given twice"):
         qa.main(["--train", f"nq={flashrag}/nq/train.jsonl", f"nq={flashrag}/nq/test.jsonl",
                  "--out-dir", str(tmp_path / "out")])
-    with pytest.raises(FileNotFoundError, match="no FlashRAG file for source 'musique'"):
+    with pytest.raises(UsageError, match="no FlashRAG file for source 'musique'"):
         qa.main(["--flashrag-dir", str(flashrag), "--test-sources", "musique", "--out-dir", str(tmp_path / "out")])
-    with pytest.raises(SystemExit):
-        qa.main(["--out-dir", str(tmp_path / "out")])  # nothing to do
+    with pytest.raises(UsageError, match="nothing to do"):
+        qa.main(["--out-dir", str(tmp_path / "out")])
+    (tmp_path / "bad.parquet").write_text("not parquet")
+    with pytest.raises(UsageError, match=r"bad\.parquet: not a readable parquet file"):
+        qa.main(["--test", f"nq={tmp_path}/bad.parquet", "--out-dir", str(tmp_path / "out")])

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import importlib.util
 
+import pytest
 import torch
 
+from megatron_searchr1.cli import UsageError
 from megatron_searchr1.models.families import Qwen2Family, stack_gate_up
 from tests.dist_utils import REPO
 from tests.models.test_gpt import megatron_tp1  # noqa: F401  (fixture)
@@ -51,5 +53,7 @@ def test_bench_device_choice_and_te_flag(capsys):
     assert bench.resolve_device("cpu") == "cpu"
     assert bench.resolve_device("auto") == ("cuda" if torch.cuda.is_available() else "cpu")
     if not torch.cuda.is_available():
-        assert bench.main(TINY + ["--device", "cpu", "--te"]) == 2
-        assert "--te needs --device cuda" in capsys.readouterr().err
+        with pytest.raises(UsageError, match="--te needs --device cuda"):
+            bench.main(TINY + ["--device", "cpu", "--te"])
+        with pytest.raises(UsageError, match="--device cuda but torch sees no GPU"):
+            bench.resolve_device("cuda")

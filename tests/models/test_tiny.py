@@ -88,3 +88,16 @@ def test_bad_config_is_rejected(tmp_path):
         TinyModelConfig(output_dir=str(tmp_path), arch="gpt2")
     with pytest.raises(FileNotFoundError):
         TinyModelConfig(output_dir=str(tmp_path), text_files=[str(tmp_path / "missing.txt")])
+
+
+def test_cli_refuses_a_non_empty_output_dir_without_overwrite(tmp_path):
+    from megatron_searchr1.cli import UsageError
+    from megatron_searchr1.models.tiny import parse_args
+
+    (tmp_path / "old.txt").write_text("an earlier model")
+    with pytest.raises(UsageError, match="is not empty: pass --overwrite"):
+        parse_args(["--output-dir", str(tmp_path)])
+    assert parse_args(["--output-dir", str(tmp_path), "--overwrite"]).output_dir == str(tmp_path)
+    assert parse_args(["--output-dir", str(tmp_path / "new")]).output_dir == str(tmp_path / "new")
+    with pytest.raises(UsageError, match=r"hidden_size=30 must be a multiple of num_heads=4 \(--hidden-size"):
+        parse_args(["--output-dir", str(tmp_path / "new"), "--hidden-size", "30"])

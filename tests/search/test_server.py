@@ -350,3 +350,19 @@ def test_cli_without_an_index_says_what_to_pass():
     r = subprocess.run([sys.executable, "-m", "megatron_searchr1.search.server"], capture_output=True, text=True,
                        timeout=120)
     assert r.returncode != 0 and "--index-dir" in r.stderr
+
+
+def test_index_dir_mistakes_name_the_step_or_the_index_inside(tmp_path):
+    from megatron_searchr1.cli import UsageError
+    from megatron_searchr1.search.server import check_index_dir
+
+    with pytest.raises(UsageError, match=r"does not exist: build an index first.*tools/build_index\.py.*"
+                                         r"make_synthetic_world\.py .*--oracle bm25"):
+        check_index_dir(str(tmp_path / "nope"))
+    for name in ("index_bm25", "index_dense"):  # what make_synthetic_world leaves: the parent of two indexes
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "index_meta.json").write_text("{}")
+    with pytest.raises(UsageError, match=rf"is not an index but holds 2: pass --index-dir {tmp_path}/index_bm25 "
+                                         rf"or --index-dir {tmp_path}/index_dense"):
+        check_index_dir(str(tmp_path))
+    check_index_dir(str(tmp_path / "index_bm25"))  # an index: no error

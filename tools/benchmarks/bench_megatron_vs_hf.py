@@ -12,14 +12,12 @@ Megatron models use the same spec family (local; `--te` builds ours with Transfo
 """
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
+import warnings
 
-import torch
-import torch.nn.functional as F
-
+from megatron_searchr1.cli import ArgumentParser, UsageError, at_least, run_main
 
 TOL = 1e-4  # max |logits difference| (fp32) for the Megatron models to count as the same model as HF's
 
@@ -38,42 +36,54 @@ def load_hf_into_megatron(hf_model, megatron_model, cfg, mapping_cls=None) -> No
 
 
 def resolve_device(name: str) -> str:
-    """'auto' -> 'cuda' when torch sees a GPU, else 'cpu'; 'cuda' without one is an error (SystemExit 2)."""
+    """'auto' -> 'cuda' when torch sees a GPU, else 'cpu'; 'cuda' without one is a UsageError."""
+    import torch
+
     if name == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if name == "cuda" and not torch.cuda.is_available():
-        print("error: --device cuda but torch sees no GPU", file=sys.stderr)
-        raise SystemExit(2)
+        raise UsageError("--device cuda but torch sees no GPU")
     return name
 
 
 def main(argv=None, mapping_cls=None) -> int:
     """Run the benchmark; returns 1 when a Megatron model's logits differ from HF's by more than TOL."""
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--seq", type=int, default=512)
-    p.add_argument("--hidden", type=int, default=384)
-    p.add_argument("--ffn", type=int, default=1024)
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--heads", type=int, default=6)
-    p.add_argument("--kv-heads", type=int, default=2)
-    p.add_argument("--vocab", type=int, default=8192)
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--iters", type=int, default=5)
+    p = ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--threads", type=at_least(1), default=2, help="torch CPU threads")
+    p.add_argument("--batch", type=at_least(1), default=4, help="sequences per fwd+bwd")
+    p.add_argument("--seq", type=at_least(1), default=512, help="tokens per sequence")
+    p.add_argument("--hidden", type=at_least(1), default=384, help="model width")
+    p.add_argument("--ffn", type=at_least(1), default=1024, help="MLP width")
+    p.add_argument("--layers", type=at_least(1), default=8, help="transformer layers")
+    p.add_argument("--heads", type=at_least(1), default=6, help="query heads")
+    p.add_argument("--kv-heads", type=at_least(1), default=2, help="key/value heads")
+    p.add_argument("--vocab", type=at_least(2), default=8192, help="vocabulary")
+    p.add_argument("--warmup", type=at_least(0), default=2, help="untimed iterations")
+    p.add_argument("--iters", type=at_least(1), default=5, help="timed iterations (median)")
     p.add_argument("--no-original", action="store_true", help="skip Megatron's original local-spec attention")
     p.add_argument("--profile", action="store_true", help="print the top ops per model (one extra iteration)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                    help="where every model runs (auto: cuda when available)")
     p.add_argument("--te", action="store_true", help="build ours with the Transformer Engine spec (GPU only)")
     args = p.parse_args(argv)
+    if args.hidden % args.heads or args.heads % args.kv_heads or (args.hidden // args.heads) % 2:
+        raise UsageError(f"--hidden {args.hidden} must be a multiple of --heads {args.heads} with an even quotient "
+                         f"(RoPE), and --heads a multiple of --kv-heads {args.kv_heads}")
+    import torch
+    import torch.nn.functional as F
+
     torch.set_num_threads(args.threads)
     device = resolve_device(args.device)
     if args.te and device != "cuda":
-        print("error: --te needs --device cuda (Transformer Engine runs on GPUs only)", file=sys.stderr)
-        return 2
+        raise UsageError("--te needs --device cuda (Transformer Engine runs on GPUs only)")
     if args.te:
         args.no_original = True  # the original is Megatron's *local* spec; compare like with like
+    # Megatron's start-up warnings say nothing about this benchmark: a deprecated default of its own config, and,
+    # on the CPU, that Transformer Engine / Apex (GPU libraries) are missing.
+    warnings.filterwarnings("ignore", message=".*full scope is deprecated.*")
+    if device != "cuda":
+        for pattern in (".*Apex.*", ".*Transformer Engine.*", ".*transformer_engine.*", ".*apex.*"):
+            warnings.filterwarnings("ignore", message=pattern)
 
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -165,4 +175,4 @@ def main(argv=None, mapping_cls=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(run_main(main))

@@ -15,11 +15,9 @@ Padding share = 1 - real tokens / computed tokens. Exits 1 when ours is above `-
 """
 from __future__ import annotations
 
-import argparse
 import random
-import sys
 
-from megatron_searchr1.megatron.batching import make_micro_batches, padding_share
+from megatron_searchr1.cli import ArgumentParser, above, at_least, run_main
 
 
 def synthetic_trajectory_lengths(n: int, seed: int, *, max_prompt: int, max_response: int, max_turns: int,
@@ -52,22 +50,23 @@ def fixed_layout_share(lengths: list[tuple[int, int]], micro_batch_size: int, ro
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--sequences", type=int, default=256, help="trajectories per mini-batch per DP rank")
-    ap.add_argument("--seeds", type=int, default=5)
-    ap.add_argument("--max-prompt-length", type=int, default=512)
-    ap.add_argument("--max-response-length", type=int, default=2048, help="all turns + retrieved blocks")
-    ap.add_argument("--max-turns", type=int, default=4)
-    ap.add_argument("--topk", type=int, default=3)
-    ap.add_argument("--doc-tokens", type=int, default=110, help="mean tokens per retrieved document")
-    ap.add_argument("--max-tokens-per-micro-batch", type=int, default=16384)
-    ap.add_argument("--micro-batch-cost-tokens", type=int, default=None, help="default: budget / 32")
-    ap.add_argument("--micro-batch-size", type=int, default=8, help="Search-R1's fixed rows per micro-batch")
-    ap.add_argument("--target", type=float, default=0.05)
+    ap = ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sequences", type=at_least(1), default=256, help="trajectories per mini-batch per DP rank")
+    ap.add_argument("--seeds", type=at_least(1), default=5)
+    ap.add_argument("--max-prompt-length", type=at_least(1), default=512)
+    ap.add_argument("--max-response-length", type=at_least(1), default=2048, help="all turns + retrieved blocks")
+    ap.add_argument("--max-turns", type=at_least(1), default=4)
+    ap.add_argument("--topk", type=at_least(0), default=3)
+    ap.add_argument("--doc-tokens", type=at_least(1), default=110, help="mean tokens per retrieved document")
+    ap.add_argument("--max-tokens-per-micro-batch", type=at_least(1), default=16384)
+    ap.add_argument("--micro-batch-cost-tokens", type=at_least(0), default=None, help="default: budget / 32")
+    ap.add_argument("--micro-batch-size", type=at_least(1), default=8, help="Search-R1's fixed rows per micro-batch")
+    ap.add_argument("--target", type=above(0.0), default=0.05, help="the padding share ours must stay under")
     a = ap.parse_args(argv)
     if a.max_tokens_per_micro_batch < a.max_prompt_length + a.max_response_length:
         ap.error("--max-tokens-per-micro-batch must be >= max prompt + max response length "
                  f"({a.max_prompt_length + a.max_response_length})")
+    from megatron_searchr1.megatron.batching import make_micro_batches, padding_share  # after the checks: imports torch
 
     row_tokens = a.max_prompt_length + a.max_response_length
     print(f"{a.sequences} trajectories per mini-batch, max_turns={a.max_turns}, topk={a.topk}; Search-R1 rows "
@@ -96,4 +95,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(run_main(main))

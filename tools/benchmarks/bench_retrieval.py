@@ -10,7 +10,7 @@ longest, tokenized then encoded). Both servers are separate processes with the s
 
 Modes (the last two are the workload of an RL step: GRPO sends n=5 samples of each question, so a turn's batch
 repeats its queries; the `distinct` rows have no repeats at all):
-  1 client sending 1-query requests; 32 concurrent clients sending 1-query requests (QPS, p99 latency);
+  1 client sending 1-query requests; 32 (--concurrency) clients sending 1-query requests (QPS, p99 latency);
   1 client sending 16- and 64-query requests, distinct and GRPO-repeated.
 Every query of a run is new to the server (no cross-request cache hits), except where a row says so.
 """
@@ -27,7 +27,7 @@ import time
 
 import numpy as np
 
-from megatron_searchr1.cli import ArgumentParser, UsageError, run_main
+from megatron_searchr1.cli import ArgumentParser, UsageError, above, at_least, run_main
 
 _WORDS = ("baker astronomer carpenter violinist surgeon beekeeper pilot glassblower librarian fisherman architect "
           "chemist Lisbon Nairobi Oslo Kyoto Lima Cairo Toronto Sydney Warsaw Hanoi chess surfing pottery "
@@ -224,14 +224,16 @@ def baseline_build(corpus_path: str, threads: int, batch_size: int = 512) -> tup
 
 def main(argv: list[str] | None = None) -> int:
     p = ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--docs", type=int, default=2000, help="generated passages")
-    p.add_argument("--seconds", type=float, default=6.0, help="per measurement")
-    p.add_argument("--topk", type=int, default=3)
-    p.add_argument("--torch-threads", type=int, default=None, help="CPU threads of both servers (default: all)")
+    p.add_argument("--docs", type=at_least(10), default=2000, help="generated passages")
+    p.add_argument("--seconds", type=above(0), default=6.0, help="per measurement")
+    p.add_argument("--topk", type=at_least(1), default=3)
+    p.add_argument("--concurrency", type=at_least(1), default=32,
+                   help="clients of the concurrent 1-query mode (each waits for its answer before the next request)")
+    p.add_argument("--torch-threads", type=at_least(1), default=None, help="CPU threads of both servers (default: all)")
     p.add_argument("--skip-build", action="store_true", help="no index build comparison")
     args = p.parse_args(argv)
-    if args.docs < 10 or args.seconds <= 0:
-        raise UsageError("--docs must be >= 10 and --seconds > 0")
+    if args.topk > args.docs:
+        raise UsageError(f"--topk {args.topk} is more than --docs {args.docs}")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from megatron_searchr1.search.encoder import available_cores, set_cpu_threads
     from megatron_searchr1.search.launch import ServerProcess
@@ -257,7 +259,8 @@ def main(argv: list[str] | None = None) -> int:
         server_flags = ["--index-dir", os.path.join(tmp, "dense"), "--log-level", "warning",
                         "--torch-threads", str(threads)]
         rows = [("1 client, 1-query requests", lambda url, q: asyncio.run(closed_loop(url, q, 1, args.seconds, args.topk))),
-                ("32 clients, 1-query requests", lambda url, q: asyncio.run(closed_loop(url, q, 32, args.seconds, args.topk)))]
+                (f"{args.concurrency} clients, 1-query requests",
+                 lambda url, q: asyncio.run(closed_loop(url, q, args.concurrency, args.seconds, args.topk)))]
         for b in (16, 64):
             rows.append((f"1 client, {b}-query requests, GRPO n=5 repeats",
                          lambda url, q, b=b: batches(url, q.grpo, b, args.topk, args.seconds)))

@@ -13,18 +13,18 @@ sync / copy (target >= 0.5). Under torchrun the sync includes the TP all-gathers
 """
 from __future__ import annotations
 
-import argparse
+import os
 import statistics
 import time
 
-import torch
+from megatron_searchr1.cli import ArgumentParser, UsageError, above, at_least, run_main
 
 
 class CopyingEngine:
     """Receives (hf_name, tensor) buckets and copies them into its own preallocated tensors."""
 
     def __init__(self):
-        self.params: dict[str, torch.Tensor] = {}
+        self.params: dict = {}  # hf name -> preallocated torch.Tensor
 
     def load_weights(self, weights):
         for name, t in weights:
@@ -38,27 +38,32 @@ class CopyingEngine:
 
 
 def main(argv=None) -> int:
-    import torch.distributed as dist  # noqa: F401  (initialize_megatron starts it)
-
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--tp", type=int, default=None, help="tensor-parallel size (default: the world size)")
-    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
-    p.add_argument("--hidden", type=int, default=512, help="model width")
-    p.add_argument("--ffn", type=int, default=1408, help="MLP width")
-    p.add_argument("--layers", type=int, default=4, help="transformer layers")
-    p.add_argument("--heads", type=int, default=8, help="query heads")
-    p.add_argument("--kv-heads", type=int, default=2, help="key/value heads")
-    p.add_argument("--vocab", type=int, default=16000, help="vocabulary (padded by Megatron; the sync trims it)")
-    p.add_argument("--bucket-mb", type=float, default=32.0, help="sync bucket size in MiB")
+    p = ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tp", type=at_least(1), default=None, help="tensor-parallel size (default: the world size / PP)")
+    p.add_argument("--pp", type=at_least(1), default=1, help="pipeline-parallel size")
+    p.add_argument("--hidden", type=at_least(1), default=512, help="model width")
+    p.add_argument("--ffn", type=at_least(1), default=1408, help="MLP width")
+    p.add_argument("--layers", type=at_least(1), default=4, help="transformer layers")
+    p.add_argument("--heads", type=at_least(1), default=8, help="query heads")
+    p.add_argument("--kv-heads", type=at_least(1), default=2, help="key/value heads")
+    p.add_argument("--vocab", type=at_least(1), default=16000,
+                   help="vocabulary (padded by Megatron; the sync trims it)")
+    p.add_argument("--bucket-mb", type=above(0.0), default=32.0, help="sync bucket size in MiB")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                    help="what the engine receives (the model is fp32; bfloat16 = cast at the source)")
-    p.add_argument("--warmup", type=int, default=1, help="untimed syncs (the first allocates the engine's tensors)")
-    p.add_argument("--iters", type=int, default=5, help="timed iterations (median)")
+    p.add_argument("--warmup", type=at_least(1), default=1,
+                   help="untimed syncs (the first allocates the engine's tensors)")
+    p.add_argument("--iters", type=at_least(1), default=5, help="timed iterations (median)")
     a = p.parse_args(argv)
 
-    import os
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if a.hidden % a.heads or a.heads % a.kv_heads:
+        raise UsageError(f"--hidden {a.hidden} must be a multiple of --heads {a.heads}, and --heads of --kv-heads "
+                         f"{a.kv_heads}")
+    if world % a.pp or (a.tp or world // a.pp) * a.pp != world:
+        raise UsageError(f"TP x PP must equal the world size {world}: got --tp {a.tp or world // a.pp} --pp {a.pp}")
 
+    import torch
     import torch.distributed as dist
     from transformers import Qwen2Config
 
@@ -67,7 +72,6 @@ def main(argv=None) -> int:
     from megatron_searchr1.models.gpt import build_gpt_model
     from megatron_searchr1.rollout.weight_sync import WeightSync
 
-    world = int(os.environ.get("WORLD_SIZE", "1"))
     tp = a.tp or world // a.pp
     cfg = Qwen2Config(hidden_size=a.hidden, intermediate_size=a.ffn, num_hidden_layers=a.layers,
                       num_attention_heads=a.heads, num_key_value_heads=a.kv_heads, vocab_size=a.vocab,
@@ -121,4 +125,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_main(main))

@@ -1,0 +1,118 @@
+"""README.md's shell blocks, run in order as a new user would on a fresh clone, so the README cannot drift from
+what runs.
+
+A block is skipped when the line right before its fence is `<!-- no-run -->` (GPU- or hub-only commands, the
+install, and the long runs: the CPU demo, the test suite). Every other ```bash block runs with `bash -e -o pipefail`
+in a scratch directory that holds the repository's tracked top-level files and folders as symlinks (so `data/`,
+`runs/` and the rest start empty, as in a fresh clone); background jobs a block leaves behind are killed with it.
+The retrieval server's port 8000 is replaced by a free port (the machine may run other servers).
+SEARCHR1_README=path runs another file (to try README edits before making them).
+"""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from tests.dist_utils import REPO
+
+NO_RUN = "<!-- no-run -->"
+# Never run by accident: a block with one of these must be marked (it installs packages or runs the whole suite).
+MUST_BE_MARKED = ("install.sh", "pip install", "pytest")
+BLOCK_TIMEOUT_S = 1200
+
+
+def shell_blocks(markdown: str) -> list[tuple[int, str, bool]]:
+    """(line number of the opening fence, code, runs) of every ```bash / ```sh block; `runs` is False when the
+    line right before the fence is the no-run marker.
+
+    >>> shell_blocks("a\\n```bash\\necho 1\\n```\\n<!-- no-run -->\\n```bash\\nrm -rf x\\n```\\n```python\\nx\\n```\\n")
+    [(2, 'echo 1\\n', True), (6, 'rm -rf x\\n', False)]
+    """
+    lines = markdown.splitlines()
+    out, i = [], 0
+    while i < len(lines):
+        m = re.match(r"^```(\w*)\s*$", lines[i])
+        if not m:
+            i += 1
+            continue
+        end = i + 1
+        while end < len(lines) and not lines[end].startswith("```"):
+            end += 1
+        if m.group(1) in ("bash", "sh", "shell", "console"):
+            runs = not (i > 0 and lines[i - 1].strip() == NO_RUN)
+            out.append((i + 1, "".join(line + "\n" for line in lines[i + 1:end]), runs))
+        i = end + 1
+    return out
+
+
+def test_shell_blocks_honour_the_marker():
+    text = "x\n```bash\na\n```\n<!-- no-run -->\n```bash\nb\n```\n```python\nc\n```\n```\nd\n```\n"
+    assert shell_blocks(text) == [(2, "a\n", True), (6, "b\n", False)]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _fresh_clone(dest) -> None:
+    """Symlink the repository's tracked top-level entries into `dest` (untracked data and runs stay behind)."""
+    tracked = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout
+    for top in sorted({path.split("/", 1)[0] for path in tracked.splitlines()}):
+        if os.path.exists(REPO / top):
+            os.symlink(REPO / top, dest / top)
+
+
+def _run_block(code: str, cwd, env) -> tuple[int, str]:
+    """Run one block; its output goes to a file, not a pipe (a server left in the background would hold a pipe
+    open), and its whole process group is killed when the block's shell is done."""
+    log = cwd / ".block.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(["bash", "-e", "-o", "pipefail", "-c", code], cwd=cwd, env=env, text=True,
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=BLOCK_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            rc = -1
+        finally:
+            try:  # a server the block started in the background, or the whole block on a timeout
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+    text = log.read_text(errors="replace")
+    return rc, text + (f"\nTIMEOUT after {BLOCK_TIMEOUT_S}s" if rc == -1 else "")
+
+
+@pytest.mark.slow  # minutes: it builds a world, an index, a tiny model and converts it both ways
+def test_readme_blocks_run_in_order(tmp_path):
+    readme = os.environ.get("SEARCHR1_README") or str(REPO / "README.md")
+    blocks = shell_blocks(open(readme, encoding="utf-8").read())
+    unmarked = [(line, code) for line, code, runs in blocks if runs and any(w in code for w in MUST_BE_MARKED)]
+    assert not unmarked, (f"{readme}: mark these blocks `{NO_RUN}` (they install packages or run the test suite): "
+                          + "; ".join(f"line {line}: {code.splitlines()[0]}" for line, code in unmarked))
+    clone = tmp_path / "clone"
+    clone.mkdir()
+    _fresh_clone(clone)
+    port = str(_free_port())
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+           "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")}
+    failures, ran = [], 0
+    for line, code, runs in blocks:
+        if not runs:
+            continue
+        code = re.sub(r"(?<=[ :])8000\b", port, code)
+        rc, out = _run_block(code, clone, env)
+        ran += 1
+        if rc != 0:
+            failures.append(f"--- block at {os.path.basename(readme)}:{line} exited {rc}:\n{code}--- output (tail):\n"
+                            + "\n".join(out.splitlines()[-25:]))
+    assert ran, f"{readme} has no runnable shell block"
+    assert not failures, f"{len(failures)} of {ran} README blocks failed:\n" + "\n".join(failures)
