@@ -1,4 +1,4 @@
-"""Evaluate a policy: greedy search rollouts on validation/test files, EM / sub-EM / F1, mean searches and finish
+r"""Evaluate a policy: greedy search rollouts on validation/test files, EM / sub-EM / F1, mean searches and finish
 reasons per data_source and split, as a table and as JSON.
 
     python tools/evaluate.py examples/grpo_tiny_cpu.yaml model.megatron_ckpt=runs/cpu_demo/grpo/checkpoints \

@@ -1,4 +1,4 @@
-"""Ask a trained model a question with a live retrieval server, and watch it search, turn by turn.
+r"""Ask a trained model a question with a live retrieval server, and watch it search, turn by turn.
 
     python tools/infer.py --model runs/demo/rl/hf --url http://127.0.0.1:8000 \
         --question "In which year was the university attended by the CEO of Quorvin Labs founded?"
@@ -14,6 +14,7 @@ import sys
 from typing import Optional, Sequence
 
 from megatron_searchr1.cli import ArgumentParser, UsageError, run_main
+from megatron_searchr1.data.prompts import TEMPLATES
 
 
 def turn_segments(tokenizer, traj) -> list[tuple[str, str]]:
@@ -56,7 +57,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--max-turns", type=int, default=4, help="search turns before the final answer turn")
     p.add_argument("--max-tokens-per-turn", type=int, default=500, help="tokens generated per turn at most")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--template", default="base", choices=["base", "chat"], help="prompt template (data/prompts.py)")
+    p.add_argument("--template", default="base", choices=list(TEMPLATES),
+                   help="prompt template the model was trained with (data/prompts.py; the CPU demo's is short)")
     p.add_argument("--chat-template", default="auto", choices=["auto", "always", "never"],
                    help="render through the tokenizer's chat template (auto: when it has one)")
     a = p.parse_args(argv)

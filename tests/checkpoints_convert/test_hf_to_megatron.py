@@ -27,12 +27,12 @@ def test_missing_dir(tmp_path):
 
 
 def test_wrong_architecture(hf_dir, tmp_path):
-    bad = tmp_path / "mistral"
+    bad = tmp_path / "gemma"  # a family we do not map (Mistral and Qwen3 are supported now)
     shutil.copytree(hf_dir, bad)
     cfg = json.loads((bad / "config.json").read_text())
-    cfg.update(architectures=["MistralForCausalLM"], model_type="mistral")
+    cfg.update(architectures=["GemmaForCausalLM"], model_type="gemma")
     (bad / "config.json").write_text(json.dumps(cfg))
-    _fails_with(["--hf-dir", bad, "--out-dir", tmp_path / "out"], "MistralForCausalLM", "Qwen2ForCausalLM",
+    _fails_with(["--hf-dir", bad, "--out-dir", tmp_path / "out"], "GemmaForCausalLM", "Qwen2ForCausalLM",
                 "LlamaForCausalLM")
 
 

@@ -146,3 +146,22 @@ def test_vllm_engine_gives_the_hf_engines_tokens(setup):
     assert vllm_traj.loss_mask == hf_traj.loss_mask
     gen = [i for i, m in enumerate(vllm_traj.loss_mask) if m]
     assert max(abs(vllm_traj.logprobs[i] - hf_traj.logprobs[i]) for i in gen) < 1e-4
+
+
+def test_infer_cli_prints_the_trajectory_turn_by_turn(setup):
+    from megatron_searchr1.infer import turn_segments
+    from megatron_searchr1.rollout.engines import make_engine
+    from tests.dist_utils import REPO
+
+    proc = subprocess.run([sys.executable, "tools/infer.py", "--model", setup["model_dir"], "--engine", "hf",
+                           "--url", setup["client"].base_url, "--question", "who founded the city",
+                           "--max-turns", "1", "--max-tokens-per-turn", "8"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    assert out.startswith("[prompt]\n") and "Question: who founded the city?" in out and "[model]" in out
+    assert "[finish]" in out.splitlines()[-1]
+    # segments alternate between what the model wrote and what was appended
+    traj = _run(make_engine("hf", setup["model_dir"]), setup)
+    kinds = [k for k, _ in turn_segments(setup["tok"], traj)]
+    assert kinds == ["model", "context", "model"]
