@@ -60,7 +60,7 @@ def rl_root(tmp_path_factory) -> str:
 def world(rl_root) -> str:
     """The synthetic world dir: {train,validation,test}.parquet, index_bm25/, sft/dataset_info.json."""
     out = os.path.join(rl_root, "world")
-    run_module("megatron_searchr1.data.synthetic", ["--out-dir", out, "--template", "short", "--oracle", "bm25",
+    run_module("megatron_searchr1.data.make_world", ["--out-dir", out, "--template", "short", "--oracle", "bm25",
                                                     "--seed", "0"], timeout=300)
     return out
 

@@ -241,3 +241,24 @@ def test_ppo_with_critic_pp2(world, sft_run, tiny_model, server, rl_root):
     assert scalars["actor/reward_kl_coef"][2][1] != pytest.approx(0.01, abs=0, rel=1e-9)
     assert latest_step(os.path.join(out, "checkpoints")) == 3
     assert os.path.isdir(os.path.join(out, "checkpoints", "step_000003", "critic"))
+
+
+@pytest.mark.slow
+def test_evaluate_cli_writes_the_table_and_json(grpo_run, world, tiny_model, server, rl_root):
+    """tools/evaluate.py on the GRPO checkpoint: EM / sub-EM / F1, searches and finish reasons per data_source and
+    split, as a table and JSON; rollout.max_turns=0 is the no-search baseline (no searches at all)."""
+    out, _ = grpo_run
+    report_path = os.path.join(rl_root, "eval", "report.json")
+    args = [*rl_args(world, tiny_model, server, os.path.join(rl_root, "eval")), f"model.megatron_ckpt={out}",
+            f"data.val_files=[{world}/validation.parquet,{world}/test.parquet]", "rollout.max_turns=0", "parallel.tp=1",
+            "--json", report_path]
+    proc = run_module("megatron_searchr1.evaluate", args, nproc=1)
+    assert "data_source" in proc.stdout and "split:test" in proc.stdout
+    with open(report_path) as f:
+        report = json.load(f)
+    table = report["table"]
+    assert table["split:validation"]["n"] == 4 and table["split:test"]["n"] == 4 and table["all"]["n"] == 8
+    assert table["all"]["searches"] == 0.0  # no search turns at all
+    assert set(table["all"]["finish"]) <= {"answer", "invalid", "max_turns", "length"}
+    for key in ("em", "subem", "f1"):
+        assert 0.0 <= table["all"][key] <= 1.0
