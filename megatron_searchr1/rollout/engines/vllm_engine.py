@@ -189,6 +189,10 @@ class VLLMEngine:
             # ("CPU Generator does not use offset": it rewinds a Philox offset the CPU generator does not have).
             # Multi-turn rollouts re-send long contexts, so chunking happens at the second turn; prefill whole.
             llm_kwargs.setdefault("enable_chunked_prefill", False)
+            # The prefix cache reuses whole KV blocks only: with the CPU default of 128 tokens every turn recomputes
+            # up to 127 tokens of context (1.48x the lower bound in bench_rollout.py); 32 is the smallest the CPU
+            # attention accepts (1.07x).
+            llm_kwargs.setdefault("block_size", 32)
             if not llm_kwargs["enable_chunked_prefill"] and max_model_len:
                 llm_kwargs.setdefault("max_num_batched_tokens", max(int(max_model_len), 8192))
         if _under_torchrun():
