@@ -109,7 +109,8 @@ def test_segments_are_tokenised_on_their_own_not_joined(tok):
                 {"role": "observation", "content": "er is wet"},
                 {"role": "assistant", "content": "<answer> wet </answer>"}]
     ids, mask = tokenize_messages(messages, tok)
-    segs = [_ids(tok, "Question: what is water?\n")] + [_ids(tok, m["content"]) for m in messages[1:]]
+    prompt = render_prompt(messages[:1], tok)  # the tokenizer has a chat template: Search-R1's rule applies it
+    segs = [_ids(tok, prompt)] + [_ids(tok, m["content"]) for m in messages[1:]]
     assert ids == [i for s in segs for i in s]
     joined = _ids(tok, "".join(m["content"] for m in messages))
     assert joined != ids  # the joined text tokenises differently ("wat"+"er" merge), so the check above has teeth
@@ -139,9 +140,11 @@ def test_alpaca_instruction_input_output(tok, tmp_path):
                {"instruction": "Say hi.", "input": "", "output": "hi", "sys": "Be brief."}]
     d = _write_info(tmp_path, {"a": {"file_name": "a.json", "columns": {"system": "sys"}}}, {"a.json": records})
     ex0, ex1 = load_sft_dataset(d, ["a"], tok, max_length=4096)
-    # one user message with the raw text (no chat template), like Search-R1's base prompt
-    assert _runs(ex0.input_ids, ex0.loss_mask, tok) == (["<answer> paris </answer>"], ["Name the capital.\nFrance"])
-    assert ex0.input_ids == _ids(tok, "Name the capital.\nFrance") + _ids(tok, "<answer> paris </answer>")
+    # one user message, rendered as the rollout renders it (render_prompt: this tokenizer's chat template)
+    user = render_prompt([{"role": "user", "content": "Name the capital.\nFrance"}], tok)
+    assert user == "<|im_start|>user\nName the capital.\nFrance<|im_end|>\n<|im_start|>assistant\n"
+    assert _runs(ex0.input_ids, ex0.loss_mask, tok) == (["<answer> paris </answer>"], [user])
+    assert ex0.input_ids == _ids(tok, user) + _ids(tok, "<answer> paris </answer>")
     # the system column makes it a chat-template prompt
     prompt = tok.apply_chat_template([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hi."}],
                                      add_generation_prompt=True, tokenize=False)
