@@ -195,7 +195,8 @@ class VLLMEngine:
             llm_kwargs.setdefault("block_size", 32)
             if not llm_kwargs["enable_chunked_prefill"] and max_model_len:
                 llm_kwargs.setdefault("max_num_batched_tokens", max(int(max_model_len), 8192))
-        if _under_torchrun():
+        self.external_launcher = _under_torchrun()
+        if self.external_launcher:
             llm_kwargs.setdefault("distributed_executor_backend", "external_launcher")
 
         self.sleep_mode = bool(enable_sleep_mode)
@@ -274,6 +275,28 @@ class VLLMEngine:
             self.sleeping = False
 
     def close(self) -> None:
-        """Drop the engine (the torch.distributed groups of a torchrun job stay: the trainer owns them)."""
-        self.llm = None
-        gc.collect()
+        """Shut the engine down; the torch.distributed groups of a torchrun job stay: the trainer owns them.
+
+        vLLM's shutdown (EngineCore -> cleanup_dist_env_and_memory -> destroy_distributed_environment) also destroys
+        torch's default process group, which under `external_launcher` is the trainer's: every collective after
+        `close()` would fail. While the engine is collected, that function only tears down vLLM's own groups.
+        """
+        if self.llm is None:
+            return
+        from vllm.distributed import parallel_state as vps
+
+        original = vps.destroy_distributed_environment
+
+        def destroy_vllm_groups_only() -> None:
+            if vps._WORLD:
+                vps._WORLD.destroy()
+            vps._WORLD = None
+            vps._NODE_COUNT = None
+
+        if self.external_launcher:
+            vps.destroy_distributed_environment = destroy_vllm_groups_only
+        try:
+            self.llm = None
+            gc.collect()
+        finally:
+            vps.destroy_distributed_environment = original
