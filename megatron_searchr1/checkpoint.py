@@ -115,6 +115,20 @@ def latest_step(ckpt_root: str) -> Optional[int]:
 # ----------------------------------------------------------------------------------------------------------------
 # RNG
 # ----------------------------------------------------------------------------------------------------------------
+def resume_target(resume: str, ckpt_root: str) -> Optional[tuple[str, Union[str, int]]]:
+    """Where `trainer.resume` points: (root, step) for load_checkpoint, or None to start fresh.
+
+    "disable": None; "auto": the latest complete checkpoint under `ckpt_root`, None when there is none; anything
+    else: a `step_N` directory of some run.
+    """
+    if resume == "disable":
+        return None
+    if resume == "auto":
+        return (ckpt_root, "latest") if latest_step(ckpt_root) is not None else None
+    path = os.path.abspath(resume)
+    return os.path.dirname(path), int(os.path.basename(path).split("_")[-1])
+
+
 def rng_state() -> dict:
     """This rank's random states: python, numpy, torch (CPU), CUDA (when present) and Megatron's RNG tracker
     (the model-parallel streams used for TP-region dropout and initialisation; CPU tensors on the CPU)."""

@@ -35,7 +35,7 @@ def train_sft(cfg: SFTConfig) -> dict:
     from megatron.core import parallel_state as mpu
     from transformers import AutoTokenizer
 
-    from megatron_searchr1.checkpoint import latest_step, load_checkpoint, save_checkpoint
+    from megatron_searchr1.checkpoint import load_checkpoint, resume_target, save_checkpoint
     from megatron_searchr1.config import save_config
     from megatron_searchr1.data.rl_data import PromptSampler, dp_shard
     from megatron_searchr1.data.sft_data import load_sft_dataset
@@ -75,10 +75,9 @@ def train_sft(cfg: SFTConfig) -> dict:
                                            decay_steps=max(t.total_steps, warmup + 1), decay_style=o.lr_decay)
     ckpt_root = os.path.join(t.output_dir, "checkpoints")
     step = 0
-    if t.resume != "disable" and (t.resume != "auto" or latest_step(ckpt_root) is not None):
-        root, which = (ckpt_root, "latest") if t.resume == "auto" else (
-            os.path.dirname(os.path.abspath(t.resume)), int(os.path.basename(t.resume).split("_")[-1]))
-        extra = load_checkpoint(root, which, {"actor": model}, {"actor": optimizer}, {"actor": scheduler})
+    target = resume_target(t.resume, ckpt_root)
+    if target is not None:
+        extra = load_checkpoint(*target, {"actor": model}, {"actor": optimizer}, {"actor": scheduler})
         step = int(extra["step"])
         sampler.load_state_dict(extra["sampler"])
 

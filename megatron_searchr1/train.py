@@ -338,16 +338,13 @@ class Trainer:
                         hf_dirs={name: rt.hf_dir for name in models}, keep_last=self.cfg.trainer.keep_last)
 
     def _resume(self) -> None:
-        from megatron_searchr1.checkpoint import latest_step, load_checkpoint
+        from megatron_searchr1.checkpoint import load_checkpoint, resume_target
 
         t, rt = self.cfg.trainer, self.rt
-        if t.resume == "disable":
+        target = resume_target(t.resume, self.ckpt_root)
+        if target is None:
             return
-        root, step = self.ckpt_root, "latest"
-        if t.resume != "auto":  # a step directory
-            root, step = os.path.dirname(os.path.abspath(t.resume)), int(os.path.basename(t.resume).split("_")[-1])
-        elif latest_step(root) is None:
-            return
+        root, step = target
         models, opts, scheds = self._models()
         extra = load_checkpoint(root, step, models, opts, scheds)
         self.step_no = int(extra["step"])

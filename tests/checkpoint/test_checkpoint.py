@@ -117,3 +117,14 @@ def test_tp2_save_crash_load_and_convert(tmp_path):
     run_torchrun(SCRIPT, 2, "--mode", "load", *common)
     assert (out / "load_rank0.ok").exists() and (out / "load_rank1.ok").exists()
     assert sorted(os.listdir(root)) == [LATEST_FILE, "step_000007"]
+
+
+def test_resume_target(tmp_path):
+    from megatron_searchr1.checkpoint import resume_target
+
+    root = str(tmp_path / "checkpoints")
+    assert resume_target("disable", root) is None
+    assert resume_target("auto", root) is None  # nothing saved yet: start fresh
+    step_dir = tmp_path / "other_run" / "checkpoints" / "step_000012"
+    step_dir.mkdir(parents=True)
+    assert resume_target(str(step_dir), root) == (str(step_dir.parent), 12)
