@@ -92,6 +92,14 @@ class ParallelConfig:
     def __post_init__(self):
         _check(self.tp >= 1 and self.pp >= 1, f"parallel.tp and parallel.pp must be >= 1, got {self.tp}, {self.pp}")
 
+    def data_parallel_size(self, world_size: int) -> int:
+        """DP = world size / (tp * pp); a ConfigError with the torchrun line to use when it does not divide."""
+        mp = self.tp * self.pp
+        _check(world_size % mp == 0,
+               f"world size {world_size} is not a multiple of parallel.tp * parallel.pp = {mp}: launch "
+               f"`torchrun --nproc_per_node {mp}` (or a multiple), or change parallel.tp / parallel.pp")
+        return world_size // mp
+
 
 @dataclass
 class RolloutConfig:
@@ -330,16 +338,13 @@ class Config:
             _check(r.n >= 2, f"algo.adv_estimator={a.adv_estimator} compares samples of one prompt: set rollout.n "
                              f">= 2 (got {r.n})")
         if world_size is not None:
-            _check(world_size % (p.tp * p.pp) == 0,
-                   f"world size {world_size} is not a multiple of parallel.tp * parallel.pp = {p.tp * p.pp}: launch "
-                   f"`torchrun --nproc_per_node {p.tp * p.pp}` (or a multiple), or change parallel.tp / parallel.pp")
+            dp = p.data_parallel_size(world_size)
             _check(world_size % r.engine_tp == 0,
                    f"rollout.engine_tp={r.engine_tp} must divide the world size {world_size}")
             # a vLLM TP group must hold one DP rank's trajectories: its ranks lie inside one model-parallel group
             _check((p.tp * p.pp) % r.engine_tp == 0,
                    f"rollout.engine_tp={r.engine_tp} must divide parallel.tp * parallel.pp = {p.tp * p.pp} (an "
                    "engine serves the ranks of one model replica)")
-            dp = world_size // (p.tp * p.pp)
             _check(d.train_batch_size % dp == 0,
                    f"data.train_batch_size={d.train_batch_size} must be a multiple of the DP size {dp}")
             _check(a.ppo_mini_batch_size % dp == 0,
@@ -589,10 +594,7 @@ class SFTConfig:
     def validate(self, world_size: Optional[int] = None, check_files: bool = True) -> None:
         p, d = self.parallel, self.data
         if world_size is not None:
-            _check(world_size % (p.tp * p.pp) == 0,
-                   f"world size {world_size} is not a multiple of parallel.tp * parallel.pp = {p.tp * p.pp}: launch "
-                   f"`torchrun --nproc_per_node {p.tp * p.pp}` (or a multiple), or change parallel.tp / parallel.pp")
-            dp = world_size // (p.tp * p.pp)
+            dp = p.data_parallel_size(world_size)
             _check(d.batch_size % dp == 0, f"data.batch_size={d.batch_size} must be a multiple of the DP size {dp}")
         if not check_files:
             return
