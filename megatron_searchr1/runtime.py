@@ -82,9 +82,12 @@ def _weights_loader(cfg: Config, hf_config, source: Optional[str]):
 
 
 def resolve_model_source(path: str) -> str:
-    """A training run's checkpoint root (it has `latest`) means its latest actor: `<root>/step_N/actor`."""
+    """A training run's checkpoint root (it has `latest`) means its latest actor: `<root>/step_N/actor`; one step
+    directory (`<root>/step_N`) means that step's actor."""
     from megatron_searchr1.checkpoint import latest_step, step_dir
 
+    if os.path.isfile(os.path.join(path, "actor", "metadata.json")):
+        return os.path.join(path, "actor")
     for root in (path, os.path.join(path, "checkpoints")):
         if os.path.isfile(os.path.join(root, "latest")):
             step = latest_step(root)

@@ -140,6 +140,7 @@ def test_sft_lowers_the_loss_and_the_rl_trainer_starts_from_it(sft_run, tiny_mod
     assert latest_step(os.path.join(sft_run, "checkpoints")) == 10
     actor = resolve_model_source(sft_run)
     assert actor == os.path.join(sft_run, "checkpoints", "step_000010", "actor")
+    assert resolve_model_source(os.path.join(sft_run, "checkpoints", "step_000010")) == actor  # one step's dir
     assert os.path.isfile(os.path.join(actor, "metadata.json"))
     assert os.path.isfile(os.path.join(sft_run, "hf", "model.safetensors"))
 
