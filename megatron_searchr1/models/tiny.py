@@ -123,6 +123,11 @@ def builtin_corpus(n_sentences: int = 3000, seed: int = 0) -> list[str]:
     return lines
 
 
+# Qwen2's pre-tokenization pattern (its tokenizer.json and `transformers`' Qwen2Tokenizer use this same regex).
+QWEN2_SPLIT = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|"""
+               r"""\s+(?!\S)|\s+""")
+
+
 def _iter_text(files: Sequence[str]) -> Iterator[str]:
     for path in files:
         with open(path, encoding="utf-8") as f:
@@ -132,11 +137,18 @@ def _iter_text(files: Sequence[str]) -> Iterator[str]:
 
 def train_tokenizer(cfg: TinyModelConfig):
     """Train a byte-level BPE on the text; returns a `transformers` fast tokenizer with a chat template."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    # Qwen2's own split (each digit alone, words with their leading space, ...) then byte-level, as Qwen2 models
+    # ship. It must be the split the tokenizer is USED with: `transformers` 5 loads a qwen2 model's tokenizer as
+    # Qwen2Tokenizer, which replaces tokenizer.json's pre-tokenizer by this one, so merges learnt under GPT-2's split
+    # (" 2011" as one piece) never applied at run time and numbers came out as a lone space plus digits.
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
     tok.decoder = decoders.ByteLevel()
     # The initial alphabet holds all 256 bytes, so any text (any language, any byte) is encodable.
     trainer = trainers.BpeTrainer(vocab_size=cfg.vocab_size, special_tokens=SPECIAL_TOKENS,

@@ -38,6 +38,24 @@ def test_tokenizer_round_trip_and_tags(qwen_dir):
     assert tok.convert_tokens_to_ids("<|im_start|>") != tok.unk_token_id
 
 
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_transformers_tokenizes_with_the_split_the_bpe_was_trained_with(arch, tmp_path):
+    """`transformers` 5 loads a qwen2 tokenizer as Qwen2Tokenizer with Qwen2's own pre-tokenizer: merges learnt
+    under any other split would silently never apply (" 1949" came out as a lone space and four digits)."""
+    from tokenizers import Tokenizer
+    from transformers import AutoTokenizer
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("Ada was born in 1949. Bo was born in 1951.\n" * 200)
+    out = str(tmp_path / arch)
+    make_tiny_model(TinyModelConfig(output_dir=out, arch=arch, text_files=[str(corpus)], vocab_size=300,
+                                    hidden_size=64, intermediate_size=128, num_layers=1, num_heads=2, num_kv_heads=1))
+    tok, raw = AutoTokenizer.from_pretrained(out), Tokenizer.from_file(os.path.join(out, "tokenizer.json"))
+    text = "In which year was Ada born? <think> born in 1949. </think>\n<answer> 1949 </answer>  x"
+    assert tok(text, add_special_tokens=False)["input_ids"] == raw.encode(text, add_special_tokens=False).ids
+    assert len(tok.encode(" born", add_special_tokens=False)) == 1  # the trained merges are the ones applied
+
+
 def test_chat_template_renders(qwen_dir):
     from transformers import AutoTokenizer
 
