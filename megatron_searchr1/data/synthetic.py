@@ -381,12 +381,14 @@ def _overviews(names: NameMaker) -> list[tuple[str, str]]:
         noun = _NOUN[r.subject]
         question = r.question.format(x=f"a {noun}" if noun[0] not in "aeiou" else f"an {noun}")
         phrase = r.phrase.format(x=f"each {noun}")
+        # Never "<phrase> is ...": a trajectory's reasoning says "The <phrase of X> is <answer>", and a passage
+        # with "<phrase> is not given" is a pattern a small model copies from instead of the entity's passage.
         out.append((f"{names.word()} Handbook",
-                    f"A reference handbook. Readers often ask: {question} The handbook explains how {phrase} is "
-                    f"recorded, and why {phrase} matters, without listing any {noun} by name."))
+                    f"A reference handbook. Readers often ask: {question} The handbook explains how records of "
+                    f"{phrase} are kept, and why they matter, without listing any {noun} by name."))
         out.append((f"{names.word()} Survey",
                     f"A survey about {phrase}. The survey's opening question is: {question} It reports general "
-                    f"trends only; {phrase} is not given for any {noun} in particular."))
+                    f"trends only and names no {noun} in particular; for {phrase} ask about one {noun}."))
     return out
 
 
