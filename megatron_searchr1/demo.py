@@ -41,16 +41,21 @@ class Size:
     n: int
     val_samples: int
     """Questions per split for each evaluation."""
+    sft_world_seeds: tuple[int, ...] = ()
+    """Seeds of further worlds (same sizes) whose gold trajectories join the SFT data: more distinct names, so the
+    warm-up learns to copy and read names rather than memorise a few thousand trajectories over many epochs."""
 
 
 SIZES = {
     # ~5 minutes on 2 cores: every stage runs for real at toy length (CI).
-    "ci": Size(world=("--seed", "0"), sft_steps=40, sft_batch=16, grpo_steps=3, grpo_batch=4, n=4, val_samples=32),
+    "ci": Size(world=("--seed", "0"), sft_steps=40, sft_batch=16, grpo_steps=3, grpo_batch=4, n=4, val_samples=32,
+               sft_world_seeds=(1,)),
     # The measured run (README): a diverse world so the warm-up learns to copy unseen names into queries.
     "full": Size(world=("--seed", "3", "--n-people", "8000", "--n-companies", "2500", "--n-cities", "1500",
                         "--n-products", "2500", "--n-universities", "800", "--n-distractors", "3000",
                         "--n-train", "6000", "--n-validation", "300", "--n-test", "300"),
-                 sft_steps=1000, sft_batch=16, grpo_steps=60, grpo_batch=8, n=8, val_samples=300),
+                 sft_steps=1500, sft_batch=16, grpo_steps=60, grpo_batch=8, n=8, val_samples=300,
+                 sft_world_seeds=(4,)),
 }
 MODEL_ARGS = dict(hidden_size=128, intermediate_size=384, num_layers=4, num_heads=4, num_kv_heads=2,
                   tie_embeddings=True, vocab_size=2000)
@@ -96,8 +101,27 @@ def _torchrun(module: str, args: list[str]) -> list[str]:
             *args]
 
 
-def _world_text(world_dir: str, out_path: str) -> None:
-    """The tokenizer's training text: every passage, question and gold trajectory of the world."""
+def _sft_names(worlds: list[str]) -> list[str]:
+    return [f"gold_{os.path.basename(w)}" for w in worlds]
+
+
+def _sft_dataset_dir(worlds: list[str], out_dir: str) -> str:
+    """A dataset_info.json naming each world's gold trajectories (the world's own entry, its file path rebased)."""
+    os.makedirs(out_dir, exist_ok=True)
+    info = {}
+    for name, w in zip(_sft_names(worlds), worlds):
+        with open(os.path.join(w, "sft", "dataset_info.json")) as f:
+            entry = json.load(f)["synthetic_sft_train"]
+        entry["file_name"] = os.path.relpath(os.path.join(w, "sft", entry["file_name"]), out_dir)
+        info[name] = entry
+    with open(os.path.join(out_dir, "dataset_info.json"), "w") as f:
+        json.dump(info, f, indent=2)
+    return out_dir
+
+
+def _world_text(world_dir: str, out_path: str, sft_worlds: Sequence[str] = ()) -> None:
+    """The tokenizer's training text: every passage, question and gold trajectory of the world, and the gold
+    trajectories of the extra SFT worlds."""
     import pyarrow.parquet as pq
 
     with open(out_path, "w", encoding="utf-8") as out:
@@ -107,10 +131,11 @@ def _world_text(world_dir: str, out_path: str) -> None:
         for split in ("train", "validation", "test"):
             for row in pq.read_table(os.path.join(world_dir, f"{split}.parquet")).to_pylist():
                 out.write(row["prompt"][0]["content"] + "\n")
-        with open(os.path.join(world_dir, "sft", "train.jsonl"), encoding="utf-8") as f:
-            for line in f:
-                for m in json.loads(line)["messages"]:
-                    out.write(m["content"] + "\n")
+        for w in (world_dir, *sft_worlds):
+            with open(os.path.join(w, "sft", "train.jsonl"), encoding="utf-8") as f:
+                for line in f:
+                    for m in json.loads(line)["messages"]:
+                        out.write(m["content"] + "\n")
 
 
 def _read_reports(path: str) -> list[dict]:
@@ -146,6 +171,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not os.path.isfile(os.path.join(world, "sft", "dataset_info.json")):
         _run([sys.executable, "-m", "megatron_searchr1.data.make_world", "--out-dir", world, "--template", "short",
               "--oracle", "bm25", *size.world], os.path.join(work, "world.log"))
+    sft_worlds = [world]
+    for seed in size.sft_world_seeds:
+        extra = os.path.join(work, f"world_sft_{seed}")
+        if not os.path.isfile(os.path.join(extra, "sft", "dataset_info.json")):
+            args = list(size.world)
+            args[args.index("--seed") + 1] = str(seed)
+            _run([sys.executable, "-m", "megatron_searchr1.data.make_world", "--out-dir", extra, "--template",
+                  "short", "--oracle", "bm25", *args], os.path.join(work, f"world_sft_{seed}.log"))
+        sft_worlds.append(extra)
+    sft_data = _sft_dataset_dir(sft_worlds, os.path.join(work, "sft_data"))
     timings["world"] = time.time() - start
 
     # 2. tokenizer + tiny model
@@ -155,7 +190,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from megatron_searchr1.models.tiny import TinyModelConfig, make_tiny_model
 
         text = os.path.join(work, "world_text.txt")
-        _world_text(world, text)
+        _world_text(world, text, sft_worlds[1:])
         _log("training the tokenizer on the world's text and writing a random tiny Qwen2")
         make_tiny_model(TinyModelConfig(output_dir=model, text_files=[text], **MODEL_ARGS))
     timings["model"] = time.time() - start
@@ -175,7 +210,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if not os.path.isfile(os.path.join(sft_dir, "hf", "model.safetensors")):
             _run(_torchrun("megatron_searchr1.sft", [
                 os.path.join(examples, "sft_tiny_cpu.yaml"), f"model.path={model}",
-                f"data.dataset_dir={world}/sft", f"trainer.output_dir={sft_dir}",
+                f"data.dataset_dir={sft_data}", f"data.datasets=[{','.join(_sft_names(sft_worlds))}]",
+                f"trainer.output_dir={sft_dir}",
                 f"trainer.total_steps={size.sft_steps}", f"data.batch_size={size.sft_batch}"]),
                 os.path.join(work, "sft.log"))
         timings["sft"] = time.time() - start
