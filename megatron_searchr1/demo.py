@@ -5,8 +5,9 @@
 
 Stages (each skipped when its output exists, so an interrupted demo continues; --fresh starts over):
   1. world      a synthetic world (fictional entities: no model can know the answers), BM25 index, gold SFT
-                trajectories written with the real retriever (tools/make_synthetic_world.py);
-  2. model      a BPE tokenizer trained on the world's text and a random tiny Qwen2 (models/tiny.py);
+                trajectories written with the real retriever (tools/make_synthetic_world.py); plus the gold
+                trajectories of further worlds (`Size.sft_world_seeds`) as more SFT data;
+  2. model      a BPE tokenizer trained on the worlds' text and a random tiny Qwen2 (models/tiny.py);
   3. server     the retrieval server over the BM25 index, started here and stopped at the end;
   4. sft        the supervised warm-up on Megatron (torchrun, 2 processes, TP=2: megatron_searchr1/sft.py);
   5. baseline   the warm-up model answering without search (rollout.max_turns=0) on the same questions;
