@@ -55,8 +55,8 @@ SIZES = {
     "full": Size(world=("--seed", "3", "--n-people", "8000", "--n-companies", "2500", "--n-cities", "1500",
                         "--n-products", "2500", "--n-universities", "800", "--n-distractors", "3000",
                         "--n-train", "6000", "--n-validation", "300", "--n-test", "300"),
-                 sft_steps=1500, sft_batch=16, grpo_steps=60, grpo_batch=8, n=8, val_samples=300,
-                 sft_world_seeds=(4,)),
+                 sft_steps=2000, sft_batch=16, grpo_steps=60, grpo_batch=8, n=8, val_samples=300,
+                 sft_world_seeds=(4, 5)),
 }
 MODEL_ARGS = dict(hidden_size=128, intermediate_size=384, num_layers=4, num_heads=4, num_kv_heads=2,
                   tie_embeddings=True, vocab_size=2000)
