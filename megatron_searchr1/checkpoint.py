@@ -112,9 +112,6 @@ def latest_step(ckpt_root: str) -> Optional[int]:
     return steps[-1] if steps else None
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# RNG
-# ----------------------------------------------------------------------------------------------------------------
 def resume_target(resume: str, ckpt_root: str) -> Optional[tuple[str, Union[str, int]]]:
     """Where `trainer.resume` points: (root, step) for load_checkpoint, or None to start fresh.
 
@@ -126,9 +123,16 @@ def resume_target(resume: str, ckpt_root: str) -> Optional[tuple[str, Union[str,
     if resume == "auto":
         return (ckpt_root, "latest") if latest_step(ckpt_root) is not None else None
     path = os.path.abspath(resume)
-    return os.path.dirname(path), int(os.path.basename(path).split("_")[-1])
+    m = _STEP_DIR.match(os.path.basename(path))
+    if m is None:
+        raise CheckpointError(f"trainer.resume={resume!r} is not a step directory (<root>/step_N); use auto, disable "
+                              "or such a directory")
+    return os.path.dirname(path), int(m.group(1))
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# RNG
+# ----------------------------------------------------------------------------------------------------------------
 def rng_state() -> dict:
     """This rank's random states: python, numpy, torch (CPU), CUDA (when present) and Megatron's RNG tracker
     (the model-parallel streams used for TP-region dropout and initialisation; CPU tensors on the CPU)."""

@@ -128,3 +128,7 @@ def test_resume_target(tmp_path):
     step_dir = tmp_path / "other_run" / "checkpoints" / "step_000012"
     step_dir.mkdir(parents=True)
     assert resume_target(str(step_dir), root) == (str(step_dir.parent), 12)
+    from megatron_searchr1.checkpoint import CheckpointError
+
+    with pytest.raises(CheckpointError, match="not a step directory"):
+        resume_target(str(tmp_path / "other_run"), root)
