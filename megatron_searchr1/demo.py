@@ -102,22 +102,19 @@ def _torchrun(module: str, args: list[str]) -> list[str]:
             *args]
 
 
-def _sft_names(worlds: list[str]) -> list[str]:
-    return [f"gold_{os.path.basename(w)}" for w in worlds]
-
-
-def _sft_dataset_dir(worlds: list[str], out_dir: str) -> str:
-    """A dataset_info.json naming each world's gold trajectories (the world's own entry, its file path rebased)."""
+def _sft_dataset_dir(worlds: list[str], out_dir: str) -> tuple[str, list[str]]:
+    """A dataset_info.json naming each world's gold trajectories (the world's own entry, its file path rebased);
+    returns the directory and the dataset names, in the worlds' order."""
     os.makedirs(out_dir, exist_ok=True)
     info = {}
-    for name, w in zip(_sft_names(worlds), worlds):
+    for w in worlds:
         with open(os.path.join(w, "sft", "dataset_info.json")) as f:
             entry = json.load(f)["synthetic_sft_train"]
         entry["file_name"] = os.path.relpath(os.path.join(w, "sft", entry["file_name"]), out_dir)
-        info[name] = entry
+        info[f"gold_{os.path.basename(w)}"] = entry
     with open(os.path.join(out_dir, "dataset_info.json"), "w") as f:
         json.dump(info, f, indent=2)
-    return out_dir
+    return out_dir, list(info)
 
 
 def _world_text(world_dir: str, out_path: str, sft_worlds: Sequence[str] = ()) -> None:
@@ -169,19 +166,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     # 1. world + index + gold trajectories
     world = os.path.join(work, "world")
     start = time.time()
-    if not os.path.isfile(os.path.join(world, "sft", "dataset_info.json")):
-        _run([sys.executable, "-m", "megatron_searchr1.data.make_world", "--out-dir", world, "--template", "short",
-              "--oracle", "bm25", *size.world], os.path.join(work, "world.log"))
-    sft_worlds = [world]
+    worlds = [("world", size.world)]  # the SFT-only worlds: the same sizes under another seed
     for seed in size.sft_world_seeds:
-        extra = os.path.join(work, f"world_sft_{seed}")
-        if not os.path.isfile(os.path.join(extra, "sft", "dataset_info.json")):
-            args = list(size.world)
-            args[args.index("--seed") + 1] = str(seed)
-            _run([sys.executable, "-m", "megatron_searchr1.data.make_world", "--out-dir", extra, "--template",
-                  "short", "--oracle", "bm25", *args], os.path.join(work, f"world_sft_{seed}.log"))
-        sft_worlds.append(extra)
-    sft_data = _sft_dataset_dir(sft_worlds, os.path.join(work, "sft_data"))
+        args = list(size.world)
+        args[args.index("--seed") + 1] = str(seed)
+        worlds.append((f"world_sft_{seed}", tuple(args)))
+    sft_worlds = []
+    for name, args in worlds:
+        out = os.path.join(work, name)
+        if not os.path.isfile(os.path.join(out, "sft", "dataset_info.json")):
+            _run([sys.executable, "-m", "megatron_searchr1.data.make_world", "--out-dir", out, "--template", "short",
+                  "--oracle", "bm25", *args], os.path.join(work, f"{name}.log"))
+        sft_worlds.append(out)
+    sft_data, sft_names = _sft_dataset_dir(sft_worlds, os.path.join(work, "sft_data"))
     timings["world"] = time.time() - start
 
     # 2. tokenizer + tiny model
@@ -211,7 +208,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if not os.path.isfile(os.path.join(sft_dir, "hf", "model.safetensors")):
             _run(_torchrun("megatron_searchr1.sft", [
                 os.path.join(examples, "sft_tiny_cpu.yaml"), f"model.path={model}",
-                f"data.dataset_dir={sft_data}", f"data.datasets=[{','.join(_sft_names(sft_worlds))}]",
+                f"data.dataset_dir={sft_data}", f"data.datasets=[{','.join(sft_names)}]",
                 f"trainer.output_dir={sft_dir}",
                 f"trainer.total_steps={size.sft_steps}", f"data.batch_size={size.sft_batch}"]),
                 os.path.join(work, "sft.log"))
