@@ -31,6 +31,8 @@ def test_ci_sized_demo_runs_every_stage(tmp_path):
     for phase in ("no_search", "before_rl", "after_rl"):
         assert report[phase]["split:validation"]["n"] > 0 and report[phase]["split:test"]["n"] > 0
     assert report["rl_steps"] == 3 and len(report["samples"]) == 3
+    assert [step for step, _ in report["em_by_rl_step"]] == [0, 2, 3]  # before, every test_freq steps, after
+    assert "EM (all questions) by GRPO step: 0: " in proc.stdout
 
     from megatron_searchr1.metrics import read_scalars
 
