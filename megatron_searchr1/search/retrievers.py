@@ -58,7 +58,7 @@ def index_corpus(corpus_path: str | os.PathLike, out_dir: str | os.PathLike, kin
     """Index a corpus JSONL into `out_dir` and return the ready retriever.
 
     kind: bm25 | dense | hybrid. options: any field of EncoderConfig (model, pooling, normalize, query_prefix,
-    passage_prefix, max_length, batch_size, fp16, device), FaissConfig (index_type, hnsw_m, ...), BM25Config
+    passage_prefix, max_length, batch_size, fp16, device, backend), FaissConfig (index_type, hnsw_m, ...), BM25Config
     (k1, b, method, stopwords, stemmer) or HybridConfig (rrf_k, depth). copy_corpus puts the corpus inside
     out_dir so the directory can be moved as a whole.
     """
@@ -165,7 +165,7 @@ def load_retriever(index_dir: str | os.PathLike, corpus_path: str | os.PathLike 
                    lazy_corpus: bool | None = None, **runtime) -> Retriever:
     """Reopen an index directory. corpus_path overrides the recorded corpus (e.g. after moving it).
 
-    runtime: settings that may differ from build time: EncoderConfig device/fp16/batch_size, FaissConfig
+    runtime: settings that may differ from build time: EncoderConfig device/fp16/batch_size/backend, FaissConfig
     use_gpu/num_threads/hnsw_ef_search, HybridConfig rrf_k/depth, bm25_mmap (memory-map the BM25 arrays) and
     faiss_mmap (memory-map the faiss vectors: the page cache holds them instead of a private copy; with use_gpu
     they go from the file to the GPUs without a full CPU copy) and query_cache_size (query embeddings kept in an
@@ -184,7 +184,7 @@ def _open(meta: dict, index_dir, corpus_file: str, lazy_corpus: bool | None, off
     bm25_mmap = bool(runtime.pop("bm25_mmap", False))
     faiss_mmap = bool(runtime.pop("faiss_mmap", False))
     query_cache_size = int(runtime.pop("query_cache_size", 0) or 0)
-    allowed = {"device", "fp16", "batch_size", "use_gpu", "num_threads", "hnsw_ef_search", "rrf_k", "depth"}
+    allowed = {"device", "fp16", "batch_size", "backend", "use_gpu", "num_threads", "hnsw_ef_search", "rrf_k", "depth"}
     bad = set(runtime) - allowed
     if bad:
         raise TypeError(f"load_retriever cannot change {sorted(bad)} (fixed at build time); "
