@@ -20,8 +20,8 @@ gets 429 with Retry-After instead of growing the queue without bound. A search t
 `search_timeout_s` fails its requests with 503 and turns /health to 503 "stalled" until it finishes.
 
 Requests that arrive within a short window (`batch_window_ms`) are searched together in one encoder/faiss call
-(micro-batching), on a single worker thread so the event loop keeps accepting requests meanwhile; the response
-documents and JSON are built on other threads, off the event loop. Repeated queries are encoded once (deduplicated
+(micro-batching), on a single worker thread so the event loop keeps accepting requests meanwhile; that thread
+also builds the response documents and JSON, off the event loop. Repeated queries are encoded once (deduplicated
 per batch, and a bounded LRU of query embeddings; /health reports its hit rate). What a query was batched with does
 not change its results beyond float rounding: BM25 scores are per query, and a dense embedding moves by ~1e-7 with
 the padding of its batch (ties in score break by row number); a cached query's embedding is reused as computed,
@@ -192,6 +192,7 @@ def _lax_bool(value) -> bool | None:
 class _Pending:
     queries: list[str]
     topk: int
+    return_scores: bool
     future: asyncio.Future
     arrived: float
     client_gone: Callable[[], Awaitable[bool]] | None = None
@@ -227,15 +228,24 @@ class SearchTimeout(Exception):
 
 
 class MicroBatcher:
-    """Collects concurrent requests for `window_s` and runs them as one `search_ids` call on one worker thread.
+    """Collects concurrent requests for `window_s` and runs them as one `search_ids` call on one worker thread,
+    which also renders each request's response body (`render(ids, scores, return_scores) -> bytes`).
+
+    Rendering there, not on a pool beside it: on a small machine a render thread running while the next batch
+    encodes takes a core from the encoder and the GIL from the event loop; done right after the search, every
+    response of a batch is ready at once, and the next batch starts only after they were handed to the event loop
+    to write, so the clients they answer can join it.
 
     timeout_s: how long one search call may run before its requests fail with SearchTimeout (0 = no limit). The
     call itself cannot be interrupted (torch and faiss do not check for cancellation): until it returns the batcher
     is `stalled_since` that time, which /health reports, and the batches behind it time out as well.
     """
 
-    def __init__(self, retriever: Retriever, window_s: float, max_batch_queries: int, timeout_s: float = 0.0):
+    def __init__(self, retriever: Retriever, window_s: float, max_batch_queries: int, timeout_s: float = 0.0,
+                 render: Callable[[np.ndarray, np.ndarray, bool], bytes] | None = None):
         self.retriever, self.window_s, self.max_batch_queries = retriever, window_s, max_batch_queries
+        self.render = render or (lambda ids, scores, return_scores:
+                                 render_result(retriever.corpus, ids, scores, return_scores))
         self.timeout_s = timeout_s
         self.stalled_since: float | None = None
         self._overdue = 0  # timed-out searches still running on the worker thread
@@ -257,14 +267,14 @@ class MicroBatcher:
                 await self._task
         self._executor.shutdown(wait=False, cancel_futures=True)
 
-    async def submit(self, queries: list[str], topk: int,
-                     client_gone: Callable[[], Awaitable[bool]] | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """(len(queries), topk) ids and scores for one request, searched together with its neighbours."""
+    async def submit(self, queries: list[str], topk: int, return_scores: bool = True,
+                     client_gone: Callable[[], Awaitable[bool]] | None = None) -> bytes:
+        """The response body for one request, searched together with its neighbours."""
         future = asyncio.get_running_loop().create_future()
         self.stats.requests += 1
         self.stats.pending_queries += len(queries)  # all on the event loop thread: no lock needed
         try:
-            await self._queue.put(_Pending(queries, topk, future, time.perf_counter(), client_gone))
+            await self._queue.put(_Pending(queries, topk, return_scores, future, time.perf_counter(), client_gone))
             return await future
         finally:
             self.stats.pending_queries -= len(queries)
@@ -293,6 +303,9 @@ class MicroBatcher:
                 for p in batch:
                     if not p.future.done():
                         p.future.set_exception(e)
+            # Let the handlers whose futures were just set write their responses before the next batch is
+            # collected: their clients' next requests should find the window open, not a batch already running.
+            await asyncio.sleep(0)
 
     async def _run(self, batch: list[_Pending]) -> None:
         # uvicorn does not cancel a handler whose client disconnected, so its future is still pending here:
@@ -314,9 +327,10 @@ class MicroBatcher:
         for topk, items in by_topk.items():
             queries = [q for p in items for q in p.queries]
             t0 = time.perf_counter()
-            call = loop.run_in_executor(self._executor, self.retriever.search_ids, queries, topk)
+            call = loop.run_in_executor(self._executor, self._search_and_render, queries, topk,
+                                        [(len(p.queries), p.return_scores) for p in items])
             try:
-                ids, scores = await asyncio.wait_for(asyncio.shield(call), self.timeout_s or None)
+                bodies = await asyncio.wait_for(asyncio.shield(call), self.timeout_s or None)
             except asyncio.TimeoutError:
                 self._stall(call)
                 logger.error("search of %d queries still running after %.0fs: failing its %d request(s) with 503",
@@ -341,12 +355,28 @@ class MicroBatcher:
             self.stats.batches += 1
             self.stats.queries += len(queries)
             self.stats.largest_batch = max(self.stats.largest_batch, len(queries))
-            start = 0
-            for p in items:
-                end = start + len(p.queries)
-                if not p.future.done():
-                    p.future.set_result((ids[start:end], scores[start:end]))
-                start = end
+            for p, body in zip(items, bodies):
+                if p.future.done():
+                    continue
+                if isinstance(body, Exception):
+                    p.future.set_exception(body)
+                else:
+                    p.future.set_result(body)
+
+    def _search_and_render(self, queries: list[str], topk: int,
+                           requests: list[tuple[int, bool]]) -> list[bytes | Exception]:
+        """On the worker thread: one search for all `queries`, then each request's body ((count, return_scores)
+        per request, in order). A request whose rendering fails gets its exception, not its neighbours."""
+        ids, scores = self.retriever.search_ids(queries, topk)
+        bodies, start = [], 0
+        for count, return_scores in requests:
+            try:
+                bodies.append(self.render(ids[start:start + count], scores[start:start + count], return_scores))
+            except Exception as e:  # noqa: BLE001 - reported to that request as a 500
+                logger.exception("rendering a response of %d queries failed", count)
+                bodies.append(e)
+            start += count
+        return bodies
 
 
     def _stall(self, call: asyncio.Future) -> None:
@@ -385,11 +415,9 @@ def create_app(retriever: Retriever, config: ServerConfig | None = None, on_read
     on_ready: called once the micro-batcher runs, i.e. when requests can be served; on_stop: after shutdown.
     """
     config = config or ServerConfig()
+    # The batcher's worker thread renders the responses, off the event loop (which keeps accepting requests).
     batcher = MicroBatcher(retriever, config.batch_window_ms / 1000.0, config.max_batch_queries,
                            config.search_timeout_s)
-    # Responses are rendered here, not on the search thread (which would wait for them) nor on the event loop
-    # (which would stop accepting requests meanwhile).
-    render_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="render")
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -398,7 +426,6 @@ def create_app(retriever: Retriever, config: ServerConfig | None = None, on_read
             on_ready()
         yield
         await batcher.stop()
-        render_pool.shutdown(wait=False, cancel_futures=True)
         if on_stop is not None:
             on_stop()
 
@@ -446,13 +473,11 @@ def create_app(retriever: Retriever, config: ServerConfig | None = None, on_read
                                            f"{config.max_pending_queries}); back off and retry"},
                                 status_code=429, headers={"Retry-After": "1"})
         try:
-            ids, scores = await batcher.submit(queries, topk, client_gone=request.is_disconnected)
+            content = await batcher.submit(queries, topk, return_scores, client_gone=request.is_disconnected)
         except SearchTimeout as e:
             return JSONResponse({"detail": str(e)}, status_code=503, headers={"Retry-After": "5"})
         except Exception as e:  # noqa: BLE001 - the server must stay up; the client sees a 500 and retries
             return JSONResponse({"detail": f"retrieval failed: {type(e).__name__}: {e}"}, status_code=500)
-        content = await asyncio.get_running_loop().run_in_executor(
-            render_pool, render_result, retriever.corpus, ids, scores, return_scores)
         return Response(content, media_type="application/json")
 
     return app
