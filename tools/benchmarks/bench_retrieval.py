@@ -191,11 +191,23 @@ def batches(url: str, make, batch: int, topk: int, seconds: float) -> dict:
     return {"qps": n * batch / wall, "p99": float("nan"), "errors": errors}
 
 
-def cache_hit_rate(url: str) -> float | None:
+def top_ids(url: str, queries: list[str], topk: int) -> list[list[str]]:
+    """The ids each server returns for the same queries, sent 16 at a time (to compare the two servers)."""
     import httpx
 
-    cache = httpx.get(f"{url}/health", timeout=10).json().get("query_cache")
-    return cache["hit_rate"] if cache else None
+    out = []
+    for s in range(0, len(queries), 16):
+        r = httpx.post(f"{url}/retrieve", json={"queries": queries[s:s + 16], "topk": topk, "return_scores": True},
+                       timeout=120)
+        r.raise_for_status()
+        out += [[hit["document"]["id"] for hit in row] for row in r.json()["result"]]
+    return out
+
+
+def health(url: str) -> dict:
+    import httpx
+
+    return httpx.get(f"{url}/health", timeout=10).json()
 
 
 # ---- index build -----------------------------------------------------------------------------------------------
@@ -274,16 +286,19 @@ def main(argv: list[str] | None = None) -> int:
                 batches(srv.url, warm.fresh, 8, args.topk, 1.0)  # load pages, JIT paths, thread pools
                 for i, (label, fn) in enumerate(rows):  # the same queries for both servers
                     results[(name, label)] = fn(srv.url, Queries(seed=i))
+                results[(name, "ids")] = top_ids(srv.url, Queries(seed=len(rows)).fresh(400), args.topk)
                 if name == "ours":
-                    results["hit_rate"] = cache_hit_rate(srv.url)
+                    results["health"] = health(srv.url)
         print(f"\n| mode | Search-R1-style baseline | ours | ours / baseline |\n|---|---|---|---|")
         for label, _ in rows:
             b, o = results[("baseline", label)], results[("ours", label)]
             fmt = lambda r: f"{r['qps']:.1f} q/s" + (f", p99 {r['p99']:.2f} s" if r["p99"] == r["p99"] else "") + \
                 (f", {r['errors']} errors" if r["errors"] else "")
             print(f"| {label} | {fmt(b)} | {fmt(o)} | {o['qps'] / b['qps']:.2f}x |")
-        print(f"\nour query-embedding cache hit rate over the whole run (in-batch repeats included): "
-              f"{results['hit_rate']:.1%}")
+        same = sum(b == o for b, o in zip(results[("baseline", "ids")], results[("ours", "ids")]))
+        print(f"\ntop-{args.topk} ids identical for {same} of {len(results[('ours', 'ids')])} queries; our encoder ran "
+              f"on {results['health'].get('encoder_backend', '?')}; our query-embedding cache hit rate over the whole "
+              f"run (in-batch repeats included): {results['health']['query_cache']['hit_rate']:.1%}")
     return 0
 
 
