@@ -109,18 +109,28 @@ def _weight(mb, mode: str) -> float:
     return mb.num_rows / max(mb.global_num_seqs, 1)
 
 
-def actor_loss_fn(cfg: AlgoConfig):
-    """PPO clipped policy loss (+ KL to the reference, - entropy bonus) for workers.train_step."""
+def actor_loss_fn(cfg: AlgoConfig, engine_gap: bool = False):
+    """PPO clipped policy loss (+ KL to the reference, - entropy bonus) for workers.train_step.
+
+    Micro-batches without `old_log_probs` are on-policy (the step's only update, see Trainer.on_policy): the
+    model has not moved since the rollout, so the old log-probs are this forward's own, detached. With
+    `engine_gap` such a pass also reports `logprob_gap_engine` (ppo.logprob_gap, from this forward)."""
 
     def loss_fn(outputs: dict, mb):
         mask = mb["loss_mask"]                                                   # (b, R)
         log_prob = outputs["log_probs"]                                          # (b, R)
+        on_policy = "old_log_probs" not in mb
+        old_log_prob = log_prob.detach() if on_policy else mb["old_log_probs"]
         pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower = algo.compute_policy_loss(
-            mb["old_log_probs"], log_prob, mb["advantages"], mask, cfg.clip_ratio, cfg.clip_ratio_low,
+            old_log_prob, log_prob, mb["advantages"], mask, cfg.clip_ratio, cfg.clip_ratio_low,
             cfg.clip_ratio_high, cfg.clip_ratio_c, cfg.loss_agg_mode)
         loss = pg_loss
         metrics = {"pg_loss": pg_loss, "pg_clipfrac": pg_clipfrac, "ppo_kl": ppo_kl,
                    "pg_clipfrac_lower": pg_clipfrac_lower}
+        if on_policy and engine_gap and "engine_log_probs" in mb:
+            m = mask.to(log_prob.dtype)
+            gap = (mb["engine_log_probs"] - log_prob.detach()).abs() * m
+            metrics["logprob_gap_engine"] = gap.sum() / m.sum().clamp(min=1.0)
         if "entropy" in outputs:
             entropy = algo.agg_loss(outputs["entropy"], mask, cfg.loss_agg_mode)
             loss = loss - cfg.entropy_coeff * entropy

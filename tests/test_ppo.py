@@ -84,3 +84,36 @@ def test_logprob_gap_counts_generated_tokens_only():
     seqs = ppo.to_sequences([_traj("a", [5, 6], [7, 8])])
     seqs[0]["old_log_probs"] = seqs[0]["engine_log_probs"] + torch.tensor([0.1, 0.1, 9, 9, 0.1, 0.1])
     assert ppo.logprob_gap(seqs) == pytest.approx(0.1)
+
+
+def test_on_policy_loss_takes_its_own_log_probs_as_old_with_the_same_gradient():
+    """Without `old_log_probs` (Trainer.on_policy) the loss and its gradient equal those of a separate old-log-prob
+    pass on the same weights, and the pass reports the engine gap from its own forward."""
+    torch.manual_seed(0)
+    seqs = ppo.to_sequences([_traj("g", [5, 6, 7][: k + 1], [8] * (k + 1)) for k in range(3)])
+    for s in seqs:
+        s["advantages"] = torch.randn(len(s["response_ids"]))
+    new = [-torch.rand(len(s["response_ids"])) for s in seqs]
+
+    def run(with_old: bool):
+        for s, lp in zip(seqs, new):
+            s.pop("old_log_probs", None)
+            if with_old:
+                s["old_log_probs"] = lp.clone()
+        (mb,) = _micro_batches(seqs)
+        lp = torch.zeros(mb["loss_mask"].shape)
+        for row, i in enumerate(mb.indices):
+            lp[row, : len(new[i])] = new[i]
+        lp.requires_grad_(True)
+        loss, metrics = ppo.actor_loss_fn(AlgoConfig(use_kl_loss=False), engine_gap=True)({"log_probs": lp}, mb)
+        loss.backward()
+        return float(loss), lp.grad, metrics
+
+    loss_old, grad_old, m_old = run(with_old=True)
+    loss_on, grad_on, m_on = run(with_old=False)
+    assert loss_on == pytest.approx(loss_old, abs=1e-7)
+    assert torch.allclose(grad_on, grad_old, atol=1e-7) and grad_on.abs().sum() > 0
+    assert "logprob_gap_engine" not in m_old
+    for s, lp in zip(seqs, new):
+        s["old_log_probs"] = lp
+    assert float(m_on["logprob_gap_engine"]) == pytest.approx(ppo.logprob_gap(seqs), abs=1e-6)
