@@ -218,6 +218,23 @@ def test_resume_continues_exactly_and_survives_a_crashed_save(grpo_run, world, t
 
 
 @pytest.mark.slow
+def test_grpo_with_one_tp2_engine_across_both_ranks(world, tiny_model, server, rl_root):
+    """rollout.engine_tp=2: one vLLM engine sharded over the two trainer ranks (external_launcher), fed by the
+    weight sync; after an update its log-probs are still the trainer's, so both shards got the new weights."""
+    from megatron_searchr1.metrics import read_scalars
+
+    out = os.path.join(rl_root, "engine_tp2")
+    run_module("megatron_searchr1.train", rl_args(world, tiny_model, server, out, "trainer.total_steps=2",
+                                                  "rollout.engine_tp=2", "trainer.save_freq=0",
+                                                  "trainer.export_hf=false"), nproc=2)
+    scalars = read_scalars(os.path.join(out, "tensorboard"))
+    assert [s for s, _ in scalars["reward/mean"]] == [1, 2]
+    assert scalars["rollout/response_length_mean"][0][1] > 0
+    # step 2 generates after step 1's update (lr 1e-3): a shard left with the old weights would show here
+    assert all(v < 1e-3 for _, v in scalars["train/logprob_gap_engine"]), scalars["train/logprob_gap_engine"]
+
+
+@pytest.mark.slow
 def test_ppo_with_critic_pp2(world, sft_run, tiny_model, server, rl_root):
     """GAE with a critic, KL in the reward, PP=2, starting from the SFT checkpoint (model.megatron_ckpt)."""
     from megatron_searchr1.checkpoint import latest_step
