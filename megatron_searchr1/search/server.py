@@ -19,8 +19,8 @@ Bad input gets a 4xx whose `detail` says what is wrong and what the limit is; th
 gets 429 with Retry-After instead of growing the queue without bound. A search that runs past
 `search_timeout_s` fails its requests with 503 and turns /health to 503 "stalled" until it finishes.
 
-Requests that arrive within a short window (`batch_window_ms`) are searched together in one encoder/faiss call
-(micro-batching), on a single worker thread so the event loop keeps accepting requests meanwhile; that thread
+Requests that arrive together (each within `batch_window_ms` of the one before, for at most `batch_max_wait_ms`)
+are searched together in one encoder/faiss call (micro-batching), on a single worker thread so the event loop keeps accepting requests meanwhile; that thread
 also builds the response documents and JSON, off the event loop. Repeated queries are encoded once (deduplicated
 per batch, and a bounded LRU of query embeddings; /health reports its hit rate). What a query was batched with does
 not change its results beyond float rounding: BM25 scores are per query, and a dense embedding moves by ~1e-7 with
@@ -68,7 +68,9 @@ class ServerConfig:
     max_query_chars: int = 4096
     """Longest query accepted, in characters (the encoder truncates at max_length tokens anyway)."""
     batch_window_ms: float = 5.0
-    """How long the first request of a micro-batch waits for others to join it; 0 = no waiting."""
+    """A micro-batch (of concurrent requests) closes once no request joined it for this long; 0 = no waiting."""
+    batch_max_wait_ms: float = 50.0
+    """...or this long after its first request arrived, however many keep joining (at least batch_window_ms)."""
     max_batch_queries: int = 4096
     """A micro-batch stops growing at this many queries."""
     max_pending_queries: int = 16384
@@ -83,9 +85,9 @@ class ServerConfig:
                      "max_pending_queries", "max_body_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"ServerConfig.{name} must be >= 1, got {getattr(self, name)}")
-        if self.batch_window_ms < 0 or self.search_timeout_s < 0:
-            raise ValueError(f"ServerConfig.batch_window_ms and search_timeout_s must be >= 0, got "
-                             f"{self.batch_window_ms}, {self.search_timeout_s}")
+        if self.batch_window_ms < 0 or self.batch_max_wait_ms < 0 or self.search_timeout_s < 0:
+            raise ValueError(f"ServerConfig.batch_window_ms, batch_max_wait_ms and search_timeout_s must be >= 0, "
+                             f"got {self.batch_window_ms}, {self.batch_max_wait_ms}, {self.search_timeout_s}")
         if self.default_topk > self.max_topk:
             raise ValueError(f"default_topk {self.default_topk} exceeds max_topk {self.max_topk}")
         if self.max_pending_queries < self.max_queries:
@@ -242,8 +244,9 @@ class MicroBatcher:
     """
 
     def __init__(self, retriever: Retriever, window_s: float, max_batch_queries: int, timeout_s: float = 0.0,
-                 render: Callable[[np.ndarray, np.ndarray, bool], bytes] | None = None):
+                 render: Callable[[np.ndarray, np.ndarray, bool], bytes] | None = None, max_wait_s: float | None = None):
         self.retriever, self.window_s, self.max_batch_queries = retriever, window_s, max_batch_queries
+        self.max_wait_s = window_s if max_wait_s is None else max(max_wait_s, window_s)
         self.render = render or (lambda ids, scores, return_scores:
                                  render_result(retriever.corpus, ids, scores, return_scores))
         self.timeout_s = timeout_s
@@ -283,17 +286,23 @@ class MicroBatcher:
         while True:
             batch = [await self._queue.get()]
             n = len(batch[0].queries)
-            # Wait out the window measured from the first request's arrival, but only when requests have been
-            # arriving together: a lone client sending one request at a time would pay the window on every
-            # request and gain nothing. Under load the first request has usually waited through the previous
-            # batch already, so the window adds no latency then either.
-            remaining = batch[0].arrived + self.window_s - time.perf_counter()
-            if self._concurrent and remaining > 0 and n < self.max_batch_queries:
-                await asyncio.sleep(remaining)
-            while n < self.max_batch_queries and not self._queue.empty():
-                item = self._queue.get_nowait()
-                batch.append(item)
-                n += len(item.queries)
+            # Wait for company only when requests have been arriving together: a lone client sending one request
+            # at a time would pay the window on every request and gain nothing. The batch closes once no request
+            # has joined it for the window, or max_wait after its first one: many clients answered by the last
+            # batch send their next requests one after another (each takes the client some CPU), and a batch
+            # started on the first few would take the cores from the clients still sending, leaving the rest
+            # for a later batch (measured: most batches of one query, and a p99 several times the mean).
+            deadline = batch[0].arrived + self.max_wait_s
+            while True:
+                while n < self.max_batch_queries and not self._queue.empty():
+                    item = self._queue.get_nowait()
+                    batch.append(item)
+                    n += len(item.queries)
+                wake = min(batch[-1].arrived + self.window_s, deadline)
+                now = time.perf_counter()
+                if not self._concurrent or n >= self.max_batch_queries or wake <= now:
+                    break
+                await asyncio.sleep(wake - now)
             # concurrency seen: this batch joined several requests, or more arrived while it was collected
             self._concurrent = len(batch) > 1 or not self._queue.empty()
             try:
@@ -417,7 +426,7 @@ def create_app(retriever: Retriever, config: ServerConfig | None = None, on_read
     config = config or ServerConfig()
     # The batcher's worker thread renders the responses, off the event loop (which keeps accepting requests).
     batcher = MicroBatcher(retriever, config.batch_window_ms / 1000.0, config.max_batch_queries,
-                           config.search_timeout_s)
+                           config.search_timeout_s, max_wait_s=config.batch_max_wait_ms / 1000.0)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -440,7 +449,8 @@ def create_app(retriever: Retriever, config: ServerConfig | None = None, on_read
                            "max_pending_queries": config.max_pending_queries,
                            "max_query_chars": config.max_query_chars, "default_topk": config.default_topk,
                            "max_body_bytes": config.max_body_bytes, "search_timeout_s": config.search_timeout_s},
-                "batching": {"window_ms": config.batch_window_ms, **batcher.stats.as_dict()}}
+                "batching": {"window_ms": config.batch_window_ms, "max_wait_ms": config.batch_max_wait_ms,
+                             **batcher.stats.as_dict()}}
         if stalled is not None:
             body["stalled_seconds"] = round(time.time() - stalled, 1)
             return JSONResponse(body, status_code=503)
@@ -564,7 +574,10 @@ def build_arg_parser() -> ArgumentParser:
     srv.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes)
     srv.add_argument("--search-timeout-s", type=float, default=d.search_timeout_s,
                      help="a search running longer fails its requests with 503 and /health says stalled; 0 = none")
-    srv.add_argument("--batch-window-ms", type=float, default=d.batch_window_ms)
+    srv.add_argument("--batch-window-ms", type=float, default=d.batch_window_ms,
+                     help="a batch of concurrent requests closes once none joined it for this long")
+    srv.add_argument("--batch-max-wait-ms", type=float, default=d.batch_max_wait_ms,
+                     help="... or this long after its first request")
     srv.add_argument("--max-batch-queries", type=int, default=d.max_batch_queries)
     srv.add_argument("--max-pending-queries", type=int, default=None,
                      help=f"queries waiting at once before new requests get 429 (overloaded, retry later); "
@@ -645,6 +658,7 @@ def main(argv: list[str] | None = None) -> int:
                               max_queries=args.max_queries, max_topk=args.max_topk,
                               max_query_chars=args.max_query_chars, max_body_bytes=args.max_body_bytes,
                               search_timeout_s=args.search_timeout_s, batch_window_ms=args.batch_window_ms,
+                              batch_max_wait_ms=args.batch_max_wait_ms,
                               max_batch_queries=args.max_batch_queries,
                               max_pending_queries=args.max_pending_queries or max(ServerConfig.max_pending_queries,
                                                                                   args.max_queries))

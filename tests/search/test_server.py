@@ -175,6 +175,44 @@ def test_a_failing_search_is_a_500_and_spares_requests_batched_with_it(world, bm
         assert max(len(c) for c in poison.calls if "__boom__" in c) > 1
 
 
+class _RecordingRetriever:
+    """A real BM25 retriever that records the queries of each search call (= each micro-batch)."""
+
+    def __init__(self, inner):
+        self.inner, self.corpus, self.kind = inner, inner.corpus, "bm25"
+        self.calls = []
+
+    def search_ids(self, queries, topk):
+        self.calls.append(list(queries))
+        return self.inner.search_ids(queries, topk)
+
+    def describe(self):
+        return self.inner.describe()
+
+
+@pytest.mark.parametrize("max_wait_ms, batches", [(5000.0, 1), (500.0, 2)])
+def test_a_batch_waits_while_requests_keep_joining_up_to_its_max_wait(world, bm25_index, max_wait_ms, batches):
+    # Clients answered together send their next requests one after another: 6 requests 150 ms apart, each within
+    # the 400 ms window of the one before, make one batch; a 500 ms max wait closes the first batch early.
+    rec = _RecordingRetriever(bm25_index[1])
+    config = ServerConfig(port=0, batch_window_ms=400.0, batch_max_wait_ms=max_wait_ms)
+    with BackgroundServer(rec, config) as srv:
+        clients = [httpx.Client(timeout=60) for _ in range(6)]
+        start = threading.Barrier(6)
+
+        def send(i):
+            start.wait()
+            time.sleep(0.15 * i)
+            return clients[i].post(f"{srv.url}/retrieve", json={"queries": [world["queries"][i]], "topk": 1})
+
+        with ThreadPoolExecutor(6) as pool:
+            responses = list(pool.map(send, range(6)))
+        for c in clients:
+            c.close()
+    assert [r.json()["result"][0][0]["id"] for r in responses] == [d["id"] for d in world["docs"][:6]]
+    assert len(rec.calls) == batches and sorted(q for c in rec.calls for q in c) == sorted(world["queries"][:6])
+
+
 class _GatedRetriever:
     """A real BM25 retriever whose searches wait for `gate`: requests pile up behind the first one, with no sleeps."""
 
