@@ -16,7 +16,7 @@ import os
 import time
 
 from megatron_searchr1.cli import ArgumentParser, UsageError, console, run_main
-from megatron_searchr1.search.encoder import add_encoder_args, encoder_options
+from megatron_searchr1.search.encoder import add_encoder_args, encoder_args_problem, encoder_options
 
 KINDS = ("bm25", "dense", "hybrid")  # = retrievers.KINDS, repeated so --help needs no faiss/bm25s import
 
@@ -56,6 +56,8 @@ def main(argv: list[str] | None = None) -> int:
         raise UsageError("--faiss-index registers a dense index: add --kind dense")
     if args.faiss_index and not os.path.isfile(args.faiss_index):
         raise UsageError(f"--faiss-index {args.faiss_index!r} is not a file")
+    if problem := encoder_args_problem(args):
+        raise UsageError(problem)
     if args.torch_threads is not None and args.torch_threads < 0:
         raise UsageError(f"--torch-threads must be >= 0 (0 = every core), got {args.torch_threads}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -86,6 +86,17 @@ def add_encoder_args(parser, runtime_only: bool = False):
     return g
 
 
+def encoder_args_problem(args) -> str | None:
+    """What is wrong with `add_encoder_args` flags that would only fail once the model loads, or None."""
+    if args.encoder_backend == "onnxruntime":
+        if args.device not in ("auto", "cpu"):
+            return f"--encoder-backend onnxruntime runs on the CPU, not --device {args.device}: drop one of them"
+        from megatron_searchr1.search import onnx_encoder
+
+        return onnx_encoder.available()
+    return None
+
+
 def encoder_options(args, runtime_only: bool = False) -> dict:
     """EncoderConfig fields from `add_encoder_args` flags (None = keep the default / the index's value)."""
     out = {"batch_size": args.encoder_batch_size, "fp16": args.fp16, "device": args.device,

@@ -46,7 +46,7 @@ from fastapi.responses import JSONResponse, Response
 
 from megatron_searchr1.cli import ArgumentParser, UsageError, at_least, console, run_main
 from megatron_searchr1.search.base import Retriever
-from megatron_searchr1.search.encoder import add_encoder_args, encoder_options
+from megatron_searchr1.search.encoder import add_encoder_args, encoder_args_problem, encoder_options
 
 logger = logging.getLogger("megatron_searchr1.search.server")
 
@@ -629,6 +629,9 @@ def check_args(args) -> None:
             raise UsageError(f"{flag} {path!r} is not a file")
     if args.port > 65535:
         raise UsageError(f"--port must be at most 65535, got {args.port}")
+    problem = encoder_args_problem(args)
+    if problem:
+        raise UsageError(problem)
     for flag in ("torch_threads", "faiss_threads", "query_cache_size"):
         if (getattr(args, flag) or 0) < 0:
             raise UsageError(f"--{flag.replace('_', '-')} must be >= 0, got {getattr(args, flag)}")

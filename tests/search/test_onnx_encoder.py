@@ -51,3 +51,17 @@ def test_a_missing_runtime_fails_when_asked_for_and_falls_back_to_torch_on_auto(
 def test_an_unknown_backend_is_refused():
     with pytest.raises(ValueError, match="backend must be one of auto, torch, onnxruntime"):
         EncoderConfig(backend="tensorrt")
+
+
+@pytest.mark.parametrize("module", ["server", "build_index"])
+def test_the_clis_refuse_onnxruntime_on_a_gpu_device_before_loading_anything(module, world, dense_index, tmp_path):
+    import importlib
+
+    from megatron_searchr1.cli import UsageError
+
+    main = importlib.import_module(f"megatron_searchr1.search.{module}").main
+    where = ["--index-dir", dense_index[0]] if module == "server" else \
+        ["--corpus", world["path"], "--out-dir", str(tmp_path / "i"), "--kind", "dense"]
+    with pytest.raises(UsageError, match="onnxruntime runs on the CPU, not --device cuda"):
+        main([*where, "--encoder-backend", "onnxruntime", "--device", "cuda"])
+    assert not (tmp_path / "i").exists()
