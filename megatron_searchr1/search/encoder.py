@@ -288,7 +288,9 @@ class Encoder:
       - queries are deduplicated within a call and looked up in a bounded LRU (`query_cache_size`), so a
         repeated query is encoded once;
       - `tokenize` and `encode_tokens` are separate, so an index build tokenizes the next chunk on another
-        thread while the model encodes this one (HF fast tokenizers release the GIL).
+        thread while the model encodes this one (HF fast tokenizers release the GIL);
+      - on the CPU the forward pass runs on ONNX Runtime when it is installed (`backend`, `onnx_encoder.py`): the
+        same embeddings to ~2e-7, one query in half the time of eager torch.
     Padding changes a text's embedding only by float rounding (~1e-7 for MiniLM), not by meaning.
     """
 
@@ -326,9 +328,9 @@ class Encoder:
     def _start_backend(self, model_dir: str):
         """("torch", None) or ("onnxruntime", OnnxForward): an explicit onnxruntime that cannot run raises, auto
         falls back to torch saying why (the embeddings are the same either way, only slower)."""
-        from megatron_searchr1.search import onnx_encoder
-
         import torch
+
+        from megatron_searchr1.search import onnx_encoder
 
         asked = self.config.backend
         if asked == "torch" or (asked == "auto" and self.device != "cpu"):
