@@ -107,7 +107,7 @@ def test_on_policy_loss_takes_its_own_log_probs_as_old_with_the_same_gradient():
         lp.requires_grad_(True)
         loss, metrics = ppo.actor_loss_fn(AlgoConfig(use_kl_loss=False), engine_gap=True)({"log_probs": lp}, mb)
         loss.backward()
-        return float(loss), lp.grad, metrics
+        return float(loss.detach()), lp.grad, metrics
 
     loss_old, grad_old, m_old = run(with_old=True)
     loss_on, grad_on, m_on = run(with_old=False)
