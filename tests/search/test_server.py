@@ -138,8 +138,8 @@ def test_wrong_method_and_path(bm25_server):
     assert httpx.post(f"{bm25_server.url}/search", json={"queries": ["a"]}, timeout=10).status_code == 404
 
 
-class _PoisonRetriever:
-    """A real BM25 retriever that fails on one query, to exercise the server's error path."""
+class _RecordingRetriever:
+    """A real BM25 retriever that records the queries of each search call (= each micro-batch)."""
 
     def __init__(self, inner):
         self.inner, self.corpus, self.kind = inner, inner.corpus, "bm25"
@@ -147,12 +147,20 @@ class _PoisonRetriever:
 
     def search_ids(self, queries, topk):
         self.calls.append(list(queries))
-        if "__boom__" in queries:
-            raise RuntimeError("index shard unavailable")
         return self.inner.search_ids(queries, topk)
 
     def describe(self):
         return self.inner.describe()
+
+
+class _PoisonRetriever(_RecordingRetriever):
+    """A recording BM25 retriever that fails on one query, to exercise the server's error path."""
+
+    def search_ids(self, queries, topk):
+        if "__boom__" in queries:
+            self.calls.append(list(queries))
+            raise RuntimeError("index shard unavailable")
+        return super().search_ids(queries, topk)
 
 
 def test_a_failing_search_is_a_500_and_spares_requests_batched_with_it(world, bm25_index):
@@ -173,21 +181,6 @@ def test_a_failing_search_is_a_500_and_spares_requests_batched_with_it(world, bm
         assert [r.json()["result"][0][0]["id"] for r in responses[1:]] == [d["id"] for d in world["docs"][:8]]
         # the poison request really shared a batch with good ones (then each was retried alone)
         assert max(len(c) for c in poison.calls if "__boom__" in c) > 1
-
-
-class _RecordingRetriever:
-    """A real BM25 retriever that records the queries of each search call (= each micro-batch)."""
-
-    def __init__(self, inner):
-        self.inner, self.corpus, self.kind = inner, inner.corpus, "bm25"
-        self.calls = []
-
-    def search_ids(self, queries, topk):
-        self.calls.append(list(queries))
-        return self.inner.search_ids(queries, topk)
-
-    def describe(self):
-        return self.inner.describe()
 
 
 @pytest.mark.parametrize("max_wait_ms, batches", [(5000.0, 1), (500.0, 2)])
