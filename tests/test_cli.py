@@ -118,6 +118,8 @@ def _cases(t: str) -> list[tuple[str, list[str], str]]:
                                      "--oracle-index-dir", m], "--oracle-index-dir"),
         ("synthetic_world-range", console("searchr1-synthetic-world", "--out-dir", f"{t}/w", "--topk", "0"),
          "--topk"),
+        ("synthetic_world-stop-early", console("searchr1-synthetic-world", "--out-dir", f"{t}/w", "--stop-early",
+                                               "1.5"), "--stop-early"),
         ("train-missing", console("searchr1-train", f"{m}.yaml"), "missing.yaml"),
         ("train-range", console("searchr1-train", "examples/grpo_tiny_cpu.yaml", "trainer.total_steps=-1"),
          "trainer.total_steps"),

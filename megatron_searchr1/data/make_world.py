@@ -45,6 +45,10 @@ def build_arg_parser() -> ArgumentParser:
     p.add_argument("--keep-heldout", action="store_true",
                    help="also write train trajectories whose searches returned a held-out passage (flagged "
                         "shows_heldout); by default they are dropped so SFT never shows a validation/test fact")
+    p.add_argument("--stop-early", type=float, default=0.0,
+                   help="a lazy demonstrator: the probability, at each point where a multi-hop gold chain needs "
+                        "another search, that its trajectory answers a guess instead (leaves RL the decision to "
+                        "search again; see data/oracle.py)")
     return p
 
 
@@ -64,6 +68,8 @@ def main(argv: list[str] | None = None) -> int:
         raise UsageError(f"--oracle-index-dir {args.oracle_index_dir!r} has no index_meta.json")
     if args.topk < 1:
         raise UsageError(f"--topk must be >= 1, got {args.topk}")
+    if not 0.0 <= args.stop_early <= 1.0:
+        raise UsageError(f"--stop-early must be a probability in [0, 1], got {args.stop_early}")
 
     t0 = time.time()
     try:
@@ -99,7 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     gold_text = {p["id"]: p["text"] for p in world.passages}
     # only train trajectories are checked for held-out passages: those passages are validation/test's own gold
     held = heldout_titles(world)
-    trajs = {s: oracle.gold_trajectories(rows[s], search, gold_text, heldout_titles=held if s == "train" else None)
+    trajs = {s: oracle.gold_trajectories(rows[s], search, gold_text, heldout_titles=held if s == "train" else None,
+                                         stop_early=args.stop_early, seed=cfg.seed)
              for s in splits}
     sft_dir = os.path.join(args.out_dir, "sft")
     counts = oracle.write_sft(trajs, sft_dir, keep_misses=args.keep_misses, keep_heldout=args.keep_heldout)
@@ -108,6 +115,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"sft {s}: {counts[s]} of {len(trajs[s])} trajectories written ({skipped['missed_gold']} missed a "
               f"gold passage{'' if args.keep_misses else ', skipped'}; {skipped['shows_heldout']} were shown a "
               f"held-out passage{'' if args.keep_heldout else ', skipped'}) -> {sft_dir}/{s}.jsonl")
+        if args.stop_early:
+            multi = [t for t in trajs[s] if t["hops"] > 1]
+            lazy = sum(t["searches"] < t["hops"] for t in multi)
+            print(f"sft {s}: the lazy demonstrator (--stop-early {args.stop_early}) gave up early on {lazy} of "
+                  f"{len(multi)} multi-hop trajectories")
     print(f"done in {time.time() - t0:.1f}s")
     return 0
 

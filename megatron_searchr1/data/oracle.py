@@ -21,6 +21,16 @@ each observation (every synthetic name is a fresh word, so a title names exactly
 works on the server's text and on in-process results), and by default `write_sft` does not write them either, so
 SFT never trains on a held-out fact.
 
+A lazy demonstrator (`stop_early`): with that probability at each point where a multi-hop chain needs another
+search, the trajectory stops searching and answers a guess instead (the final answer of another question of the
+same split that ends in the same relation, so the right kind of value and almost surely wrong):
+
+    <think> The CEO of Quorvin Labs is Talven Orrick. I will guess the answer. </think>\n<answer> 1961 </answer>
+
+Why: a warm-up on perfect chains leaves RL little to do; one that copies a demonstrator who gives up early on
+multi-hop questions leaves the decision Search-R1's RL is about (search again, or answer now) to be learned from
+the reward. Single-hop trajectories always search (the warm-up must still know how to search and read).
+
 Output: sharegpt-style JSONL (`{"messages": [{"role", "content"}, ...]}` with roles system?/user/assistant/
 observation) and a LLaMA-Factory `dataset_info.json` describing it.
 """
@@ -28,6 +38,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 from collections.abc import Callable, Collection
 
@@ -88,15 +99,20 @@ def _cap(s: str) -> str:
 
 
 def gold_trajectories(rows: list[dict], search: Searcher, gold_text: dict[str, str] | None = None,
-                      batch_size: int = 256, heldout_titles: Collection[str] | None = None) -> list[dict]:
+                      batch_size: int = 256, heldout_titles: Collection[str] | None = None,
+                      stop_early: float = 0.0, seed: int = 0) -> list[dict]:
     """One trajectory per parquet row (a synthetic question with `extra_info.chain`).
 
     Queries of the same hop are sent together in batches of `batch_size`. gold_text maps doc id -> passage text;
     with it, `gold_retrieved` checks that each hop's gold passage is in its observation, without it that the hop's
     subject and answer are. heldout_titles (`synthetic.heldout_titles(world)`; pass it for TRAIN rows only, the
     held-out passages are the gold of validation/test): `shows_heldout` is true when any observation contains a
-    passage with one of these titles (always false without it).
+    passage with one of these titles (always false without it). stop_early: the lazy demonstrator's probability of
+    answering a guess at each point where a chain needs another search (module docstring), drawn with `seed`;
+    `searches` says how many hops a trajectory searched and `answer` is what it answers.
     """
+    if not 0.0 <= stop_early <= 1.0:
+        raise ValueError(f"stop_early must be a probability in [0, 1], got {stop_early}")
     rows = [plain(r) for r in rows]
     heldout = frozenset(heldout_titles or ())
     chains = [r["extra_info"]["chain"] for r in rows]
@@ -112,11 +128,16 @@ def gold_trajectories(rows: list[dict], search: Searcher, gold_text: dict[str, s
                 if t.startswith("Search failed"):  # the client's error observation: never train on it
                     raise RuntimeError(f"retrieval failed for {chains[i][h]['query']!r}: {t}")
                 obs[i].append(t)
+    rng = random.Random(seed)
+    guesses: dict[str, list[str]] = {}  # final relation -> final answers of the split, the lazy answer's pool
+    for c in chains:
+        guesses.setdefault(c[-1]["relation"], []).append(c[-1]["answer"])
     out = []
     for row, chain, texts in zip(rows, chains, obs):
         messages = [dict(m) for m in row["prompt"]]
         thought = f"I need to find {_fact(chain[0])}."
         found, shown = True, False
+        answer = chain[-1]["answer"]
         for h, (hop, text) in enumerate(zip(chain, texts)):
             messages.append({"role": "assistant", "content": search_turn(thought, hop["query"])})
             messages.append({"role": "observation", "content": format_observation(text)})
@@ -127,11 +148,16 @@ def gold_trajectories(rows: list[dict], search: Searcher, gold_text: dict[str, s
             shown |= not heldout.isdisjoint(observed_titles(text))
             thought = f"{_cap(_fact(hop))} is {hop['answer']}."
             if h + 1 < len(chain):
+                if stop_early and rng.random() < stop_early:
+                    pool = [g for g in guesses[chain[-1]["relation"]] if g != answer]
+                    if pool:
+                        answer = rng.choice(pool)
+                        thought += " I will guess the answer."
+                        break
                 thought += f" Next I need to find {_fact(chain[h + 1])}."
-        answer = chain[-1]["answer"]
         messages.append({"role": "assistant", "content": answer_turn(thought, answer)})
         out.append({"messages": messages, "uid": row["extra_info"]["uid"], "data_source": row["data_source"],
-                    "hops": len(chain), "answer": answer, "gold_retrieved": bool(found),
+                    "hops": len(chain), "searches": h + 1, "answer": answer, "gold_retrieved": bool(found),
                     "shows_heldout": shown})
     return out
 

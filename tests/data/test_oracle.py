@@ -171,3 +171,40 @@ def test_cli_oracle_url(world, server, tmp_path):
     assert 0.5 * len(world["rows"]["train"]) <= len(train) < len(world["rows"]["train"])
     assert not any(_shown_heldout(t, world["heldout_titles"]) for t in train)
     assert any(_shown_heldout(t, world["heldout_titles"]) for t in val)
+
+
+def test_lazy_demonstrator_gives_up_on_multi_hop_chains_only(world):
+    rows = world["rows"]["train"]
+    search = oracle.retriever_searcher(world["retriever"], topk=3)
+    perfect = oracle.gold_trajectories(rows, search, world["gold_text"])
+    assert all(t["searches"] == t["hops"] for t in perfect)
+    with pytest.raises(ValueError, match="stop_early"):
+        oracle.gold_trajectories(rows[:2], search, stop_early=1.5)
+
+    lazy = oracle.gold_trajectories(rows, search, world["gold_text"], stop_early=1.0)
+    finals = {}
+    for row in rows:
+        chain = row["extra_info"]["chain"]
+        finals.setdefault(chain[-1]["relation"], set()).add(chain[-1]["answer"])
+    for t, p, row in zip(lazy, perfect, rows):
+        chain = row["extra_info"]["chain"]
+        if t["hops"] == 1:  # single-hop trajectories are the perfect ones
+            assert t == p
+            continue
+        # one search, then a guess: a final answer of the split of the same kind, never the right one
+        assert t["searches"] == 1
+        assert [m["role"] for m in t["messages"][len(row["prompt"]):]] == ["assistant", "observation", "assistant"]
+        assert t["messages"][: len(row["prompt"]) + 2] == p["messages"][: len(row["prompt"]) + 2]
+        last = t["messages"][-1]["content"]
+        assert last.startswith(f"<think> {oracle._cap(oracle._fact(chain[0]))} is {chain[0]['answer']}. I will guess")
+        assert last.endswith(f"<answer> {t['answer']} </answer>")
+        assert t["answer"] != chain[-1]["answer"] and t["answer"] in finals[chain[-1]["relation"]]
+
+    # in between, each continuation is a coin with that bias, drawn from the seed
+    half = oracle.gold_trajectories(rows, search, world["gold_text"], stop_early=0.5, seed=1)
+    assert half == oracle.gold_trajectories(rows, search, world["gold_text"], stop_early=0.5, seed=1)
+    two = [t for t in half if t["hops"] == 2]
+    three = [t for t in half if t["hops"] == 3]
+    assert 0.3 < sum(t["searches"] == 1 for t in two) / len(two) < 0.7
+    assert {t["searches"] for t in three} == {1, 2, 3}
+    assert all(t["answer"] == p["answer"] for t, p in zip(half, perfect) if t["searches"] == t["hops"])
