@@ -6,7 +6,8 @@
 Stages (each skipped when its output exists, so an interrupted demo continues; --fresh starts over):
   1. world      the RL world: a synthetic world (fictional entities: no model can know the answers) and its BM25
                 index; GRPO trains on its train questions, every evaluation asks its validation/test questions.
-                The warm-up's data are the gold trajectories (written with the real retriever) of other worlds
+                The warm-up's data are trajectories (written with the real retriever by a lazy demonstrator that
+                often answers a guess instead of searching again: `Size.sft_stop_early`) of other worlds
                 (`Size.sft_world_seeds`), so RL and evaluation only meet entities the warm-up never saw;
   2. model      a BPE tokenizer trained on the worlds' text and a random tiny Qwen2 (models/tiny.py);
   3. server     the retrieval server over the BM25 index, started here and stopped at the end;
