@@ -291,7 +291,9 @@ class MicroBatcher:
             # has joined it for the window, or max_wait after its first one: many clients answered by the last
             # batch send their next requests one after another (each takes the client some CPU), and a batch
             # started on the first few would take the cores from the clients still sending, leaving the rest
-            # for a later batch (measured: most batches of one query, and a p99 several times the mean).
+            # for a later batch. (That was measured with httpx's AsyncClient as the load generator, which lets
+            # requests out in a trickle: most batches had one query. Clients that resend promptly make 31-query
+            # batches at 32 clients either way: 265-296 q/s with this policy, 270-274 with a fixed 5 ms window.)
             deadline = batch[0].arrived + self.max_wait_s
             while True:
                 while n < self.max_batch_queries and not self._queue.empty():

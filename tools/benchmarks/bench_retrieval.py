@@ -159,7 +159,7 @@ class Connection:
     with 32 clients against our server (request start in the client, bytes arriving at the server's socket, batch,
     response written, response read), httpx spent 0.77 cores (~6 ms of CPU per request) and a request waited 187 ms
     on average, 1.5 s in its slowest 1%, inside the client before its bytes were written, while the server's part
-    stayed under 60 ms: the p99 of 1.1-1.5 s reported before was httpx's, not the server's. This client costs
+    averaged 36 ms: the p99 of 1.1-1.5 s reported before was httpx's, not the server's. This client costs
     ~0.3 ms per request (0.07 cores at 270 q/s); both servers are measured with it.
     """
 
