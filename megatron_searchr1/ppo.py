@@ -128,9 +128,8 @@ def actor_loss_fn(cfg: AlgoConfig, engine_gap: bool = False):
         metrics = {"pg_loss": pg_loss, "pg_clipfrac": pg_clipfrac, "ppo_kl": ppo_kl,
                    "pg_clipfrac_lower": pg_clipfrac_lower}
         if on_policy and engine_gap and "engine_log_probs" in mb:
-            m = mask.to(log_prob.dtype)
-            gap = (mb["engine_log_probs"] - log_prob.detach()).abs() * m
-            metrics["logprob_gap_engine"] = gap.sum() / m.sum().clamp(min=1.0)
+            gap, tokens = _gap_sums(mb["engine_log_probs"], log_prob.detach(), mask)
+            metrics["logprob_gap_engine"] = gap / tokens.clamp(min=1.0)
         if "entropy" in outputs:
             entropy = algo.agg_loss(outputs["entropy"], mask, cfg.loss_agg_mode)
             loss = loss - cfg.entropy_coeff * entropy
@@ -162,7 +161,13 @@ def logprob_gap(seqs: Sequence[dict]) -> float:
     from the trainer's on the same tokens (weight sync, precision, kernels)."""
     num, den = 0.0, 0.0
     for s in seqs:
-        m = s["loss_mask"]
-        num += float(((s["engine_log_probs"] - s["old_log_probs"]).abs() * m).sum())
-        den += float(m.sum())
+        gap, tokens = _gap_sums(s["engine_log_probs"], s["old_log_probs"], s["loss_mask"])
+        num, den = num + float(gap), den + float(tokens)
     return num / max(den, 1.0)
+
+
+def _gap_sums(engine_log_probs: torch.Tensor, log_probs: torch.Tensor, mask: torch.Tensor):
+    """(sum of |engine - trainer| over the masked tokens, their count): one formula for logprob_gap and for the
+    on-policy update's own report."""
+    m = mask.to(log_probs.dtype)
+    return ((engine_log_probs - log_probs).abs() * m).sum(), m.sum()
