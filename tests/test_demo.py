@@ -1,5 +1,5 @@
 """The CPU demo end to end at its CI size: every stage runs for real (world, tokenizer + model, server, Megatron SFT
-at TP=2, no-search baseline, GRPO at TP=2 on vLLM, validation, HF export) and leaves what the README promises."""
+at DP=2, no-search baseline, GRPO at TP=2 on vLLM, validation, HF export) and leaves what the README promises."""
 import json
 import os
 import subprocess
