@@ -30,7 +30,7 @@ class CopyingEngine:
         for name, t in weights:
             dst = self.params.get(name)
             if dst is None:  # first sync allocates (the warm-up iteration), later ones only copy
-                dst = self.params[name] = torch.empty_like(t)
+                dst = self.params[name] = t.new_empty(t.shape)  # (no torch.empty_like: torch is imported in main)
             dst.copy_(t)
 
     def finish_weight_sync(self):
