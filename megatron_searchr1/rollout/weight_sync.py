@@ -17,6 +17,14 @@ What moves, per pipeline stage s (every rank walks the stages in order, so the c
 4. Each bucket is handed to `engine.load_weights` as (hf_name, view into the flat bucket); the views are valid
    for that call only (the engine copies them into its own parameters). `engine.finish_weight_sync()` at the end.
 
+Transport. On the GPU the bytes move with the collectives above (NCCL). On the CPU those run over gloo/TCP loopback,
+5-20x slower than a memory copy, so when every rank of a group is on the same host the group instead shares one
+/dev/shm-backed buffer (mapped by every rank at init, one region per bucket): the TP ranks write their shards at
+their offsets, or the source stage writes the packed HF bucket, then one `dist.barrier` over the group and every
+rank reads the region in place. A barrier at the end of each sync keeps the next sync from overwriting a region a
+slower peer still reads. `transport="collective"` forces the collectives; "shm" insists on shared memory (an error
+where it cannot be used); "auto" (default) takes shared memory where it can. `SyncStats.transport` says which ran.
+
 The plan (which parameters go in which bucket, and the HF names, shapes, dtypes and byte offsets of every bucket
 of every stage) is built once: the shapes come from running the mapping on meta tensors, and the stages exchange
 their plans once with `all_gather_object` over the pipeline group (names, shapes and dtypes before any bytes).
@@ -28,7 +36,11 @@ number), never from an even-split offset formula, so an uneven pipeline split (`
 """
 from __future__ import annotations
 
+import os
+import shutil
+import socket
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
@@ -45,6 +57,9 @@ ALIGN = 64
 """Byte alignment of every tensor inside a flat bucket (any dtype can be viewed at such an offset)."""
 SKIP_PREFIXES = ("value_head.",)
 """Parameters with no HF counterpart (a critic's value head): never sent."""
+SHM_DIR = "/dev/shm"
+"""Where the same-host transport's buffers live (tmpfs: memory shared between processes, not a disk)."""
+TRANSPORTS = ("auto", "shm", "collective")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -210,6 +225,9 @@ class SyncStats:
     """Bytes this rank received in TP all-gathers."""
     broadcast_bytes: int
     """Bytes moved in PP broadcasts (sent or received by this rank)."""
+    transport: str = "none"
+    """How the bytes moved: "shm", "collective", "tp=shm,pp=collective" when the groups differ, "none" at TP = PP
+    = 1 (nothing moves between ranks). Not in `as_dict`: its values are averaged over ranks as numbers."""
 
     @property
     def bytes_per_s(self) -> float:
@@ -230,6 +248,60 @@ def _parallel_groups() -> tuple[int, Any, int, int, Any]:
             ps.get_pipeline_model_parallel_group())
 
 
+def _shm_buffer(group: Any, nbytes: int, device: torch.device, transport: str) -> Optional[torch.Tensor]:
+    """A uint8 CPU tensor of `nbytes` in shared memory that every rank of `group` maps (collective over the group),
+    or None where the group must use its collectives: transport "collective", tensors not on the CPU, ranks on
+    different hosts, /dev/shm without room. Every rank of the group gets the same answer (decided from gathered
+    facts or by rank 0), so none waits in a barrier the others skip; transport "shm" raises instead of None."""
+    if transport == "collective":
+        return None
+
+    def refuse(why: str) -> None:  # "auto" falls back to the collectives (None), "shm" was promised: raise
+        if transport == "shm":
+            raise RuntimeError(f"WeightSync(transport='shm'): {why}")
+
+    facts: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(facts, (socket.gethostname(), device.type), group=group)
+    if any(f != (socket.gethostname(), "cpu") for f in facts):
+        return refuse(f"needs CPU tensors on one host, the group has (host, device) {sorted(set(facts))}")
+    creator = dist.get_global_rank(group, 0)
+    name = [None]
+    if dist.get_rank() == creator:
+        path = os.path.join(SHM_DIR, f"searchr1-weight-sync-{uuid.uuid4().hex}")
+        if os.path.isdir(SHM_DIR) and shutil.disk_usage(SHM_DIR).free >= nbytes:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            try:  # allocate the pages now: a full tmpfs fails here (ENOSPC), not with a SIGBUS mid-sync
+                os.posix_fallocate(fd, 0, max(nbytes, 1))
+                name[0] = path
+            except OSError:
+                os.unlink(path)
+            finally:
+                os.close(fd)
+    dist.broadcast_object_list(name, src=creator, group=group)
+    if name[0] is None:
+        return refuse(f"{SHM_DIR} has no room for {nbytes} bytes")
+    # torch.from_file(shared=True) would create a missing file, so a rank that cannot see rank 0's file (another
+    # host with the same name, a container with its own /dev/shm) must say so instead of syncing into nothing.
+    seen = os.path.exists(name[0]) and os.path.getsize(name[0]) >= nbytes
+    buf = torch.from_file(name[0], shared=True, size=max(nbytes, 1), dtype=torch.uint8) if seen else None
+    everyone: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, seen, group=group)  # also: every rank has mapped it (or failed to)
+    if dist.get_rank() == creator:
+        os.unlink(name[0])  # the mappings keep the memory; a crash from here on leaks nothing
+    if not all(everyone):
+        return refuse(f"not every rank sees {name[0]}: separate /dev/shm")
+    return buf[:nbytes]
+
+
+def _offsets(sizes: Sequence[int]) -> tuple[list[int], int]:
+    """Consecutive regions of `sizes` bytes (each a multiple of ALIGN): their start offsets and the total."""
+    starts, total = [], 0
+    for n in sizes:
+        starts.append(total)
+        total += n
+    return starts, total
+
+
 class WeightSync:
     """Moves a Megatron actor's weights into a rollout engine; the plan is built once (collectively) at init.
 
@@ -237,13 +309,17 @@ class WeightSync:
     chunks. mapping: the family mapping bound to it (`models.convert.bind_mapping(hf_config, model)`, which knows
     the padded vocab so the padding rows are trimmed). bucket_bytes: HF bytes per bucket (a tensor larger than
     that travels alone). dtype: what the engine receives (cast on the source rank before anything moves; None =
-    the parameters' dtype). Every rank of the trainer constructs it and calls `sync` in the same order.
+    the parameters' dtype). transport: "auto" | "shm" | "collective", how bytes move between ranks (module
+    docstring). Every rank of the trainer constructs it and calls `sync` in the same order.
     """
 
     def __init__(self, model: torch.nn.Module | Sequence[torch.nn.Module], mapping: ModelFamily, *,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, dtype: Optional[torch.dtype] = None):
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, dtype: Optional[torch.dtype] = None,
+                 transport: str = "auto"):
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
         chunks = list(model) if isinstance(model, (list, tuple)) else [model]
         self.chunks = [unwrap(c) for c in chunks]
         self.mapping = mapping
@@ -262,6 +338,36 @@ class WeightSync:
         else:
             self.stage_layouts = [mine]
         self._pp_ranks = dist.get_process_group_ranks(self.pp_group) if self.pp > 1 else []
+        self._setup_transport(transport)
+
+    def _setup_transport(self, transport: str) -> None:
+        """Map the shared buffers (None: that group uses its collectives). TP: per send bucket, a region of TP x
+        the packed shards (what the all-gather would leave). PP: per bucket of every stage, its HF bytes."""
+        device = self._device()
+        self._tp_shm = self._pp_shm = None
+        if self.tp > 1:
+            self._tp_starts, total = _offsets([self.tp * b.gather_layout.nbytes for b in self._send])
+            self._tp_shm = _shm_buffer(self.tp_group, total, device, transport)
+            self._tp_rank = dist.get_rank(self.tp_group)
+        if self.pp > 1:
+            starts, total = _offsets([lay.nbytes for layouts in self.stage_layouts for lay in layouts])
+            it = iter(starts)
+            self._pp_starts = [[next(it) for _ in layouts] for layouts in self.stage_layouts]
+            self._pp_shm = _shm_buffer(self.pp_group, total, device, transport)
+        used = {g: "collective" if buf is None else "shm"
+                for g, n, buf in (("tp", self.tp, self._tp_shm), ("pp", self.pp, self._pp_shm)) if n > 1}
+        kinds = set(used.values())
+        if len(kinds) <= 1:
+            self.transport = kinds.pop() if kinds else "none"
+        else:
+            self.transport = ",".join(f"{g}={t}" for g, t in used.items())
+
+    def _pp_region(self, stage: int, i: int) -> Optional[torch.Tensor]:
+        """Bucket i of `stage` in the shared PP buffer (None: the group broadcasts instead)."""
+        if self._pp_shm is None:
+            return None
+        start = self._pp_starts[stage][i]
+        return self._pp_shm[start: start + self.stage_layouts[stage][i].nbytes]
 
     # -- planning -------------------------------------------------------------------------------------------
     def _read_sources(self) -> list[_Source]:
@@ -300,17 +406,25 @@ class WeightSync:
         return buckets
 
     # -- moving ---------------------------------------------------------------------------------------------
-    def _gather_and_map(self, bucket: _SendBucket) -> tuple[list[torch.Tensor], int]:
-        """This stage's bucket: TP all-gather (one collective), merge, map to HF. Returns the HF tensors in
-        hf_layout order and the bytes received."""
+    def _gather_and_map(self, i: int) -> tuple[list[torch.Tensor], int]:
+        """This stage's bucket i: TP all-gather (one collective, or the shared buffer), merge, map to HF. Returns
+        the HF tensors in hf_layout order and the bytes received."""
+        bucket = self._send[i]
         gathered: dict[str, list[torch.Tensor]] = {}
         received = 0
         if bucket.gather_layout.slots:
             shards = [s.param.detach().to(self._out_dtype(s.param)) for s in bucket.sources if s.gather]
-            local = pack_bucket(shards, bucket.gather_layout)
-            everything = torch.empty(self.tp * local.numel(), dtype=torch.uint8, device=local.device)
-            dist.all_gather_into_tensor(everything, local, group=self.tp_group)
-            received = everything.numel() - local.numel()
+            n = bucket.gather_layout.nbytes
+            if self._tp_shm is not None:  # write my shard at my offset; after the barrier all shards are there
+                start = self._tp_starts[i]
+                everything = self._tp_shm[start: start + self.tp * n]
+                pack_bucket(shards, bucket.gather_layout, out=everything[self._tp_rank * n: (self._tp_rank + 1) * n])
+                dist.barrier(group=self.tp_group)
+            else:
+                local = pack_bucket(shards, bucket.gather_layout)
+                everything = torch.empty(self.tp * n, dtype=torch.uint8, device=local.device)
+                dist.all_gather_into_tensor(everything, local, group=self.tp_group)
+            received = everything.numel() - n
             per_rank = [unpack_bucket(chunk, bucket.gather_layout) for chunk in everything.chunk(self.tp)]
             for j, slot in enumerate(bucket.gather_layout.slots):
                 gathered[slot.name] = [per_rank[r][j][1] for r in range(self.tp)]
@@ -332,10 +446,10 @@ class WeightSync:
         for stage, layouts in enumerate(self.stage_layouts):
             for i, layout in enumerate(layouts):
                 if stage == self.pp_rank:
-                    hf, got = self._gather_and_map(self._send[i])
+                    hf, got = self._gather_and_map(i)
                     gathered += got
                     if self.pp > 1:
-                        flat = pack_bucket(hf, layout)
+                        flat = pack_bucket(hf, layout, out=self._pp_region(stage, i))
                         pairs = unpack_bucket(flat, layout)
                     else:  # nothing to broadcast: skip the packing copy, hand the mapped tensors over
                         pairs = [(s.name, t) for s, t in zip(layout.slots, hf)]
@@ -344,9 +458,14 @@ class WeightSync:
                                 raise ValueError(f"{name}: mapped to {tuple(t.shape)} {t.dtype}, planned "
                                                  f"{s.shape} {s.dtype}")
                 else:
-                    flat = torch.empty(layout.nbytes, dtype=torch.uint8, device=self._device())
+                    flat = self._pp_region(stage, i)
+                    if flat is None:
+                        flat = torch.empty(layout.nbytes, dtype=torch.uint8, device=self._device())
                 if self.pp > 1:
-                    dist.broadcast(flat, src=self._pp_ranks[stage], group=self.pp_group)
+                    if self._pp_shm is not None:  # the source stage wrote the region: wait for it, read in place
+                        dist.barrier(group=self.pp_group)
+                    else:
+                        dist.broadcast(flat, src=self._pp_ranks[stage], group=self.pp_group)
                     broadcast += layout.nbytes
                     if stage != self.pp_rank:
                         pairs = unpack_bucket(flat, layout)
@@ -355,10 +474,14 @@ class WeightSync:
                 nbytes += sum(s.nbytes for s in layout.slots)
                 tensors += len(layout.slots)
                 buckets += 1
+        # Every rank has read every region: only now may the next sync overwrite them.
+        for group, buf in ((self.tp_group, self._tp_shm), (self.pp_group, self._pp_shm)):
+            if buf is not None:
+                dist.barrier(group=group)
         if engine is not None:
             engine.finish_weight_sync()
         return SyncStats(bytes=nbytes, seconds=time.perf_counter() - start, tensors=tensors, buckets=buckets,
-                         gathered_bytes=gathered, broadcast_bytes=broadcast)
+                         gathered_bytes=gathered, broadcast_bytes=broadcast, transport=self.transport)
 
     def _device(self) -> torch.device:
         for c in self.chunks:
@@ -373,12 +496,14 @@ class WeightSync:
 
 
 def sync_weights(model: torch.nn.Module | Sequence[torch.nn.Module], engine: Optional[Any], mapping: ModelFamily, *,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, dtype: Optional[torch.dtype] = None) -> SyncStats:
-    """`WeightSync(model, mapping, ...).sync(engine)`, the WeightSync (its plan) cached on the bare model per
-    mapping, bucket size and dtype. Every rank calls it in the same order; engine=None on ranks that feed no engine."""
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, dtype: Optional[torch.dtype] = None,
+                 transport: str = "auto") -> SyncStats:
+    """`WeightSync(model, mapping, ...).sync(engine)`, the WeightSync (its plan and shared buffers) cached on the
+    bare model per mapping, bucket size, dtype and transport. Every rank calls it in the same order; engine=None on
+    ranks that feed no engine."""
     bare = unwrap(model[0] if isinstance(model, (list, tuple)) else model)
     cache = bare.__dict__.setdefault("_searchr1_weight_syncs", {})
-    key = (id(mapping), int(bucket_bytes), dtype)
+    key = (id(mapping), int(bucket_bytes), dtype, transport)
     if key not in cache or cache[key].mapping is not mapping:
-        cache[key] = WeightSync(model, mapping, bucket_bytes=bucket_bytes, dtype=dtype)
+        cache[key] = WeightSync(model, mapping, bucket_bytes=bucket_bytes, dtype=dtype, transport=transport)
     return cache[key].sync(engine)

@@ -159,3 +159,16 @@ def test_sync_into_vllm_tp2_pp2(tiny_models):
     out = run_torchrun(SCRIPT, 4, "--hf-dirs", tiny_models[0], "--tp", "2", "--pp", "2", "--engine", "vllm",
                        timeout=900, env=env)
     _check(_results(out), ["logprobs", "resync"], [0, 1, 2, 3], archs=1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [("--tp", "2"), ("--pp", "2")], ids=["tp2", "pp2"])
+def test_shm_transport_delivers_what_the_collectives_deliver(layout):
+    """2 processes on one host, CPU: transport="shm" (and "auto", which picks it) hands the engine the very tensors
+    transport="collective" does, on a second sync too (the shared buffers are reused), stats say which transport
+    ran, and no buffer file outlives the init."""
+    out = run_torchrun(SCRIPT.with_name("weight_sync_transport_script.py"), 2, *layout, timeout=300)
+    results = _results(out)
+    for check in ("equal", "transport", "unlinked"):
+        rows = [r for r in results if r["check"] == check]
+        assert {r["rank"] for r in rows} == {0, 1} and all(r["ok"] for r in rows), (check, rows)
