@@ -20,8 +20,9 @@ What moves, per pipeline stage s (every rank walks the stages in order, so the c
 Transport. On the GPU the bytes move with the collectives above (NCCL). On the CPU those run over gloo/TCP loopback,
 5-20x slower than a memory copy, so when every rank of a group is on the same host the group instead shares one
 /dev/shm-backed buffer (mapped by every rank at init, one region per bucket): the TP ranks write their shards at
-their offsets, or the source stage writes the packed HF bucket, then one `dist.barrier` over the group and every
-rank reads the region in place. A barrier at the end of each sync keeps the next sync from overwriting a region a
+their offsets, then one `dist.barrier` over the group and every rank reads the region in place (column and vocab
+tensors merged without a copy); every stage writes all its packed HF buckets at once, then one barrier over the
+pipeline group and every rank reads every stage's buckets in place. A barrier at the end of each sync keeps the next sync from overwriting a region a
 slower peer still reads. `transport="collective"` forces the collectives; "shm" insists on shared memory (an error
 where it cannot be used); "auto" (default) takes shared memory where it can. `SyncStats.transport` says which ran.
 
@@ -362,10 +363,8 @@ class WeightSync:
         else:
             self.transport = ",".join(f"{g}={t}" for g, t in used.items())
 
-    def _pp_region(self, stage: int, i: int) -> Optional[torch.Tensor]:
-        """Bucket i of `stage` in the shared PP buffer (None: the group broadcasts instead)."""
-        if self._pp_shm is None:
-            return None
+    def _pp_region(self, stage: int, i: int) -> torch.Tensor:
+        """Bucket i of `stage` in the shared PP buffer."""
         start = self._pp_starts[stage][i]
         return self._pp_shm[start: start + self.stage_layouts[stage][i].nbytes]
 
@@ -410,30 +409,68 @@ class WeightSync:
         """This stage's bucket i: TP all-gather (one collective, or the shared buffer), merge, map to HF. Returns
         the HF tensors in hf_layout order and the bytes received."""
         bucket = self._send[i]
-        gathered: dict[str, list[torch.Tensor]] = {}
+        merged: dict[str, torch.Tensor] = {}
         received = 0
         if bucket.gather_layout.slots:
             shards = [s.param.detach().to(self._out_dtype(s.param)) for s in bucket.sources if s.gather]
-            n = bucket.gather_layout.nbytes
-            if self._tp_shm is not None:  # write my shard at my offset; after the barrier all shards are there
-                start = self._tp_starts[i]
-                everything = self._tp_shm[start: start + self.tp * n]
-                pack_bucket(shards, bucket.gather_layout, out=everything[self._tp_rank * n: (self._tp_rank + 1) * n])
-                dist.barrier(group=self.tp_group)
+            if self._tp_shm is not None:
+                merged = self._gather_shm(i, shards)
             else:
                 local = pack_bucket(shards, bucket.gather_layout)
-                everything = torch.empty(self.tp * n, dtype=torch.uint8, device=local.device)
+                everything = torch.empty(self.tp * local.numel(), dtype=torch.uint8, device=local.device)
                 dist.all_gather_into_tensor(everything, local, group=self.tp_group)
-            received = everything.numel() - n
-            per_rank = [unpack_bucket(chunk, bucket.gather_layout) for chunk in everything.chunk(self.tp)]
-            for j, slot in enumerate(bucket.gather_layout.slots):
-                gathered[slot.name] = [per_rank[r][j][1] for r in range(self.tp)]
+                per_rank = [unpack_bucket(chunk, bucket.gather_layout) for chunk in everything.chunk(self.tp)]
+                for j, slot in enumerate(bucket.gather_layout.slots):
+                    merged[slot.name] = tp_merge(slot.name, [per_rank[r][j][1] for r in range(self.tp)])
+            received = (self.tp - 1) * bucket.gather_layout.nbytes
         out = []
         for s in bucket.sources:
-            full = (tp_merge(s.global_name, gathered[s.global_name]) if s.gather
-                    else s.param.detach().to(self._out_dtype(s.param)))
+            full = merged[s.global_name] if s.gather else s.param.detach().to(self._out_dtype(s.param))
             out += [t for _, t in self.mapping.megatron_to_hf(s.global_name, full)]
         return out, received
+
+    def _gather_shm(self, i: int, shards: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The TP all-gather of send bucket i through the shared buffer, merged: Megatron name -> full tensor.
+
+        Slot-major, unlike the collective's rank-major result: slot j's shards lie side by side in TP rank order
+        at TP x its offset, so a tensor merged along dim 0 (column, vocab: `tp_merge` would torch.cat them) is that
+        span as it is, read in place without a copy. Each rank writes its own shards, then one barrier."""
+        layout = self._send[i].gather_layout
+        region = self._tp_shm[self._tp_starts[i]: self._tp_starts[i] + self.tp * layout.nbytes]
+
+        def shard(slot: Slot, r: int) -> torch.Tensor:
+            at = self.tp * slot.offset + r * slot.nbytes
+            return region[at: at + slot.nbytes].view(slot.dtype).view(slot.shape)
+
+        for t, slot in zip(shards, layout.slots):
+            shard(slot, self._tp_rank).copy_(t)
+        dist.barrier(group=self.tp_group)
+        merged = {}
+        for slot in layout.slots:
+            if tp_kind(slot.name) in ("column", "vocab"):
+                span = region[self.tp * slot.offset: self.tp * (slot.offset + slot.nbytes)]
+                merged[slot.name] = span.view(slot.dtype).view(self.tp * slot.shape[0], *slot.shape[1:])
+            else:
+                merged[slot.name] = tp_merge(slot.name, [shard(slot, r) for r in range(self.tp)])
+        return merged
+
+    def _by_collectives(self, stage: int, i: int, layout: BucketLayout) -> tuple[list[tuple[str, torch.Tensor]], int]:
+        """Bucket i of `stage` for ranks whose PP group has no shared buffer: the source stage gathers and maps it,
+        then broadcasts it over the pipeline group. Returns the (HF name, tensor) pairs and the TP bytes received."""
+        got = 0
+        if stage == self.pp_rank:
+            hf, got = self._gather_and_map(i)
+            if self.pp == 1:  # nothing to broadcast: skip the packing copy, hand the mapped tensors over
+                pairs = [(s.name, t) for s, t in zip(layout.slots, hf)]
+                for (name, t), s in zip(pairs, layout.slots):
+                    if tuple(t.shape) != s.shape or t.dtype != s.dtype:
+                        raise ValueError(f"{name}: mapped to {tuple(t.shape)} {t.dtype}, planned {s.shape} {s.dtype}")
+                return pairs, got
+            flat = pack_bucket(hf, layout)
+        else:
+            flat = torch.empty(layout.nbytes, dtype=torch.uint8, device=self._device())
+        dist.broadcast(flat, src=self._pp_ranks[stage], group=self.pp_group)
+        return unpack_bucket(flat, layout), got
 
     @torch.no_grad()
     def sync(self, engine: Optional[Any]) -> SyncStats:
@@ -443,32 +480,23 @@ class WeightSync:
                              "them: build a new WeightSync for the new model")
         start = time.perf_counter()
         nbytes = tensors = buckets = gathered = broadcast = 0
+        if self._pp_shm is not None:
+            # The stages' regions are disjoint, so every stage packs all its buckets at once and one barrier
+            # publishes them: the stages work side by side instead of taking turns bucket by bucket.
+            for i, layout in enumerate(self.stage_layouts[self.pp_rank]):
+                hf, got = self._gather_and_map(i)
+                gathered += got
+                pack_bucket(hf, layout, out=self._pp_region(self.pp_rank, i))
+            dist.barrier(group=self.pp_group)
         for stage, layouts in enumerate(self.stage_layouts):
             for i, layout in enumerate(layouts):
-                if stage == self.pp_rank:
-                    hf, got = self._gather_and_map(i)
-                    gathered += got
-                    if self.pp > 1:
-                        flat = pack_bucket(hf, layout, out=self._pp_region(stage, i))
-                        pairs = unpack_bucket(flat, layout)
-                    else:  # nothing to broadcast: skip the packing copy, hand the mapped tensors over
-                        pairs = [(s.name, t) for s, t in zip(layout.slots, hf)]
-                        for (name, t), s in zip(pairs, layout.slots):
-                            if tuple(t.shape) != s.shape or t.dtype != s.dtype:
-                                raise ValueError(f"{name}: mapped to {tuple(t.shape)} {t.dtype}, planned "
-                                                 f"{s.shape} {s.dtype}")
+                if self._pp_shm is not None:  # read in place: packed above by its stage
+                    pairs = unpack_bucket(self._pp_region(stage, i), layout)
                 else:
-                    flat = self._pp_region(stage, i)
-                    if flat is None:
-                        flat = torch.empty(layout.nbytes, dtype=torch.uint8, device=self._device())
+                    pairs, got = self._by_collectives(stage, i, layout)
+                    gathered += got
                 if self.pp > 1:
-                    if self._pp_shm is not None:  # the source stage wrote the region: wait for it, read in place
-                        dist.barrier(group=self.pp_group)
-                    else:
-                        dist.broadcast(flat, src=self._pp_ranks[stage], group=self.pp_group)
                     broadcast += layout.nbytes
-                    if stage != self.pp_rank:
-                        pairs = unpack_bucket(flat, layout)
                 if engine is not None:
                     engine.load_weights(iter(pairs))
                 nbytes += sum(s.nbytes for s in layout.slots)

@@ -51,6 +51,8 @@ def main(argv=None) -> int:
     p.add_argument("--bucket-mb", type=above(0.0), default=32.0, help="sync bucket size in MiB")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                    help="what the engine receives (the model is fp32; bfloat16 = cast at the source)")
+    p.add_argument("--transport", default="auto", choices=["auto", "shm", "collective"],
+                   help="how bytes move between ranks (auto: shared memory on one host's CPUs)")
     p.add_argument("--warmup", type=at_least(1), default=1,
                    help="untimed syncs (the first allocates the engine's tensors)")
     p.add_argument("--iters", type=at_least(1), default=5, help="timed iterations (median)")
@@ -79,7 +81,7 @@ def main(argv=None) -> int:
     initialize_megatron(tp=tp, pp=a.pp)
     model = build_gpt_model(cfg)
     sync = WeightSync(model, bind_mapping(cfg, model), bucket_bytes=int(a.bucket_mb * 2 ** 20),
-                      dtype=getattr(torch, a.dtype))
+                      dtype=getattr(torch, a.dtype), transport=a.transport)
     engine = CopyingEngine()
 
     stats = sync.sync(engine)  # warm-up: the engine allocates its tensors
@@ -112,7 +114,7 @@ def main(argv=None) -> int:
     if dist.get_rank() == 0:
         gb = stats.bytes / 1e9
         print(f"world={world} TP={tp} PP={a.pp} dtype={a.dtype} bytes/rank={stats.bytes / 2**20:.1f} MiB "
-              f"tensors={stats.tensors} buckets={stats.buckets}")
+              f"tensors={stats.tensors} buckets={stats.buckets} transport={stats.transport}")
         print(f"{'':12s}{'seconds':>10s}{'GB/s':>10s}")
         print(f"{'weight sync':12s}{s_sync:10.4f}{gb / s_sync:10.2f}")
         print(f"{'plain copy':12s}{s_copy:10.4f}{gb / s_copy:10.2f}")
