@@ -19,12 +19,13 @@ What moves, per pipeline stage s (every rank walks the stages in order, so the c
 
 Transport. On the GPU the bytes move with the collectives above (NCCL). On the CPU those run over gloo/TCP loopback,
 5-20x slower than a memory copy, so when every rank of a group is on the same host the group instead shares one
-/dev/shm-backed buffer (mapped by every rank at init, one region per bucket): the TP ranks write their shards at
-their offsets, then one `dist.barrier` over the group and every rank reads the region in place (column and vocab
-tensors merged without a copy); every stage writes all its packed HF buckets at once, then one barrier over the
-pipeline group and every rank reads every stage's buckets in place. A barrier at the end of each sync keeps the next sync from overwriting a region a
-slower peer still reads. `transport="collective"` forces the collectives; "shm" insists on shared memory (an error
-where it cannot be used); "auto" (default) takes shared memory where it can. `SyncStats.transport` says which ran.
+/dev/shm-backed buffer (mapped by every rank at init, one region per bucket). TP: each rank writes its shards
+straight where the merged tensor has them, one `dist.barrier` over the group, and every rank reads the merged
+tensors in place (no merge copy). PP: every stage writes all its packed HF buckets at once, one barrier over the
+pipeline group, and every rank reads every stage's buckets in place. A barrier at the end of each sync keeps the
+next sync from overwriting a region a slower peer still reads. `transport="collective"` forces the collectives;
+"shm" insists on shared memory (an error where it cannot be used); "auto" (default) takes shared memory where it
+can. `SyncStats.transport` says which ran.
 
 The plan (which parameters go in which bucket, and the HF names, shapes, dtypes and byte offsets of every bucket
 of every stage) is built once: the shapes come from running the mapping on meta tensors, and the stages exchange
@@ -49,7 +50,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_searchr1.models.families.base import (
-    OUTPUT_LAYER, ModelFamily, layer_name, split_layer_name, te_to_local_name, tp_kind, tp_merge,
+    OUTPUT_LAYER, ModelFamily, layer_name, split_layer_name, te_to_local_name, tp_kind, tp_merge, unstack_gate_up,
 )
 
 DEFAULT_BUCKET_BYTES = 256 << 20
@@ -294,6 +295,16 @@ def _shm_buffer(group: Any, nbytes: int, device: torch.device, transport: str) -
     return buf[:nbytes]
 
 
+def _place_shard(name: str, full: torch.Tensor, tp: int, rank: int, shard: torch.Tensor) -> None:
+    """Copy TP rank `rank`'s shard into `full` where `tp_merge` puts it (its inverse, in place, for one rank)."""
+    kind = tp_kind(name)
+    if kind == "fc1":  # full = [gate_0 .. gate_tp-1; up_0 .. up_tp-1], a shard = [gate_r; up_r]
+        for dst, src in zip(unstack_gate_up(full), unstack_gate_up(shard)):
+            dst.chunk(tp, dim=0)[rank].copy_(src)
+    else:  # column, vocab: rows; row: columns
+        full.chunk(tp, dim=1 if kind == "row" else 0)[rank].copy_(shard)
+
+
 def _offsets(sizes: Sequence[int]) -> tuple[list[int], int]:
     """Consecutive regions of `sizes` bytes (each a multiple of ALIGN): their start offsets and the total."""
     starts, total = [], 0
@@ -350,6 +361,8 @@ class WeightSync:
             self._tp_starts, total = _offsets([self.tp * b.gather_layout.nbytes for b in self._send])
             self._tp_shm = _shm_buffer(self.tp_group, total, device, transport)
             self._tp_rank = dist.get_rank(self.tp_group)
+            meta = {s.name: torch.empty(s.shape, device="meta") for b in self._send for s in b.gather_layout.slots}
+            self._merged_shapes = {n: tuple(tp_merge(n, [t] * self.tp).shape) for n, t in meta.items()}
         if self.pp > 1:
             starts, total = _offsets([lay.nbytes for layouts in self.stage_layouts for lay in layouts])
             it = iter(starts)
@@ -432,26 +445,17 @@ class WeightSync:
     def _gather_shm(self, i: int, shards: list[torch.Tensor]) -> dict[str, torch.Tensor]:
         """The TP all-gather of send bucket i through the shared buffer, merged: Megatron name -> full tensor.
 
-        Slot-major, unlike the collective's rank-major result: slot j's shards lie side by side in TP rank order
-        at TP x its offset, so a tensor merged along dim 0 (column, vocab: `tp_merge` would torch.cat them) is that
-        span as it is, read in place without a copy. Each rank writes its own shards, then one barrier."""
+        Not the collective's rank-major layout: slot j's region (at TP x its offset) holds the MERGED tensor, and
+        each rank writes its shard straight where `tp_merge` would put it (`_place_shard`), so after the barrier
+        every rank reads the full tensors in place, with no merge copy (torch.cat) at all."""
         layout = self._send[i].gather_layout
         region = self._tp_shm[self._tp_starts[i]: self._tp_starts[i] + self.tp * layout.nbytes]
-
-        def shard(slot: Slot, r: int) -> torch.Tensor:
-            at = self.tp * slot.offset + r * slot.nbytes
-            return region[at: at + slot.nbytes].view(slot.dtype).view(slot.shape)
-
-        for t, slot in zip(shards, layout.slots):
-            shard(slot, self._tp_rank).copy_(t)
-        dist.barrier(group=self.tp_group)
         merged = {}
-        for slot in layout.slots:
-            if tp_kind(slot.name) in ("column", "vocab"):
-                span = region[self.tp * slot.offset: self.tp * (slot.offset + slot.nbytes)]
-                merged[slot.name] = span.view(slot.dtype).view(self.tp * slot.shape[0], *slot.shape[1:])
-            else:
-                merged[slot.name] = tp_merge(slot.name, [shard(slot, r) for r in range(self.tp)])
+        for t, slot in zip(shards, layout.slots):
+            span = region[self.tp * slot.offset: self.tp * (slot.offset + slot.nbytes)]
+            merged[slot.name] = span.view(slot.dtype).view(self._merged_shapes[slot.name])
+            _place_shard(slot.name, merged[slot.name], self.tp, self._tp_rank, t)
+        dist.barrier(group=self.tp_group)
         return merged
 
     def _by_collectives(self, stage: int, i: int, layout: BucketLayout) -> tuple[list[tuple[str, torch.Tensor]], int]:
