@@ -25,7 +25,8 @@ tensors in place (no merge copy). PP: every stage writes all its packed HF bucke
 pipeline group, and every rank reads every stage's buckets in place. A barrier at the end of each sync keeps the
 next sync from overwriting a region a slower peer still reads. `transport="collective"` forces the collectives;
 "shm" insists on shared memory (an error where it cannot be used); "auto" (default) takes shared memory where it
-can. `SyncStats.transport` says which ran.
+can. `SyncStats.transport` says which ran. The price: the buffers hold a copy of the synced bytes (tmpfs pages) for
+the WeightSync's life, where the collectives need one bucket at a time; on the CPU that is a small model's worth.
 
 The plan (which parameters go in which bucket, and the HF names, shapes, dtypes and byte offsets of every bucket
 of every stage) is built once: the shapes come from running the mapping on meta tensors, and the stages exchange
@@ -38,6 +39,7 @@ number), never from an even-split offset formula, so an uneven pipeline split (`
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import socket
@@ -268,17 +270,18 @@ def _shm_buffer(group: Any, nbytes: int, device: torch.device, transport: str) -
         return refuse(f"needs CPU tensors on one host, the group has (host, device) {sorted(set(facts))}")
     creator = dist.get_global_rank(group, 0)
     name = [None]
-    if dist.get_rank() == creator:
+    if dist.get_rank() == creator and os.path.isdir(SHM_DIR) and shutil.disk_usage(SHM_DIR).free >= nbytes:
         path = os.path.join(SHM_DIR, f"searchr1-weight-sync-{uuid.uuid4().hex}")
-        if os.path.isdir(SHM_DIR) and shutil.disk_usage(SHM_DIR).free >= nbytes:
+        try:  # no exception may escape before the broadcast: the other ranks would wait in it forever
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
             try:  # allocate the pages now: a full tmpfs fails here (ENOSPC), not with a SIGBUS mid-sync
                 os.posix_fallocate(fd, 0, max(nbytes, 1))
-                name[0] = path
-            except OSError:
-                os.unlink(path)
             finally:
                 os.close(fd)
+            name[0] = path
+        except OSError:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
     dist.broadcast_object_list(name, src=creator, group=group)
     if name[0] is None:
         return refuse(f"{SHM_DIR} has no room for {nbytes} bytes")
@@ -353,8 +356,8 @@ class WeightSync:
         self._setup_transport(transport)
 
     def _setup_transport(self, transport: str) -> None:
-        """Map the shared buffers (None: that group uses its collectives). TP: per send bucket, a region of TP x
-        the packed shards (what the all-gather would leave). PP: per bucket of every stage, its HF bytes."""
+        """Map the shared buffers (None: that group uses its collectives). TP: per send bucket, a region with its
+        merged tensors (TP x its packed shards). PP: per bucket of every stage, its packed HF bytes."""
         device = self._device()
         self._tp_shm = self._pp_shm = None
         if self.tp > 1:
@@ -458,9 +461,10 @@ class WeightSync:
         dist.barrier(group=self.tp_group)
         return merged
 
-    def _by_collectives(self, stage: int, i: int, layout: BucketLayout) -> tuple[list[tuple[str, torch.Tensor]], int]:
-        """Bucket i of `stage` for ranks whose PP group has no shared buffer: the source stage gathers and maps it,
-        then broadcasts it over the pipeline group. Returns the (HF name, tensor) pairs and the TP bytes received."""
+    def _by_broadcast(self, stage: int, i: int, layout: BucketLayout) -> tuple[list[tuple[str, torch.Tensor]], int]:
+        """Bucket i of `stage` where the PP group has no shared buffer: the source stage gathers and maps it, then
+        broadcasts it over the pipeline group (at PP = 1 hands it over as mapped). Returns the (HF name, tensor)
+        pairs and the TP bytes received."""
         got = 0
         if stage == self.pp_rank:
             hf, got = self._gather_and_map(i)
@@ -497,7 +501,7 @@ class WeightSync:
                 if self._pp_shm is not None:  # read in place: packed above by its stage
                     pairs = unpack_bucket(self._pp_region(stage, i), layout)
                 else:
-                    pairs, got = self._by_collectives(stage, i, layout)
+                    pairs, got = self._by_broadcast(stage, i, layout)
                     gathered += got
                 if self.pp > 1:
                     broadcast += layout.nbytes

@@ -9,7 +9,9 @@ shared buffers). Checks per rank:
 - `equal`: every tensor the shm engine received equals the collective engine's bit for bit, in both syncs, and
   the second sync's differ from the first's (the buffers were rewritten, not stale);
 - `transport`: stats say "shm", "collective" and "shm" (auto on the CPU), the byte counts match across transports;
-- `unlinked`: no buffer file is left in /dev/shm once the WeightSyncs are built (the mappings hold the memory).
+- `unlinked`: no buffer file is left in /dev/shm once the WeightSyncs are built (the mappings hold the memory);
+- `fallback`: with no usable shared-memory directory, "auto" falls back to the collectives and "shm" raises on
+  every rank (the decision is the group's, so no rank is left waiting in a collective).
 """
 import argparse
 import glob
@@ -44,6 +46,7 @@ def main():
     from megatron_searchr1.megatron.initialize import destroy_megatron, initialize_megatron
     from megatron_searchr1.models.convert import bind_mapping
     from megatron_searchr1.models.gpt import build_gpt_model
+    from megatron_searchr1.rollout import weight_sync
     from megatron_searchr1.rollout.weight_sync import SHM_DIR, WeightSync
 
     cfg = Qwen2Config(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -91,6 +94,17 @@ def main():
     report("transport", transports == dict(shm="shm", collective="collective", auto="shm") and len(counts) == 1
            and stats["shm"].buckets > 2, transports=transports, buckets=stats["shm"].buckets)
     report("unlinked", not left, left=sorted(left))
+
+    weight_sync.SHM_DIR = "/nonexistent-shm"
+    auto = WeightSync(model, mapping, bucket_bytes=16 << 10).transport
+    try:
+        WeightSync(model, mapping, bucket_bytes=16 << 10, transport="shm")
+        raised = ""
+    except RuntimeError as e:
+        raised = str(e)
+    weight_sync.SHM_DIR = SHM_DIR
+    dist.barrier()
+    report("fallback", auto == "collective" and "no room" in raised, auto=auto, raised=raised)
     del syncs
     destroy_megatron()
 
