@@ -428,10 +428,10 @@ class WeightSync:
         merged: dict[str, torch.Tensor] = {}
         received = 0
         if bucket.gather_layout.slots:
-            shards = [s.param.detach().to(self._out_dtype(s.param)) for s in bucket.sources if s.gather]
-            if self._tp_shm is not None:
-                merged = self._gather_shm(i, shards)
+            if self._tp_shm is not None:  # every rank wrote its shards at the start of the sync
+                merged = self._merged_views(i)
             else:
+                shards = [s.param.detach().to(self._out_dtype(s.param)) for s in bucket.sources if s.gather]
                 local = pack_bucket(shards, bucket.gather_layout)
                 everything = torch.empty(self.tp * local.numel(), dtype=torch.uint8, device=local.device)
                 dist.all_gather_into_tensor(everything, local, group=self.tp_group)
@@ -445,21 +445,27 @@ class WeightSync:
             out += [t for _, t in self.mapping.megatron_to_hf(s.global_name, full)]
         return out, received
 
-    def _gather_shm(self, i: int, shards: list[torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The TP all-gather of send bucket i through the shared buffer, merged: Megatron name -> full tensor.
+    def _merged_views(self, i: int) -> dict[str, torch.Tensor]:
+        """Send bucket i's gathered tensors in the shared TP buffer, merged: Megatron name -> full tensor (a view).
 
         Not the collective's rank-major layout: slot j's region (at TP x its offset) holds the MERGED tensor, and
-        each rank writes its shard straight where `tp_merge` would put it (`_place_shard`), so after the barrier
-        every rank reads the full tensors in place, with no merge copy (torch.cat) at all."""
+        each rank writes its shard straight where `tp_merge` would put it (`_write_shards`), so every rank reads the
+        full tensors in place, with no merge copy (torch.cat) at all."""
         layout = self._send[i].gather_layout
-        region = self._tp_shm[self._tp_starts[i]: self._tp_starts[i] + self.tp * layout.nbytes]
-        merged = {}
-        for t, slot in zip(shards, layout.slots):
-            span = region[self.tp * slot.offset: self.tp * (slot.offset + slot.nbytes)]
-            merged[slot.name] = span.view(slot.dtype).view(self._merged_shapes[slot.name])
-            _place_shard(slot.name, merged[slot.name], self.tp, self._tp_rank, t)
+        base = self._tp_starts[i]
+        return {s.name: self._tp_shm[base + self.tp * s.offset: base + self.tp * (s.offset + s.nbytes)]
+                .view(s.dtype).view(self._merged_shapes[s.name]) for s in layout.slots}
+
+    def _write_shards(self) -> None:
+        """This rank's shards of every send bucket into the shared TP buffer, then one barrier over the group (not
+        one per bucket: the regions are disjoint)."""
+        for i, bucket in enumerate(self._send):
+            merged = self._merged_views(i)
+            for s in bucket.sources:
+                if s.gather:
+                    shard = s.param.detach().to(self._out_dtype(s.param))
+                    _place_shard(s.global_name, merged[s.global_name], self.tp, self._tp_rank, shard)
         dist.barrier(group=self.tp_group)
-        return merged
 
     def _by_broadcast(self, stage: int, i: int, layout: BucketLayout) -> tuple[list[tuple[str, torch.Tensor]], int]:
         """Bucket i of `stage` where the PP group has no shared buffer: the source stage gathers and maps it, then
@@ -488,6 +494,8 @@ class WeightSync:
                              "them: build a new WeightSync for the new model")
         start = time.perf_counter()
         nbytes = tensors = buckets = gathered = broadcast = 0
+        if self._tp_shm is not None:
+            self._write_shards()
         if self._pp_shm is not None:
             # The stages' regions are disjoint, so every stage packs all its buckets at once and one barrier
             # publishes them: the stages work side by side instead of taking turns bucket by bucket.
