@@ -52,7 +52,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_searchr1.models.families.base import (
-    OUTPUT_LAYER, ModelFamily, layer_name, split_layer_name, te_to_local_name, tp_kind, tp_merge, unstack_gate_up,
+    OUTPUT_LAYER, ModelFamily, layer_name, split_layer_name, te_to_local_name, tp_kind, tp_merge, tp_place,
 )
 
 DEFAULT_BUCKET_BYTES = 256 << 20
@@ -298,16 +298,6 @@ def _shm_buffer(group: Any, nbytes: int, device: torch.device, transport: str) -
     return buf[:nbytes]
 
 
-def _place_shard(name: str, full: torch.Tensor, tp: int, rank: int, shard: torch.Tensor) -> None:
-    """Copy TP rank `rank`'s shard into `full` where `tp_merge` puts it (its inverse, in place, for one rank)."""
-    kind = tp_kind(name)
-    if kind == "fc1":  # full = [gate_0 .. gate_tp-1; up_0 .. up_tp-1], a shard = [gate_r; up_r]
-        for dst, src in zip(unstack_gate_up(full), unstack_gate_up(shard)):
-            dst.chunk(tp, dim=0)[rank].copy_(src)
-    else:  # column, vocab: rows; row: columns
-        full.chunk(tp, dim=1 if kind == "row" else 0)[rank].copy_(shard)
-
-
 def _offsets(sizes: Sequence[int]) -> tuple[list[int], int]:
     """Consecutive regions of `sizes` bytes (each a multiple of ALIGN): their start offsets and the total."""
     starts, total = [], 0
@@ -464,7 +454,7 @@ class WeightSync:
             for s in bucket.sources:
                 if s.gather:
                     shard = s.param.detach().to(self._out_dtype(s.param))
-                    _place_shard(s.global_name, merged[s.global_name], self.tp, self._tp_rank, shard)
+                    tp_place(s.global_name, merged[s.global_name], self.tp, self._tp_rank, shard)
         dist.barrier(group=self.tp_group)
 
     def _by_broadcast(self, stage: int, i: int, layout: BucketLayout) -> tuple[list[tuple[str, torch.Tensor]], int]:

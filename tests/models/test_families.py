@@ -5,8 +5,8 @@ import torch
 from megatron_searchr1.models.families import (
     SUPPORTED_ARCHITECTURES, LlamaFamily, MistralFamily, Qwen2Family, Qwen3Family, deinterleave_qkv, get_family,
     global_to_local_name, interleave_qkv, local_to_global_name, local_to_te_name, mapping_for, pad_vocab,
-    pp_layer_range, read_dims, rename_layer, stage_layer_counts, te_to_local_name, tp_kind, tp_merge, tp_split,
-    trim_vocab,
+    pp_layer_range, read_dims, rename_layer, stage_layer_counts, te_to_local_name, tp_kind, tp_merge, tp_place,
+    tp_split, trim_vocab,
 )
 
 
@@ -143,6 +143,19 @@ def test_tp_split_hand_examples():
     assert tp_kind("embedding.word_embeddings.weight") == "vocab"
     with pytest.raises(ValueError, match="not divisible by tensor-parallel size 3"):
         tp_split("decoder.layers.0.self_attention.linear_proj.weight", proj, 3)
+
+
+@pytest.mark.parametrize("name", ["decoder.layers.0.self_attention.linear_qkv.weight",
+                                  "decoder.layers.1.mlp.linear_fc1.weight",
+                                  "decoder.layers.0.self_attention.linear_proj.weight",
+                                  "embedding.word_embeddings.weight", "decoder.layers.0.input_layernorm.weight"])
+def test_tp_place_puts_each_shard_where_tp_merge_does(name):
+    full = torch.arange(48.0).reshape(8, 6) if tp_kind(name) != "replicated" else torch.arange(6.0)
+    shards = tp_split(name, full, 2)
+    rebuilt = torch.full_like(full, -1.0)
+    for rank, shard in enumerate(shards):
+        tp_place(name, rebuilt, 2, rank, shard)
+    assert torch.equal(rebuilt, tp_merge(name, shards)) and torch.equal(rebuilt, full)
 
 
 @pytest.mark.parametrize("cfg,tp", [(qwen2_cfg(), 2), (qwen2_cfg(num_key_value_heads=4), 4),

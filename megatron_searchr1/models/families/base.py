@@ -207,6 +207,19 @@ def tp_merge(name: str, shards: list[Tensor]) -> Tensor:
     return stack_gate_up(torch.cat(gates, dim=0), torch.cat(ups, dim=0))
 
 
+def tp_place(name: str, full: Tensor, tp: int, rank: int, shard: Tensor) -> None:
+    """Copy TP rank `rank`'s shard into `full` where `tp_merge` puts it: one rank's part of the merge, in place (the
+    weight sync's shared buffer holds merged tensors that each rank fills with its own shard)."""
+    kind = tp_kind(name)
+    if kind == "fc1":  # full = [gate_0 .. gate_tp-1; up_0 .. up_tp-1], a shard = [gate_r; up_r]
+        for dst, src in zip(unstack_gate_up(full), unstack_gate_up(shard)):
+            dst.chunk(tp, dim=0)[rank].copy_(src)
+    elif kind == "replicated":
+        full.copy_(shard)
+    else:  # column, vocab: rows; row: columns
+        full.chunk(tp, dim=1 if kind == "row" else 0)[rank].copy_(shard)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Pipeline parallelism. A stage's state dict uses stage-local layer indices; its layers know their global index
 # (`layer.layer_number - 1`), which is what the converter and the weight sync read (`rename_layer`), so uneven
