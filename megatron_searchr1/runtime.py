@@ -188,7 +188,8 @@ def build_runtime(cfg: Config) -> Runtime:
     if r.engine == "vllm":
         # one seed per vLLM TP group: its ranks must sample alike (requests carry their own seeds anyway)
         engine_kw.update(tensor_parallel_size=r.engine_tp, max_model_len=max_len, seed=t.seed + rank // r.engine_tp,
-                         gpu_memory_utilization=r.gpu_memory_utilization, enforce_eager=r.enforce_eager)
+                         gpu_memory_utilization=r.gpu_memory_utilization, enforce_eager=r.enforce_eager,
+                         kv_sessions=None if r.kv_sessions else False)
         if not torch.cuda.is_available():
             engine_kw["kv_cache_gib"] = r.kv_cache_gib
     engine = make_engine(r.engine, hf_dir, **engine_kw)

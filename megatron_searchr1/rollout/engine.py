@@ -8,6 +8,12 @@
 
 Every engine implements `Engine`. The loop (loop.py) only talks to this interface, so a scripted engine in the
 unit tests, the `hf` reference engine and vLLM are interchangeable.
+
+Sessions (optional, `engine.keeps_sessions`): the loop names each prompt by its trajectory,
+`engine.generate(prompts, params, sessions=keys)`. An engine that keeps sessions holds each key's KV cache from one
+turn to the next; a prompt that extends what it holds for its key computes only the new tokens (a prefix cache can
+reuse whole KV blocks only). The result is the same as without sessions; only the compute differs.
+`engine.end_sessions(keys)` frees them (all of them without keys). Engines without sessions ignore the keys.
 """
 from __future__ import annotations
 
@@ -82,7 +88,7 @@ class Engine(Protocol):
     """A generation engine the rollout loop can drive."""
 
     def generate(self, prompts: Sequence[list[int]], params: SamplingParams) -> list[Generation]:
-        """One Generation per prompt, in order."""
+        """One Generation per prompt, in order. Engines with `keeps_sessions` also take `sessions=` (module doc)."""
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Take (HF name, full tensor) pairs; may be called many times per sync (one bucket per call)."""
@@ -95,3 +101,8 @@ class Engine(Protocol):
 
     def wake_up(self) -> None:
         """Undo sleep()."""
+
+
+def keeps_sessions(engine) -> bool:
+    """Whether `engine` takes `sessions=` keys in generate() and has end_sessions() (module doc)."""
+    return bool(getattr(engine, "keeps_sessions", False))

@@ -19,6 +19,10 @@ The prompt is never cut: `max_response_length` bounds the response, and a sample
 A failed search (the client's "Search failed: ..." text) ends the sample `search_error` after its observation.
 
 Every turn asserts that response ids, loss mask and log-probs have equal lengths.
+
+On an engine that keeps sessions (vLLM, `rollout.kv_sessions`) each trajectory is one session: its KV cache stays in
+the engine from turn to turn and a turn computes only the tokens after it (the observation); a finished trajectory's
+session ends right away, the rest when the rollout ends.
 """
 from __future__ import annotations
 
@@ -32,7 +36,7 @@ from megatron_searchr1.data.prompts import (
     ANSWER_END, ANSWER_START, INFO_END, INVALID_ACTION_FEEDBACK, SEARCH_END, SEARCH_START, STOP_STRINGS,
     format_observation,
 )
-from megatron_searchr1.rollout.engine import Engine, SamplingParams
+from megatron_searchr1.rollout.engine import Engine, SamplingParams, keeps_sessions
 
 FINISH_REASONS = ("answer", "length", "max_turns", "invalid", "search_error")
 
@@ -184,6 +188,22 @@ def run_rollout(engine: Engine, tokenizer, search: Searcher, trajs: list[Traject
     s = settings
     stats = RolloutStats()
     invalid_ids = tokenizer.encode(INVALID_ACTION_FEEDBACK, add_special_tokens=False)
+    sessions = keeps_sessions(engine)
+    try:
+        _turns(engine, tokenizer, search, trajs, s, stats, invalid_ids, sessions, progress)
+    finally:
+        if sessions:
+            engine.end_sessions([id(t) for t in trajs])
+    for t in trajs:  # max_turns = 0 and an empty batch leave nothing active; anything else was finished above
+        if t.active:
+            t.finish("max_turns")
+    stats.finish.update(t.finish_reason for t in trajs)
+    return stats
+
+
+def _turns(engine: Engine, tokenizer, search: Searcher, trajs: list[Trajectory], s: LoopSettings,
+           stats: RolloutStats, invalid_ids: list[int], sessions: bool,
+           progress: Optional[Callable[[int, int], None]]) -> None:
     for turn in range(s.max_turns + 1):
         final = turn == s.max_turns  # the last turn: a search is no longer run, the sample must answer
         active = [t for t in trajs if t.active]
@@ -201,7 +221,11 @@ def run_rollout(engine: Engine, tokenizer, search: Searcher, trajs: list[Traject
             params = SamplingParams(max_tokens=budget, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
                                     stop=STOP_STRINGS, stop_token_ids=tuple(s.stop_token_ids), logprobs=True,
                                     seed=None if s.seed is None else s.seed + turn)
-            outs = engine.generate([t.prompt_ids + t.response_ids for t in group], params)
+            prompts = [t.prompt_ids + t.response_ids for t in group]
+            if sessions:  # each sample keeps its KV in the engine from turn to turn
+                outs = engine.generate(prompts, params, sessions=[id(t) for t in group])
+            else:
+                outs = engine.generate(prompts, params)
             if len(outs) != len(group):
                 raise RuntimeError(f"engine returned {len(outs)} generations for {len(group)} prompts")
             stats.turns += 1
@@ -250,13 +274,10 @@ def run_rollout(engine: Engine, tokenizer, search: Searcher, trajs: list[Traject
                     t.finish("search_error")
                 elif len(t.response_ids) >= s.max_response_length:
                     t.finish("length")
+        if sessions:  # a finished sample's KV is not needed any more
+            engine.end_sessions([id(t) for t in active if not t.active])
         if progress is not None:
             progress(sum(not t.active for t in trajs), len(trajs))
-    for t in trajs:  # max_turns = 0 and an empty batch leave nothing active; anything else was finished above
-        if t.active:
-            t.finish("max_turns")
-    stats.finish.update(t.finish_reason for t in trajs)
-    return stats
 
 
 def response_text(tokenizer, t: Trajectory) -> str:

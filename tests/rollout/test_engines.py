@@ -300,6 +300,111 @@ def test_vllm_sleep_wake_up_keeps_generating(vllm_a, hf_a, prompts):
     assert_same(vllm_a.generate(prompts[:2], GREEDY), hf_a.generate(prompts[:2], GREEDY))
 
 
+def _scheduled(engine):
+    """A counter of the tokens vLLM's scheduler runs (in-process engine core), and a function that stops counting."""
+    scheduler = engine.llm.llm_engine.engine_core.engine_core.scheduler
+    original, count = scheduler.schedule, [0]
+
+    def counted(*args, **kwargs):
+        out = original(*args, **kwargs)
+        count[0] += out.total_num_scheduled_tokens
+        return out
+
+    scheduler.schedule = counted
+    return count, lambda: setattr(scheduler, "schedule", original)
+
+
+@pytest.mark.slow
+def test_vllm_sessions_continue_turns_computing_only_new_tokens(vllm_a, hf_a, prompts, tok):
+    """Three turns per sample in KV sessions: the same tokens and log-probs as the hf engine re-reading the whole
+    context, while vLLM computes only each turn's new tokens (its scheduler's own count)."""
+    assert vllm_a.keeps_sessions
+    params = SamplingParams(max_tokens=12, temperature=0)
+    observation = tok.encode(" <information> Doc 1 the river nile </information> ")
+    keys = [f"s{i}" for i in range(len(prompts))]
+    contexts = [list(p) for p in prompts]
+    count, stop_counting = _scheduled(vllm_a)
+    try:
+        for turn in range(3):
+            before = count[0]
+            outs = vllm_a.generate(contexts, params, sessions=keys)
+            assert_same(outs, hf_a.generate(contexts, params))
+            new_tokens = 0
+            for i, g in enumerate(outs):
+                if turn:  # everything but the last sampled token and the observation is held by the session
+                    assert g.num_cached_tokens == len(contexts[i]) - 1 - len(observation)
+                new_tokens += len(contexts[i]) - g.num_cached_tokens + len(g.token_ids) - 1
+            assert count[0] - before == new_tokens
+            contexts = [c + g.token_ids + observation for c, g in zip(contexts, outs)]
+    finally:
+        stop_counting()
+    vllm_a.end_sessions()
+    assert not vllm_a.llm.llm_engine.has_unfinished_requests()  # ended sessions hold nothing
+    # a prompt that does not extend its session's tokens starts a fresh request with the same result
+    outs = vllm_a.generate(contexts[:2], params, sessions=keys[:2])
+    other = vllm_a.generate([prompts[0]], params, sessions=keys[:1])
+    assert_same(other, hf_a.generate([prompts[0]], params))
+    assert_same(outs, hf_a.generate(contexts[:2], params))
+    vllm_a.finish_weight_sync()  # ends the sessions (a prefix-cache reset with requests alive would fail)
+    assert not vllm_a.llm.llm_engine.has_unfinished_requests()
+
+
+@pytest.mark.slow
+def test_vllm_sessions_stop_strings_spanning_tokens(vllm_a, prompts, tok):
+    """Stop strings the tokenizer splits over several tokens, sampled: a session stops exactly where vLLM's own
+    stop-string check stops a plain request, with the same tokens (same seed: the session's random stream goes on
+    across the pauses at tokens that could complete a stop string but did not)."""
+    base = vllm_a.generate(prompts, SamplingParams(max_tokens=32, temperature=1.5, seed=3))
+    stops = set()
+    for g in base:  # the text of two tokens that appear mid-output: a stop string spanning a token boundary
+        for k in range(4, len(g.token_ids) - 2, 5):
+            text = tok.decode(g.token_ids[k:k + 2])
+            if len(text.strip()) >= 3 and len(tok.encode(text, add_special_tokens=False)) >= 2:
+                stops.add(text)
+                break
+    stops = tuple(sorted(stops))[:4]
+    assert len(stops) >= 2, stops
+    params = SamplingParams(max_tokens=32, temperature=1.5, seed=3, stop=stops)
+    plain = vllm_a.generate(prompts * 3, params)
+    pauses = vllm_a.session_pauses
+    in_sessions = vllm_a.generate(prompts * 3, params, sessions=list(range(len(prompts) * 3)))
+    vllm_a.end_sessions()
+    assert vllm_a.session_pauses - pauses > 0  # tokens with a stop string's last character that completed none
+    assert [(g.token_ids, g.finish_reason, g.stop_reason) for g in in_sessions] == \
+        [(g.token_ids, g.finish_reason, g.stop_reason) for g in plain]
+    for g, h in zip(in_sessions, plain):
+        assert max(abs(x - y) for x, y in zip(g.logprobs, h.logprobs)) < 1e-4
+    assert sum(g.finish_reason == "stop" for g in plain) >= 2  # the stop strings were hit, not just the limit
+
+
+@pytest.mark.slow
+def test_vllm_sessions_give_way_when_vllm_cannot_hold_them_all(vllm_a, hf_a, prompts):
+    """A session paused between turns keeps its request slot: a call with more samples than slots runs as plain
+    requests (with sessions it would wait forever for a slot), and other samples' sessions end to make room."""
+    sched = vllm_a.llm.llm_engine.engine_core.engine_core.scheduler
+    slots = sched.max_num_active_reqs
+    sched.max_num_active_reqs = 3
+    try:
+        outs = vllm_a.generate(prompts, GREEDY, sessions=list(range(len(prompts))))  # 6 samples, 3 slots
+        assert_same(outs, hf_a.generate(prompts, GREEDY))
+        assert not vllm_a._sessions
+        vllm_a.generate(prompts[:2], GREEDY, sessions=["a", "b"])
+        assert set(vllm_a._sessions) == {"a", "b"}
+        outs = vllm_a.generate(prompts[2:4], GREEDY, sessions=["c", "d"])  # 2 held + 2 new > 3 slots
+        assert set(vllm_a._sessions) == {"c", "d"}
+        assert_same(outs, hf_a.generate(prompts[2:4], GREEDY))
+        # without that check the call would wait for a slot forever: the engine says so instead of hanging
+        vllm_a._room_for_sessions = lambda *args: True
+        with pytest.raises(RuntimeError, match="stopped making progress"):
+            vllm_a.generate(prompts, GREEDY, sessions=list(range(len(prompts))))
+    finally:
+        vllm_a.__dict__.pop("_room_for_sessions", None)
+        vllm_a.end_sessions()
+        sched.max_num_active_reqs = slots
+    assert not vllm_a.llm.llm_engine.has_unfinished_requests()
+    assert_same(vllm_a.generate(prompts, GREEDY), hf_a.generate(prompts, GREEDY))
+
+
 @pytest.mark.slow
 def test_vllm_under_torchrun_external_launcher(models, tmp_path):
     """2 ranks, Megatron initialised (gloo, tp=2), one vLLM engine per rank (vLLM TP=1) on different prompts."""

