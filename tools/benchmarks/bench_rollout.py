@@ -1,12 +1,15 @@
 # PYTHONPATH=$PWD OMP_NUM_THREADS=2 python tools/benchmarks/bench_rollout.py --work-dir /tmp/bench_rollout
 # (first run ~2-3 min on 2 cores: world + tokenizer + a short fit of the tiny model, cached in --work-dir;
-#  later runs ~1 min. --prompts 32 --max-tokens-per-turn 500 for a bigger run; --block-size 32 to vary vLLM's KV block: the CPU backend takes multiples of 32, default 128)
+#  later runs ~1 min. --prompts 32 --max-tokens-per-turn 500 for a bigger run; --block-size to vary vLLM's KV block
+#  (the CPU backend takes multiples of 32; the engine's default is 32); --no-kv-sessions for the loop without KV sessions)
 """Tokens computed per trajectory by our rollout loop, by a Search-R1-style loop and the lower bound, side by side.
 
 The same prompts go through the same vLLM engine (`make_engine("vllm", ...)`, float32, greedy) twice:
   (a) ours: `rollout/loop.py:run_rollout` as the trainer runs it: stop strings at `</search>` / `</answer>`, token
-      ids kept as generated, prefix caching on. Computed = prompt tokens the engine did NOT serve from its prefix
-      cache (`Generation.num_cached_tokens`) + decoded tokens. Prefix hits on a trajectory's FIRST turn can only
+      ids kept as generated, each trajectory one KV session (its KV cache stays in vLLM between turns; prefix
+      caching alone, `--no-kv-sessions`, recomputes the last partial KV block every turn). Computed = context tokens
+      the engine did not hold or serve from its prefix cache (`Generation.num_cached_tokens`) + decoded tokens,
+      checked against what vLLM's scheduler actually ran. Prefix hits on a trajectory's FIRST turn can only
       come from other trajectories (the shared instruction): they are added back (`ours`), so the ratio measures
       what one trajectory costs alone; `ours (engine)` is the engine's raw count with that sharing.
   (b) Search-R1-style: the same state machine (`run_rollout`: same actions, observations, invalid-action text,
@@ -94,10 +97,10 @@ class MeteredEngine:
         self.first_prompts = {tuple(p) for p in first_prompts}
         self.counts = Counts()
 
-    def generate(self, prompts, params):
+    def generate(self, prompts, params, **sessions):
         from megatron_searchr1.data.prompts import STOP_STRINGS
 
-        outs = self.engine.generate(prompts, params)
+        outs = self.engine.generate(prompts, params, **sessions)
         c = self.counts
         for p, g in zip(prompts, outs):
             cut = stop_cut(self.tok, g.token_ids, STOP_STRINGS)
@@ -125,6 +128,8 @@ class SearchR1StyleEngine:
     Counted: the whole context as prefill on every turn (no prefix-cache credit), every decoded token, and the
     decoded tokens past the tag (`past_stop`).
     """
+
+    keeps_sessions = False  # a new request with the whole context every turn
 
     def __init__(self, engine, tokenizer):
         self.engine, self.tok = engine, tokenizer
@@ -257,7 +262,7 @@ def prepare(a, log) -> tuple[str, str, list[list[dict]]]:
         make_tiny_model(TinyModelConfig(output_dir=model_dir, text_files=[text], vocab_size=2000,
                                         hidden_size=a.hidden_size, intermediate_size=2 * a.hidden_size,
                                         num_layers=a.num_layers, num_heads=a.hidden_size // 32, num_kv_heads=a.hidden_size // 32,
-                                        max_position_embeddings=4096, seed=a.seed))
+                                        max_position_embeddings=8192, seed=a.seed))
         tok = AutoTokenizer.from_pretrained(model_dir)
         examples = [sft_example(tok, msgs) for msgs in gold]
         log(f"policy: fitting on {len(examples)} gold trajectories of {sum(len(i) for i, _ in examples) / len(examples):.0f} tokens")
@@ -282,6 +287,28 @@ def _row(name: str, c: Optional[Counts], n: int, lb: int, computed: Optional[int
             f"{calls:>10}{secs:>8}")
 
 
+class ScheduledTokens:
+    """What vLLM's scheduler actually ran: the sum of `total_num_scheduled_tokens` over its steps (in-process engine).
+
+    The loop's count of a request (context not cached + tokens decoded) is this plus one: a request's last sampled
+    token is decoded but computed only as part of the next turn's input, where the loop counts it again."""
+
+    def __init__(self, engine):
+        self.scheduler = engine.llm.llm_engine.engine_core.engine_core.scheduler
+        self.original = self.scheduler.schedule
+        self.total = 0
+
+        def counted(*args, **kwargs):
+            out = self.original(*args, **kwargs)
+            self.total += out.total_num_scheduled_tokens
+            return out
+
+        self.scheduler.schedule = counted
+
+    def close(self):
+        self.scheduler.schedule = self.original
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--work-dir", default="/tmp/bench_rollout", help="world, tokenizer and fitted policy (reused)")
@@ -295,6 +322,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--num-layers", type=int, default=2, help="tiny model layers")
     p.add_argument("--fit-steps", type=int, default=150, help="optimizer steps fitting the policy to the gold turns")
     p.add_argument("--block-size", type=int, default=0, help="vLLM KV block size (0: the engine's default)")
+    p.add_argument("--no-kv-sessions", action="store_true",
+                   help="ours without KV sessions: a new request every turn, reusing the prefix cache only")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
     if a.prompts < 1 or a.max_turns < 1 or a.max_tokens_per_turn < 8 or a.topk < 1 or a.fit_steps < 1:
@@ -336,21 +365,26 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         client = RetrievalClient(server.url, topk=a.topk)
         t0 = time.perf_counter()
         engine = make_engine("vllm", model_dir, dtype="float32", kv_cache_gib=1, max_model_len=max_len, seed=a.seed,
-                             **kw)
+                             kv_sessions=not a.no_kv_sessions, **kw)
         block = engine.llm.llm_engine.vllm_config.cache_config.block_size
-        log(f"vLLM engine up ({time.perf_counter() - t0:.1f}s; KV block {block} tokens)")
+        log(f"vLLM engine up ({time.perf_counter() - t0:.1f}s; KV block {block} tokens; KV sessions "
+            f"{'on' if engine.keeps_sessions else 'off'})")
         engine.generate([prompts[0]], SamplingParams(max_tokens=8, temperature=0.0))  # warm-up, out of the timings
+        scheduled = ScheduledTokens(engine)
 
-        runs = {}
+        runs, ran = {}, {}
         for name, wrap in (("searchr1", lambda e: SearchR1StyleEngine(e, tok)),
                            ("ours", lambda e: MeteredEngine(e, tok, prompts))):
             engine.finish_weight_sync()  # empty prefix cache: neither run inherits the other's KV blocks
             metered = wrap(engine)
             trajs = [Trajectory(prompt_ids=list(ids), uid=str(i)) for i, ids in enumerate(prompts)]
             t0 = time.perf_counter()
+            ran_before = scheduled.total
             stats = run_rollout(metered, tok, client.search, trajs, settings)
             runs[name] = (metered.counts, trajs, stats, time.perf_counter() - t0)
+            ran[name] = scheduled.total - ran_before
             log(f"{name}: {stats.turns} generate calls, finish {dict(stats.finish)}, {runs[name][3]:.1f}s")
+        scheduled.close()
         client.close()
 
     ours, ours_trajs, ours_stats, ours_s = runs["ours"]
@@ -376,10 +410,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(_row("(c) lower bound", None, n, lb))
     print(f"Search-R1-style / ours: {sr1.computed / ours_alone:.2f}x computed; Search-R1-style decoded "
           f"{sr1.past_stop / max(sr1.decoded, 1):.0%} of its tokens past a stop tag")
+    print(f"vLLM's scheduler ran {ran['ours'] / n:.1f} tokens per trajectory for (a) (+1 per request = "
+          f"{(ran['ours'] + ours.requests) / n:.1f}, the count of 'ours (engine)')")
 
     checks = [
         (f"ours <= {TARGET_RATIO:.2f}x lower bound", ours_alone / lb <= TARGET_RATIO, f"{ours_alone / lb:.3f}x"),
         ("ours decodes 0 tokens past a stop tag", ours.past_stop == 0, f"{ours.past_stop} tokens"),
+        ("ours' count = what vLLM's scheduler ran + 1 per request", ours.computed == ran["ours"] + ours.requests,
+         f"{ours.computed} = {ran['ours']} + {ours.requests}"),
         ("multi-turn trajectories (>= 1 search/trajectory)", sum(t.n_searches for t in ours_trajs) >= n,
          f"{sum(t.n_searches for t in ours_trajs) / n:.2f}"),
     ]
