@@ -62,3 +62,32 @@ class ScriptedEngine:
 
     def wake_up(self):
         pass
+
+
+class SessionScriptedEngine(ScriptedEngine):
+    """A ScriptedEngine that keeps sessions (the interface's `sessions=` / `end_sessions`) and records them: per
+    call the keys it got, and which it was asked to end; a key must name one trajectory and only ever grow."""
+
+    keeps_sessions = True
+
+    def __init__(self, tokenizer, scripts):
+        super().__init__(tokenizer, scripts)
+        self.held: dict = {}       # key -> the last prompt + generation it saw
+        self.keys: list[list] = []
+        self.ended: list = []
+
+    def generate(self, prompts, params, sessions=None):
+        assert sessions is not None and len(sessions) == len(prompts)
+        outs = super().generate(prompts, params)
+        self.keys.append(list(sessions))
+        for key, p, g in zip(sessions, prompts, outs):
+            if key in self.held:  # the loop continues a session only with a longer context of the same sample
+                assert p[:len(self.held[key])] == self.held[key]
+            self.held[key] = list(p) + g.token_ids
+        return outs
+
+    def end_sessions(self, keys=None):
+        keys = list(self.held) if keys is None else [k for k in keys if k in self.held]
+        for k in keys:
+            del self.held[k]
+            self.ended.append(k)

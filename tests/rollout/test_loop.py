@@ -4,7 +4,7 @@ import pytest
 from megatron_searchr1.data.prompts import INVALID_ACTION_FEEDBACK, format_observation
 from megatron_searchr1.rollout import loop
 from megatron_searchr1.rollout.loop import LoopSettings, Trajectory, run_rollout
-from tests.rollout.scripted import ScriptedEngine
+from tests.rollout.scripted import ScriptedEngine, SessionScriptedEngine
 
 
 @pytest.fixture(scope="module")
@@ -78,6 +78,25 @@ def test_one_search_call_per_turn_for_all_active_samples(tok):
     assert engine.calls == [3, 2, 1]  # each turn batches only the samples still active
     assert [t.n_searches for t in trajs] == [2, 1, 0] and stats.search_calls == 2
     assert [t.answer for t in trajs] == ["1901", "1901", "7"]
+
+
+def test_sessions_one_key_per_trajectory_ended_as_soon_as_it_finishes(tok):
+    """On an engine that keeps sessions each trajectory keeps one key for all its turns and its session ends right
+    after its last turn; the trajectories are what the same engine gives without sessions."""
+    s1 = ["<search> who founded acme? </search>", "<search> when was bo lund born? </search>", "<answer> 1901 </answer>"]
+    s2 = ["<answer> 7 </answer>"]
+    s3 = ["<search> who founded acme? </search>"]  # never answers: ends max_turns after the final turn
+    scripts = {f"Question {i}: {k}\n": v for i, (k, v) in enumerate({"a": s1, "b": s2, "c": s3}.items())}
+    keyed = {tuple(_prompt(tok, p)): v for p, v in scripts.items()}
+    results = []
+    for engine in (ScriptedEngine(tok, keyed), SessionScriptedEngine(tok, keyed)):
+        trajs = [Trajectory(prompt_ids=list(k), uid=str(i)) for i, k in enumerate(keyed)]
+        run_rollout(engine, tok, Searcher(), trajs, LoopSettings(max_turns=2, max_tokens_per_turn=64))
+        results.append([(t.response_ids, t.loss_mask, t.finish_reason) for t in trajs])
+    assert results[0] == results[1]
+    a, b, c = (id(t) for t in trajs)
+    assert engine.keys == [[a, b, c], [a, c], [a, c]]
+    assert engine.ended == [b, a, c] and not engine.held  # b after turn 1, a and c after turn 3
 
 
 def test_invalid_action_gets_search_r1s_feedback_with_mask_zero(tok):
