@@ -257,6 +257,7 @@ class VLLMEngine:
         if self.external_launcher:
             llm_kwargs.setdefault("distributed_executor_backend", "external_launcher")
 
+        kv_sessions_asked = bool(kv_sessions)
         if kv_sessions is None:
             kv_sessions = _sessions_available()
         elif kv_sessions and not _sessions_available():
@@ -279,6 +280,19 @@ class VLLMEngine:
                 enable_prefix_caching=enable_prefix_caching, enable_sleep_mode=self.sleep_mode,
                 enforce_eager=enforce_eager, logprobs_mode="raw_logprobs", **llm_kwargs,
             )
+        if self.keeps_sessions and self._scheduler() is None:
+            if kv_sessions_asked:
+                raise ValueError("kv_sessions=True: this vLLM's engine core is not reachable in-process (sessions are "
+                                 "driven through its scheduler); leave kv_sessions unset")
+            logger.warning("vLLM's scheduler is not reachable in-process: KV sessions off (prefix cache only)")
+            self.keeps_sessions = False
+
+    def _scheduler(self):
+        """The in-process engine core's scheduler (what sessions are sized against), or None where it is not there."""
+        sched = getattr(getattr(getattr(self.llm.llm_engine, "engine_core", None), "engine_core", None),
+                        "scheduler", None)
+        needed = ("max_num_active_reqs", "kv_cache_manager", "running")
+        return sched if sched is not None and all(hasattr(sched, n) for n in needed) else None
 
     # -- generation -----------------------------------------------------------------------------------------
     def _sampling_params(self, params: SamplingParams, index: int):
@@ -380,7 +394,7 @@ class VLLMEngine:
         `max_num_seqs` slots and in the KV cache with its whole turn; sessions of other samples are ended first
         when they are in the way (their full blocks stay in the prefix cache).
         """
-        sched = self.llm.llm_engine.engine_core.engine_core.scheduler
+        sched = self._scheduler()
         slots = sched.max_num_active_reqs
         blocks = sched.kv_cache_manager.block_pool.num_gpu_blocks - 1  # vLLM keeps one null block
         size = self.llm.llm_engine.vllm_config.cache_config.block_size
@@ -428,7 +442,7 @@ class VLLMEngine:
                 self._send(session, prompt, sp, new=True)
 
         gens: list[Optional[Generation]] = [None] * len(prompts)
-        scheduler = self.llm.llm_engine.engine_core.engine_core.scheduler
+        scheduler = self._scheduler()
         running, idle_steps = len(turns), 0
         while running:
             outputs = self.llm.llm_engine.step()
