@@ -186,7 +186,6 @@ class _Turn:
 
     index: int
     session: _Session
-    prompt_len: int
     cached: Optional[int]
     """Context tokens the engine did not compute: held by the session, else vLLM's prefix-cache count (None yet)."""
     token_ids: list[int] = field(default_factory=list)
@@ -295,15 +294,26 @@ class VLLMEngine:
         return sched if sched is not None and all(hasattr(sched, n) for n in needed) else None
 
     # -- generation -----------------------------------------------------------------------------------------
-    def _sampling_params(self, params: SamplingParams, index: int):
-        return self._vllm.SamplingParams(
-            n=1, max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p,
-            top_k=params.top_k if params.top_k > 0 else 0,
-            stop=list(params.stop), stop_token_ids=list(params.stop_token_ids), include_stop_str_in_output=True,
-            ignore_eos=True, logprobs=0 if params.logprobs else None,  # 0: only the sampled token's log-prob
+    def _sampling_params(self, params: SamplingParams, index: int, *, max_tokens: Optional[int] = None,
+                         session_stop_ids: Optional[Sequence[int]] = None):
+        """vLLM's SamplingParams for prompt `index`. A plain request stops on `params.stop` strings (matched by vLLM on
+        the detokenized text); a session request (`session_stop_ids` given) cannot have stop strings: it stops on
+        those ids, detokenizes nothing and returns each step's new tokens (module doc)."""
+        common = dict(
+            n=1, max_tokens=max_tokens or params.max_tokens, temperature=params.temperature, top_p=params.top_p,
+            top_k=params.top_k if params.top_k > 0 else 0, ignore_eos=True,
+            logprobs=0 if params.logprobs else None,  # 0: only the sampled token's log-prob
             seed=None if params.seed is None else derive_seed(params.seed, index),
-            skip_special_tokens=True, detokenize=True,  # stop strings are matched on the detokenized text
         )
+        if session_stop_ids is None:
+            return self._vllm.SamplingParams(**common, stop=list(params.stop),
+                                             stop_token_ids=list(params.stop_token_ids),
+                                             include_stop_str_in_output=True, skip_special_tokens=True,
+                                             detokenize=True)
+        from vllm.sampling_params import RequestOutputKind
+
+        return self._vllm.SamplingParams(**common, stop_token_ids=list(session_stop_ids), detokenize=False,
+                                         output_kind=RequestOutputKind.DELTA)
 
     def generate(self, prompts: Sequence[list[int]], params: SamplingParams,
                  sessions: Optional[Sequence[Hashable]] = None) -> list[Generation]:
@@ -340,16 +350,6 @@ class VLLMEngine:
         return gens
 
     # -- sessions -----------------------------------------------------------------------------------------------
-    def _session_params(self, params: SamplingParams, index: int, max_tokens: int, stop_ids: Sequence[int]):
-        from vllm.sampling_params import RequestOutputKind
-
-        return self._vllm.SamplingParams(
-            n=1, max_tokens=max_tokens, temperature=params.temperature, top_p=params.top_p,
-            top_k=params.top_k if params.top_k > 0 else 0, stop_token_ids=list(stop_ids), ignore_eos=True,
-            logprobs=0 if params.logprobs else None, seed=None if params.seed is None else derive_seed(params.seed, index),
-            detokenize=False, output_kind=RequestOutputKind.DELTA,
-        )
-
     def _candidates(self, stops: tuple[str, ...]) -> frozenset[int]:
         """Token ids that could complete one of `stops`: their text holds a stop's last character (or is a partial
         character, which a byte-level tokenizer can split a multi-byte one into)."""
@@ -426,11 +426,11 @@ class VLLMEngine:
             prompt = list(prompt)
             if len(prompt) >= max_len:
                 raise ValueError(f"prompt {i} has {len(prompt)} tokens, the engine's max_model_len is {max_len}")
-            sp = self._session_params(params, i, params.max_tokens, stop_ids)
+            sp = self._sampling_params(params, i, session_stop_ids=stop_ids)
             held = self._sessions.get(key)
             if held is not None and len(prompt) >= len(held.tokens) and prompt[:len(held.tokens)] == held.tokens:
                 # vLLM holds held.tokens[:-1]; its last sampled token and what follows are the new input
-                turns[held.external_id] = _Turn(i, held, len(prompt), cached=len(held.tokens) - 1)
+                turns[held.external_id] = _Turn(i, held, cached=len(held.tokens) - 1)
                 self._send(held, prompt[len(held.tokens) - 1:], sp, new=False)
                 held.tokens = prompt
             else:
@@ -438,7 +438,7 @@ class VLLMEngine:
                     self.end_sessions([key])
                 session = _Session("", f"mss-{next(self._ids)}", prompt)
                 self._sessions[key] = session
-                turns[session.external_id] = _Turn(i, session, len(prompt), cached=None)
+                turns[session.external_id] = _Turn(i, session, cached=None)
                 self._send(session, prompt, sp, new=True)
 
         gens: list[Optional[Generation]] = [None] * len(prompts)
@@ -480,7 +480,8 @@ class VLLMEngine:
                         if left > 0:
                             self.session_pauses += 1
                             self._send(turn.session, turn.token_ids[-1:],
-                                       self._session_params(params, turn.index, left, stop_ids), new=False)
+                                       self._sampling_params(params, turn.index, max_tokens=left,
+                                                             session_stop_ids=stop_ids), new=False)
                             continue
                         finish = "length"
                 turn.session.tokens = turn.session.tokens + turn.token_ids
