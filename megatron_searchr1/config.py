@@ -363,16 +363,24 @@ class Config:
                              f">= 2 (got {r.n})")
         if world_size is not None:
             dp = p.data_parallel_size(world_size)
-            _check(world_size % r.engine_tp == 0,
-                   f"rollout.engine_tp={r.engine_tp} must divide the world size {world_size}")
             # a vLLM TP group must hold one DP rank's trajectories: its ranks lie inside one model-parallel group
-            _check((p.tp * p.pp) % r.engine_tp == 0,
-                   f"rollout.engine_tp={r.engine_tp} must divide parallel.tp * parallel.pp = {p.tp * p.pp} (an "
-                   "engine serves the ranks of one model replica)")
+            from megatron_searchr1.rollout.engine_groups import EngineLayout, LayoutError
+
+            try:
+                EngineLayout(world_size, p.tp, p.pp, r.engine_tp)
+            except LayoutError as e:
+                raise ConfigError(str(e)) from None
             _check(d.train_batch_size % dp == 0,
                    f"data.train_batch_size={d.train_batch_size} must be a multiple of the DP size {dp}")
             _check(a.ppo_mini_batch_size % dp == 0,
                    f"algo.ppo_mini_batch_size={a.ppo_mini_batch_size} must be a multiple of the DP size {dp}")
+        # every trajectory (prompt + response) must fit one micro-batch, or plan_micro_batches raises on one
+        # rank hours into a run while the others wait in the next collective
+        _check(d.max_prompt_length + r.max_response_length <= self.optim.max_tokens_per_micro_batch,
+               f"data.max_prompt_length ({d.max_prompt_length}) + rollout.max_response_length "
+               f"({r.max_response_length}) = {d.max_prompt_length + r.max_response_length} tokens must fit in "
+               f"optim.max_tokens_per_micro_batch ({self.optim.max_tokens_per_micro_batch}): raise the budget or "
+               "lower the lengths")
         _check(d.train_batch_size % a.ppo_mini_batch_size == 0,
                f"data.train_batch_size={d.train_batch_size} must be a multiple of algo.ppo_mini_batch_size="
                f"{a.ppo_mini_batch_size}")

@@ -218,34 +218,36 @@ class Trainer:
 
     def rollout(self, trajs: list, temperature: float, seed: int) -> tuple[list, dict]:
         """Run the search loop. The tp*pp ranks of a DP rank hold the same trajectories: each of their engines
-        runs a share, and the finished shares are exchanged so every rank returns all of them, in order."""
+        runs a share (rollout/engine_groups.py: the one rule for which ranks form an engine), and the finished
+        shares are exchanged so every rank returns all of them, in order."""
         import torch.distributed as dist
         from megatron.core import parallel_state as mpu
 
         from collections import Counter
 
+        from megatron_searchr1.rollout.engine_groups import EngineLayout
         from megatron_searchr1.rollout.loop import LoopSettings, RolloutStats, run_rollout
 
         cfg, rt, r = self.cfg, self.rt, self.cfg.rollout
-        group = mpu.get_model_parallel_group()
-        size, me = dist.get_world_size(group), dist.get_rank(group)
-        shares = size // r.engine_tp
-        mine = trajs[me // r.engine_tp::shares]
+        layout = EngineLayout(rt.world, cfg.parallel.tp, cfg.parallel.pp, r.engine_tp)
+        share, shares = layout.share(rt.rank)
+        mine = trajs[share::shares]
         settings = LoopSettings(max_turns=r.max_turns, max_tokens_per_turn=r.max_tokens_per_turn,
                                 max_response_length=r.max_response_length, max_obs_length=r.max_obs_length,
                                 temperature=temperature, top_p=r.top_p if temperature > 0 else 1.0,
                                 top_k=r.top_k if temperature > 0 else -1, stop_token_ids=rt.stop_token_ids,
-                                # the loop adds the turn to the seed: shares must be further apart than turns
-                                seed=seed + (me // r.engine_tp) * 104_729)
+                                # one seed per engine: DP ranks and shares draw different noise
+                                seed=layout.sampling_seed(seed, rt.rank))
         self.wake_engine()
         stats = run_rollout(rt.engine, rt.tokenizer, rt.client.search, mine, settings)
         metrics = stats.as_metrics(mine)
-        if size > 1:
-            parts: list = [None] * size
-            dist.all_gather_object(parts, mine, group=group)
+        group = mpu.get_model_parallel_group()
+        if dist.get_world_size(group) > 1:
+            parts: list = [None] * dist.get_world_size(group)
+            dist.all_gather_object(parts, (share, mine), group=group)
             done = list(trajs)
-            for k in range(shares):
-                done[k::shares] = parts[k * r.engine_tp]
+            for k, part in dict(parts).items():
+                done[k::shares] = part
             trajs = done
             # the counters in `stats` are this engine's share: finish reasons are recounted over all trajectories
             everything = RolloutStats(finish=Counter(tr.finish_reason for tr in trajs))
@@ -286,13 +288,15 @@ class Trainer:
         import torch.distributed as dist
 
         from megatron_searchr1 import ppo
+        from megatron_searchr1.rollout.engine_groups import EngineLayout
         from megatron_searchr1.rollout.loop import LoopSettings, run_rollout
 
         cfg, rt, r = self.cfg, self.rt, self.cfg.rollout
         self.sync_engine()
         self.wake_engine()
         # ranks of one vLLM TP group send the same prompts: split the rows over engine groups, not ranks
-        group, n_groups = rt.rank // r.engine_tp, rt.world // r.engine_tp
+        layout = EngineLayout(rt.world, cfg.parallel.tp, cfg.parallel.pp, r.engine_tp)
+        group, n_groups = layout.group_of(rt.rank), len(layout.groups)
         rows = rt.val_data[group::n_groups]
         settings = LoopSettings(max_turns=r.max_turns, max_tokens_per_turn=r.max_tokens_per_turn,
                                 max_response_length=r.max_response_length, max_obs_length=r.max_obs_length,
@@ -316,7 +320,7 @@ class Trainer:
                                 "length": len(tr.response_ids)})
         self.sleep_engine()
         parts: list = [None] * rt.world
-        dist.all_gather_object(parts, records if rt.rank % r.engine_tp == 0 else [])
+        dist.all_gather_object(parts, records if rt.rank == layout.groups[group][0] else [])
         records = [x for part in parts for x in part]
         report = summarize_eval(records)
         metrics = {f"val/{k}": v for k, v in report["metrics"].items()}
