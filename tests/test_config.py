@@ -59,3 +59,17 @@ def test_every_field_is_documented():
     assert len(lines) > 60
     undocumented = [line for line in lines if line.endswith(": ")]
     assert undocumented == [], undocumented
+
+
+def test_micro_batch_budget_must_hold_the_longest_trajectory():
+    """A trajectory of max_prompt_length + max_response_length tokens must fit one micro-batch (issue 20, bug 4):
+    plan_micro_batches raises on such a sequence, on one rank, hours into a run."""
+    from megatron_searchr1.megatron.batching import plan_micro_batches
+
+    over = ["data.max_prompt_length=512", "rollout.max_response_length=4096", "optim.max_tokens_per_micro_batch=4096"]
+    with pytest.raises(ConfigError, match=r"data.max_prompt_length \(512\) \+ rollout.max_response_length \(4096\)"
+                                          r".*optim.max_tokens_per_micro_batch \(4096\)"):
+        load_config(None, over).validate(check_files=False)
+    with pytest.raises(ValueError):  # what would have happened at run time
+        plan_micro_batches([512 + 4096], 4096)
+    load_config(None, over[:2] + ["optim.max_tokens_per_micro_batch=4608"]).validate(check_files=False)
