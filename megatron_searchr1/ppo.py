@@ -12,7 +12,8 @@ token-level quantity uses it (algo/__init__.py).
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections import Counter
+from typing import Optional, Sequence
 
 import torch
 
@@ -65,40 +66,88 @@ def score_trajectories(trajs: Sequence[Trajectory], tokenizer, cfg: AlgoConfig) 
     return out
 
 
+def dp_sum(group=None):
+    """An `algo.Reduce` over the ranks of `group` (the DP group): the float64 tensor summed over them.
+
+    On GPUs the tensor goes through the accelerator (Megatron's DP group is NCCL-only); on the CPU it stays there
+    (gloo). With one rank (or no process group) it is returned as is."""
+    import torch.distributed as dist
+
+    def reduce(t: torch.Tensor) -> torch.Tensor:
+        if not dist.is_initialized() or dist.get_world_size(group) == 1:
+            return t
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else t.device
+        out = t.to(device, copy=True)
+        dist.all_reduce(out, group=group)
+        return out.to(t.device)
+
+    return reduce
+
+
 def add_advantages(seqs: list[dict], scores: Sequence[float], group_ids: Sequence[str], cfg: AlgoConfig,
-                   kl_ctrl=None) -> dict[str, float]:
+                   kl_ctrl=None, reduce: Optional[algo.Reduce] = None) -> dict[str, float]:
     """Fill `advantages` and `returns` (per response token) into each sequence; returns metrics.
 
     Needs `old_log_probs` (and `ref_log_probs` for KL in the reward, `values` for GAE) already in the sequences.
-    A sequence with an all-zero loss mask gets its own group so it moves no other sequence's baseline.
+    A sequence with an all-zero loss mask (a failed search under rollout.drop_search_errors) gets its own group so
+    it moves no other sequence's baseline.
+
+    `reduce` sums over the DP ranks (`dp_sum(dp_group)`): GAE and REINFORCE++ whiten over the whole batch, and
+    the metrics are the whole batch's, the same keys and values on every rank. Every rank calls it the same
+    number of times whatever its data, so a rank whose trajectories were all dropped still takes part.
+    `train/dropped_trajectories` counts the batch's sequences without a loss token.
+
+    GRPO / RLOO, a sample left alone in its group (its siblings were dropped; rollout.n >= 2 is enforced, so that
+    is the only way): verl gives a group of one mean 0 and std 1 (RLOO: its own score), so its advantage would be
+    its raw score, +1 for a right answer and 0 for a wrong one, with no baseline, unlike every other sample's.
+    Here it gets advantage 0: with nothing to compare it with, it carries no signal (its tokens still take part
+    in the KL and entropy terms). `train/lone_samples` counts them.
     """
     lengths = [len(s["response_ids"]) for s in seqs]
     mask = pad_rows([s["loss_mask"] for s in seqs])                      # (B, T)
+    has_tokens = mask.bool().any(dim=-1)                                  # (B,)
     rewards = algo.outcome_token_rewards(list(scores), mask)              # (B, T)
     metrics: dict[str, float] = {}
+    kl_sum = 0.0
     if cfg.use_kl_in_reward:
         rewards, current_kl = algo.apply_kl_penalty(rewards, pad_rows([s["old_log_probs"] for s in seqs]),
                                                     pad_rows([s["ref_log_probs"] for s in seqs]), mask, kl_ctrl,
                                                     cfg.kl_penalty)
-        metrics.update({"actor/reward_kl_penalty": current_kl, "actor/reward_kl_coef": kl_ctrl.value})
-    index = [g if bool(mask[i].any()) else f"{g}#masked{i}" for i, g in enumerate(group_ids)]
+        kl_sum = current_kl * float(has_tokens.sum())  # current_kl: the mean over rows with tokens
+    index = [g if bool(has_tokens[i]) else f"{g}#masked{i}" for i, g in enumerate(group_ids)]
     est = cfg.adv_estimator
+    lone: list[int] = []
     if est == "gae":
         adv, ret = algo.compute_gae_advantage_return(rewards, pad_rows([s["values"] for s in seqs]), mask,
-                                                     cfg.gamma, cfg.lam)
-    elif est == "grpo":
-        adv, ret = algo.compute_grpo_outcome_advantage(rewards, mask, index,
-                                                       norm_adv_by_std_in_grpo=cfg.norm_adv_by_std_in_grpo)
-    elif est == "rloo":
-        adv, ret = algo.compute_rloo_outcome_advantage(rewards, mask, index)
+                                                     cfg.gamma, cfg.lam, reduce=reduce)
+    elif est in ("grpo", "rloo"):
+        if est == "grpo":
+            adv, _ = algo.compute_grpo_outcome_advantage(rewards, mask, index,
+                                                         norm_adv_by_std_in_grpo=cfg.norm_adv_by_std_in_grpo)
+        else:
+            adv, _ = algo.compute_rloo_outcome_advantage(rewards, mask, index)
+        size = Counter(index)
+        lone = [i for i, g in enumerate(index) if size[g] == 1 and bool(has_tokens[i])]
+        adv = adv.clone()
+        adv[lone] = 0.0
+        ret = adv
     else:
-        adv, ret = algo.compute_reinforce_plus_plus_outcome_advantage(rewards, mask, cfg.gamma)
+        adv, ret = algo.compute_reinforce_plus_plus_outcome_advantage(rewards, mask, cfg.gamma, reduce=reduce)
     for s, a, r, w in zip(seqs, unpad_rows(adv, lengths), unpad_rows(ret, lengths), unpad_rows(rewards, lengths)):
         s["advantages"], s["returns"], s["token_rewards"] = a, r, w
     m = mask.bool()
-    if m.any():
-        metrics.update({"actor/advantages_mean": float(adv[m].mean()), "actor/advantages_abs_mean": float(adv[m].abs().mean()),
-                        "critic/returns_mean": float(ret[m].mean())})
+    sums = torch.tensor([float(adv[m].sum()), float(adv[m].abs().sum()), float(ret[m].sum()), float(m.sum()),
+                         float((~has_tokens).sum()), float(len(lone)), kl_sum, float(has_tokens.sum())],
+                        dtype=torch.float64)
+    if reduce is not None:
+        sums = reduce(sums)
+    adv_sum, adv_abs, ret_sum, tokens, dropped, n_lone, kl_total, rows = sums.tolist()
+    metrics.update({"actor/advantages_mean": adv_sum / max(tokens, 1.0),
+                    "actor/advantages_abs_mean": adv_abs / max(tokens, 1.0),
+                    "critic/returns_mean": ret_sum / max(tokens, 1.0),
+                    "train/dropped_trajectories": dropped, "train/lone_samples": n_lone})
+    if cfg.use_kl_in_reward:
+        metrics.update({"actor/reward_kl_penalty": kl_total / max(rows, 1.0), "actor/reward_kl_coef": kl_ctrl.value})
     return metrics
 
 

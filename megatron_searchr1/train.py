@@ -111,6 +111,8 @@ class Trainer:
 
     def step(self) -> dict:
         """One RL step: DESIGN.md's seven steps."""
+        from megatron.core import parallel_state as mpu
+
         from megatron_searchr1 import ppo
         from megatron_searchr1.metrics import mean_over_ranks, timer
         from megatron_searchr1.workers.actor import compute_log_probs
@@ -145,11 +147,12 @@ class Trainer:
                     for s, v in zip(seqs, compute_values(rt.critic, seqs, max_tokens_per_micro_batch=budget)):
                         s["values"] = v
             # 6. advantages, critic update, actor update
+            # whitening and the advantage metrics over the whole batch (a sum over DP; every rank takes part,
+            # also one whose trajectories were all dropped)
             adv_metrics = ppo.add_advantages(seqs, [x["score"] for x in scores], [tr.uid for tr in trajs], a,
-                                             rt.kl_ctrl)
-            if a.use_kl_in_reward:  # one coefficient for all ranks: update from the DP-averaged KL
-                kl = mean_over_ranks({"kl": adv_metrics["actor/reward_kl_penalty"]})["kl"]
-                rt.kl_ctrl.update(kl, n_steps=cfg.data.train_batch_size * r.n)
+                                             rt.kl_ctrl, reduce=ppo.dp_sum(mpu.get_data_parallel_group()))
+            if a.use_kl_in_reward:  # one coefficient for all ranks: the KL is the whole batch's already
+                rt.kl_ctrl.update(adv_metrics["actor/reward_kl_penalty"], n_steps=cfg.data.train_batch_size * r.n)
             lr_used = rt.actor_opt.param_groups[0]["lr"]  # before update() steps the schedule
             with timer() as t_train:
                 update_metrics = self.update(seqs)

@@ -6,6 +6,7 @@ from megatron_searchr1 import algo, ppo
 from megatron_searchr1.config import AlgoConfig
 from megatron_searchr1.megatron.batching import make_micro_batches
 from megatron_searchr1.rollout.loop import Trajectory
+from tests.fake_dp import run_ranks
 
 
 def _traj(uid, gen, obs, finish="answer"):
@@ -117,3 +118,82 @@ def test_on_policy_loss_takes_its_own_log_probs_as_old_with_the_same_gradient():
     for s, lp in zip(seqs, new):
         s["old_log_probs"] = lp
     assert float(m_on["logprob_gap_engine"]) == pytest.approx(ppo.logprob_gap(seqs), abs=1e-6)
+
+
+# ---------------------------------------------------------------------------------------- issue 20: DP and failures
+def _batch(seed=0, n=8):
+    """n trajectories in groups of 2, random scores, values and old/ref log-probs."""
+    g = torch.Generator().manual_seed(seed)
+    trajs = [_traj(f"g{i // 2}", [5, 6, 7][: 1 + i % 3], [8] * (1 + i % 2)) for i in range(n)]
+    seqs = ppo.to_sequences(trajs)
+    for s in seqs:
+        R = len(s["response_ids"])
+        s.update(values=torch.randn(R, generator=g), old_log_probs=-torch.rand(R, generator=g),
+                 ref_log_probs=-torch.rand(R, generator=g))
+    scores = torch.rand(n, generator=g).tolist()
+    return trajs, seqs, scores
+
+
+def _clone(seqs):
+    return [{k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in s.items()} for s in seqs]
+
+
+@pytest.mark.parametrize("estimator", ["gae", "reinforce_plus_plus"])
+def test_dp2_whitened_advantages_equal_dp1_on_the_same_batch(estimator):
+    """GAE / REINFORCE++ whiten over the whole batch: two DP ranks holding halves (statistics summed over DP)
+    give the advantages one rank gets for the whole batch (issue 20, bug 3)."""
+    trajs, seqs, scores = _batch()
+    cfg = AlgoConfig(adv_estimator=estimator, use_kl_loss=False, use_kl_in_reward=True, gamma=0.9, lam=0.8)
+    kl = algo.FixedKLController(0.1)
+    whole = _clone(seqs)
+    m1 = ppo.add_advantages(whole, scores, [t.uid for t in trajs], cfg, kl)
+    halves = [_clone(seqs[:4]), _clone(seqs[4:])]
+    ms = run_ranks([lambda reduce, k=k: ppo.add_advantages(halves[k], scores[4 * k: 4 * k + 4],
+                                                          [t.uid for t in trajs[4 * k: 4 * k + 4]], cfg, kl,
+                                                          reduce=reduce) for k in range(2)])
+    for a, b in zip(whole, halves[0] + halves[1]):
+        torch.testing.assert_close(b["advantages"], a["advantages"], atol=1e-5, rtol=1e-5)
+    assert ms[0] == ms[1]  # every rank logs the same keys and values: the whole batch's
+    for key in ("actor/advantages_mean", "actor/advantages_abs_mean", "critic/returns_mean", "actor/reward_kl_penalty"):
+        assert ms[0][key] == pytest.approx(m1[key], abs=1e-6), key
+    # per-rank whitening (what main did) differs
+    alone = _clone(seqs[:4])
+    ppo.add_advantages(alone, scores[:4], [t.uid for t in trajs[:4]], cfg, kl)
+    assert not all(torch.allclose(x["advantages"], y["advantages"], atol=1e-3) for x, y in zip(alone, whole[:4]))
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "rloo", "gae", "reinforce_plus_plus"])
+def test_a_rank_whose_searches_all_failed_logs_the_same_keys_and_takes_part(estimator):
+    """Every trajectory of DP rank 1 ended search_error (dropped): no raise, the same metric keys on both ranks,
+    every reduction made by both (a skipped one would time out here), and the drop is counted (issue 20, bug 2)."""
+    trajs, seqs, scores = _batch()
+    for t in trajs[4:]:
+        t.finish_reason = "search_error"
+    seqs = ppo.to_sequences(trajs)
+    for s, src in zip(seqs, _batch()[1]):
+        s.update(values=src["values"], old_log_probs=src["old_log_probs"], ref_log_probs=src["ref_log_probs"])
+    cfg = AlgoConfig(adv_estimator=estimator)
+    halves = [seqs[:4], seqs[4:]]
+    ms = run_ranks([lambda reduce, k=k: ppo.add_advantages(halves[k], scores[4 * k: 4 * k + 4],
+                                                          [t.uid for t in trajs[4 * k: 4 * k + 4]], cfg,
+                                                          reduce=reduce) for k in range(2)], timeout=10)
+    assert sorted(ms[0]) == sorted(ms[1]) and ms[0] == ms[1]
+    assert ms[0]["train/dropped_trajectories"] == 4
+    assert all(torch.isfinite(torch.tensor(v)) for v in ms[0].values())
+    assert all(s["advantages"].abs().sum() == 0 for s in seqs[4:])
+
+
+def test_a_sample_left_alone_in_its_group_gets_no_advantage():
+    """GRPO / RLOO: the survivor of a group whose sibling's search failed has no baseline. verl would give it its
+    raw score (mean 0, std 1); here it gets 0 and is counted (issue 20, bug 8)."""
+    trajs = [_traj("a", [5, 6], [7]), _traj("a", [5, 6], [7], finish="search_error"),
+             _traj("b", [5], [7]), _traj("b", [5], [7])]
+    for est in ("grpo", "rloo"):
+        seqs = ppo.to_sequences(trajs)
+        m = ppo.add_advantages(seqs, [1.0, 0.0, 1.0, 0.0], [t.uid for t in trajs], AlgoConfig(adv_estimator=est))
+        assert seqs[0]["advantages"].abs().sum() == 0 and seqs[0]["returns"].abs().sum() == 0
+        assert seqs[2]["advantages"].abs().sum() > 0  # a full group still learns
+        assert m["train/lone_samples"] == 1 and m["train/dropped_trajectories"] == 1
+    # the pure estimator keeps verl's rule for a group of one (mean 0, std 1): the raw score
+    adv, _ = algo.compute_grpo_outcome_advantage(torch.tensor([[0.0, 1.0]]), torch.ones(1, 2), ["solo"])
+    assert adv[0, 1].item() == pytest.approx(1.0, abs=1e-5)

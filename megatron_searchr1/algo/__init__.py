@@ -8,7 +8,8 @@
 One rule runs through all of them: a token with loss mask 0 (retrieved ``<information>`` text, padding) is not
 an action, so it is excluded from every token-level quantity: policy loss, KL, entropy, value loss, GAE and
 return recursions (stepped over, not cut), and every normalisation statistic. Search-R1 applies the mask to the
-policy loss only. No config objects and no ``torch.distributed`` here: the trainer reduces across ranks.
+policy loss only. No config objects and no ``torch.distributed`` here: the trainer reduces across ranks (the
+whitening statistics take a ``reduce`` callable that sums over the DP ranks).
 """
 from megatron_searchr1.algo.advantages import (
     compute_gae_advantage_return, compute_grpo_outcome_advantage, compute_reinforce_plus_plus_outcome_advantage,
@@ -20,12 +21,12 @@ from megatron_searchr1.algo.kl import (
 from megatron_searchr1.algo.losses import (
     AGG_MODES, agg_loss, compute_entropy_loss, compute_policy_loss, compute_value_loss, entropy_from_logits,
 )
-from megatron_searchr1.algo.masked import masked_mean, masked_sum, masked_var, masked_whiten
+from megatron_searchr1.algo.masked import Reduce, masked_mean, masked_moments, masked_sum, masked_var, masked_whiten
 
 __all__ = [
     "compute_gae_advantage_return", "compute_grpo_outcome_advantage", "compute_rloo_outcome_advantage",
     "compute_reinforce_plus_plus_outcome_advantage", "outcome_token_rewards",
     "compute_policy_loss", "compute_value_loss", "agg_loss", "entropy_from_logits", "compute_entropy_loss",
     "AGG_MODES", "kl_penalty", "KL_ESTIMATORS", "FixedKLController", "AdaptiveKLController", "apply_kl_penalty",
-    "masked_mean", "masked_sum", "masked_var", "masked_whiten",
+    "masked_mean", "masked_sum", "masked_var", "masked_whiten", "masked_moments", "Reduce",
 ]

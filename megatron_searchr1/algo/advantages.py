@@ -15,11 +15,11 @@ position changes no output (the tests check it).
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
-from megatron_searchr1.algo.masked import masked_sum, masked_whiten
+from megatron_searchr1.algo.masked import Reduce, masked_sum, masked_whiten
 
 
 def _zero(x: torch.Tensor) -> torch.Tensor:
@@ -58,6 +58,7 @@ def compute_gae_advantage_return(
     response_mask: torch.Tensor,
     gamma: float,
     lam: float,
+    reduce: Optional[Reduce] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalised advantage estimation over the generated tokens; returns ``(advantages, returns)``, both (B, T).
 
@@ -68,7 +69,9 @@ def compute_gae_advantage_return(
         R_t     = A_t + V_t
 
     Retrieved tokens between t and t' are skipped: they neither earn reward nor pass on value. Advantages are then
-    whitened over the mask-1 tokens (as verl does for GAE); returns are not. Both are 0 at mask-0 positions.
+    whitened over the mask-1 tokens of the whole batch (as verl does for GAE); returns are not. Both are 0 at
+    mask-0 positions. Under data parallelism pass `reduce` (masked.Reduce: a sum over the DP ranks) so that the
+    whitening statistics are the whole batch's, not this rank's shard's.
 
     >>> r = torch.tensor([[0., 0., 9., 1.]]); v = torch.tensor([[.5, .2, 7., .4]]); m = torch.tensor([[1, 1, 0, 1]])
     >>> _, R = compute_gae_advantage_return(r, v, m, gamma=1.0, lam=1.0)
@@ -90,7 +93,7 @@ def compute_gae_advantage_return(
             next_value = torch.where(m, values[:, t], next_value)
             next_adv = torch.where(m, a, next_adv)
         returns = torch.where(mask, adv + values, _zero(adv))  # (B, T)
-        advantages = masked_whiten(adv, mask)  # (B, T)
+        advantages = masked_whiten(adv, mask, reduce=reduce)  # (B, T)
     return advantages, returns
 
 
@@ -174,10 +177,11 @@ def compute_reinforce_plus_plus_outcome_advantage(
     token_level_rewards: torch.Tensor,
     response_mask: torch.Tensor,
     gamma: float,
+    reduce: Optional[Reduce] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE++: the discounted return-to-go of each generated token, ``G_t = r_t + gamma * G_t'`` (t' the next
-    generated token), whitened over the whole batch's mask-1 tokens. Returns ``(advantages, returns)``, (B, T),
-    0 at mask-0 positions.
+    generated token), whitened over the whole batch's mask-1 tokens (`reduce`: see GAE). Returns
+    ``(advantages, returns)``, (B, T), 0 at mask-0 positions.
 
     verl resets the running return at every mask-0 token (meant for padding after EOS); with retrieved tokens in
     the middle of a response that would cut the reward off from every earlier turn, so here the recursion steps
@@ -198,5 +202,5 @@ def compute_reinforce_plus_plus_outcome_advantage(
             g = rewards[:, t] + gamma * running  # (B,)
             returns[:, t] = torch.where(m, g, _zero(g))
             running = torch.where(m, g, running)
-        advantages = masked_whiten(returns, mask)  # (B, T)
+        advantages = masked_whiten(returns, mask, reduce=reduce)  # (B, T)
     return advantages, returns

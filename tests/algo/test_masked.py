@@ -1,10 +1,11 @@
-"""Masked statistics: only selected entries count, NaNs at masked entries never leak, clear errors for too few."""
+"""Masked statistics: only selected entries count, NaNs at masked entries never leak, fewer than 2 entries defined."""
 import math
 
 import pytest
 import torch
 
 from megatron_searchr1.algo import masked_mean, masked_sum, masked_var, masked_whiten
+from tests.fake_dp import run_ranks
 
 V = torch.tensor([[1.0, 2.0, float("nan")], [4.0, float("inf"), 6.0]])
 M = torch.tensor([[1, 1, 0], [1, 0, 1]])
@@ -32,6 +33,23 @@ def test_masked_var_and_whiten():
     torch.testing.assert_close(kept[M.bool()], expected[M.bool()] + 3.25)
 
 
-def test_masked_var_needs_two_entries():
-    with pytest.raises(ValueError, match="at least 2 unmasked entries, got 1"):
-        masked_whiten(V, torch.tensor([[1, 0, 0], [0, 0, 0]]))
+def test_fewer_than_two_entries_are_defined_not_an_error():
+    """A DP rank whose every trajectory was dropped (all-zero mask) or a batch with one token must not raise: the
+    other ranks would wait for it in the next collective (issue 20, bug 2)."""
+    one, none = torch.tensor([[1, 0, 0], [0, 0, 0]]), torch.zeros(2, 3)
+    assert masked_var(V, one).item() == 0.0 and masked_var(V, none).item() == 0.0
+    assert masked_whiten(V, one).abs().sum() == 0 and masked_whiten(V, none).abs().sum() == 0
+    assert torch.isfinite(masked_whiten(V, one)).all()
+
+
+def test_whitening_over_shards_equals_whitening_the_whole_batch():
+    """DP=2 with the statistics all-reduced gives DP=1's whitening (issue 20, bug 3)."""
+    torch.manual_seed(0)
+    X, M = torch.randn(6, 5) * 3 + 1, (torch.rand(6, 5) > 0.3).int()
+    M[4:] = 0  # the second shard has one row without tokens: it still takes part in the reductions
+    whole = masked_whiten(X, M)
+    shards = [(X[:3], M[:3]), (X[3:], M[3:])]
+    out = run_ranks([lambda reduce, sh=sh: masked_whiten(*sh, reduce=reduce) for sh in shards])
+    torch.testing.assert_close(torch.cat(out), whole, atol=1e-5, rtol=1e-5)
+    # without the reduction each shard is whitened on its own statistics: not the whole batch's
+    assert not torch.allclose(torch.cat([masked_whiten(*shards[0]), masked_whiten(*shards[1])]), whole, atol=1e-3)
