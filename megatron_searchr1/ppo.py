@@ -152,10 +152,17 @@ def add_advantages(seqs: list[dict], scores: Sequence[float], group_ids: Sequenc
 
 
 def _weight(mb, mode: str) -> float:
-    """This micro-batch's share of the mini-batch loss (workers/schedule.py's contract)."""
+    """This micro-batch's share of the mini-batch loss (workers/schedule.py's contract).
+
+    token-mean: its share of the mini-batch's loss tokens. seq-mean-*: `agg_loss` averages over the rows of this
+    micro-batch that have a loss token, so the share is that row count over the mini-batch's rows (all DP ranks):
+    the sum of the micro-batches is then sum(per-row loss) / rows, whatever the packing, with rows that have no
+    loss token (dropped trajectories) counted in the denominator as verl counts them (its global_batch_size is
+    the mini-batch size)."""
     if mode == "token-mean":
         return mb.loss_token_weight
-    return mb.num_rows / max(mb.global_num_seqs, 1)
+    rows_with_tokens = int(mb["loss_mask"].bool().any(dim=-1).sum()) if "loss_mask" in mb else mb.num_rows
+    return rows_with_tokens / max(mb.global_num_seqs, 1)
 
 
 def actor_loss_fn(cfg: AlgoConfig, engine_gap: bool = False):

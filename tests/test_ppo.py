@@ -197,3 +197,40 @@ def test_a_sample_left_alone_in_its_group_gets_no_advantage():
     # the pure estimator keeps verl's rule for a group of one (mean 0, std 1): the raw score
     adv, _ = algo.compute_grpo_outcome_advantage(torch.tensor([[0.0, 1.0]]), torch.ones(1, 2), ["solo"])
     assert adv[0, 1].item() == pytest.approx(1.0, abs=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["seq-mean-token-mean", "seq-mean-token-sum"])
+def test_seq_mean_losses_do_not_depend_on_packing_with_fully_masked_rows(mode):
+    """A dropped trajectory (all-zero mask) must not change the weight of the rows packed with it (issue 20,
+    bug 5): one micro-batch and one row per micro-batch give the same mini-batch loss, sum(per row) / rows."""
+    torch.manual_seed(0)
+    trajs = [_traj("g", [5, 6, 7][: k % 3 + 1], [8] * (k + 1)) for k in range(4)]
+    trajs[1].finish_reason = "search_error"
+    seqs = ppo.to_sequences(trajs)
+    for s in seqs:
+        R = len(s["response_ids"])
+        s.update(old_log_probs=-torch.rand(R), ref_log_probs=-torch.rand(R), advantages=torch.randn(R),
+                 values=torch.randn(R), returns=torch.randn(R))
+    new = [-torch.rand(len(s["response_ids"])) for s in seqs]
+    cfg = AlgoConfig(loss_agg_mode=mode, kl_loss_coef=0.1)
+
+    def total(loss_fn, key, budget):
+        out = 0.0
+        for mb in _micro_batches(seqs, budget):
+            x = torch.zeros_like(mb["loss_mask"])
+            for row, i in enumerate(mb.indices):
+                x[row, : len(new[i])] = new[i]
+            out += float(loss_fn({key: x}, mb)[0])
+        return out
+
+    for loss_fn, key in ((ppo.actor_loss_fn(cfg), "log_probs"), (ppo.critic_loss_fn(cfg), "values")):
+        packed, one_each = total(loss_fn, key, 10_000), total(loss_fn, key, 16)
+        assert one_each == pytest.approx(packed, abs=1e-6), key
+    # and it is sum(per-row loss) / all 4 rows (verl's seq-mean over the mini-batch size): agg_loss over the 3 rows
+    # with tokens, times 3/4
+    mask = ppo.pad_rows([s["loss_mask"] for s in seqs])
+    old, ref, adv = (ppo.pad_rows([s[k] for s in seqs]) for k in ("old_log_probs", "ref_log_probs", "advantages"))
+    lp = ppo.pad_rows(new)
+    expected = float(algo.compute_policy_loss(old, lp, adv, mask, 0.2, loss_agg_mode=mode)[0]
+                     + 0.1 * algo.agg_loss(algo.kl_penalty(lp, ref, "low_var_kl"), mask, mode)) * 3 / 4
+    assert total(ppo.actor_loss_fn(cfg), "log_probs", 10_000) == pytest.approx(expected, abs=1e-6)
