@@ -19,7 +19,7 @@ import torch
 
 from megatron_searchr1 import algo
 from megatron_searchr1.config import AlgoConfig
-from megatron_searchr1.rollout.loop import Trajectory, response_text
+from megatron_searchr1.rollout.loop import Trajectory, generated_text
 
 
 def pad_rows(rows: Sequence[torch.Tensor], value: float = 0.0) -> torch.Tensor:
@@ -51,12 +51,14 @@ def to_sequences(trajs: Sequence[Trajectory], drop_search_errors: bool = True) -
 def score_trajectories(trajs: Sequence[Trajectory], tokenizer, cfg: AlgoConfig) -> list[dict]:
     """Per trajectory: `score` (the training reward: cfg.reward with cfg.format_score) plus em / subem / f1 for logs.
 
-    The response alone is scored (the prompt's example answer never counts)."""
+    Only what the model generated is scored (`generated_text`: loss-mask-1 tokens): not the prompt's example
+    answer, not the retrieved documents, not the invalid-action feedback (it spells out ``<answer> and
+    </answer>``)."""
     from megatron_searchr1.reward import compute_score
 
     out = []
     for t in trajs:
-        text = response_text(tokenizer, t)
+        text = generated_text(tokenizer, t)
         source, truth = t.meta["data_source"], t.meta["ground_truth"]
         kw = {"format_score": cfg.format_score} if cfg.reward in ("em", "subem") else {}
         out.append({"score": float(compute_score(source, text, truth, kind=cfg.reward, **kw)),

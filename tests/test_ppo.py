@@ -234,3 +234,37 @@ def test_seq_mean_losses_do_not_depend_on_packing_with_fully_masked_rows(mode):
     expected = float(algo.compute_policy_loss(old, lp, adv, mask, 0.2, loss_agg_mode=mode)[0]
                      + 0.1 * algo.agg_loss(algo.kl_penalty(lp, ref, "low_var_kl"), mask, mode)) * 3 / 4
     assert total(ppo.actor_loss_fn(cfg), "log_probs", 10_000) == pytest.approx(expected, abs=1e-6)
+
+
+class _CharTok:
+    """Token id = character code: enough to decode a trajectory's text."""
+
+    def encode(self, text, add_special_tokens=False):
+        return [ord(c) for c in text]
+
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join(chr(i) for i in ids)
+
+
+def test_the_reward_reads_only_what_the_model_generated():
+    """Invalid-action feedback (mask 0) spells out `<answer> and </answer>`: a trajectory that never answered must
+    not earn format_score for the 'answer' "and" (issue 20, bug 7); a real answer still scores."""
+    from megatron_searchr1.data.prompts import INVALID_ACTION_FEEDBACK
+    from megatron_searchr1.rollout.loop import generated_text
+
+    tok = _CharTok()
+    never = Trajectory(prompt_ids=[1], meta={"data_source": "nq", "ground_truth": {"target": ["Paris"]}})
+    never.extend(tok.encode("<think> hmm </think>"), 1, [-0.1] * 20)
+    never.extend(tok.encode(INVALID_ACTION_FEEDBACK), 0)
+    never.extend(tok.encode("<think> still thinking"), 1, [-0.1] * 22)
+    never.finish("invalid")
+    answered = Trajectory(prompt_ids=[1], meta=dict(never.meta))
+    answered.extend(tok.encode("<think> x </think>"), 1, [-0.1] * 18)
+    answered.extend(tok.encode(INVALID_ACTION_FEEDBACK), 0)
+    answered.extend(tok.encode("<answer> Lyon </answer>"), 1, [-0.1] * 23)
+    answered.finish("answer")
+    assert "<answer>" not in generated_text(tok, never)
+    assert generated_text(tok, answered) == "<think> x </think><answer> Lyon </answer>"
+    scores = ppo.score_trajectories([never, answered], tok, AlgoConfig(format_score=0.2))
+    assert scores[0]["score"] == 0.0  # no answer: not even the format score
+    assert scores[1]["score"] == pytest.approx(0.2)  # answered, wrongly: the format score

@@ -283,3 +283,19 @@ def _turns(engine: Engine, tokenizer, search: Searcher, trajs: list[Trajectory],
 def response_text(tokenizer, t: Trajectory) -> str:
     """The whole response as text (for the reward and for printing; never tokenized again)."""
     return tokenizer.decode(t.response_ids, skip_special_tokens=False)
+
+
+def generated_text(tokenizer, t: Trajectory) -> str:
+    """What the model wrote: the loss-mask-1 runs (its turns), each decoded on its own, joined in order. The
+    reward reads this: observations and the invalid-action feedback are not the model's words (the feedback
+    itself spells out ``<answer> and </answer>``, which would read as an answer of a trajectory that never gave
+    one).
+    """
+    runs, start = [], None
+    for i, m in enumerate(list(t.loss_mask) + [0]):
+        if m and start is None:
+            start = i
+        elif not m and start is not None:
+            runs.append(tokenizer.decode(t.response_ids[start:i], skip_special_tokens=False))
+            start = None
+    return "".join(runs)
