@@ -292,7 +292,7 @@ class OptimConfig:
     max_tokens_per_micro_batch: int = 8192
     """Token budget of one training / log-prob micro-batch (padded tokens; sequences are length-sorted)."""
     critic_warmup: int = 0
-    """Steps that train only the critic before the actor starts updating."""
+    """The actor updates from step critic_warmup on (verl's rule): steps 1 .. critic_warmup-1 train only the critic."""
 
     def __post_init__(self):
         self.betas = tuple(float(b) for b in self.betas)

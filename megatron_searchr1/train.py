@@ -203,7 +203,7 @@ class Trainer:
         if rt.critic is not None:
             run(rt.critic, rt.critic_opt, ppo.critic_loss_fn(a), "critic")
             rt.critic_sched.step(1)
-        if self.step_no > o.critic_warmup:
+        if self.step_no >= o.critic_warmup:  # verl: the actor updates once critic_warmup <= step (steps from 1)
             run(rt.actor, rt.actor_opt, ppo.actor_loss_fn(a, engine_gap=cfg.rollout.temperature == 1.0), "actor",
                 temperature=cfg.rollout.temperature, with_entropy=True)
             rt.actor_sched.step(1)

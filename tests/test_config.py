@@ -73,3 +73,15 @@ def test_micro_batch_budget_must_hold_the_longest_trajectory():
     with pytest.raises(ValueError):  # what would have happened at run time
         plan_micro_batches([512 + 4096], 4096)
     load_config(None, over[:2] + ["optim.max_tokens_per_micro_batch=4608"]).validate(check_files=False)
+
+
+@pytest.mark.parametrize("recipe", ["grpo_qwen2.5-3b", "grpo_qwen2.5-7b", "ppo_qwen2.5-3b", "ppo_qwen2.5-7b"])
+def test_search_r1_recipes_keep_its_entropy_bonus(recipe):
+    """Search-R1 trains with verl's default entropy_coeff 0.001 (its scripts do not override it)."""
+    import os
+
+    from tests.dist_utils import REPO
+
+    cfg = load_config(os.path.join(REPO, "examples", f"{recipe}.yaml"))
+    assert cfg.algo.entropy_coeff == 0.001
+    cfg.validate(world_size=8, check_files=False)

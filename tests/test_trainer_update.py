@@ -1,0 +1,42 @@
+"""Trainer.update's schedule of critic and actor updates, with the Megatron step replaced by a recorder."""
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from megatron_searchr1.config import load_config
+from megatron_searchr1.train import Trainer
+
+
+class _Sched:
+    def __init__(self):
+        self.steps = 0
+
+    def step(self, n):
+        self.steps += n
+
+
+@pytest.mark.parametrize("warmup, actor_steps", [(0, [1, 2, 3]), (1, [1, 2, 3]), (2, [2, 3]), (3, [3])])
+def test_critic_warmup_matches_verl(monkeypatch, warmup, actor_steps):
+    """verl (ray_trainer.fit, global_steps from 1) updates the actor when critic_warmup <= global_steps: warmup k
+    gives k - 1 critic-only steps; the critic trains every step (issue 20, bug 8)."""
+    import megatron_searchr1.workers.schedule as schedule
+
+    calls = []
+    monkeypatch.setattr(schedule, "train_step", lambda model, *a, **kw: calls.append(model) or {"loss": 0.0})
+    trainer = Trainer.__new__(Trainer)
+    trainer.cfg = load_config(None, ["algo.adv_estimator=gae", f"optim.critic_warmup={warmup}",
+                                     "data.train_batch_size=2", "algo.ppo_mini_batch_size=2"])
+    trainer.rt = SimpleNamespace(actor="actor", actor_opt=None, actor_sched=_Sched(), critic="critic",
+                                 critic_opt=None, critic_sched=_Sched())
+    seqs = [{"prompt_ids": [1, 2], "response_ids": [3, 4], "loss_mask": torch.ones(2)} for _ in range(2)]
+    updated = []
+    for step in (1, 2, 3):
+        trainer.step_no = step
+        calls.clear()
+        trainer.update(seqs)
+        assert "critic" in calls
+        if "actor" in calls:
+            updated.append(step)
+    assert updated == actor_steps
+    assert trainer.rt.actor_sched.steps == len(actor_steps) and trainer.rt.critic_sched.steps == 3
