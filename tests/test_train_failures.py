@@ -6,6 +6,7 @@ raised in masked_var on rank 1 while rank 0 waited in the next collective.
 """
 import json
 import os
+import re
 
 import pytest
 
@@ -30,3 +31,6 @@ def test_one_rank_whose_searches_all_fail_completes_the_step(estimator, world, t
         assert key in metrics and metrics[key] == metrics[key], key  # present and not NaN
     if estimator == "gae":
         assert "critic/vf_loss" in metrics
+    # the two DP ranks sampled with different seeds (issue 20, bug 6: on main both used the step's seed)
+    seeds = dict(re.findall(r"SEEDS dp_rank=(\d) (\[.*\])", log))
+    assert set(seeds) == {"0", "1"} and seeds["0"] != seeds["1"], seeds

@@ -4,7 +4,8 @@
 
 The engine is the `hf` one with its generate replaced by a script (search, then answer after the observation)
 so every trajectory searches; the retrieval client is replaced by one that fails on DP rank 1 only. A rank that
-skipped a collective would leave the other waiting: the process group's timeout is 2 minutes here.
+skipped a collective would leave the other waiting: the process group's timeout is 2 minutes here. Each rank
+also prints the sampling seeds its rollout used (they must differ between DP ranks).
 """
 import json
 import sys
@@ -30,7 +31,10 @@ def main(estimator: str, model_dir: str, train_file: str, out: str) -> None:
     rt = trainer.rt
     tok = rt.tokenizer
 
+    seeds = set()
+
     def scripted(prompts, params, **_):
+        seeds.add(params.seed)
         outs = []
         for ids in prompts:
             observed = "</information>" in tok.decode(ids[-8:])  # the prompt itself names the tags too
@@ -44,6 +48,7 @@ def main(estimator: str, model_dir: str, train_file: str, out: str) -> None:
     rt.client.search = lambda queries: [("Search failed: injected" if failing else 'Doc 1(Title: "X") x\n')
                                         for _ in queries]
     metrics = trainer.step()
+    print(f"SEEDS dp_rank={rt.dp_rank} {sorted(seeds)}", flush=True)  # Trainer.rollout's sampling seeds per turn
     if rt.rank == 0:
         print("METRICS " + json.dumps(metrics), flush=True)
     trainer.close()
