@@ -53,3 +53,14 @@ def test_whitening_over_shards_equals_whitening_the_whole_batch():
     torch.testing.assert_close(torch.cat(out), whole, atol=1e-5, rtol=1e-5)
     # without the reduction each shard is whitened on its own statistics: not the whole batch's
     assert not torch.allclose(torch.cat([masked_whiten(*shards[0]), masked_whiten(*shards[1])]), whole, atol=1e-3)
+
+
+@pytest.mark.slow
+def test_gae_whitening_over_two_gloo_ranks_equals_one_rank():
+    """The same check with a real all-reduce (ppo.dp_sum over gloo) through GAE (issue 20, bug 3)."""
+    import os
+
+    from tests.dist_utils import run_torchrun
+
+    out = run_torchrun(os.path.join(os.path.dirname(__file__), "whiten_dp_script.py"), 2, timeout=300)
+    assert "WHITEN_DP_OK" in out
