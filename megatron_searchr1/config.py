@@ -191,10 +191,13 @@ class RetrievalConfig:
     """Start a server per node from the trainer (rank 0 of each node) instead of using `url`."""
     server_args: list[str] = field(default_factory=list)
     """Arguments for the launched server, e.g. ["--index-dir", "data/synthetic/index_bm25"]."""
+    launch_timeout: float = 900.0
+    """Seconds the launched server may take to load its index (wiki-18's 65 GB e5_Flat.index takes minutes)."""
 
     def __post_init__(self):
         _check(self.topk >= 1, f"retrieval.topk must be >= 1, got {self.topk}")
         _check(self.timeout > 0, "retrieval.timeout must be > 0")
+        _check(self.launch_timeout > 0, f"retrieval.launch_timeout must be > 0, got {self.launch_timeout}")
         _check(not self.launch or bool(self.server_args),
                "retrieval.launch=true needs retrieval.server_args (e.g. ['--index-dir', 'DIR'])")
 
@@ -381,6 +384,11 @@ class Config:
                f"({r.max_response_length}) = {d.max_prompt_length + r.max_response_length} tokens must fit in "
                f"optim.max_tokens_per_micro_batch ({self.optim.max_tokens_per_micro_batch}): raise the budget or "
                "lower the lengths")
+        if self.retrieval.launch:  # the other ranks wait for the server's URL in a collective bounded by this
+            _check(self.retrieval.launch_timeout < p.timeout_minutes * 60,
+                   f"retrieval.launch_timeout ({self.retrieval.launch_timeout:g}s) must be shorter than "
+                   f"parallel.timeout_minutes ({p.timeout_minutes} min), which the other ranks wait for the "
+                   "server's URL under: raise parallel.timeout_minutes")
         _check(d.train_batch_size % a.ppo_mini_batch_size == 0,
                f"data.train_batch_size={d.train_batch_size} must be a multiple of algo.ppo_mini_batch_size="
                f"{a.ppo_mini_batch_size}")

@@ -104,7 +104,8 @@ def _launch_server(cfg: Config):
 
     server, url = None, None
     if int(os.environ.get("LOCAL_RANK", "0")) == 0:
-        server = ServerProcess(list(cfg.retrieval.server_args)).start()
+        server = ServerProcess(list(cfg.retrieval.server_args), start_timeout=cfg.retrieval.launch_timeout,
+                               timeout_hint="raise retrieval.launch_timeout").start()
         url = server.url
     urls = [None] * dist.get_world_size()
     dist.all_gather_object(urls, (socket.gethostname(), url))

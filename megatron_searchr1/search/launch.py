@@ -8,6 +8,16 @@ The child is `python -m megatron_searchr1.search.server --port 0 ...`: it picks 
 Stopping sends SIGINT (uvicorn shuts down gracefully) and kills it if it does not exit in time.
 A reader thread drains the child's output for its whole life: a pipe nobody reads fills after ~64 KB of log
 lines and then blocks the server on its next write. The last lines are kept in `output` for error messages.
+
+Threads: torchrun sets OMP_NUM_THREADS=1 for its workers, and a server started from a trainer rank would inherit it.
+The server sets torch's and faiss's thread counts itself (--torch-threads, default every core), but OpenMP reads
+OMP_NUM_THREADS once per thread it did not start: faiss searches on the server's worker thread, whose OpenMP
+default stays the inherited 1 whatever the main thread set (libgomp keeps omp_set_num_threads per thread). So the
+child gets OMP_NUM_THREADS = its --torch-threads budget when the arguments give one, else every core this process
+may use; `env={"OMP_NUM_THREADS": ...}` overrides both.
+
+Start time: reading wiki-18's e5_Flat.index (21M x 768 float32 = 65 GB) into RAM takes minutes (~2 at 500 MB/s from
+a local SSD, ~10 at 110 MB/s from network storage), so the default wait is 15 minutes (DEFAULT_START_TIMEOUT).
 """
 from __future__ import annotations
 
@@ -22,14 +32,40 @@ import time
 
 _READY = "listening on http://"
 
+DEFAULT_START_TIMEOUT = 900.0
+"""Seconds to wait for "listening on": wiki-18's 65 GB e5_Flat.index read at >= ~75 MB/s, and well under the
+default collective timeout (parallel.timeout_minutes = 30) the other ranks wait in for the server's URL."""
+
+
+def server_threads(args: list[str]) -> int:
+    """The CPU threads the server will use: its --torch-threads value (0 or absent = every core we may use)."""
+    from megatron_searchr1.search.encoder import available_cores
+
+    n = 0
+    for i, a in enumerate(args):
+        if a == "--torch-threads" and i + 1 < len(args):
+            n = int(args[i + 1])
+        elif a.startswith("--torch-threads="):
+            n = int(a.split("=", 1)[1])
+    return n if n > 0 else available_cores()
+
+
+def server_env(args: list[str], env: dict | None = None, base: dict | None = None) -> dict:
+    """The child's environment: `base` (default os.environ) with OMP_NUM_THREADS = server_threads(args), never the
+    1 torchrun gives its workers; then `env` on top (a caller's explicit OMP_NUM_THREADS wins)."""
+    base = dict(os.environ if base is None else base)
+    return {**base, "OMP_NUM_THREADS": str(server_threads(args)), "PYTHONUNBUFFERED": "1", **(env or {})}
+
 
 class ServerProcess:
     """A retrieval server child process; `url` is its base URL once `start()` (or `with`) returns."""
 
-    def __init__(self, args: list[str], env: dict | None = None, start_timeout: float = 180.0):
+    def __init__(self, args: list[str], env: dict | None = None, start_timeout: float = DEFAULT_START_TIMEOUT,
+                 timeout_hint: str = "pass a larger start_timeout"):
+        """timeout_hint: what the error says to do when start_timeout passes (the trainer names its config field)."""
         self.args = list(args)
-        # One OpenMP thread unless the caller's environment says otherwise: the server shares cores with training.
-        self.env = {"OMP_NUM_THREADS": "1", **os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.env = server_env(self.args, env)
+        self.timeout_hint = timeout_hint
         self.start_timeout = start_timeout
         self.proc: subprocess.Popen | None = None
         self.url: str | None = None
@@ -44,20 +80,26 @@ class ServerProcess:
         self._reader = threading.Thread(target=self._drain, name="retrieval-server-output", daemon=True)
         self._reader.start()
         deadline = time.time() + self.start_timeout
+        exited = False
         while True:
             try:
                 line = self._lines.get(timeout=max(0.0, deadline - time.time()))
             except queue.Empty:
                 break  # start_timeout passed
             if line is None:  # the child exited before it was ready
+                exited = True
                 break
             if _READY in line:
                 self.url = line.split("listening on ")[1].split()[0]
                 return self
         self.proc.kill()
-        self.proc.wait()
-        raise RuntimeError(f"retrieval server did not start within {self.start_timeout:.0f}s "
-                           f"({' '.join(cmd)}):\n{''.join(self.output)}")
+        code = self.proc.wait()
+        if exited:
+            why = f"it exited with code {code} before it was ready"
+        else:
+            why = (f"it was still loading after {self.start_timeout:g}s (a large index, e.g. wiki-18's 65 GB "
+                   f"e5_Flat.index, can take minutes to read): {self.timeout_hint}")
+        raise RuntimeError(f"retrieval server did not start: {why} ({' '.join(cmd)}):\n{''.join(self.output)}")
 
     def _drain(self) -> None:
         for line in self.proc.stdout:
