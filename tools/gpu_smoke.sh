@@ -1,0 +1,149 @@
+#!/usr/bin/env bash
+# bash tools/gpu_smoke.sh --wheels .whl                  # one CUDA GPU: NCCL + bf16
+# bash tools/gpu_smoke.sh --cpu-dry-run --engine hf      # the same phases on CPUs (gloo, fp32): tests/tools/test_gpu_smoke.py
+#
+# The first thing to run on a GPU: every path of the trainer that a CPU never takes (NCCL collectives, bf16, CUDA
+# memory, the Transformer Engine spec where it imports), at toy size, in about two minutes. Phases, each run to
+# the end even when an earlier one failed, each printing one line
+#     PHASE name: pass|fail (peak GPU memory X GiB, N s)
+# (peak = GPU 0's used memory, sampled every 0.2 s by NVML, CUDA contexts included; n/a in a dry run):
+#   prepare  the synthetic world, a retrieval server over it, gold SFT trajectories, a random tiny Qwen2;
+#   sft      3 SFT steps (torchrun, 1 process) -> Megatron checkpoint + HF export;
+#   grpo     2 GRPO steps from that checkpoint: rollouts (vLLM if it imports, else the hf engine), weight sync,
+#            log-probs, the update;
+#   convert  HF -> Megatron -> HF of the tiny model; the tensors must come back identical.
+# Exit status: 0 when every phase passed, else 1. Logs: <work-dir>/<phase>.log.
+#
+# Flags: --wheels DIR (pip install --no-index, into <work-dir>/site, each wheel whose distribution is not installed),
+# --work-dir DIR (default /tmp/gpu_smoke; new, empty, or an earlier run's, which is emptied), --engine auto|hf|vllm (auto: vllm when it imports),
+# --cpu-dry-run (gloo, fp32, no GPU used even when one is there), --timeout-scale F (multiplies each phase's limit).
+#
+# The GPU machine this was written for (one H200, Python 3.12, torch 2.11+cu130, no internet) lacks these; download
+# them here into .whl (git-ignored) and carry it (`run` with carry [".whl"]), about 6 MB in all:
+#   megatron-core==0.16.1 (cp312 manylinux_2_28, 2.6 MB), pydantic_core==2.46.4 (cp312 manylinux2014, 2.1 MB),
+#   PyStemmer==3.1.0 (cp312 manylinux_2_28, 0.75 MB), pydantic==2.13.4 (0.47 MB), fastapi==0.136.3 (0.12 MB),
+#   uvicorn==0.54.0 (0.09 MB), starlette==1.10.0 (0.08 MB), bm25s==0.3.16 (0.08 MB), typing-inspection==0.4.2,
+#   annotated-types==0.7.0 (0.01 MB each). Their other needs (scipy, anyio, h11, click, typing-extensions,
+#   annotated-doc, packaging, numpy) are on that machine already. The download line:
+#     python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#       --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+#       --platform manylinux1_x86_64 -d .whl megatron-core==0.16.1 pydantic_core==2.46.4 PyStemmer==3.1.0 \
+#       pydantic==2.13.4 fastapi==0.136.3 uvicorn==0.54.0 starlette==1.10.0 bm25s==0.3.16 typing-inspection==0.4.2 \
+#       annotated-types==0.7.0
+# Not carried: vLLM (~400 MB) and Transformer Engine (hundreds of MB) do not fit a 64 MiB call, so there the GRPO
+# phase runs the hf engine and the local spec; without bm25s/fastapi the retriever is a word-overlap server on the
+# standard library (tools/gpu_smoke_helper.py), enough for a smoke test of the trainer.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+WHEELS="" WORK=/tmp/gpu_smoke ENGINE=auto DRY=0 SCALE=1
+while [[ $# -gt 0 ]]; do
+    case "$1" in
+        --wheels) WHEELS="$2"; shift 2 ;;
+        --work-dir) WORK="$2"; shift 2 ;;
+        --engine) ENGINE="$2"; shift 2 ;;
+        --cpu-dry-run) DRY=1; shift ;;
+        --timeout-scale) SCALE="$2"; shift 2 ;;
+        -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
+        *) echo "gpu_smoke.sh: error: unknown argument $1 (see --help)" >&2; exit 2 ;;
+    esac
+done
+case "$ENGINE" in auto|hf|vllm) ;; *) echo "gpu_smoke.sh: error: --engine must be auto, hf or vllm" >&2; exit 2 ;; esac
+PY="${PYTHON:-python3}"
+# a work dir this script made before is emptied; any other must be new or empty (never delete a user's files)
+if [[ -d "$WORK" && -n "$(ls -A "$WORK")" && ! -f "$WORK/.gpu_smoke" ]]; then
+    echo "gpu_smoke.sh: error: --work-dir $WORK is not empty and not an earlier smoke run's: pass a new one" >&2
+    exit 2
+fi
+WORK="$(mkdir -p "$WORK" && cd "$WORK" && pwd)"
+find "$WORK" -mindepth 1 -delete
+touch "$WORK/.gpu_smoke"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 \
+       TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
+
+if [[ -n "$WHEELS" ]]; then
+    # only what is missing: a wheel of an installed distribution stays out (two versions of one package break both)
+    missing=()
+    for whl in "$WHEELS"/*.whl; do
+        dist="$(basename "$whl" | cut -d- -f1)"
+        "$PY" -m pip show -q "$dist" >/dev/null 2>&1 || missing+=("$whl")
+    done
+    if [[ ${#missing[@]} -gt 0 ]]; then
+        echo "gpu_smoke: installing ${#missing[@]} wheels into $WORK/site: $(printf '%s ' "${missing[@]##*/}")"
+        "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$WORK/site" "${missing[@]}" \
+            || { echo "gpu_smoke.sh: error: pip could not install the wheels in $WHEELS" >&2; exit 1; }
+        export PYTHONPATH="$PYTHONPATH:$WORK/site"
+    fi
+fi
+
+imports() { "$PY" -c "import $1" >/dev/null 2>&1; }
+if [[ $DRY == 1 ]]; then
+    # CPU on purpose, even on a GPU machine: no device visible, and the trainer told so (megatron/initialize.py)
+    export CUDA_VISIBLE_DEVICES="" MEGATRON_SEARCHR1_DEVICE=cpu OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+    DTYPE=float32 USE_TE=false GPU_FLAG=()
+else
+    if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+        echo "gpu_smoke.sh: error: torch sees no CUDA GPU: run it on one, or pass --cpu-dry-run" >&2
+        exit 2
+    fi
+    DTYPE=bfloat16 GPU_FLAG=(--gpu)
+    # the Transformer Engine spec when TE imports, else Megatron's local spec
+    if imports transformer_engine.pytorch; then USE_TE=true; else USE_TE=false; fi
+fi
+if [[ $ENGINE == auto ]]; then
+    if imports vllm; then ENGINE=vllm; else ENGINE=hf; fi
+fi
+echo "gpu_smoke: $([[ $DRY == 1 ]] && echo 'CPU dry run (gloo, fp32)' || echo 'GPU (NCCL, bf16)'), engine $ENGINE," \
+     "model.use_te=$USE_TE, work dir $WORK"
+
+limit() { "$PY" -c "print(int($1 * $SCALE))"; }
+phase() {  # phase NAME LIMIT_S CMD...: one PHASE line; the status is remembered, the script goes on
+    local name="$1" lim; lim="$(limit "$2")"; shift 2
+    "$PY" tools/gpu_smoke_helper.py phase "$name" --log "$WORK/$name.log" --timeout "$lim" "${GPU_FLAG[@]}" -- "$@" \
+        || FAILED+=("$name")
+}
+TORCHRUN1=("$PY" -m torch.distributed.run --standalone --nproc_per_node 1)
+FAILED=()
+
+# The retriever lives for the whole run, in the background; it writes the world first, then its URL.
+"$PY" tools/gpu_smoke_helper.py serve --work-dir "$WORK" --url-file "$WORK/url" >"$WORK/server.log" 2>&1 &
+SERVER=$!
+trap 'kill $SERVER 2>/dev/null; wait $SERVER 2>/dev/null' EXIT
+wait_url() {
+    for _ in $(seq 120); do [[ -s "$WORK/url" ]] && return 0; kill -0 $SERVER 2>/dev/null || break; sleep 1; done
+    echo "the retrieval server did not start:"; cat "$WORK/server.log"; return 1
+}
+prepare() { wait_url && cat "$WORK/server.log" && "$PY" tools/gpu_smoke_helper.py prepare --work-dir "$WORK" --url "$(cat "$WORK/url")"; }
+export -f wait_url prepare
+export WORK SERVER PY
+phase prepare 180 bash -c prepare
+URL="$(cat "$WORK/url" 2>/dev/null || echo http://127.0.0.1:9)"
+
+W="$WORK/world" M="$WORK/tiny_model"
+SFT=("${TORCHRUN1[@]}" -m megatron_searchr1.sft examples/sft_tiny_cpu.yaml
+    "model.path=$M" "model.dtype=$DTYPE" "model.use_te=$USE_TE" "data.dataset_dir=$W/sft"
+    "data.datasets=[synthetic_sft_train]" "data.batch_size=4" "trainer.total_steps=3" "trainer.output_dir=$WORK/sft")
+phase sft 180 bash -c "$(printf '%q ' "${SFT[@]}") && '$PY' tools/gpu_smoke_helper.py steps '$WORK/sft/metrics.jsonl' \
+    --steps 3 --prefix sft"
+
+# A 3-step SFT model earns no reward, so every GRPO advantage is 0: the entropy bonus gives each update a gradient
+# (checked > 0 below) and the KL loss runs the reference model, so the step does all its work.
+GRPO=("${TORCHRUN1[@]}" -m megatron_searchr1.train examples/grpo_tiny_cpu.yaml
+    "model.path=$M" "model.megatron_ckpt=$WORK/sft" "model.dtype=$DTYPE" "model.use_te=$USE_TE"
+    "parallel.tp=1" "rollout.engine=$ENGINE" "retrieval.url=$URL"
+    "data.train_files=[$W/train.parquet]" "data.val_files=[$W/validation.parquet]" "data.val_max_samples=8"
+    "data.train_batch_size=2" "algo.ppo_mini_batch_size=2" "rollout.n=2" "rollout.max_turns=2"
+    "algo.use_kl_loss=true" "algo.entropy_coeff=0.001"
+    "trainer.total_steps=2" "trainer.val_before_train=false" "trainer.test_freq=0" "trainer.output_dir=$WORK/grpo")
+phase grpo 300 bash -c "$(printf '%q ' "${GRPO[@]}") && '$PY' tools/gpu_smoke_helper.py steps '$WORK/grpo/metrics.jsonl' \
+    --steps 2 --prefix actor"
+
+phase convert 180 bash -c "'$PY' checkpoints_convert/hf_to_megatron.py --hf-dir '$M' --out-dir '$WORK/mcore' \
+    && '$PY' checkpoints_convert/megatron_to_hf.py --ckpt-dir '$WORK/mcore' --out-dir '$WORK/hf_back' \
+    && '$PY' tools/gpu_smoke_helper.py compare '$M' '$WORK/hf_back'"
+
+if [[ ${#FAILED[@]} -gt 0 ]]; then
+    echo "gpu_smoke: FAILED: ${FAILED[*]} (logs in $WORK)"
+    exit 1
+fi
+echo "gpu_smoke: all phases passed (logs in $WORK)"

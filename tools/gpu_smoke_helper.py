@@ -1,0 +1,283 @@
+# python tools/gpu_smoke_helper.py phase NAME --log FILE [--gpu] [--timeout S] -- CMD ...   (tools/gpu_smoke.sh runs it)
+"""The pieces of tools/gpu_smoke.sh that are easier in Python than in bash.
+
+  phase    run one phase's command (its output to a log file), watch the GPU's used memory meanwhile, and print
+           `PHASE name: pass|fail (peak GPU memory X GiB, N s)`; a failure also prints the log's last lines;
+  serve    write the synthetic world and serve retrieval over it until SIGTERM: the real server over a BM25 index
+           when bm25s, PyStemmer, fastapi and uvicorn import, else a word-overlap server on the standard library
+           (the smoke check tests the trainer's GPU path, not retrieval quality; the GPU machine lacks those
+           packages unless their wheels come along). Either one speaks Search-R1's POST /retrieve;
+  prepare  the gold SFT trajectories (through the running server) and the random tiny model;
+  compare  two Hugging Face directories hold the same tensors (the conversion round trip);
+  steps    a run's metrics.jsonl has N steps whose loss is finite and whose gradient norm is finite and > 0 (an
+           exit code of 0 alone would also pass a run whose update silently did nothing).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter, defaultdict
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GIB = 1024 ** 3
+WORLD_ARGS = ["--template", "short", "--seed", "0", "--n-train", "200", "--n-validation", "20", "--n-test", "20"]
+TINY_MODEL = ["--hidden-size", "128", "--intermediate-size", "256", "--num-layers", "2", "--num-heads", "4",
+              "--num-kv-heads", "2", "--vocab-size", "1000", "--tie-embeddings"]  # head_dim 32, as the tests' model
+
+
+# ------------------------------------------------------------------------------------------------ phase
+def _gpu_used_bytes():
+    """A function returning GPU 0's used memory in bytes (NVML, else nvidia-smi), or None when neither works."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+        return lambda: pynvml.nvmlDeviceGetMemoryInfo(handle).used
+    except Exception:  # noqa: BLE001 - no NVML: try the command line tool
+        pass
+
+    def smi():
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"],
+                             capture_output=True, text=True, timeout=10).stdout
+        return int(out.split()[0]) * 1024 ** 2
+
+    try:
+        smi()
+        return smi
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def run_phase(name: str, cmd: list[str], log: str, gpu: bool, timeout: float) -> int:
+    """Run `cmd` in its own process group, output to `log`; kill the group at `timeout`; print the PHASE line."""
+    read = _gpu_used_bytes() if gpu else None
+    peak = [read() if read else 0]
+    done = threading.Event()
+
+    def watch():  # device-wide used memory: the phase's processes and the CUDA contexts they hold
+        while not done.wait(0.2):
+            try:
+                peak[0] = max(peak[0], read())
+            except Exception:  # noqa: BLE001 - a failed sample is skipped
+                pass
+
+    watcher = threading.Thread(target=watch, daemon=True) if read else None
+    if watcher:
+        watcher.start()
+    t0 = time.time()
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # the phase's own group: torchrun and its workers
+            proc.wait()
+            rc = 124
+            out.write(f"\n[gpu_smoke] killed after {timeout:.0f}s\n")
+    done.set()
+    if watcher:
+        watcher.join()
+    memory = f"{peak[0] / GIB:.2f} GiB" if read else "n/a"
+    if rc != 0:
+        with open(log, errors="replace") as f:
+            tail = f.readlines()[-30:]
+        print(f"--- {name} failed (exit {rc}); last lines of {log}:\n{''.join(tail)}---", flush=True)
+    print(f"PHASE {name}: {'pass' if rc == 0 else 'fail'} (peak GPU memory {memory}, {time.time() - t0:.0f} s)",
+          flush=True)
+    return rc
+
+
+# ------------------------------------------------------------------------------------------------ serve
+def _words(text: str) -> list[str]:
+    return re.findall(r"[a-z0-9]+", text.lower())
+
+
+class OverlapIndex:
+    """Documents ranked by the summed IDF of the query words they contain: enough to find the synthetic world's
+    passages by the names in a question."""
+
+    def __init__(self, docs: list[dict]):
+        self.docs = docs
+        self.postings: dict[str, list[int]] = defaultdict(list)
+        for i, d in enumerate(docs):
+            for w in set(_words(d["contents"])):
+                self.postings[w].append(i)
+        self.idf = {w: math.log(1 + len(docs) / len(ids)) for w, ids in self.postings.items()}
+
+    def search(self, query: str, topk: int) -> list[tuple[int, float]]:
+        scores: Counter = Counter()
+        for w in set(_words(query)):
+            for i in self.postings.get(w, ()):
+                scores[i] += self.idf[w]
+        return sorted(scores.items(), key=lambda x: (-x[1], x[0]))[:topk]
+
+
+def _overlap_server(corpus_path: str) -> tuple[str, callable]:
+    with open(corpus_path, encoding="utf-8") as f:
+        index = OverlapIndex([json.loads(line) for line in f if line.strip()])
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 - http.server's name
+            body = json.loads(self.rfile.read(int(self.headers.get("content-length", 0))) or b"{}")
+            topk, scores = int(body.get("topk", 3)), bool(body.get("return_scores", True))
+            result = [[{"document": index.docs[i], "score": s} if scores else index.docs[i]
+                       for i, s in index.search(q, topk)] for q in body.get("queries", [])]
+            data = json.dumps({"result": result}).encode()
+            self.send_response(200)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args):  # quiet: one line a request would bury the log
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    return f"http://127.0.0.1:{httpd.server_address[1]}", httpd.shutdown
+
+
+def _real_stack_imports() -> bool:
+    try:
+        import bm25s  # noqa: F401
+        import fastapi  # noqa: F401
+        import Stemmer  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def serve(work: str, url_file: str) -> int:
+    world = os.path.join(work, "world")
+    subprocess.run([sys.executable, "-m", "megatron_searchr1.data.make_world", "--out-dir", world, *WORLD_ARGS],
+                   check=True)
+    corpus = os.path.join(world, "corpus.jsonl")
+    if _real_stack_imports():
+        from megatron_searchr1.search.retrievers import index_corpus
+        from megatron_searchr1.search.server import BackgroundServer
+
+        server = BackgroundServer(index_corpus(corpus, os.path.join(world, "index_bm25"), kind="bm25"))
+        url, stop, kind = server.url, server.stop, "BM25 (megatron_searchr1.search.server)"
+    else:
+        url, stop = _overlap_server(corpus)
+        kind = "word overlap (standard library; bm25s/PyStemmer/fastapi/uvicorn do not import)"
+    stopped = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *a: stopped.set())
+    signal.signal(signal.SIGINT, lambda *a: stopped.set())
+    with open(url_file + ".tmp", "w") as f:
+        f.write(url)
+    os.replace(url_file + ".tmp", url_file)  # whole, so the script never reads half a URL
+    print(f"retriever: {kind} at {url}", flush=True)
+    stopped.wait()
+    stop()
+    return 0
+
+
+# ------------------------------------------------------------------------------------------------ prepare
+def prepare(work: str, url: str) -> int:
+    """Gold trajectories through the server (the SFT data) and a tiny model whose tokenizer knows the world."""
+    world = os.path.join(work, "world")
+    subprocess.run([sys.executable, "-m", "megatron_searchr1.data.make_world", "--out-dir", world, *WORLD_ARGS,
+                    "--oracle-url", url], check=True)
+    from megatron_searchr1.demo import _world_text
+
+    text = os.path.join(work, "world_text.txt")
+    _world_text(world, text)
+    subprocess.run([sys.executable, os.path.join(REPO, "tools", "make_tiny_model.py"), "--output-dir",
+                    os.path.join(work, "tiny_model"), "--overwrite", "--text", text, *TINY_MODEL], check=True)
+    return 0
+
+
+# ------------------------------------------------------------------------------------------------ compare
+def compare(a: str, b: str) -> int:
+    """0 when both HF dirs hold the same tensor names, shapes and values (the round trip is exact)."""
+    import glob
+
+    from safetensors.torch import load_file
+
+    def tensors(d):
+        out = {}
+        for path in sorted(glob.glob(os.path.join(d, "*.safetensors"))):
+            out.update(load_file(path))
+        return out
+
+    ta, tb = tensors(a), tensors(b)
+    problems = [f"only in {a}: {sorted(set(ta) - set(tb))}"] if set(ta) - set(tb) else []
+    problems += [f"only in {b}: {sorted(set(tb) - set(ta))}"] if set(tb) - set(ta) else []
+    for name in sorted(set(ta) & set(tb)):
+        x, y = ta[name], tb[name]
+        if x.shape != y.shape or x.dtype != y.dtype:
+            problems.append(f"{name}: {tuple(x.shape)} {x.dtype} vs {tuple(y.shape)} {y.dtype}")
+        elif not x.equal(y):
+            problems.append(f"{name}: max |diff| {(x.float() - y.float()).abs().max().item():.3g}")
+    for p in problems:
+        print(f"round trip differs: {p}")
+    print(f"compared {len(ta)} tensors: {'identical' if not problems else f'{len(problems)} differ'}")
+    return 1 if problems else 0
+
+
+# ------------------------------------------------------------------------------------------------ steps
+def check_steps(metrics: str, steps: int, prefix: str) -> int:
+    """0 when `metrics` has `steps` rows with a finite `{prefix}/loss` and a finite, positive `{prefix}/grad_norm`."""
+    with open(metrics) as f:
+        rows = [r for r in map(json.loads, filter(str.strip, f)) if f"{prefix}/grad_norm" in r]
+    bad = [r["step"] for r in rows if not (math.isfinite(r[f"{prefix}/loss"]) and math.isfinite(r[f"{prefix}/grad_norm"])
+                                           and r[f"{prefix}/grad_norm"] > 0)]
+    print(f"{len(rows)} steps in {metrics}: " + ", ".join(
+        f"step {r['step']} loss {r[f'{prefix}/loss']:.4g} grad_norm {r[f'{prefix}/grad_norm']:.3g}" for r in rows))
+    if len(rows) != steps or bad:
+        print(f"expected {steps} steps with a finite loss and a finite grad norm > 0; steps that are not: {bad}")
+        return 1
+    return 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    ph = sub.add_parser("phase")
+    ph.add_argument("name")
+    ph.add_argument("--log", required=True)
+    ph.add_argument("--gpu", action="store_true", help="watch GPU 0's used memory")
+    ph.add_argument("--timeout", type=float, default=600)
+    sv = sub.add_parser("serve")
+    sv.add_argument("--work-dir", required=True)
+    sv.add_argument("--url-file", required=True)
+    pr = sub.add_parser("prepare")
+    pr.add_argument("--work-dir", required=True)
+    pr.add_argument("--url", required=True)
+    cp = sub.add_parser("compare")
+    cp.add_argument("a")
+    cp.add_argument("b")
+    st = sub.add_parser("steps")
+    st.add_argument("metrics")
+    st.add_argument("--steps", type=int, required=True)
+    st.add_argument("--prefix", required=True, help="sft or actor")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    cmd = argv[argv.index("--") + 1:] if "--" in argv else []  # the phase's command, after "--"
+    args = p.parse_args(argv[:len(argv) - len(cmd) - (1 if "--" in argv else 0)])
+    if args.cmd == "phase":
+        if not cmd:
+            p.error("phase needs its command after --")
+        return run_phase(args.name, cmd, args.log, args.gpu, args.timeout)
+    if args.cmd == "serve":
+        return serve(args.work_dir, args.url_file)
+    if args.cmd == "prepare":
+        return prepare(args.work_dir, args.url)
+    if args.cmd == "steps":
+        return check_steps(args.metrics, args.steps, args.prefix)
+    return compare(args.a, args.b)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
