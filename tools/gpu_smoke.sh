@@ -3,7 +3,7 @@
 # bash tools/gpu_smoke.sh --cpu-dry-run --engine hf      # the same phases on CPUs (gloo, fp32): tests/tools/test_gpu_smoke.py
 #
 # The first thing to run on a GPU: every path of the trainer that a CPU never takes (NCCL collectives, bf16, CUDA
-# memory, the Transformer Engine spec where it imports), at toy size, in about two minutes. Phases, each run to
+# memory, the Transformer Engine spec where it imports), at toy size, in a few minutes (the CPU dry run takes ~3 on 2 cores). Phases, each run to
 # the end even when an earlier one failed, each printing one line
 #     PHASE name: pass|fail (peak GPU memory X GiB, N s)
 # (peak = GPU 0's used memory, sampled every 0.2 s by NVML, CUDA contexts included; n/a in a dry run):
