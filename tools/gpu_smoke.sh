@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # bash tools/gpu_smoke.sh --wheels .whl                  # one CUDA GPU: NCCL + bf16
-# bash tools/gpu_smoke.sh --cpu-dry-run --engine hf      # the same phases on CPUs (gloo, fp32): tests/tools/test_gpu_smoke.py
+# bash tools/gpu_smoke.sh --cpu-dry-run --engine hf      # the same phases on CPUs (gloo, fp32), as the tests run it
 #
 # The first thing to run on a GPU: every path of the trainer that a CPU never takes (NCCL collectives, bf16, CUDA
-# memory, the Transformer Engine spec where it imports), at toy size, in a few minutes (the CPU dry run takes ~3 on 2 cores). Phases, each run to
-# the end even when an earlier one failed, each printing one line
+# memory, the Transformer Engine spec where it imports), at toy size, in a few minutes (the CPU dry run takes ~3 on
+# 2 cores). Phases, each run to the end even when an earlier one failed, each printing one line
 #     PHASE name: pass|fail (peak GPU memory X GiB, N s)
 # (peak = GPU 0's used memory, sampled every 0.2 s by NVML, CUDA contexts included; n/a in a dry run):
 #   prepare  the synthetic world, a retrieval server over it, gold SFT trajectories, a random tiny Qwen2;
@@ -15,7 +15,8 @@
 # Exit status: 0 when every phase passed, else 1. Logs: <work-dir>/<phase>.log.
 #
 # Flags: --wheels DIR (pip install --no-index, into <work-dir>/site, each wheel whose distribution is not installed),
-# --work-dir DIR (default /tmp/gpu_smoke; new, empty, or an earlier run's, which is emptied), --engine auto|hf|vllm (auto: vllm when it imports),
+# --work-dir DIR (default /tmp/gpu_smoke; new, empty, or an earlier run's, which is emptied),
+# --engine auto|hf|vllm (auto: vllm when it imports),
 # --cpu-dry-run (gloo, fp32, no GPU used even when one is there), --timeout-scale F (multiplies each phase's limit).
 #
 # The GPU machine this was written for (one H200, Python 3.12, torch 2.11+cu130, no internet) lacks these; download
@@ -113,7 +114,10 @@ wait_url() {
     for _ in $(seq 120); do [[ -s "$WORK/url" ]] && return 0; kill -0 $SERVER 2>/dev/null || break; sleep 1; done
     echo "the retrieval server did not start:"; cat "$WORK/server.log"; return 1
 }
-prepare() { wait_url && cat "$WORK/server.log" && "$PY" tools/gpu_smoke_helper.py prepare --work-dir "$WORK" --url "$(cat "$WORK/url")"; }
+prepare() {
+    wait_url && cat "$WORK/server.log" \
+        && "$PY" tools/gpu_smoke_helper.py prepare --work-dir "$WORK" --url "$(cat "$WORK/url")"
+}
 export -f wait_url prepare
 export WORK SERVER PY
 phase prepare 180 bash -c prepare
@@ -135,8 +139,8 @@ GRPO=("${TORCHRUN1[@]}" -m megatron_searchr1.train examples/grpo_tiny_cpu.yaml
     "data.train_batch_size=2" "algo.ppo_mini_batch_size=2" "rollout.n=2" "rollout.max_turns=2"
     "algo.use_kl_loss=true" "algo.entropy_coeff=0.001"
     "trainer.total_steps=2" "trainer.val_before_train=false" "trainer.test_freq=0" "trainer.output_dir=$WORK/grpo")
-phase grpo 300 bash -c "$(printf '%q ' "${GRPO[@]}") && '$PY' tools/gpu_smoke_helper.py steps '$WORK/grpo/metrics.jsonl' \
-    --steps 2 --prefix actor"
+phase grpo 300 bash -c "$(printf '%q ' "${GRPO[@]}") \
+    && '$PY' tools/gpu_smoke_helper.py steps '$WORK/grpo/metrics.jsonl' --steps 2 --prefix actor"
 
 phase convert 180 bash -c "'$PY' checkpoints_convert/hf_to_megatron.py --hf-dir '$M' --out-dir '$WORK/mcore' \
     && '$PY' checkpoints_convert/megatron_to_hf.py --ckpt-dir '$WORK/mcore' --out-dir '$WORK/hf_back' \

@@ -232,8 +232,8 @@ def check_steps(metrics: str, steps: int, prefix: str) -> int:
     """0 when `metrics` has `steps` rows with a finite `{prefix}/loss` and a finite, positive `{prefix}/grad_norm`."""
     with open(metrics) as f:
         rows = [r for r in map(json.loads, filter(str.strip, f)) if f"{prefix}/grad_norm" in r]
-    bad = [r["step"] for r in rows if not (math.isfinite(r[f"{prefix}/loss"]) and math.isfinite(r[f"{prefix}/grad_norm"])
-                                           and r[f"{prefix}/grad_norm"] > 0)]
+    loss, norm = f"{prefix}/loss", f"{prefix}/grad_norm"
+    bad = [r["step"] for r in rows if not (math.isfinite(r[loss]) and math.isfinite(r[norm]) and r[norm] > 0)]
     print(f"{len(rows)} steps in {metrics}: " + ", ".join(
         f"step {r['step']} loss {r[f'{prefix}/loss']:.4g} grad_norm {r[f'{prefix}/grad_norm']:.3g}" for r in rows))
     if len(rows) != steps or bad:
