@@ -135,3 +135,21 @@ def test_the_trainer_starts_its_server_with_the_configured_timeout(popen, monkey
     server.stop()
     assert url == "http://127.0.0.1:4321"
     assert seen == {"timeout": 1234, "hint": "raise retrieval.launch_timeout"}
+
+
+def test_faiss_on_a_worker_thread_gets_the_servers_threads_under_torchruns_environment(monkeypatch):
+    """Why the env matters: the server calls faiss.omp_set_num_threads on its main thread, but searches on a worker
+    thread, whose OpenMP default comes from OMP_NUM_THREADS (libgomp keeps the setting per thread)."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("faiss")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # as torchrun sets it
+    probe = ("import threading, faiss; faiss.omp_set_num_threads(2); r = []; "
+             "t = threading.Thread(target=lambda: r.append(faiss.omp_get_max_threads())); t.start(); t.join(); "
+             "print(r[0])")
+    env = launch.server_env(["--index-dir", "IDX", "--torch-threads", "2"])
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "2"
+    inherited = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert inherited.strip() == "1"  # what the worker thread got before: one core for every search
