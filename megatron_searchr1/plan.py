@@ -97,6 +97,13 @@ class ModelCounts:
     """Of those, the ones every engine TP rank holds whole (norms, replicated biases)."""
 
 
+def read_dims_of(hf_config):
+    """The model's families.ModelDims from a config.json dict (or a transformers config)."""
+    from megatron_searchr1.models.families import read_dims
+
+    return read_dims(hf_config)
+
+
 def _ensure_world_of_one() -> bool:
     """Megatron's parallel state (a world of one process) for building stages; True when we started it."""
     from megatron.core import parallel_state as ps
