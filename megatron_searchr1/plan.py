@@ -140,6 +140,10 @@ def build_meta_stage(dims, pp: int, stage: int, *, critic: bool = False, first_s
     try:
         with torch.device("meta"):
             kwargs = gpt_model_kwargs(dims, config, use_te=False, pre_process=stage == 0, post_process=stage == pp - 1)
+            if stage > 0:
+                # a tied model's later stage keeps its own copy of the embedding as output_layer.weight (same
+                # shape); Megatron's tie set-up asks the real pipeline group, which in a world of one says stage 0
+                kwargs["share_embeddings_and_output_weights"] = False
             model = (CriticModel if critic else BatchFirstGPTModel)(**kwargs)
             use_fast_modules(model, use_te=False)
     finally:
@@ -176,16 +180,18 @@ def stage_param_numel(model, dims, tp: int) -> int:
     return total + sum(p.numel() for n, p in model.named_parameters() if n.startswith("value_head."))
 
 
-def count_params(dims, tp: int, pp: int) -> ModelCounts:
-    """ModelCounts for `dims` at (tp, pp): every stage of the actor and the critic built on the meta device."""
+def count_params(dims, tp: int, pp: int, last_stage_layers: Optional[int] = None) -> ModelCounts:
+    """ModelCounts for `dims` at (tp, pp): every stage of the actor and the critic built on the meta device
+    (`last_stage_layers`: an uneven split, Megatron's num_layers_in_last_pipeline_stage)."""
     from megatron_searchr1.models.families import mapping_for, stage_layer_counts, tp_kind
 
     _ensure_world_of_one()
-    layers = stage_layer_counts(dims.num_layers, pp)
+    layers = stage_layer_counts(dims.num_layers, pp, None, last_stage_layers)
     stages = []
     for s in range(pp):
-        actor = stage_param_numel(build_meta_stage(dims, pp, s), dims, tp)
-        critic = stage_param_numel(build_meta_stage(dims, pp, s, critic=True), dims, tp)
+        actor = stage_param_numel(build_meta_stage(dims, pp, s, last_stage_layers=last_stage_layers), dims, tp)
+        critic = stage_param_numel(build_meta_stage(dims, pp, s, critic=True, last_stage_layers=last_stage_layers),
+                                   dims, tp)
         stages.append(StageCounts(actor, critic, layers[s], s == 0, s == pp - 1))
     mapping = mapping_for(dims)
     hf_params = hf_replicated = 0
@@ -276,13 +282,13 @@ def sync_plan(counts: ModelCounts, bucket_bytes: int, dtype_bytes: int) -> tuple
     import torch
 
     from megatron_searchr1.models.config import padded_vocab_size
-    from megatron_searchr1.models.families import mapping_for, stage_layer_counts, tp_kind
+    from megatron_searchr1.models.families import mapping_for, tp_kind
     from megatron_searchr1.rollout.weight_sync import _aligned, plan_buckets
 
     dims, tp, pp = counts.dims, counts.tp, counts.pp
     mapping = mapping_for(dims, padded_vocab_size=padded_vocab_size(dims.vocab_size, tp))
     dtype = {4: torch.float32, 2: torch.bfloat16}[dtype_bytes]
-    layer_counts = stage_layer_counts(dims.num_layers, pp)
+    layer_counts = [st.layers for st in counts.stages]
     buckets = peak = 0
     for s in range(pp):
         lo, hi = sum(layer_counts[:s]), sum(layer_counts[: s + 1])
