@@ -451,6 +451,21 @@ def _gib(n: int) -> str:
     return f"{n / GiB:.1f}" if n else "-"
 
 
+def summary_row(plan: Plan, cfg, counts: ModelCounts, config_path: str, nodes: int) -> str:
+    """One markdown table row (the README's table of the shipped recipes)."""
+    phase = {p.name: p.total for p in plan.phases}
+    return (f"| {os.path.basename(config_path)} | {nodes} | {counts.tp}x{counts.pp}x{plan.dp} | "
+            + " | ".join(f"{phase[n] / GiB:.1f}" for n in ("start-up", "update peak", "weight sync", "rollout"))
+            + f" | {plan.kv_tokens // 1000}k | {plan.kv_tokens // plan.full_length} of "
+            f"{plan.trajectories_per_engine} | {plan.host_bytes_per_node / GiB:.0f} | "
+            + ("fits" if plan.fits else "does NOT fit") + " |")
+
+
+SUMMARY_HEADER = ("| recipe | nodes | TPxPPxDP | start-up | update peak | weight sync | rollout | KV tokens per engine "
+                  "| full-length trajectories at once, of per engine | host GiB per node | verdict |\n"
+                  "|---|---|---|---|---|---|---|---|---|---|---|")
+
+
 def render(plan: Plan, cfg, counts: ModelCounts, fix: Optional[dict], wake: str) -> str:
     """The table and the verdict, as printed."""
     r = cfg.rollout
@@ -557,14 +572,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    help="staged: empty PyTorch's cache, wake vLLM's weights, sync, wake the KV cache (the trainer "
                         "after issue 19); together: weights and KV cache at once with the update's cache kept "
                         "(before issue 19)")
+    p.add_argument("--summary", action="store_true", help="one markdown table row instead of the table")
     args = p.parse_args(argv)
     if not os.path.isfile(args.config):
         raise UsageError(f"config {args.config!r} does not exist (pass a run config YAML, e.g. "
                          "examples/grpo_qwen2.5-7b.yaml)")
     cfg, hf = load_plan_inputs(args.config, args.overrides, args.nodes * args.gpus_per_node, args.model_config)
-    plan, counts, fix = plan_config(cfg, hf, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
-                                    gpu_memory_gib=args.gpu_memory_gib, wake=args.wake)
-    print(render(plan, cfg, counts, fix, args.wake))
+    import warnings
+
+    with warnings.catch_warnings():  # Megatron's CPU fallbacks (no Apex, no TE) say nothing about the planned run
+        warnings.simplefilter("ignore")
+        plan, counts, fix = plan_config(cfg, hf, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
+                                        gpu_memory_gib=args.gpu_memory_gib, wake=args.wake)
+    print(summary_row(plan, cfg, counts, args.config, args.nodes) if args.summary
+          else render(plan, cfg, counts, fix, args.wake))
     return 0
 
 

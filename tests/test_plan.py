@@ -82,7 +82,7 @@ def test_critic_count_equals_the_built_critic(megatron_world):
 
 
 def test_tp_shards_follow_the_split_rules(megatron_world):
-    """Per-rank counts at TP = 2 by hand: every linear halves, norms stay whole, the vocab pads to a multiple of 128 x 2."""
+    """Per-rank counts at TP = 2 by hand: linears halve, norms stay whole, the vocab pads to a multiple of 128 x 2."""
     dims = plan.read_dims_of(TINY)
     h, f, d = 32, 64, 8
     qkv = (4 + 2 * 2) * d * h + (4 + 2 * 2) * d  # weight + bias (Qwen2)
