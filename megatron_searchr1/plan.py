@@ -112,7 +112,10 @@ def _ensure_world_of_one() -> bool:
         return False
     from megatron_searchr1.megatron.initialize import initialize_megatron
 
-    initialize_megatron(tp=1, pp=1, device="cpu")
+    import torch
+
+    # gloo on the CPU; where CUDA works (a GPU login node) the project's default (a world of one on one GPU)
+    initialize_megatron(tp=1, pp=1, device=None if torch.cuda.is_available() else "cpu")
     return True
 
 
@@ -133,7 +136,10 @@ def build_meta_stage(dims, pp: int, stage: int, *, critic: bool = False, first_s
         extra["num_layers_in_first_pipeline_stage"] = first_stage_layers
     if last_stage_layers is not None:
         extra["num_layers_in_last_pipeline_stage"] = last_stage_layers
-    config = transformer_config_from_hf(dims, tp=1, pp=pp, params_dtype=torch.float32, **extra)
+    # CPU-style initialisation creates every weight with a plain torch.empty, which the meta device context catches
+    # (the GPU path would allocate on the current GPU); no init kernels on meta tensors either
+    config = transformer_config_from_hf(dims, tp=1, pp=pp, params_dtype=torch.float32, use_cpu_initialization=True,
+                                        perform_initialization=False, **extra)
     counts = stage_layer_counts(dims.num_layers, pp, first_stage_layers, last_stage_layers)
     ps.set_pipeline_model_parallel_world_size(pp)
     ps.set_pipeline_model_parallel_rank(stage)
@@ -496,7 +502,9 @@ def render(plan: Plan, cfg, counts: ModelCounts, fix: Optional[dict], wake: str)
                + " pinned/offloaded")
     out += [f"note: {n}" for n in plan.notes]
     worst = plan.worst
-    if plan.fits:
+    if plan.kv_bytes <= 0 and worst.total <= plan.gpu_bytes:
+        out.append("verdict: does NOT fit; vLLM has no room for its KV cache (note above)")
+    elif plan.fits:
         out.append(f"verdict: fits; tightest phase {worst.name} with {(plan.gpu_bytes - worst.total) / GiB:.1f} GiB "
                    "free")
     else:

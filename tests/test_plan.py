@@ -160,6 +160,13 @@ def test_kv_cache_arithmetic(megatron_world):
         + plan.VLLM_OUTSIDE_POOLS == int(0.6 * 80 * plan.GiB)
 
 
+def test_no_room_for_a_kv_cache_does_not_fit(megatron_world):
+    cfg, hf = recipe("grpo_qwen2.5-7b", ["rollout.gpu_memory_utilization=0.2"])  # 16 GiB < 14.2 weights + the rest
+    result, counts, fix = plan.plan_config(cfg, hf, nodes=1)
+    assert result.kv_bytes <= 0 and not result.fits
+    assert "verdict: does NOT fit; vLLM has no room for its KV cache" in plan.render(result, cfg, counts, fix, "staged")
+
+
 def test_offload_and_sleep_level_move_bytes_to_the_host(megatron_world):
     cfg, hf = recipe("grpo_qwen2.5-7b", ["rollout.sleep_level=1", "model.grad_offload=false",
                                          "model.optimizer_offload=false"])
