@@ -106,14 +106,13 @@ def read_dims_of(hf_config):
 
 def _ensure_world_of_one() -> bool:
     """Megatron's parallel state (a world of one process) for building stages; True when we started it."""
+    import torch
     from megatron.core import parallel_state as ps
+
+    from megatron_searchr1.megatron.initialize import initialize_megatron
 
     if ps.model_parallel_is_initialized():
         return False
-    from megatron_searchr1.megatron.initialize import initialize_megatron
-
-    import torch
-
     # gloo on the CPU; where CUDA works (a GPU login node) the project's default (a world of one on one GPU)
     initialize_megatron(tp=1, pp=1, device=None if torch.cuda.is_available() else "cpu")
     return True
@@ -476,8 +475,8 @@ def render(plan: Plan, cfg, counts: ModelCounts, fix: Optional[dict], wake: str)
     """The table and the verdict, as printed."""
     r = cfg.rollout
     rows: list[str] = []
-    for ph in plan.phases:
-        rows += [k for k in ph.items if k not in rows]
+    for ph in plan.phases:  # rows in first-seen order; a row that is zero everywhere (no critic) is left out
+        rows += [k for k, v in ph.items.items() if k not in rows and any(p.items.get(k) for p in plan.phases)]
     width = max(len(k) for k in rows) + 2
     head = "GiB per GPU".ljust(width) + "".join(ph.name.rjust(13) for ph in plan.phases)
     out = [f"{cfg.model.path or 'model'}: {counts.hf_params / 1e9:.2f}B params; world {plan.world} = TP {counts.tp} x "
