@@ -148,6 +148,7 @@ class GenerationOffload:
         self.optimizer, self.ref_flag = model_cfg.optimizer_offload, model_cfg.ref_offload
         self.actor, self.actor_opt, self.critic, self.critic_opt, self.ref = actor, actor_opt, critic, critic_opt, ref
         self.stash = Stash()
+        self._reported: dict[str, int] = {}
 
     @property
     def enabled(self) -> bool:
@@ -178,6 +179,11 @@ class GenerationOffload:
         moved = dict(self.stash.moved_bytes)
         if not self.stash.empty:
             self.stash.reload()
+        if moved and moved != self._reported:  # rank 0, when it changes (Adam's state exists after step 1)
+            self._reported = moved
+            if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+                print("offloaded to host memory while generating (rank 0): "
+                      + ", ".join(f"{k} {v / 2 ** 20:.1f} MiB" for k, v in sorted(moved.items())), flush=True)
         return moved
 
 
