@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import gc
 from dataclasses import dataclass, field
-from typing import Iterable, Optional
+from typing import Iterable
 
 import torch
 
