@@ -259,28 +259,51 @@ class Trainer:
         return trajs, metrics
 
     def sync_engine(self) -> dict:
-        """Actor -> engine (every rank takes part; with engine_tp = 1 every rank feeds its own engine)."""
+        """Wake the engine with the actor's current weights (every rank takes part; with engine_tp = 1 every rank
+        feeds its own engine), in verl's order (rollout/engine.py wake_and_sync): weights, sync, then KV cache.
+        The opt-in offloads (model.*_offload, megatron/offload.py) free the trainer's memory around it."""
+        from megatron_searchr1.rollout.engine import wake_and_sync
         from megatron_searchr1.rollout.weight_sync import sync_weights
         from megatron_searchr1.runtime import DTYPES
 
-        if self.synced:
-            return {}
         rt, r = self.rt, self.cfg.rollout
-        self.wake_engine()
+        if self.synced and not getattr(self, "_asleep", False):
+            return {}
         dtype = DTYPES[self.cfg.model.dtype if r.dtype == "auto" else r.dtype]
-        stats = sync_weights(rt.actor, rt.engine, rt.mapping, bucket_bytes=r.sync_bucket_mb << 20, dtype=dtype)
-        self.synced = True
-        return stats.as_dict()
+
+        def sync():
+            return sync_weights(rt.actor, rt.engine, rt.mapping, bucket_bytes=r.sync_bucket_mb << 20, dtype=dtype)
+
+        offload = self.offload()
+        offload.before_wake()
+        stats = wake_and_sync(rt.engine, None if self.synced else sync, after_sync=offload.after_sync)
+        self.synced, self._asleep = True, False
+        return stats.as_dict() if stats is not None else {}
 
     def wake_engine(self) -> None:
-        if getattr(self, "_asleep", False):
-            self.rt.engine.wake_up()
-            self._asleep = False
+        self.sync_engine()
 
     def sleep_engine(self) -> None:
-        if self.cfg.rollout.sleep_between_steps and not getattr(self, "_asleep", False):
-            self.rt.engine.sleep()
+        """Engine asleep at rollout.sleep_level (level 2 drops its weights: the next wake-up syncs them), then the
+        offloaded trainer memory back."""
+        from megatron_searchr1.rollout.engine import sleep_engine
+
+        r = self.cfg.rollout
+        if r.sleep_between_steps and not getattr(self, "_asleep", False):
+            if sleep_engine(self.rt.engine, r.sleep_level):
+                self.synced = False
             self._asleep = True
+        self.offload().reload()
+
+    def offload(self):
+        """The model.*_offload flags around generation (megatron/offload.py), built once."""
+        from megatron_searchr1.megatron.offload import GenerationOffload
+
+        if getattr(self, "_offload", None) is None:
+            rt = self.rt
+            self._offload = GenerationOffload(self.cfg.model, actor=rt.actor, actor_opt=rt.actor_opt,
+                                              critic=rt.critic, critic_opt=rt.critic_opt, ref=rt.ref)
+        return self._offload
 
     def step_seed(self) -> int:
         return self.cfg.trainer.seed * 1_000_003 + self.step_no * 7919

@@ -57,10 +57,10 @@ class ScriptedEngine:
     def finish_weight_sync(self):
         pass
 
-    def sleep(self):
-        pass
+    def sleep(self, level=1):
+        return False
 
-    def wake_up(self):
+    def wake_up(self, tags=None):
         pass
 
 

