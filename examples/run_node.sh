@@ -3,14 +3,31 @@
 #   bash examples/run_node.sh examples/grpo_qwen2.5-3b.yaml [KEY=VALUE ...]
 #   NNODES=2 NODE_RANK=0 MASTER_ADDR=10.0.0.1 bash examples/run_node.sh examples/grpo_qwen2.5-7b.yaml   # node 0
 #   NNODES=2 NODE_RANK=1 MASTER_ADDR=10.0.0.1 bash examples/run_node.sh examples/grpo_qwen2.5-7b.yaml   # node 1
-# Each node needs a retrieval server: start one per node before this (python -m megatron_searchr1.search.server
-# --faiss-index e5_Flat.index --corpus wiki-18.jsonl --encoder intfloat/e5-base-v2 --faiss-gpu --port 8000), or
-# add retrieval.launch=true retrieval.server_args=[...] and the trainer starts it on each node's local rank 0.
+#
+# MASTER_ADDR: node 0's address, reachable from every node (required on nodes 1..NNODES-1; node 0 may leave it
+# out: 127.0.0.1). MASTER_PORT (29500), NPROC_PER_NODE (the GPUs this node has).
+# Several network interfaces: name the one the nodes reach each other on, e.g. NCCL_SOCKET_IFNAME=eth0 (GPU
+# collectives) and GLOO_SOCKET_IFNAME=eth0 (gloo: CPU-side object exchange and the CPU path); otherwise NCCL/gloo
+# may pick a loopback or docker interface and hang at the first collective.
+# trainer.output_dir must be on a filesystem every node shares (checkpoints, resume): the trainer checks at start.
+#
+# Retrieval: one server per node, on the CPU, reached at 127.0.0.1 (retrieval.url's default port 8000); start it
+# before this line on every node:
+#   python -m megatron_searchr1.search.server --faiss-index e5_Flat.index --corpus wiki-18.jsonl \
+#       --encoder intfloat/e5-base-v2 --port 8000 --torch-threads 8 &
+# or add retrieval.launch=true retrieval.server_args=[...] and the trainer starts one on each node's local rank 0.
+# The training GPUs stay the trainer's; to run the server on GPUs, give it GPUs or nodes that do not train and
+# point retrieval.url there.
 set -euo pipefail
 config=${1:?usage: run_node.sh CONFIG.yaml [KEY=VALUE ...]}
 shift
 NNODES=${NNODES:-1}
 NODE_RANK=${NODE_RANK:-0}
+if [[ -z "${MASTER_ADDR:-}" && "$NODE_RANK" != 0 ]]; then
+    # without it this node would wait on its own 127.0.0.1 until the rendezvous times out
+    echo "error: NODE_RANK=$NODE_RANK needs MASTER_ADDR=<node 0's address> (the same on every node)" >&2
+    exit 2
+fi
 MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
 MASTER_PORT=${MASTER_PORT:-29500}
 NPROC=${NPROC_PER_NODE:-$(python -c "import torch; print(max(torch.cuda.device_count(), 1))")}

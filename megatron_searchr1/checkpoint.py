@@ -31,6 +31,11 @@ RNG states are restored only when the world size matches the saved one (each ran
 otherwise a warning says that random streams restart from the live seeds. Models must be the same architecture
 and may be loaded at another TP/PP (the dist checkpoint reshards); optimizer state reshards likewise.
 
+Several nodes: all of this assumes `<root>` is one directory on a filesystem every node shares (rank 0 creates
+the step directory, every rank writes its RNG file into it, rank 0 renames it). `check_shared_dir` proves that at
+start (every rank writes a marker, every rank must see them all) and refuses otherwise, and `agreed_resume_target`
+lets rank 0 alone decide which step to resume and tells the others, so ranks never load different steps.
+
 Resuming a step saved twice (a resumed run saving a step again): the old directory is renamed to a `.tmp` name
 before the new one takes its place, so a crash between the two renames leaves `latest` on a missing directory;
 `latest_step` then falls back to the newest complete checkpoint.
@@ -42,7 +47,9 @@ import os
 import random
 import re
 import shutil
+import socket
 import time
+import uuid
 import warnings
 from typing import Optional, Union
 
@@ -128,6 +135,69 @@ def resume_target(resume: str, ckpt_root: str) -> Optional[tuple[str, Union[str,
         raise CheckpointError(f"trainer.resume={resume!r} is not a step directory (<root>/step_N); use auto, disable "
                               "or such a directory")
     return os.path.dirname(path), int(m.group(1))
+
+
+def agreed_resume_target(resume: str, ckpt_root: str) -> Optional[tuple[str, int]]:
+    """`resume_target` decided by rank 0 alone, with "latest" resolved to its step, and broadcast to every rank.
+
+    Each node reading its own `latest` could pick different steps (a save finishing while another node starts, a
+    stale file cache); one decision cannot. A mistake in `trainer.resume` is raised on every rank, not only on rank
+    0 while the others wait in the broadcast.
+    """
+    box: list = [None]
+    if _rank() == 0:
+        try:
+            target = resume_target(resume, ckpt_root)
+            if target is not None:
+                target = (target[0], _resolve_step(*target))
+            box = [("ok", target)]
+        except CheckpointError as e:
+            box = [("error", str(e))]
+    if _world() > 1:
+        dist.broadcast_object_list(box, src=0)
+    kind, value = box[0]
+    if kind == "error":
+        raise CheckpointError(value)
+    return value
+
+
+def check_shared_dir(path: str, wait_s: float = 30.0) -> None:
+    """Every rank calls this at start: refuse (CheckpointError on every rank) unless `path` is one directory that
+    all ranks see, i.e. a shared filesystem when ranks sit on several nodes.
+
+    Each rank writes a marker named after this launch (a token from rank 0) and its rank, then every rank looks for
+    all markers, for up to `wait_s` seconds (a network filesystem may show another node's new file late). The
+    findings are gathered, so every rank raises the same error or none does; the markers are removed again.
+    """
+    os.makedirs(path, exist_ok=True)
+    if _world() == 1:
+        return
+    token = [uuid.uuid4().hex if _rank() == 0 else None]
+    dist.broadcast_object_list(token, src=0)
+
+    def marker(rank: int) -> str:
+        return os.path.join(path, f".shared_dir_check.{token[0]}.rank{rank:05d}")
+
+    with open(marker(_rank()), "w") as f:
+        f.write(f"{socket.gethostname()}\n")
+    _barrier()
+    deadline = time.time() + wait_s
+    while True:
+        missing = [r for r in range(_world()) if not os.path.exists(marker(r))]
+        if not missing or time.time() >= deadline:
+            break
+        time.sleep(0.5)
+    seen: list = [None] * _world()
+    dist.all_gather_object(seen, (socket.gethostname(), missing))  # also: every rank is done looking
+    os.remove(marker(_rank()))
+    blind = [(r, host, miss) for r, (host, miss) in enumerate(seen) if miss]
+    if blind:
+        r, host, miss = blind[0]
+        raise CheckpointError(
+            f"trainer.output_dir={path!r} is not one directory shared by all {_world()} ranks: rank {r} on {host} "
+            f"does not see the marker files that ranks {miss} wrote there ({len(blind)} rank(s) miss some). "
+            "Checkpoints and resume need the same directory on every node: put trainer.output_dir on a shared "
+            "filesystem (NFS, Lustre, ...) mounted at the same path on every node")
 
 
 # ----------------------------------------------------------------------------------------------------------------

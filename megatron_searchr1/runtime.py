@@ -51,6 +51,8 @@ class Runtime:
     stop_token_ids: tuple[int, ...]
     server: Optional[Any] = None
     notes: dict = field(default_factory=dict)
+    model_source: str = ""
+    """The concrete weights the actor started from and the reference holds (pin_model_source)."""
 
     @property
     def hf_dir(self) -> str:
@@ -96,6 +98,34 @@ def resolve_model_source(path: str) -> str:
     return path
 
 
+def pin_model_source(path: str) -> str:
+    """`resolve_model_source` once, decided on rank 0 for every rank: a run root means its latest step, which moves
+    while that run trains on (and two nodes could read different `latest` files). The actor's start and the frozen
+    reference use this one step directory; the trainer records it in its checkpoints and, on resume, reloads the
+    reference from the recorded one (`load_reference`), so the KL term keeps one anchor across restarts."""
+    import torch.distributed as dist
+
+    several = dist.is_initialized() and dist.get_world_size() > 1
+    source = resolve_model_source(path) if not several or dist.get_rank() == 0 else None
+    if source is not None and os.path.exists(source):
+        source = os.path.abspath(source)
+    box = [source]
+    if several:
+        dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def load_reference(rt: "Runtime", source: str) -> None:
+    """Load the reference model's weights from `source` (a step's actor directory or an HF directory)."""
+    from megatron_searchr1.checkpoint import CheckpointError, _unwrap
+
+    if not os.path.exists(source):
+        raise CheckpointError(f"the reference model this run was started with, {source}, is gone (pruned by that "
+                              "run's trainer.keep_last?): restore it, or start a new run")
+    _weights_loader(rt.cfg, rt.hf_config, source)(_unwrap(rt.ref))
+    rt.model_source = source
+
+
 def _launch_server(cfg: Config):
     """One retrieval server per node (local rank 0 starts it); every rank gets its node's URL."""
     import torch.distributed as dist
@@ -119,6 +149,8 @@ def build_runtime(cfg: Config) -> Runtime:
     from transformers import AutoTokenizer
 
     from megatron_searchr1.algo import AdaptiveKLController, FixedKLController
+    from megatron_searchr1.checkpoint import CheckpointError, check_shared_dir
+    from megatron_searchr1.cli import UsageError
     from megatron_searchr1.data.rl_data import PromptSampler, load_prompts
     from megatron_searchr1.megatron.initialize import initialize_megatron
     from megatron_searchr1.megatron.optimizer import build_optimizer
@@ -133,6 +165,10 @@ def build_runtime(cfg: Config) -> Runtime:
     initialize_megatron(tp=p.tp, pp=p.pp, seed=t.seed)
     rank, world = dist.get_rank(), dist.get_world_size()
     dp_rank, dp_size = mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size()
+    try:  # checkpoints need one directory for all nodes: refuse now, not at the first save or resume
+        check_shared_dir(t.output_dir)
+    except CheckpointError as e:
+        raise UsageError(str(e)) from None
 
     hf_dir = cfg.model.path
     tokenizer = AutoTokenizer.from_pretrained(hf_dir)
@@ -140,7 +176,8 @@ def build_runtime(cfg: Config) -> Runtime:
     dtype = DTYPES[cfg.model.dtype]
 
     # -- models ---------------------------------------------------------------------------------------------
-    load_actor = _weights_loader(cfg, hf_config, None)
+    model_source = pin_model_source(cfg.model.megatron_ckpt or cfg.model.path)
+    load_actor = _weights_loader(cfg, hf_config, model_source)
     actor = build_actor(hf_config, params_dtype=dtype, load_weights=load_actor,
                         use_distributed_optimizer=p.use_distributed_optimizer)
     warmup = int(o.warmup_steps_ratio * t.total_steps)
@@ -204,7 +241,8 @@ def build_runtime(cfg: Config) -> Runtime:
                  critic_sched=critic_sched, engine=engine, client=client, train_data=train_data,
                  val_data=val_data, sampler=sampler, logger=logger, kl_ctrl=kl_ctrl, rank=rank, world=world,
                  dp_rank=dp_rank, dp_size=dp_size, stop_token_ids=stop_ids, server=server,
-                 notes={"dropped_long_prompts": dropped, "dropped_long_val_prompts": val_dropped})
+                 notes={"dropped_long_prompts": dropped, "dropped_long_val_prompts": val_dropped},
+                 model_source=model_source)
     return rt
 
 

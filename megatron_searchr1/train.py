@@ -374,15 +374,16 @@ class Trainer:
         rt = self.rt
         models, opts, scheds = self._models()
         extra = {"step": self.step_no, "sampler": rt.sampler.state_dict() if rt.sampler else None,
-                 "kl_ctrl": rt.kl_ctrl.state_dict()}
+                 "kl_ctrl": rt.kl_ctrl.state_dict(), "ref_source": rt.model_source if rt.ref is not None else None}
         save_checkpoint(self.ckpt_root, self.step_no, models, opts, scheds, extra,
                         hf_dirs={name: rt.hf_dir for name in models}, keep_last=self.cfg.trainer.keep_last)
 
     def _resume(self) -> None:
-        from megatron_searchr1.checkpoint import load_checkpoint, resume_target
+        from megatron_searchr1.checkpoint import agreed_resume_target, load_checkpoint
+        from megatron_searchr1.runtime import load_reference
 
         t, rt = self.cfg.trainer, self.rt
-        target = resume_target(t.resume, self.ckpt_root)
+        target = agreed_resume_target(t.resume, self.ckpt_root)  # rank 0 decides the step for every node
         if target is None:
             return
         root, step = target
@@ -392,8 +393,12 @@ class Trainer:
         if rt.sampler is not None and extra.get("sampler"):
             rt.sampler.load_state_dict(extra["sampler"])
         rt.kl_ctrl.load_state_dict(extra["kl_ctrl"])
+        pinned = extra.get("ref_source")  # the reference this run started with, not today's latest of its root
+        if rt.ref is not None and pinned and pinned != rt.model_source:
+            load_reference(rt, pinned)
         if rt.rank == 0:
-            print(f"resumed from {root} at step {self.step_no}", flush=True)
+            ref = f", reference {rt.model_source}" if rt.ref is not None else ""
+            print(f"resumed from {root} at step {self.step_no}{ref}", flush=True)
 
     def export(self, out_dir: str) -> None:
         from megatron_searchr1.export import export_hf

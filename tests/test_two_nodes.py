@@ -1,0 +1,108 @@
+"""Two nodes on one machine: examples/run_node.sh started twice (NNODES=2, NODE_RANK 0 and 1, MASTER_ADDR
+127.0.0.1, one process per node), as a real multi-node job runs it.
+
+Quick: a node other than 0 without MASTER_ADDR fails at once with one `error:` line.
+Slow (--runslow): the tiny GRPO recipe with vLLM (tests/test_train.py's `rl_args`, TP=2 over the two "nodes"),
+starting from a run root (`model.megatron_ckpt=<root>`, KL loss on, so a reference model is built from it):
+  - an uninterrupted 3-step run;
+  - 2 steps, save, stop; the start root then gets a newer `latest` (a trained actor: other weights); resume
+    for a third step: its metrics equal the uninterrupted run's step 3, so the resumed reference is the pinned
+    step, not the root's new latest (its KL loss would differ), and every rank resumed the same step.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import time
+
+import pytest
+
+from tests.dist_utils import REPO
+from tests.rl_fixtures import child_env, rl_root, server, tiny_model, world  # noqa: F401 (fixtures)
+from tests.test_train import STEP_FIELDS_THAT_VARY, _free_port, rl_args, step_metrics
+
+RUN_NODE = str(REPO / "examples" / "run_node.sh")
+
+
+def test_run_node_without_master_addr_fails_at_once():
+    env = child_env(NNODES="2", NODE_RANK="1")
+    env.pop("MASTER_ADDR", None)
+    start = time.time()
+    proc = subprocess.run(["bash", RUN_NODE, "examples/grpo_tiny_cpu.yaml"], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=30)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "MASTER_ADDR" in lines[0], proc.stderr
+    assert time.time() - start < 5  # no torch import, no rendezvous wait
+
+
+def run_two_nodes(args: list[str], timeout: float = 400) -> str:
+    """Both nodes' run_node.sh; returns their combined output, raises with it when either fails."""
+    port = str(_free_port())
+    procs = [subprocess.Popen(["bash", RUN_NODE, *args], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True, env=child_env(NNODES="2", NODE_RANK=str(node), MASTER_ADDR="127.0.0.1",
+                                                       MASTER_PORT=port, NPROC_PER_NODE="1"))
+             for node in (0, 1)]
+    outs = []
+    try:
+        for proc in procs:
+            outs.append(proc.communicate(timeout=timeout)[0])
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    log = "\n".join(f"--- node {n} ---\n{out}" for n, out in enumerate(outs))
+    assert all(p.returncode == 0 for p in procs), f"rc={[p.returncode for p in procs]}\n{log[-8000:]}"
+    return log
+
+
+def start_root(tiny_model: str, root: str) -> str:
+    """A run root whose latest step holds the tiny model as a Megatron checkpoint (what an SFT run leaves)."""
+    from megatron_searchr1.checkpoint import LATEST_FILE, MARKER_FILE, step_dir
+
+    ckpts = os.path.join(root, "checkpoints")
+    proc = subprocess.run(["python", str(REPO / "checkpoints_convert" / "hf_to_megatron.py"), "--hf-dir", tiny_model,
+                           "--out-dir", os.path.join(step_dir(ckpts, 1), "actor")],
+                          cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    with open(os.path.join(step_dir(ckpts, 1), MARKER_FILE), "w") as f:
+        json.dump({"step": 1}, f)
+    with open(os.path.join(ckpts, LATEST_FILE), "w") as f:
+        f.write("1\n")
+    return root
+
+
+@pytest.mark.slow
+def test_two_nodes_train_save_stop_and_resume_exactly(world, tiny_model, server, rl_root):
+    from megatron_searchr1.checkpoint import LATEST_FILE, latest_step, step_dir
+
+    start = start_root(tiny_model, os.path.join(rl_root, "two_nodes_start"))
+
+    def args(out, steps):  # no validation, no export: only the steps are compared
+        return rl_args(world, tiny_model, server, out, f"trainer.total_steps={steps}", f"model.megatron_ckpt={start}",
+                       "data.val_files=[]", "trainer.export_hf=false", "trainer.save_freq=0")
+
+    reference = os.path.join(rl_root, "two_nodes_reference")
+    run_two_nodes(args(reference, 3))
+    out = os.path.join(rl_root, "two_nodes")
+    run_two_nodes(args(out, 2))
+    assert latest_step(os.path.join(out, "checkpoints")) == 2
+    # the start root moves on to other weights (this run's trained actor): the resumed reference must not follow
+    moved = os.path.join(start, "checkpoints")
+    shutil.copytree(step_dir(os.path.join(out, "checkpoints"), 2), step_dir(moved, 2))
+    with open(os.path.join(moved, LATEST_FILE), "w") as f:
+        f.write("2\n")
+    log = run_two_nodes(args(out, 3))
+    assert f"at step 2, reference {os.path.join(step_dir(moved, 1), 'actor')}" in log, log[-3000:]
+
+    want, got = step_metrics(reference), step_metrics(out)
+    assert sorted(got) == [1, 2, 3]
+    for step in (1, 2, 3):
+        keys = [k for k in want[step] if not k.startswith(STEP_FIELDS_THAT_VARY)]
+        diff = {k: (want[step][k], got[step].get(k)) for k in keys if want[step][k] != got[step].get(k)}
+        assert not diff, f"step {step} differs: {diff}"
+    # not vacuous: the policy moved, and the KL loss is measured against the reference
+    assert want[3]["actor/entropy"] != want[1]["actor/entropy"] and want[3]["actor/kl_loss"] > 0
