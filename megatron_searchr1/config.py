@@ -84,7 +84,7 @@ class ModelConfig:
     optimizer_offload: bool = False
     """Move the optimizer states to host memory while the engine generates (GPU only)."""
     ref_offload: bool = False
-    """Keep the reference model in host memory except during its forward pass (GPU only)."""
+    """Move the reference model to host memory while vLLM generates, back before its forward pass (GPU only)."""
 
     def __post_init__(self):
         _check(self.dtype in ("float32", "bfloat16", "float16"),
