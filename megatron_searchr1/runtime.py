@@ -129,7 +129,8 @@ def build_runtime(cfg: Config) -> Runtime:
     from megatron_searchr1.workers.critic import build_critic
 
     p, o, a, r, t = cfg.parallel, cfg.optim, cfg.algo, cfg.rollout, cfg.trainer
-    initialize_megatron(tp=p.tp, pp=p.pp, seed=t.seed)
+    initialize_megatron(tp=p.tp, pp=p.pp, seed=t.seed, timeout_minutes=p.timeout_minutes,
+                        sequence_parallel=p.sequence_parallel)
     rank, world = dist.get_rank(), dist.get_world_size()
     dp_rank, dp_size = mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size()
 

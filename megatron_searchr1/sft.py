@@ -50,7 +50,8 @@ def train_sft(cfg: SFTConfig) -> dict:
     from megatron_searchr1.workers.schedule import train_step
 
     t, o, d = cfg.trainer, cfg.optim, cfg.data
-    initialize_megatron(tp=cfg.parallel.tp, pp=cfg.parallel.pp, seed=t.seed)
+    initialize_megatron(tp=cfg.parallel.tp, pp=cfg.parallel.pp, seed=t.seed,
+                        timeout_minutes=cfg.parallel.timeout_minutes, sequence_parallel=cfg.parallel.sequence_parallel)
     rank = dist.get_rank()
     dp_rank, dp_size = mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size()
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
