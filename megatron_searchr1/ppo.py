@@ -71,15 +71,16 @@ def score_trajectories(trajs: Sequence[Trajectory], tokenizer, cfg: AlgoConfig) 
 def dp_sum(group=None):
     """An `algo.Reduce` over the ranks of `group` (the DP group): the float64 tensor summed over them.
 
-    On GPUs the tensor goes through the accelerator (Megatron's DP group is NCCL-only); on the CPU it stays there
-    (gloo). With one rank (or no process group) it is returned as is."""
+    On GPUs the tensor goes through the accelerator (`collective_device`, the package's rule for collectives); on
+    the CPU it stays there (gloo). With one rank (or no process group) it is returned as is."""
     import torch.distributed as dist
+
+    from megatron_searchr1.megatron.initialize import collective_device
 
     def reduce(t: torch.Tensor) -> torch.Tensor:
         if not dist.is_initialized() or dist.get_world_size(group) == 1:
             return t
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else t.device
-        out = t.to(device, copy=True)
+        out = t.to(collective_device(), copy=True)
         dist.all_reduce(out, group=group)
         return out.to(t.device)
 
