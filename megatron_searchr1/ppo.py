@@ -189,9 +189,10 @@ def actor_loss_fn(cfg: AlgoConfig, engine_gap: bool = False):
         if on_policy and engine_gap and "engine_log_probs" in mb:
             gap, tokens = _gap_sums(mb["engine_log_probs"], log_prob.detach(), mask)
             metrics["logprob_gap_engine"] = gap / tokens.clamp(min=1.0)
-        if "entropy" in outputs:
+        if "entropy" in outputs:  # detached at entropy_coeff 0 (Trainer.update: entropy_grad), then only a metric
             entropy = algo.agg_loss(outputs["entropy"], mask, cfg.loss_agg_mode)
-            loss = loss - cfg.entropy_coeff * entropy
+            if cfg.entropy_coeff != 0:
+                loss = loss - cfg.entropy_coeff * entropy
             metrics["entropy"] = entropy
         if cfg.use_kl_loss:
             kl = algo.agg_loss(algo.kl_penalty(log_prob, mb["ref_log_probs"], cfg.kl_loss_type), mask,
