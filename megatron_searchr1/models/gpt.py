@@ -42,7 +42,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_searchr1.models.config import (  # noqa: F401  (re-exported: callers import them from gpt)
-    check_parallel_sizes, padded_vocab_size, transformer_config_from_hf,
+    check_parallel_sizes, kernel_overrides, padded_vocab_size, transformer_config_from_hf, wgrad_fusion_available,
 )
 from megatron_searchr1.models.families import SUPPORTED_ARCHITECTURES, ModelDims, read_dims  # noqa: F401
 from megatron_searchr1.models.fast_modules import (  # noqa: F401  (re-exported)
@@ -101,6 +101,20 @@ def resolve_config(dims: ModelDims, config: Optional[TransformerConfig], params_
                          f"transformer_config_from_hf(hf_config, tp={tp}, pp={pp}, ...), matching the tp/pp given to "
                          "initialize_megatron (or pass config=None).")
     return config
+
+
+def model_settings(hf_config: Any, *, tp: int, pp: int, params_dtype: torch.dtype, use_te: Optional[bool] = None,
+                   sequence_parallel: bool = False, recompute: str = "none") -> dict:
+    """Keyword arguments for build_actor / build_reference / build_critic from the run's model.use_te,
+    model.recompute and parallel.sequence_parallel: `params_dtype`, the resolved `use_te` (None: TE when CUDA is
+    present and transformer_engine imports) and a TransformerConfig with the kernel settings (kernel_overrides:
+    fusions on only with TE on CUDA). On a CPU with the defaults the config equals the one build_gpt_model makes."""
+    use_te = resolve_use_te(use_te)
+    overrides = kernel_overrides(tp=tp, sequence_parallel=sequence_parallel, recompute=recompute, te=use_te,
+                                 cuda=torch.cuda.is_available(), wgrad_fusion=use_te and wgrad_fusion_available())
+    config = transformer_config_from_hf(hf_config, tp=tp, pp=pp, params_dtype=params_dtype, **overrides)
+    check_sequence_parallel(config, use_te)
+    return dict(params_dtype=params_dtype, use_te=use_te, config=config)
 
 
 def check_sequence_parallel(config: TransformerConfig, use_te: bool) -> None:

@@ -46,15 +46,17 @@ def te_available() -> bool:
 
 
 def resolve_use_te(use_te: Optional[bool]) -> bool:
-    """None -> TE when available; True without CUDA/TE -> a RuntimeError that says what to do."""
+    """model.use_te: None -> TE when available; False -> the local spec; True without CUDA/TE -> a RuntimeError that
+    says what to do (transformer_engine is imported here, lazily, never at module import)."""
     if use_te is None:
         return te_available()
     if use_te and not torch.cuda.is_available():
-        raise RuntimeError("use_te=True needs CUDA, and this machine has none: build with use_te=False "
-                           "(Megatron's local spec) on the CPU.")
+        raise RuntimeError("model.use_te=true (use_te=True) needs CUDA and Transformer Engine, and this machine has no "
+                           "CUDA: set model.use_te=false (Megatron's local spec) or leave it unset (auto) on the CPU.")
     if use_te and not te_available():
-        raise RuntimeError(f"use_te=True but transformer_engine does not import ({_te_import_error}): install "
-                           "`transformer-engine[pytorch]` (pip install -e .[gpu]) or pass use_te=False.")
+        raise RuntimeError(f"model.use_te=true (use_te=True) but transformer_engine does not import "
+                           f"({_te_import_error}): install the gpu extra, pip install -e '.[gpu]' (it brings "
+                           "transformer-engine[pytorch]), or set model.use_te=false.")
     return bool(use_te)
 
 

@@ -1,0 +1,94 @@
+"""Kernel settings (megatron_searchr1/models/config.py kernel_overrides, models/gpt.py model_settings): model.use_te,
+model.recompute and parallel.sequence_parallel reach the TransformerConfig; fusions only with TE on CUDA; the CPU
+config unchanged."""
+import dataclasses
+import functools
+import sys
+
+import pytest
+import torch
+
+from megatron_searchr1.models import config as model_config
+from megatron_searchr1.models import spec
+from megatron_searchr1.models.gpt import model_settings, transformer_config_from_hf
+from tests.models.test_gpt import tiny_config
+
+FUSIONS = ("bias_activation_fusion", "bias_dropout_fusion", "masked_softmax_fusion", "apply_rope_fusion",
+           "gradient_accumulation_fusion")
+
+
+def _fields(config) -> dict:
+    """The config's fields, init-method partials as (function, keywords) (a partial compares by identity)."""
+    out = {}
+    for f in dataclasses.fields(config):
+        v = getattr(config, f.name)
+        out[f.name] = (v.func, v.args, v.keywords) if isinstance(v, functools.partial) else v
+    return out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU defaults")
+def test_cpu_defaults_build_the_same_config_as_before_with_fusions_off():
+    """The CPU demo's numbers depend on it: with the run's defaults the config is the one build_gpt_model made
+    before model_settings existed, the local spec, every fusion off."""
+    cfg = tiny_config("qwen2")
+    got = model_settings(cfg, tp=2, pp=1, params_dtype=torch.float32)
+    assert got["use_te"] is False and got["params_dtype"] == torch.float32
+    assert _fields(got["config"]) == _fields(transformer_config_from_hf(cfg, tp=2, pp=1))
+    assert not any(getattr(got["config"], f) for f in FUSIONS)
+    assert got["config"].recompute_granularity is None and not got["config"].sequence_parallel
+
+
+@pytest.fixture
+def te_on_cuda(monkeypatch):
+    """Stand in for a GPU machine with Transformer Engine: CUDA reported, TE importable, TE's fused RoPE present
+    (TransformerConfig checks for it when apply_rope_fusion is on)."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(spec, "te_available", lambda: True)
+    monkeypatch.setattr(rope_utils, "fused_apply_rotary_pos_emb", lambda *a, **k: None, raising=False)
+
+
+@pytest.mark.parametrize("wgrad", [False, True])
+def test_te_on_cuda_turns_fusions_sequence_parallel_and_recompute_on(te_on_cuda, monkeypatch, wgrad):
+    monkeypatch.setattr(model_config, "wgrad_fusion_available", lambda: wgrad)
+    import megatron_searchr1.models.gpt as gpt
+
+    monkeypatch.setattr(gpt, "wgrad_fusion_available", lambda: wgrad)
+    got = model_settings(tiny_config("qwen2"), tp=2, pp=1, params_dtype=torch.bfloat16, sequence_parallel=True,
+                         recompute="selective")
+    c = got["config"]
+    assert got["use_te"] is True
+    assert c.bias_activation_fusion and c.bias_dropout_fusion and c.masked_softmax_fusion and c.apply_rope_fusion
+    assert c.gradient_accumulation_fusion is wgrad  # needs Apex's kernel: Megatron's output layer calls it
+    assert c.sequence_parallel and c.recompute_granularity == "selective" and c.recompute_method is None
+    full = model_settings(tiny_config("qwen2"), tp=2, pp=1, params_dtype=torch.bfloat16, recompute="full")["config"]
+    assert (full.recompute_granularity, full.recompute_method, full.recompute_num_layers) == ("full", "uniform", 1)
+    assert not full.sequence_parallel
+
+
+def test_use_te_false_keeps_the_local_spec_and_no_fusions_even_with_te(te_on_cuda):
+    got = model_settings(tiny_config("qwen2"), tp=1, pp=1, params_dtype=torch.float32, use_te=False)
+    assert got["use_te"] is False and not any(getattr(got["config"], f) for f in FUSIONS)
+
+
+def test_use_te_true_without_transformer_engine_names_the_gpu_extra(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setitem(sys.modules, "transformer_engine", None)
+    monkeypatch.setitem(sys.modules, "transformer_engine.pytorch", None)
+    monkeypatch.setattr(spec, "_te_import_error", None)
+    with pytest.raises(RuntimeError, match=r"pip install -e '\.\[gpu\]'.*model\.use_te=false"):
+        model_settings(tiny_config("qwen2"), tp=1, pp=1, params_dtype=torch.float32, use_te=True)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
+def test_use_te_true_without_cuda_says_what_to_set():
+    with pytest.raises(RuntimeError, match="model.use_te=false"):
+        model_settings(tiny_config("qwen2"), tp=1, pp=1, params_dtype=torch.float32, use_te=True)
+
+
+def test_sequence_parallel_needs_tensor_parallelism():
+    with pytest.raises(ValueError, match=r"parallel.sequence_parallel=true .* needs parallel.tp > 1"):
+        model_settings(tiny_config("qwen2"), tp=1, pp=1, params_dtype=torch.float32, sequence_parallel=True)
+    with pytest.raises(ValueError, match="model.recompute"):
+        model_config.kernel_overrides(tp=1, recompute="some")
