@@ -113,16 +113,7 @@ def model_settings(hf_config: Any, *, tp: int, pp: int, params_dtype: torch.dtyp
     overrides = kernel_overrides(tp=tp, sequence_parallel=sequence_parallel, recompute=recompute, te=use_te,
                                  cuda=torch.cuda.is_available(), wgrad_fusion=use_te and wgrad_fusion_available())
     config = transformer_config_from_hf(hf_config, tp=tp, pp=pp, params_dtype=params_dtype, **overrides)
-    check_sequence_parallel(config, use_te)
     return dict(params_dtype=params_dtype, use_te=use_te, config=config)
-
-
-def check_sequence_parallel(config: TransformerConfig, use_te: bool) -> None:
-    """Sequence parallelism needs TE's norms: Megatron's torch norm (the local spec) asserts it off mid-build."""
-    if config.sequence_parallel and not use_te:
-        raise ValueError("sequence_parallel=True needs the Transformer Engine spec (Megatron's local spec norms do not "
-                         "support it): build with use_te=True on a GPU with transformer_engine, or set "
-                         "sequence_parallel=False.")
 
 
 def cast_params(model: torch.nn.Module, dtype: torch.dtype) -> None:
@@ -166,7 +157,6 @@ def _build_stage(model_cls: type[GPTModel], hf_config: Any, *, params_dtype: tor
     dims = read_dims(hf_config)
     use_te = resolve_use_te(use_te)
     config = resolve_config(dims, config, params_dtype)
-    check_sequence_parallel(config, use_te)
     kwargs = gpt_model_kwargs(dims, config, use_te=use_te, pre_process=pre_process, post_process=post_process)
     model = model_cls(**kwargs)
     use_fast_modules(model, use_te=use_te)

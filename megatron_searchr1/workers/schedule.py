@@ -68,6 +68,9 @@ def _run_schedule(model, micro_batches: Sequence[MicroBatch], forward_only: bool
                   post: Callable[[torch.Tensor, MicroBatch], object]) -> None:
     """Run the pipeline schedule over `micro_batches`; on the last stage `post(output, mb)` sees each output."""
     device = _device()
+    config = unwrap(model).config  # sequence parallelism splits the sequence over TP: pad it to a multiple
+    micro_batches = [mb.padded_to(config.tensor_model_parallel_size if config.sequence_parallel else 1)
+                     for mb in micro_batches]
 
     def forward_step(data_iterator, model_chunk):
         mb = next(data_iterator).to(device)
