@@ -12,7 +12,7 @@ import torch
 from megatron_searchr1.models import config as model_config
 from megatron_searchr1.models import spec
 from megatron_searchr1.models.gpt import model_settings, transformer_config_from_hf
-from tests.models.test_gpt import tiny_config
+from tests.models.test_gpt import megatron_tp1, tiny_config  # noqa: F401  (fixture)
 
 FUSIONS = ("bias_activation_fusion", "bias_dropout_fusion", "masked_softmax_fusion", "apply_rope_fusion",
            "gradient_accumulation_fusion")
@@ -113,3 +113,24 @@ def test_sequence_parallel_on_the_local_spec_equals_sp_off_at_tp2(tmp_path):
     assert r["sp_marked_sp0"] == [] and "decoder.final_layernorm.weight" in r["sp_marked_sp1"]
     for name, want in r["params_sp0"].items():
         torch.testing.assert_close(r["params_sp1"][name], want, atol=1e-5, rtol=0, msg=name)
+
+
+@pytest.mark.parametrize("recompute", ["selective", "full"])
+def test_recomputation_gives_the_same_gradients(megatron_tp1, recompute):
+    """model.recompute trades compute for activation memory, never the numbers: one backward of the local spec with
+    selective (attention core) or full (every layer) recomputation equals the one without."""
+    from megatron_searchr1.models.gpt import build_gpt_model
+    from tests.models.test_gpt import sample_ids
+
+    cfg = tiny_config("qwen2")
+    ids = sample_ids(batch=2, seq=17, seed=5)
+    grads = {}
+    for mode in ("none", recompute):
+        torch.manual_seed(0)
+        model = build_gpt_model(cfg, **model_settings(cfg, tp=1, pp=1, params_dtype=torch.float32, recompute=mode))
+        assert model.config.recompute_granularity == (None if mode == "none" else mode)
+        model.train()
+        model(ids[:, :-1], None, None, labels=ids[:, 1:]).mean().backward()
+        grads[mode] = {n: p.grad.clone() for n, p in model.named_parameters()}
+    for name, want in grads["none"].items():
+        torch.testing.assert_close(grads[recompute][name], want, atol=1e-6, rtol=1e-5, msg=name)
