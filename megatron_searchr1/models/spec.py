@@ -40,7 +40,7 @@ def te_available() -> bool:
         if _te_import_error is None:
             _te_import_error = f"{type(e).__name__}: {e}"
             log.warning("Transformer Engine does not import (%s): building Megatron's local spec instead, which is "
-                        "slower on GPU and refuses sequence parallelism. Fix the TE install or pass use_te=False to "
+                        "slower on GPU. Fix the TE install or pass use_te=False to "
                         "silence this.", _te_import_error)
         return False
     return True

@@ -97,22 +97,24 @@ def test_sequence_parallel_needs_tensor_parallelism():
 
 @pytest.mark.slow  # ~30-60 s: torchrun start-up and two tiny models on a shared 2-core machine
 def test_sequence_parallel_on_the_local_spec_equals_sp_off_at_tp2(tmp_path):
-    """Megatron's sequence parallelism runs on the CPU over gloo with the local spec (spec.TorchNorm): a Qwen3-shaped
-    tiny model (q/k norms too) at TP=2 gives the same logits with SP on as off for an odd sequence length (padded to
+    """Megatron's sequence parallelism runs on the CPU over gloo with the local spec (spec.TorchNorm): tiny Qwen2
+    (RoPE in SDPAttention, qkv bias) and Qwen3 (q/k norms) models at TP=2 gives the same logits with SP on as off for an odd sequence length (padded to
     a multiple of TP and cut back), and one train_step through the trainer's schedule gives the same loss, gradient
     norm (the norms' partial gradients summed over TP by finalize_model_grads) and updated weights."""
     from tests.dist_utils import run_torchrun
 
     out = tmp_path / "sp.pt"
     run_torchrun(Path(__file__).with_name("sequence_parallel_script.py"), 2, "--out", out, timeout=600)
-    r = torch.load(out)
-    assert r["logits_sp0"].shape[1] == 13
-    torch.testing.assert_close(r["logits_sp1"], r["logits_sp0"], atol=1e-5, rtol=0)
-    assert r["loss_sp1"] == pytest.approx(r["loss_sp0"], abs=1e-6)
-    assert r["grad_norm_sp1"] == pytest.approx(r["grad_norm_sp0"], rel=1e-5)
-    assert r["sp_marked_sp0"] == [] and "decoder.final_layernorm.weight" in r["sp_marked_sp1"]
-    for name, want in r["params_sp0"].items():
-        torch.testing.assert_close(r["params_sp1"][name], want, atol=1e-5, rtol=0, msg=name)
+    results = torch.load(out)
+    for kind in ("qwen2", "qwen3"):
+        r = {k.split("/")[1]: v for k, v in results.items() if k.startswith(kind + "/")}
+        assert r["logits_sp0"].shape[1] == 13
+        torch.testing.assert_close(r["logits_sp1"], r["logits_sp0"], atol=1e-5, rtol=0)
+        assert r["loss_sp1"] == pytest.approx(r["loss_sp0"], abs=1e-6)
+        assert r["grad_norm_sp1"] == pytest.approx(r["grad_norm_sp0"], rel=1e-5)
+        assert r["sp_marked_sp0"] == [] and "decoder.final_layernorm.weight" in r["sp_marked_sp1"]
+        for name, want in r["params_sp0"].items():
+            torch.testing.assert_close(r["params_sp1"][name], want, atol=1e-5, rtol=0, msg=f"{kind} {name}")
 
 
 @pytest.mark.parametrize("recompute", ["selective", "full"])
