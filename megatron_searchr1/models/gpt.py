@@ -33,6 +33,7 @@ embedding on the last stage as `output_layer.weight` and all-reduces its gradien
 """
 from __future__ import annotations
 
+import copy
 from typing import Any, Optional
 
 import torch
@@ -91,7 +92,11 @@ def parallel_sizes() -> tuple[int, int]:
 
 
 def resolve_config(dims: ModelDims, config: Optional[TransformerConfig], params_dtype: torch.dtype) -> TransformerConfig:
-    """`config`, checked against the parallel state, or a fresh one from `dims`."""
+    """A copy of `config`, checked against the parallel state, or a fresh one from `dims`.
+
+    A copy because a model owns its config: wrap_ddp writes the model's DDP hooks into it (`no_sync_func`), so one
+    config shared by the actor, the reference and the critic (model_settings' dict) would hand the last-wrapped
+    model's hooks to the others."""
     tp, pp = parallel_sizes()
     if config is None:
         return transformer_config_from_hf(dims, tp=tp, pp=pp, params_dtype=params_dtype)
@@ -100,7 +105,7 @@ def resolve_config(dims: ModelDims, config: Optional[TransformerConfig], params_
                          f"but parallel_state is TP={tp}, PP={pp}: build the config with "
                          f"transformer_config_from_hf(hf_config, tp={tp}, pp={pp}, ...), matching the tp/pp given to "
                          "initialize_megatron (or pass config=None).")
-    return config
+    return copy.copy(config)
 
 
 def model_settings(hf_config: Any, *, tp: int, pp: int, params_dtype: torch.dtype, use_te: Optional[bool] = None,

@@ -136,3 +136,20 @@ def test_recomputation_gives_the_same_gradients(megatron_tp1, recompute):
         grads[mode] = {n: p.grad.clone() for n, p in model.named_parameters()}
     for name, want in grads["none"].items():
         torch.testing.assert_close(grads[recompute][name], want, atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_models_built_from_one_settings_dict_do_not_share_their_config(megatron_tp1):
+    """runtime builds the actor, the reference and the critic from one model_settings dict; wrap_ddp writes each
+    model's DDP hooks into its config, so a shared config would give the actor the critic's no_sync (on GPUs, where
+    gradient reduction overlaps backward, its micro-batches would reduce early)."""
+    from megatron_searchr1.workers.actor import build_actor, build_reference
+    from megatron_searchr1.workers.critic import build_critic
+
+    cfg = tiny_config("qwen2")
+    settings = model_settings(cfg, tp=1, pp=1, params_dtype=torch.float32)
+    actor, critic = build_actor(cfg, **settings), build_critic(cfg, **settings)
+    ref = build_reference(cfg, **settings)
+    configs = [actor.module.config, critic.module.config, ref.config, settings["config"]]
+    assert len({id(c) for c in configs}) == 4
+    assert actor.module.config.no_sync_func.__self__ is actor
+    assert critic.module.config.no_sync_func.__self__ is critic
