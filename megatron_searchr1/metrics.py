@@ -23,9 +23,13 @@ def mean_over_ranks(metrics: dict[str, float], group=None) -> dict[str, float]:
     """Average each metric over the ranks of `group` (all ranks if None); one all_reduce for all keys.
 
     Keys are sorted so every rank packs the same order; a rank missing a key is a bug (raised, not averaged).
+    The packed tensor goes through the current GPU when there is one (`collective_device`): an NCCL group refuses
+    CPU tensors.
     """
     import torch
     import torch.distributed as dist
+
+    from megatron_searchr1.megatron.initialize import collective_device
 
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return dict(metrics)
@@ -34,10 +38,10 @@ def mean_over_ranks(metrics: dict[str, float], group=None) -> dict[str, float]:
     dist.all_gather_object(key_lists, keys, group=group)
     if any(k != keys for k in key_lists):
         raise RuntimeError(f"ranks log different metric keys: {sorted(set(map(tuple, key_lists)))[:2]}")
-    t = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64)
+    t = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64, device=collective_device())
     dist.all_reduce(t, group=group)
     t /= dist.get_world_size(group)
-    return dict(zip(keys, t.tolist()))
+    return dict(zip(keys, t.cpu().tolist()))
 
 
 class RunLogger:

@@ -71,15 +71,16 @@ def score_trajectories(trajs: Sequence[Trajectory], tokenizer, cfg: AlgoConfig) 
 def dp_sum(group=None):
     """An `algo.Reduce` over the ranks of `group` (the DP group): the float64 tensor summed over them.
 
-    On GPUs the tensor goes through the accelerator (Megatron's DP group is NCCL-only); on the CPU it stays there
-    (gloo). With one rank (or no process group) it is returned as is."""
+    On GPUs the tensor goes through the accelerator (`collective_device`, the package's rule for collectives); on
+    the CPU it stays there (gloo). With one rank (or no process group) it is returned as is."""
     import torch.distributed as dist
+
+    from megatron_searchr1.megatron.initialize import collective_device
 
     def reduce(t: torch.Tensor) -> torch.Tensor:
         if not dist.is_initialized() or dist.get_world_size(group) == 1:
             return t
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else t.device
-        out = t.to(device, copy=True)
+        out = t.to(collective_device(), copy=True)
         dist.all_reduce(out, group=group)
         return out.to(t.device)
 
@@ -188,9 +189,10 @@ def actor_loss_fn(cfg: AlgoConfig, engine_gap: bool = False):
         if on_policy and engine_gap and "engine_log_probs" in mb:
             gap, tokens = _gap_sums(mb["engine_log_probs"], log_prob.detach(), mask)
             metrics["logprob_gap_engine"] = gap / tokens.clamp(min=1.0)
-        if "entropy" in outputs:
+        if "entropy" in outputs:  # detached at entropy_coeff 0 (Trainer.update: entropy_grad), then only a metric
             entropy = algo.agg_loss(outputs["entropy"], mask, cfg.loss_agg_mode)
-            loss = loss - cfg.entropy_coeff * entropy
+            if cfg.entropy_coeff != 0:
+                loss = loss - cfg.entropy_coeff * entropy
             metrics["entropy"] = entropy
         if cfg.use_kl_loss:
             kl = algo.agg_loss(algo.kl_penalty(log_prob, mb["ref_log_probs"], cfg.kl_loss_type), mask,

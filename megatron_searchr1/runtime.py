@@ -156,13 +156,15 @@ def build_runtime(cfg: Config) -> Runtime:
     from megatron_searchr1.megatron.optimizer import build_optimizer
     from megatron_searchr1.metrics import RunLogger
     from megatron_searchr1.models.convert import bind_mapping, load_hf_config
+    from megatron_searchr1.models.gpt import model_settings
     from megatron_searchr1.rollout.engines import make_engine
     from megatron_searchr1.search.client import RetrievalClient
     from megatron_searchr1.workers.actor import build_actor, build_reference
     from megatron_searchr1.workers.critic import build_critic
 
     p, o, a, r, t = cfg.parallel, cfg.optim, cfg.algo, cfg.rollout, cfg.trainer
-    initialize_megatron(tp=p.tp, pp=p.pp, seed=t.seed)
+    initialize_megatron(tp=p.tp, pp=p.pp, seed=t.seed, timeout_minutes=p.timeout_minutes,
+                        sequence_parallel=p.sequence_parallel)
     rank, world = dist.get_rank(), dist.get_world_size()
     dp_rank, dp_size = mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size()
     try:  # checkpoints need one directory for all nodes: refuse now, not at the first save or resume
@@ -178,7 +180,9 @@ def build_runtime(cfg: Config) -> Runtime:
     # -- models ---------------------------------------------------------------------------------------------
     model_source = pin_model_source(cfg.model.megatron_ckpt or cfg.model.path)
     load_actor = _weights_loader(cfg, hf_config, model_source)
-    actor = build_actor(hf_config, params_dtype=dtype, load_weights=load_actor,
+    settings = model_settings(hf_config, tp=p.tp, pp=p.pp, params_dtype=dtype, use_te=cfg.model.use_te,
+                              sequence_parallel=p.sequence_parallel, recompute=cfg.model.recompute)
+    actor = build_actor(hf_config, **settings, load_weights=load_actor,
                         use_distributed_optimizer=p.use_distributed_optimizer)
     warmup = int(o.warmup_steps_ratio * t.total_steps)
     decay = max(t.total_steps, warmup + 1)
@@ -190,10 +194,10 @@ def build_runtime(cfg: Config) -> Runtime:
         actor_sched.step(1)
     ref = None
     if a.use_kl_loss or a.use_kl_in_reward:
-        ref = build_reference(hf_config, params_dtype=dtype, load_weights=load_actor)
+        ref = build_reference(hf_config, **settings, load_weights=load_actor)
     critic = critic_opt = critic_sched = None
     if a.uses_critic:
-        critic = build_critic(hf_config, params_dtype=dtype,
+        critic = build_critic(hf_config, **settings,
                               load_weights=_weights_loader(cfg, hf_config, cfg.model.critic_path),
                               use_distributed_optimizer=p.use_distributed_optimizer)
         critic_opt, critic_sched = build_optimizer(critic, lr=o.critic_lr, min_lr=o.critic_lr * o.min_lr_ratio,

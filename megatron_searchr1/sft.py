@@ -45,12 +45,14 @@ def train_sft(cfg: SFTConfig) -> dict:
     from megatron_searchr1.megatron.optimizer import build_optimizer
     from megatron_searchr1.metrics import RunLogger, mean_over_ranks, timer
     from megatron_searchr1.models.convert import bind_mapping, load_hf_config
+    from megatron_searchr1.models.gpt import model_settings
     from megatron_searchr1.runtime import DTYPES, _weights_loader
     from megatron_searchr1.workers.actor import build_actor, masked_nll_loss, sft_sequence
     from megatron_searchr1.workers.schedule import train_step
 
     t, o, d = cfg.trainer, cfg.optim, cfg.data
-    initialize_megatron(tp=cfg.parallel.tp, pp=cfg.parallel.pp, seed=t.seed)
+    initialize_megatron(tp=cfg.parallel.tp, pp=cfg.parallel.pp, seed=t.seed,
+                        timeout_minutes=cfg.parallel.timeout_minutes, sequence_parallel=cfg.parallel.sequence_parallel)
     rank = dist.get_rank()
     dp_rank, dp_size = mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size()
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
@@ -67,7 +69,10 @@ def train_sft(cfg: SFTConfig) -> dict:
     seqs = [sft_sequence(ex.input_ids, ex.loss_mask) for ex in data]
     sampler = PromptSampler(len(seqs), d.batch_size, t.seed, d.shuffle)
 
-    model = build_actor(hf_config, params_dtype=dtype, load_weights=_weights_loader(cfg, hf_config, None),
+    settings = model_settings(hf_config, tp=cfg.parallel.tp, pp=cfg.parallel.pp, params_dtype=dtype,
+                              use_te=cfg.model.use_te, sequence_parallel=cfg.parallel.sequence_parallel,
+                              recompute=cfg.model.recompute)
+    model = build_actor(hf_config, **settings, load_weights=_weights_loader(cfg, hf_config, None),
                         use_distributed_optimizer=cfg.parallel.use_distributed_optimizer)
     warmup = int(o.warmup_steps_ratio * t.total_steps)
     optimizer, scheduler = build_optimizer(model, lr=o.lr, min_lr=o.lr * o.min_lr_ratio, weight_decay=o.weight_decay,

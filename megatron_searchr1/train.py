@@ -205,7 +205,7 @@ class Trainer:
             rt.critic_sched.step(1)
         if self.step_no >= o.critic_warmup:  # verl: the actor updates once critic_warmup <= step (steps from 1)
             run(rt.actor, rt.actor_opt, ppo.actor_loss_fn(a, engine_gap=cfg.rollout.temperature == 1.0), "actor",
-                temperature=cfg.rollout.temperature, with_entropy=True)
+                temperature=cfg.rollout.temperature, with_entropy=True, entropy_grad=a.entropy_coeff != 0)
             rt.actor_sched.step(1)
         n_updates = a.ppo_epochs * n_mini
         return {k: v / n_updates for k, v in sums.items()}

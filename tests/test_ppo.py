@@ -268,3 +268,37 @@ def test_the_reward_reads_only_what_the_model_generated():
     scores = ppo.score_trajectories([never, answered], tok, AlgoConfig(format_score=0.2))
     assert scores[0]["score"] == 0.0  # no answer: not even the format score
     assert scores[1]["score"] == pytest.approx(0.2)  # answered, wrongly: the format score
+
+
+@pytest.mark.parametrize("coeff", [0.0, 0.01])
+def test_entropy_at_coefficient_zero_is_a_metric_and_the_loss_and_gradient_are_unchanged(coeff):
+    """Trainer.update asks for a detached entropy at entropy_coeff 0 (entropy_grad=False): the loss, its gradient
+    and the entropy metric equal those of the gradient-carrying entropy (the old path), which stays in use for a
+    coefficient > 0, where the bonus moves the loss."""
+    from megatron_searchr1.megatron.vocab_parallel import vocab_parallel_log_probs
+
+    torch.manual_seed(0)
+    seqs = ppo.to_sequences([_traj("g", [5, 6, 7][: k + 1], [8] * (k + 1)) for k in range(3)])
+    for s in seqs:
+        s["advantages"] = torch.randn(len(s["response_ids"]))
+    (mb,) = _micro_batches(seqs)
+    logits = torch.randn(*mb["loss_mask"].shape, 40)
+    targets = torch.randint(0, 40, mb["loss_mask"].shape)
+    cfg = AlgoConfig(use_kl_loss=False, entropy_coeff=coeff)
+
+    def run(entropy_grad):
+        x = logits.clone().requires_grad_(True)
+        lp, ent = vocab_parallel_log_probs(x, targets, real_vocab_size=40, with_entropy=True,
+                                           entropy_grad=entropy_grad)
+        loss, metrics = ppo.actor_loss_fn(cfg)({"log_probs": lp, "entropy": ent}, mb)
+        loss.backward()
+        return loss.detach(), x.grad, metrics
+
+    loss_full, grad_full, m_full = run(entropy_grad=True)
+    if coeff == 0:
+        loss_metric, grad_metric, m_metric = run(entropy_grad=False)
+        assert torch.equal(loss_metric, loss_full) and torch.equal(grad_metric, grad_full)
+        torch.testing.assert_close(m_metric["entropy"], m_full["entropy"], atol=1e-6, rtol=0)
+    else:
+        expected = float(m_full["pg_loss"] - coeff * m_full["entropy"]) * mb.loss_token_weight
+        assert float(loss_full) == pytest.approx(expected, abs=1e-7)

@@ -40,3 +40,21 @@ def test_critic_warmup_matches_verl(monkeypatch, warmup, actor_steps):
             updated.append(step)
     assert updated == actor_steps
     assert trainer.rt.actor_sched.steps == len(actor_steps) and trainer.rt.critic_sched.steps == 3
+
+
+@pytest.mark.parametrize("coeff", [0.0, 0.001])
+def test_the_actor_update_computes_a_differentiable_entropy_only_for_an_entropy_bonus(monkeypatch, coeff):
+    """At entropy_coeff 0 the actor's update asks for the entropy as a detached metric (no second vocabulary-sized
+    tensor kept for backward, issue 19); with a bonus, for the entropy with its gradient."""
+    import megatron_searchr1.workers.schedule as schedule
+
+    seen = {}
+    monkeypatch.setattr(schedule, "train_step", lambda model, *a, **kw: seen.update({model: kw}) or {"loss": 0.0})
+    trainer = Trainer.__new__(Trainer)
+    trainer.cfg = load_config(None, [f"algo.entropy_coeff={coeff}", "data.train_batch_size=2",
+                                     "algo.ppo_mini_batch_size=2"])
+    trainer.rt = SimpleNamespace(actor="actor", actor_opt=None, actor_sched=_Sched(), critic=None)
+    trainer.step_no = 1
+    trainer.update([{"prompt_ids": [1, 2], "response_ids": [3, 4], "loss_mask": torch.ones(2)} for _ in range(2)])
+    assert seen["actor"]["with_entropy"] is True
+    assert seen["actor"]["entropy_grad"] is (coeff != 0)

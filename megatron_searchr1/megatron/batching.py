@@ -22,6 +22,8 @@ Layout of one micro-batch (`MicroBatch`), right-padded because Megatron's RoPE u
     fields[k]      (b, R) / (b,) per-response-token fields zero-padded to R; per-sequence numbers
     prompt_lens, response_lens (b,)
 
+Under sequence parallelism the workers pad input_ids to a multiple of TP columns (`MicroBatch.padded_to`).
+
 Response token j of row i sits at position prompt_lens[i] + j of input_ids and is predicted from position
 prompt_lens[i] + j - 1: `response_positions` gives those positions (the workers gather log-probs and values
 there, verl's `[:, prompt_len - 1 : -1]`).
@@ -181,6 +183,20 @@ class MicroBatch:
         """(b, R) long: the response token ids, 0 on padding."""
         pos = (self.response_positions() + 1).clamp(max=self.input_ids.shape[1] - 1)
         return torch.gather(self.input_ids, 1, pos) * self.response_mask.long()
+
+    def padded_to(self, multiple: int) -> "MicroBatch":
+        """A copy whose input_ids are right-padded to a multiple of `multiple` columns (itself when they are).
+
+        Sequence parallelism splits the sequence over the TP ranks, so its length must divide by TP; the extra
+        columns come after every row's last token, where causal attention keeps them from touching real tokens,
+        and no response position reaches them.
+        """
+        T = self.input_ids.shape[1]
+        extra = -T % multiple
+        if extra == 0:
+            return self
+        pad = self.input_ids.new_zeros(self.input_ids.shape[0], extra)
+        return dataclasses.replace(self, input_ids=torch.cat([self.input_ids, pad], dim=1))
 
     def to(self, device) -> "MicroBatch":
         """A copy with every tensor on `device`."""

@@ -3,8 +3,8 @@
     torchrun --nproc_per_node 4 my_entry.py      # each rank calls initialize_megatron(tp=2, pp=2)
 
 Without torchrun's variables (a plain `python` run, a notebook, a unit test) we start a 1-process world on a free
-loopback port, so the same code path serves both. NCCL with CUDA, gloo without; on the CPU the compatibility layer
-in `compat.py` is installed first.
+loopback port, so the same code path serves both. NCCL (and gloo beside it for CPU tensors) with CUDA, gloo
+without; on the CPU the compatibility layer in `compat.py` is installed first.
 
 CPU mode is never a silent fallback: it is chosen when the machine has no GPU at all. When the launch says GPUs are
 expected (`MEGATRON_SEARCHR1_DEVICE=cuda` or `device="cuda"`, `CUDA_VISIBLE_DEVICES` naming devices, `/dev/nvidia*`
@@ -17,6 +17,7 @@ import glob
 import os
 import random
 import socket
+import warnings
 from datetime import timedelta
 from typing import Optional
 
@@ -82,12 +83,47 @@ def resolve_device(device: Optional[str] = None, *, cuda_available: Optional[boo
 
 
 def process_group_kwargs(device: str, local_rank: int, timeout_minutes: int) -> dict:
-    """`init_process_group` arguments: NCCL bound to this rank's GPU (`device_id`, so NCCL connects eagerly and
-    never guesses the device), gloo on the CPU."""
+    """`init_process_group` arguments.
+
+    CUDA: NCCL for CUDA tensors and gloo beside it for CPU tensors (`cpu:gloo,cuda:nccl`): an NCCL-only group refuses
+    a CPU tensor ("No backend type associated with device type cpu"), and metrics, counts and pickled objects are
+    CPU tensors. Megatron's TP/PP/DP groups are made with `backend=None`, so they inherit both. `device_id` binds
+    NCCL to this rank's GPU (it connects eagerly and never guesses the device). CPU: gloo alone.
+    """
+    timeout = timedelta(minutes=timeout_minutes)
     if device == "cuda":
-        return dict(backend="nccl", device_id=torch.device("cuda", local_rank),
-                    timeout=timedelta(minutes=timeout_minutes))
-    return dict(backend="gloo", timeout=timedelta(minutes=timeout_minutes))
+        return dict(backend="cpu:gloo,cuda:nccl", device_id=torch.device("cuda", local_rank), timeout=timeout)
+    return dict(backend="gloo", timeout=timeout)
+
+
+MAX_CONNECTIONS = "CUDA_DEVICE_MAX_CONNECTIONS"
+
+
+def cuda_env(device: str, tp: int, sequence_parallel: bool = False) -> dict[str, str]:
+    """Environment variables Megatron needs set before CUDA starts: `CUDA_DEVICE_MAX_CONNECTIONS=1` on GPUs with
+    TP > 1 (sequence parallelism implies it).
+
+    Megatron issues a TP layer's communication before the compute it should overlap with (the async input-grad
+    all-reduce, SP's reduce-scatter) and relies on one hardware queue to run them in that order
+    (tensor_parallel/layers.py, which warns without it); verl sets it for its Megatron workers as well.
+    """
+    if device == "cuda" and (tp > 1 or sequence_parallel):
+        return {MAX_CONNECTIONS: "1"}
+    return {}
+
+
+def _apply_cuda_env(wanted: dict[str, str]) -> None:
+    """Set `wanted` in os.environ unless the user set the variable (a UCC pipeline backend needs it > 1); say so
+    when CUDA already started, since the driver reads it only when the context is created."""
+    for key, value in wanted.items():
+        if key in os.environ:
+            if os.environ[key] != value:
+                warnings.warn(f"{key}={os.environ[key]} is kept as set; Megatron's TP overlap expects {value}")
+            continue
+        if torch.cuda.is_initialized():
+            warnings.warn(f"{key}={value} is set after CUDA started, so this process does not use it: export it "
+                          "before launching (torchrun inherits it)")
+        os.environ[key] = value
 
 
 def _init_process_group(timeout_minutes: int, device: str) -> None:
@@ -103,6 +139,15 @@ def _init_process_group(timeout_minutes: int, device: str) -> None:
     if device == "cuda":
         torch.cuda.set_device(local_rank)
     dist.init_process_group(**process_group_kwargs(device, local_rank, timeout_minutes))
+
+
+def collective_device() -> torch.device:
+    """Where a tensor made for a collective lives: the current GPU when there is one, else the CPU.
+
+    The rule for every all_reduce / broadcast / all_gather in the package: its tensor is on this device (or is a
+    model tensor, on it already). The default group also carries gloo for CPU tensors (process_group_kwargs), but a
+    group made with an explicit NCCL backend would not; tests/test_collectives.py lists every call site."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
 def seed_everything(seed: int) -> int:
@@ -125,8 +170,11 @@ def seed_everything(seed: int) -> int:
 
 
 def initialize_megatron(tp: int = 1, pp: int = 1, seed: int = 1234, timeout_minutes: int = 30,
-                        device: Optional[str] = None) -> None:
+                        device: Optional[str] = None, sequence_parallel: bool = False) -> None:
     """Initialise torch.distributed and Megatron's TP/PP/DP groups; DP = world_size / (tp * pp).
+
+    `timeout_minutes`: the collective timeout (parallel.timeout_minutes). `sequence_parallel`: with `tp`, decides
+    the CUDA environment Megatron needs (`cuda_env`), set before the first CUDA call.
 
     `device`: 'cuda', 'cpu' or None (= $MEGATRON_SEARCHR1_DEVICE, else what the machine has; see the module doc:
     a GPU launch without CUDA is refused, not run on CPUs). Idempotent for the same sizes, so a test or tool may
@@ -137,6 +185,7 @@ def initialize_megatron(tp: int = 1, pp: int = 1, seed: int = 1234, timeout_minu
     if tp < 1 or pp < 1:
         raise ValueError(f"tensor/pipeline parallel sizes must be >= 1, got tp={tp}, pp={pp}")
     device = resolve_device(device)
+    _apply_cuda_env(cuda_env(device, tp, sequence_parallel))
     _init_process_group(timeout_minutes, device)
     world = dist.get_world_size()
     if world % (tp * pp):

@@ -2,6 +2,7 @@
 
     logp, ent = vocab_parallel_log_probs(logits, targets, real_vocab_size=model.hf_vocab_size,
                                          temperature=1.0, with_entropy=True)   # (b, s) each, fp32
+    logp, ent = vocab_parallel_log_probs(..., with_entropy=True, entropy_grad=False)  # entropy: a detached metric
 
 `logits` is this TP rank's shard [..., V_pad / tp] of the output layer (models built with parallel_output=True):
 rank r holds global vocabulary columns [r * V_pad/tp, (r + 1) * V_pad/tp). Megatron pads the vocabulary to a
@@ -14,6 +15,11 @@ the sum of exp, and the target logit (from the one rank whose shard holds it); t
 expectation of the logit. Backward (an autograd.Function, so only the softmax and, for entropy, the shifted
 logits are saved) writes this shard's gradient; the output layer's own backward then all-reduces the hidden-state
 gradient over TP, as for Megatron's vocab-parallel cross-entropy. Every TP rank computes the same loss.
+
+Memory: the saved softmax is one fp32 tensor of the micro-batch's response tokens x V / tp (5 GB for 8k tokens at a
+152k vocabulary); an entropy with a gradient saves the shifted logits too, a second one. When the loss does not use
+the entropy (entropy_coeff 0), `entropy_grad=False` computes it as a detached metric in the forward, with a batched
+dot product that makes no vocabulary-sized temporary, and saves nothing more than the log-probs alone.
 
 With z = logits / temperature restricted to the real vocabulary, p = softmax(z):
     log p(target) = z_t - logsumexp(z),          d/dz_k = 1[k = t] - p_k
@@ -36,7 +42,7 @@ def _all_reduce(t: torch.Tensor, op, group) -> torch.Tensor:
 
 class _VocabParallelLogProbs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, targets, vocab_start, real_vocab_size, temperature, with_entropy, group):
+    def forward(ctx, logits, targets, vocab_start, real_vocab_size, temperature, with_entropy, entropy_grad, group):
         local = logits.shape[-1]
         n_real = max(0, min(local, real_vocab_size - vocab_start))  # real columns on this rank (a tail is padding)
         z = logits[..., :n_real].float() / temperature  # (..., n_real), a fresh fp32 tensor
@@ -62,14 +68,16 @@ class _VocabParallelLogProbs(torch.autograd.Function):
         log_probs = z_t - log_z
 
         entropy = None
-        if with_entropy:
-            mean_z = (p * z).sum(dim=-1)  # E_p[z] (shifted), partial over this shard
-            _all_reduce(mean_z, dist.ReduceOp.SUM, group)
+        if with_entropy and entropy_grad:
+            mean_z = _expected_logit(p, z, group)
             entropy = log_z - mean_z
             ctx.save_for_backward(p, z, mean_z, idx, here)
         else:
+            if with_entropy:
+                entropy = _entropy_metric(p, z, log_z, group)
+                ctx.mark_non_differentiable(entropy)
             ctx.save_for_backward(p, idx, here)
-        ctx.with_entropy = with_entropy
+        ctx.with_entropy = with_entropy and entropy_grad
         ctx.temperature = temperature
         ctx.local = local
         ctx.n_real = n_real
@@ -94,7 +102,24 @@ class _VocabParallelLogProbs(torch.autograd.Function):
         grad_z /= ctx.temperature
         grad_logits = torch.zeros(*p.shape[:-1], ctx.local, dtype=ctx.logits_dtype, device=p.device)
         grad_logits[..., : ctx.n_real] = grad_z
-        return grad_logits, None, None, None, None, None, None
+        return grad_logits, None, None, None, None, None, None, None
+
+
+def _expected_logit(p: torch.Tensor, z: torch.Tensor, group) -> torch.Tensor:
+    """E_p[z] over the whole vocabulary, (...): the entropy's second term when it takes part in the loss (its
+    backward then needs z, which the caller saves)."""
+    mean_z = (p * z).sum(dim=-1)  # partial over this shard
+    _all_reduce(mean_z, dist.ReduceOp.SUM, group)
+    return mean_z
+
+
+@torch.no_grad()
+def _entropy_metric(p: torch.Tensor, z: torch.Tensor, log_z: torch.Tensor, group) -> torch.Tensor:
+    """log Z - E_p[z], (...), as a metric: no gradient, and E_p[z] as a batched dot product (no (..., V) product
+    tensor), so reporting entropy costs no vocabulary-sized memory beyond the log-probs' own."""
+    mean_z = torch.matmul(p.unsqueeze(-2), z.unsqueeze(-1)).reshape(p.shape[:-1])
+    _all_reduce(mean_z, dist.ReduceOp.SUM, group)
+    return log_z - mean_z
 
 
 def vocab_parallel_log_probs(
@@ -104,9 +129,13 @@ def vocab_parallel_log_probs(
     real_vocab_size: int,
     temperature: float = 1.0,
     with_entropy: bool = False,
+    entropy_grad: bool = True,
     group: Optional[dist.ProcessGroup] = None,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """(log p(targets), entropy or None), both fp32 of targets' shape, from this rank's vocab shard.
+
+    entropy_grad: the entropy carries a gradient (an entropy bonus in the loss); False: a detached metric that
+    saves no extra memory for backward (module doc).
 
     logits:  (..., V_pad / tp), any float dtype; global column of local column c is tp_rank * V_pad/tp + c
     targets: (...) long, global token ids < real_vocab_size
@@ -120,4 +149,4 @@ def vocab_parallel_log_probs(
     rank = dist.get_rank(group) if group is not None and dist.get_world_size(group) > 1 else 0
     vocab_start = rank * logits.shape[-1]
     return _VocabParallelLogProbs.apply(logits, targets.long(), vocab_start, int(real_vocab_size),
-                                        float(temperature), bool(with_entropy), group)
+                                        float(temperature), bool(with_entropy), bool(entropy_grad), group)

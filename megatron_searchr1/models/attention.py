@@ -14,8 +14,8 @@ same IEEE operations per element, so the result is bit-identical. Keys come out 
 memory layout the CPU flash kernel reads fastest (heads-major), and without a mask the batch is folded
 into the heads so the kernel's output is Megatron's [s, b, h*d] without a copy.
 
-The local spec never runs with sequence parallelism (the builder refuses it: Megatron's torch norms do not
-support it), so nothing here handles sequence-parallel inputs.
+Under sequence parallelism the attention core still sees the whole sequence (linear_qkv all-gathers it first), so
+nothing here handles sequence-parallel inputs (tests/models/test_config.py runs the local spec with SP at TP=2).
 
 Contract (identical to `DotProductAttention`):
     query: [sq, b, np, hn], key/value: [sk, b, ng, hn]  (np, ng = heads, query groups on this TP rank)

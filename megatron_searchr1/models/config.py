@@ -2,6 +2,7 @@
 
     config = transformer_config_from_hf(hf_config, tp=2, pp=2)        # validate + translate (ModelDims accepted too)
     check_parallel_sizes(hf_config, tp=2, pp=2, world_size=8)          # ValueError naming every problem
+    overrides = kernel_overrides(tp=4, sequence_parallel=True, recompute="selective", te=True, cuda=True)
 
 The HF config is read once (`families.read_dims`); everything here reads the resulting ModelDims.
 """
@@ -62,6 +63,57 @@ def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
                          f"divisible_by={divisible_by}")
     multiple = divisible_by * tp
     return ((vocab_size + multiple - 1) // multiple) * multiple
+
+
+RECOMPUTE = {
+    "none": {},
+    # Megatron's selective recomputation: the attention core (softmax, dropout) is recomputed in backward, the
+    # activation that grows with the square of the sequence; the rest is kept.
+    "selective": dict(recompute_granularity="selective"),
+    # Every layer keeps only its input and runs again in backward (one layer per checkpoint).
+    "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+}
+
+
+def kernel_overrides(*, tp: int, sequence_parallel: bool = False, recompute: str = "none", te: bool = False,
+                     cuda: bool = False, wgrad_fusion: bool = False) -> dict[str, Any]:
+    """TransformerConfig fields for the GPU kernel settings (model.recompute, parallel.sequence_parallel, fusions).
+
+    The fusions are CUDA kernels (bias+SwiGLU, bias+dropout+add: jit-fused; RoPE: Transformer Engine's), so they
+    are on only with `cuda` and `te`; `gradient_accumulation_fusion` also needs Apex's fused_weight_gradient_mlp_cuda
+    (`wgrad_fusion`), which Megatron's own output layer calls even under the TE spec. Masked-softmax fusion is on
+    with them (the local spec's attention falls back to torch where the kernel does not apply). On the CPU (the
+    defaults) this returns {}: the config stays as transformer_config_from_hf makes it.
+
+    >>> kernel_overrides(tp=1)
+    {}
+    >>> kernel_overrides(tp=1, recompute="full")["recompute_method"]
+    'uniform'
+    """
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"model.recompute must be one of {sorted(RECOMPUTE)}, got {recompute!r}")
+    if sequence_parallel and tp < 2:
+        raise ValueError(f"parallel.sequence_parallel=true splits activations over the TP ranks and needs "
+                         f"parallel.tp > 1 (got tp={tp}): raise parallel.tp or set parallel.sequence_parallel=false")
+    out: dict[str, Any] = dict(RECOMPUTE[recompute])
+    if sequence_parallel:
+        out["sequence_parallel"] = True
+    if te and cuda:
+        out.update(bias_activation_fusion=True, bias_dropout_fusion=True, masked_softmax_fusion=True,
+                   apply_rope_fusion=True, gradient_accumulation_fusion=bool(wgrad_fusion))
+    return out
+
+
+def wgrad_fusion_available() -> bool:
+    """Whether Apex's fused_weight_gradient_mlp_cuda imports (what gradient_accumulation_fusion needs); imported
+    here, lazily, only on GPUs."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import fused_weight_gradient_mlp_cuda  # noqa: F401
+    except Exception:  # ImportError, or a CUDA/ABI mismatch
+        return False
+    return True
 
 
 def transformer_config_from_hf(

@@ -66,12 +66,16 @@ def forward_only(
     micro_batches = list(input_ids.split(mbs, dim=0))
     if len({mb.shape[0] for mb in micro_batches}) > 1:
         raise ValueError(f"batch size {B} is not a multiple of micro_batch_size {mbs}")
+    config = _unwrap(model).config
+    pad = -T % config.tensor_model_parallel_size if config.sequence_parallel else 0
+    if pad:  # sequence parallelism splits the sequence over TP: pad it, cut the outputs back to T (right padding)
+        micro_batches = [torch.cat([mb, mb.new_zeros(mb.shape[0], pad)], dim=1) for mb in micro_batches]
 
     def forward_step(data_iterator, model_chunk):
         ids = next(data_iterator)
         out = call(model_chunk, ids)
-        # Non-loss data: the schedule appends what this returns on the last stage, untouched.
-        return out, lambda output, non_loss_data=True: output
+        # Non-loss data: the schedule appends what this returns on the last stage (batch-first there).
+        return out, lambda output, non_loss_data=True: output[:, :T]
 
     with torch.no_grad():
         outputs = get_forward_backward_func()(
@@ -79,7 +83,7 @@ def forward_only(
             data_iterator=iter(micro_batches),
             model=[model],
             num_microbatches=len(micro_batches),
-            seq_length=T,
+            seq_length=T + pad,
             micro_batch_size=mbs,
             forward_only=True,
             collect_non_loss_data=True,

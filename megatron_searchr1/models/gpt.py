@@ -33,6 +33,7 @@ embedding on the last stage as `output_layer.weight` and all-reduces its gradien
 """
 from __future__ import annotations
 
+import copy
 from typing import Any, Optional
 
 import torch
@@ -42,7 +43,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_searchr1.models.config import (  # noqa: F401  (re-exported: callers import them from gpt)
-    check_parallel_sizes, padded_vocab_size, transformer_config_from_hf,
+    check_parallel_sizes, kernel_overrides, padded_vocab_size, transformer_config_from_hf, wgrad_fusion_available,
 )
 from megatron_searchr1.models.families import SUPPORTED_ARCHITECTURES, ModelDims, read_dims  # noqa: F401
 from megatron_searchr1.models.fast_modules import (  # noqa: F401  (re-exported)
@@ -91,7 +92,11 @@ def parallel_sizes() -> tuple[int, int]:
 
 
 def resolve_config(dims: ModelDims, config: Optional[TransformerConfig], params_dtype: torch.dtype) -> TransformerConfig:
-    """`config`, checked against the parallel state, or a fresh one from `dims`."""
+    """A copy of `config`, checked against the parallel state, or a fresh one from `dims`.
+
+    A copy because a model owns its config: wrap_ddp writes the model's DDP hooks into it (`no_sync_func`), so one
+    config shared by the actor, the reference and the critic (model_settings' dict) would hand the last-wrapped
+    model's hooks to the others."""
     tp, pp = parallel_sizes()
     if config is None:
         return transformer_config_from_hf(dims, tp=tp, pp=pp, params_dtype=params_dtype)
@@ -100,15 +105,20 @@ def resolve_config(dims: ModelDims, config: Optional[TransformerConfig], params_
                          f"but parallel_state is TP={tp}, PP={pp}: build the config with "
                          f"transformer_config_from_hf(hf_config, tp={tp}, pp={pp}, ...), matching the tp/pp given to "
                          "initialize_megatron (or pass config=None).")
-    return config
+    return copy.copy(config)
 
 
-def check_sequence_parallel(config: TransformerConfig, use_te: bool) -> None:
-    """Sequence parallelism needs TE's norms: Megatron's torch norm (the local spec) asserts it off mid-build."""
-    if config.sequence_parallel and not use_te:
-        raise ValueError("sequence_parallel=True needs the Transformer Engine spec (Megatron's local spec norms do not "
-                         "support it): build with use_te=True on a GPU with transformer_engine, or set "
-                         "sequence_parallel=False.")
+def model_settings(hf_config: Any, *, tp: int, pp: int, params_dtype: torch.dtype, use_te: Optional[bool] = None,
+                   sequence_parallel: bool = False, recompute: str = "none") -> dict:
+    """Keyword arguments for build_actor / build_reference / build_critic from the run's model.use_te,
+    model.recompute and parallel.sequence_parallel: `params_dtype`, the resolved `use_te` (None: TE when CUDA is
+    present and transformer_engine imports) and a TransformerConfig with the kernel settings (kernel_overrides:
+    fusions on only with TE on CUDA). On a CPU with the defaults the config equals the one build_gpt_model makes."""
+    use_te = resolve_use_te(use_te)
+    overrides = kernel_overrides(tp=tp, sequence_parallel=sequence_parallel, recompute=recompute, te=use_te,
+                                 cuda=torch.cuda.is_available(), wgrad_fusion=use_te and wgrad_fusion_available())
+    config = transformer_config_from_hf(hf_config, tp=tp, pp=pp, params_dtype=params_dtype, **overrides)
+    return dict(params_dtype=params_dtype, use_te=use_te, config=config)
 
 
 def cast_params(model: torch.nn.Module, dtype: torch.dtype) -> None:
@@ -152,7 +162,6 @@ def _build_stage(model_cls: type[GPTModel], hf_config: Any, *, params_dtype: tor
     dims = read_dims(hf_config)
     use_te = resolve_use_te(use_te)
     config = resolve_config(dims, config, params_dtype)
-    check_sequence_parallel(config, use_te)
     kwargs = gpt_model_kwargs(dims, config, use_te=use_te, pre_process=pre_process, post_process=post_process)
     model = model_cls(**kwargs)
     use_fast_modules(model, use_te=use_te)

@@ -5,7 +5,8 @@
 A whole-block spec (every layer of this pipeline stage and the final norm) rather than a layer spec: handed a layer
 spec, Megatron picks the block's final norm from whatever is installed (TE, else Apex, else torch), so a machine with
 Apex but no working TE would build an Apex LayerNorm for an RMSNorm model (it refuses), and `use_te=False` on a TE
-machine would still get a TE final norm. Here every norm follows `use_te`: TENorm with TE, torch's RMSNorm without.
+machine would still get a TE final norm. Here every norm follows `use_te`: TENorm with TE, torch's RMSNorm without
+(`TorchNorm`, which unlike Megatron's WrappedTorchNorm also serves sequence parallelism).
 """
 from __future__ import annotations
 
@@ -39,33 +40,58 @@ def te_available() -> bool:
         if _te_import_error is None:
             _te_import_error = f"{type(e).__name__}: {e}"
             log.warning("Transformer Engine does not import (%s): building Megatron's local spec instead, which is "
-                        "slower on GPU and refuses sequence parallelism. Fix the TE install or pass use_te=False to "
+                        "slower on GPU. Fix the TE install or pass use_te=False to "
                         "silence this.", _te_import_error)
         return False
     return True
 
 
 def resolve_use_te(use_te: Optional[bool]) -> bool:
-    """None -> TE when available; True without CUDA/TE -> a RuntimeError that says what to do."""
+    """model.use_te: None -> TE when available; False -> the local spec; True without CUDA/TE -> a RuntimeError that
+    says what to do (transformer_engine is imported here, lazily, never at module import)."""
     if use_te is None:
         return te_available()
     if use_te and not torch.cuda.is_available():
-        raise RuntimeError("use_te=True needs CUDA, and this machine has none: build with use_te=False "
-                           "(Megatron's local spec) on the CPU.")
+        raise RuntimeError("model.use_te=true (use_te=True) needs CUDA and Transformer Engine, and this machine has no "
+                           "CUDA: set model.use_te=false (Megatron's local spec) or leave it unset (auto) on the CPU.")
     if use_te and not te_available():
-        raise RuntimeError(f"use_te=True but transformer_engine does not import ({_te_import_error}): install "
-                           "`transformer-engine[pytorch]` (pip install -e .[gpu]) or pass use_te=False.")
+        raise RuntimeError(f"model.use_te=true (use_te=True) but transformer_engine does not import "
+                           f"({_te_import_error}): install the gpu extra, pip install -e '.[gpu]' (it brings "
+                           "transformer-engine[pytorch]), or set model.use_te=false.")
     return bool(use_te)
 
 
+class TorchNorm:
+    """Megatron's WrappedTorchNorm (torch.nn.RMSNorm / LayerNorm from a TransformerConfig), with sequence parallelism.
+
+    WrappedTorchNorm refuses sequence parallelism, though a norm is per token: on a rank's sequence shard it computes
+    what it computes on the whole sequence. Only its weight's gradient is then partial (this rank's tokens), so the
+    parameters are marked `sequence_parallel`, which makes Megatron's finalize_model_grads sum them over the TP group,
+    as it does for TE's norms. Lets the local spec (the CPU) run and test sequence parallelism.
+    """
+
+    def __new__(cls, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **kwargs):
+        if not config.sequence_parallel:
+            return WrappedTorchNorm(config, hidden_size, eps, **kwargs)
+        if config.normalization not in ("RMSNorm", "LayerNorm"):
+            raise ValueError(f"TorchNorm builds RMSNorm or LayerNorm, not {config.normalization}")
+        if config.layernorm_zero_centered_gamma or config.persist_layer_norm or config.memory_efficient_layer_norm:
+            raise ValueError("TorchNorm (torch's norms) supports no zero-centred gamma, persistent or "
+                             "memory-efficient layer norm")
+        norm_cls = torch.nn.RMSNorm if config.normalization == "RMSNorm" else torch.nn.LayerNorm
+        norm = norm_cls(normalized_shape=hidden_size, eps=eps)
+        for p in norm.parameters():
+            p.sequence_parallel = True
+        return norm
+
+
 def norm_module(use_te: bool) -> type:
-    """The norm class for every norm of the model: TENorm with TE, Megatron's torch wrapper (torch.nn.RMSNorm)
-    without."""
+    """The norm class for every norm of the model: TENorm with TE, torch's (TorchNorm) without."""
     if use_te:
         from megatron.core.extensions.transformer_engine import TENorm
 
         return TENorm
-    return WrappedTorchNorm
+    return TorchNorm
 
 
 def layer_spec(use_te: bool, qk_norm: bool = False) -> ModuleSpec:
@@ -76,9 +102,9 @@ def layer_spec(use_te: bool, qk_norm: bool = False) -> ModuleSpec:
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_norm)
     spec = copy.deepcopy(get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_norm))
     layer = spec.submodules
-    layer.input_layernorm = layer.pre_mlp_layernorm = WrappedTorchNorm
+    layer.input_layernorm = layer.pre_mlp_layernorm = TorchNorm
     if qk_norm:
-        layer.self_attention.submodules.q_layernorm = layer.self_attention.submodules.k_layernorm = WrappedTorchNorm
+        layer.self_attention.submodules.q_layernorm = layer.self_attention.submodules.k_layernorm = TorchNorm
     layer.self_attention.module = SDPSelfAttention
     layer.self_attention.submodules.core_attention = SDPAttention
     return spec

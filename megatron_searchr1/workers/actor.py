@@ -1,6 +1,7 @@
 """The actor, the frozen reference and the SFT model: build them, and read log-probs (and entropy) per sequence.
 
-    actor = build_actor(hf_config, load_weights=lambda m: load_hf_weights(m, reader, bind_mapping(hf_config, m)))
+    actor = build_actor(hf_config, load_weights=lambda m: load_hf_weights(m, reader, bind_mapping(hf_config, m)),
+                        **model_settings(hf_config, tp=1, pp=1, params_dtype=torch.float32))   # models/gpt.py
     optimizer, scheduler = build_optimizer(actor, lr=1e-6, clip_grad=1.0)        # megatron/optimizer.py
     ref = build_reference(hf_config, load_weights=...)
     old_lp = compute_log_probs(actor, seqs, max_tokens_per_micro_batch=8192, temperature=rollout_temperature)
@@ -37,19 +38,21 @@ LoadWeights = Optional[Callable[[torch.nn.Module], None]]
 
 
 def build_actor(hf_config, *, params_dtype: torch.dtype = torch.float32, load_weights: LoadWeights = None,
-                use_distributed_optimizer: bool = False, config=None) -> DistributedDataParallel:
+                use_distributed_optimizer: bool = False, config=None, use_te: Optional[bool] = None
+                ) -> DistributedDataParallel:
     """This rank's actor stage, weights loaded by `load_weights(bare_model)` (before DDP and the optimizer copy
-    them), wrapped in Megatron DDP. bf16 on GPU: params_dtype=torch.bfloat16 (the optimizer keeps fp32 masters)."""
-    model = build_gpt_model(hf_config, params_dtype=params_dtype, config=config)
+    them), wrapped in Megatron DDP. bf16 on GPU: params_dtype=torch.bfloat16 (the optimizer keeps fp32 masters).
+    `config`, `use_te`: as models.gpt.model_settings makes them (None: build_gpt_model's defaults)."""
+    model = build_gpt_model(hf_config, params_dtype=params_dtype, config=config, use_te=use_te)
     if load_weights is not None:
         load_weights(model)
     return wrap_ddp(model, use_distributed_optimizer=use_distributed_optimizer)
 
 
 def build_reference(hf_config, *, params_dtype: torch.dtype = torch.float32, load_weights: LoadWeights = None,
-                    config=None) -> torch.nn.Module:
+                    config=None, use_te: Optional[bool] = None) -> torch.nn.Module:
     """This rank's frozen reference stage: no DDP, no optimizer, no gradients, eval mode."""
-    model = build_gpt_model(hf_config, params_dtype=params_dtype, config=config)
+    model = build_gpt_model(hf_config, params_dtype=params_dtype, config=config, use_te=use_te)
     if load_weights is not None:
         load_weights(model)
     model.requires_grad_(False)

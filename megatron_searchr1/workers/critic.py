@@ -25,9 +25,9 @@ from megatron_searchr1.workers.schedule import forward_per_sequence
 
 
 def build_critic(hf_config, *, params_dtype: torch.dtype = torch.float32, load_weights: LoadWeights = None,
-                 use_distributed_optimizer: bool = False, config=None) -> DistributedDataParallel:
+                 use_distributed_optimizer: bool = False, config=None, use_te=None) -> DistributedDataParallel:
     """This rank's critic stage, trunk weights loaded by `load_weights(bare_model)`, wrapped in Megatron DDP."""
-    model = build_critic_model(hf_config, params_dtype=params_dtype, config=config)
+    model = build_critic_model(hf_config, params_dtype=params_dtype, config=config, use_te=use_te)
     if load_weights is not None:
         load_weights(model)
     return wrap_ddp(model, use_distributed_optimizer=use_distributed_optimizer)

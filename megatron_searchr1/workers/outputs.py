@@ -40,11 +40,13 @@ def _at_response_positions(x: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
 
 
 def response_log_probs(logits: torch.Tensor, mb: MicroBatch, *, real_vocab_size: int, temperature: float = 1.0,
-                       with_entropy: bool = False) -> dict[str, torch.Tensor]:
-    """logits (b, T, V_pad/tp), this TP rank's vocab shard -> {"log_probs": (b, R)[, "entropy": (b, R)]}."""
+                       with_entropy: bool = False, entropy_grad: bool = True) -> dict[str, torch.Tensor]:
+    """logits (b, T, V_pad/tp), this TP rank's vocab shard -> {"log_probs": (b, R)[, "entropy": (b, R)]}; the entropy
+    is detached (a metric, no extra memory for backward) unless `entropy_grad`."""
     shard = _at_response_positions(logits, mb)  # (b, R, V_pad/tp)
     logp, ent = vocab_parallel_log_probs(shard, mb.response_targets(), real_vocab_size=real_vocab_size,
                                          temperature=temperature, with_entropy=with_entropy,
+                                         entropy_grad=entropy_grad,
                                          group=parallel_state.get_tensor_model_parallel_group())
     out = {"log_probs": logp * mb.response_mask}
     if with_entropy:
@@ -58,9 +60,9 @@ def response_values(values: torch.Tensor, mb: MicroBatch) -> dict[str, torch.Ten
 
 
 def model_outputs(model: torch.nn.Module, output: torch.Tensor, mb: MicroBatch, *, temperature: float = 1.0,
-                  with_entropy: bool = False) -> dict[str, torch.Tensor]:
+                  with_entropy: bool = False, entropy_grad: bool = True) -> dict[str, torch.Tensor]:
     """The last stage's `output` for `mb` as response-aligned tensors: values for a critic, log-probs otherwise."""
     if is_critic(model):
         return response_values(output, mb)
     return response_log_probs(output, mb, real_vocab_size=unwrap(model).hf_vocab_size, temperature=temperature,
-                              with_entropy=with_entropy)
+                              with_entropy=with_entropy, entropy_grad=entropy_grad)

@@ -68,6 +68,9 @@ def _run_schedule(model, micro_batches: Sequence[MicroBatch], forward_only: bool
                   post: Callable[[torch.Tensor, MicroBatch], object]) -> None:
     """Run the pipeline schedule over `micro_batches`; on the last stage `post(output, mb)` sees each output."""
     device = _device()
+    config = unwrap(model).config  # sequence parallelism splits the sequence over TP: pad it to a multiple
+    micro_batches = [mb.padded_to(config.tensor_model_parallel_size if config.sequence_parallel else 1)
+                     for mb in micro_batches]
 
     def forward_step(data_iterator, model_chunk):
         mb = next(data_iterator).to(device)
@@ -154,9 +157,12 @@ def _set_global_counts(micro_batches: Sequence[MicroBatch], mask_key: str) -> No
 
 
 def forward_backward(model: torch.nn.Module, micro_batches: Sequence[MicroBatch], loss_fn: LossFn, *,
-                     temperature: float = 1.0, with_entropy: bool = False,
+                     temperature: float = 1.0, with_entropy: bool = False, entropy_grad: bool = True,
                      mask_key: str = "loss_mask") -> dict[str, float]:
     """Accumulate the gradient of the mini-batch loss (module doc) into the DDP buffers, all-reduced over DP.
+
+    `entropy_grad=False`: outputs["entropy"] is a detached metric (the loss does not use it: entropy_coeff 0), so
+    the backward keeps no second vocabulary-sized tensor (megatron/vocab_parallel.py).
 
     Does not zero gradients or step the optimizer (train_step does). Returns the loss metrics (same on every
     rank of the model-parallel group and across DP).
@@ -169,7 +175,7 @@ def forward_backward(model: torch.nn.Module, micro_batches: Sequence[MicroBatch]
 
     def post(output, mb):
         loss, metrics = loss_fn(model_outputs(model, output, mb, temperature=temperature,
-                                              with_entropy=with_entropy), mb)
+                                              with_entropy=with_entropy, entropy_grad=entropy_grad), mb)
         records.append((mb.loss_token_weight, loss.detach(), {k: torch.as_tensor(v).detach().float()
                                                               for k, v in metrics.items()}))
         # The schedule divides by M before backward and DDP averages over D: undo both (module doc).
@@ -199,7 +205,8 @@ def forward_backward(model: torch.nn.Module, micro_batches: Sequence[MicroBatch]
 
 
 def train_step(model: torch.nn.Module, optimizer, scheduler, micro_batches: Sequence[MicroBatch], loss_fn: LossFn,
-               *, temperature: float = 1.0, with_entropy: bool = False, mask_key: str = "loss_mask") -> dict[str, float]:
+               *, temperature: float = 1.0, with_entropy: bool = False, entropy_grad: bool = True,
+               mask_key: str = "loss_mask") -> dict[str, float]:
     """One optimizer step on one mini-batch: zero grads, forward_backward, clip + step, scheduler.step(1).
 
     `scheduler=None` leaves the LR schedule to the caller (e.g. one scheduler step per RL step, as verl does).
@@ -208,7 +215,7 @@ def train_step(model: torch.nn.Module, optimizer, scheduler, micro_batches: Sequ
     model.zero_grad_buffer()
     optimizer.zero_grad()
     metrics = forward_backward(model, micro_batches, loss_fn, temperature=temperature, with_entropy=with_entropy,
-                               mask_key=mask_key)
+                               entropy_grad=entropy_grad, mask_key=mask_key)
     lr = current_lr(optimizer)
     ok, grad_norm, _ = optimizer.step()
     if ok and scheduler is not None:

@@ -1,5 +1,6 @@
 """initialize_megatron: a world of one outside torchrun, and real torchrun runs of our model through Megatron DDP +
 get_megatron_optimizer at TP=2 and DP=2 (distributed optimizer), one step each, against a single-process reference."""
+import os
 from pathlib import Path
 
 import pytest
@@ -116,14 +117,89 @@ def test_initialize_refuses_a_gpu_launch_without_cuda(monkeypatch):
     assert not dist.is_initialized()
 
 
-def test_nccl_process_group_is_bound_to_the_local_gpu():
+def test_cuda_process_group_carries_gloo_for_cpu_tensors_and_is_bound_to_the_local_gpu():
+    """On CUDA the default group has a CPU backend beside NCCL (an NCCL-only group refuses the CPU tensors of
+    metrics and counts), bound to this rank's GPU; on the CPU gloo alone. The timeout is the one asked for."""
     from megatron_searchr1.megatron.initialize import process_group_kwargs
 
     nccl = process_group_kwargs("cuda", 3, 5)
-    assert nccl["backend"] == "nccl" and nccl["device_id"] == torch.device("cuda", 3)
-    gloo = process_group_kwargs("cpu", 3, 5)
+    assert nccl["backend"] == "cpu:gloo,cuda:nccl" and nccl["device_id"] == torch.device("cuda", 3)
+    assert nccl["timeout"].total_seconds() == 300
+    gloo = process_group_kwargs("cpu", 3, 7)
     assert gloo["backend"] == "gloo" and "device_id" not in gloo
-    assert gloo["timeout"].total_seconds() == 300
+    assert gloo["timeout"].total_seconds() == 420
+
+
+def test_the_backend_string_gives_every_megatron_subgroup_a_cpu_backend():
+    """Megatron makes its TP/PP/DP groups with backend=None, which inherit the default group's backend string:
+    with `cpu:gloo,...` a CPU tensor works on each of them (checked here with the CPU half of the string)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as mpu
+
+    if dist.is_initialized():
+        pytest.skip("a process group from another test is still alive")
+    from megatron_searchr1.megatron.initialize import process_group_kwargs
+
+    assert process_group_kwargs("cuda", 0, 1)["backend"].startswith("cpu:gloo,")
+    store = dist.HashStore()
+    dist.init_process_group(backend="cpu:gloo", store=store, rank=0, world_size=1)
+    try:
+        mpu.initialize_model_parallel(1, 1)
+        for group in (mpu.get_tensor_model_parallel_group(), mpu.get_pipeline_model_parallel_group(),
+                      mpu.get_data_parallel_group(), mpu.get_model_parallel_group()):
+            assert "cpu:gloo" in str(dist.get_backend_config(group))
+            t = torch.ones(2, dtype=torch.float64)
+            dist.all_reduce(t, group=group)
+            assert t.tolist() == [1.0, 1.0]
+    finally:
+        mpu.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+def test_initialize_passes_the_configured_timeout_and_backend(monkeypatch):
+    """What initialize_megatron hands to init_process_group and Megatron: the timeout from
+    parallel.timeout_minutes (not a fixed 30 minutes)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as mpu
+
+    from megatron_searchr1.megatron import initialize
+
+    if dist.is_initialized():
+        pytest.skip("a process group from another test is still alive")
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+    seen = {}
+    real_init, real_mp = dist.init_process_group, mpu.initialize_model_parallel
+    monkeypatch.setattr(dist, "init_process_group", lambda **kw: (seen.update(pg=kw), real_init(**kw))[1])
+    monkeypatch.setattr(mpu, "initialize_model_parallel",
+                        lambda **kw: (seen.update(mp=kw), real_mp(**kw))[1])
+    initialize.initialize_megatron(tp=1, pp=1, timeout_minutes=11, device="cpu")
+    try:
+        assert seen["pg"]["backend"] == "gloo" and seen["pg"]["timeout"].total_seconds() == 11 * 60
+        assert seen["mp"]["distributed_timeout_minutes"] == 11
+    finally:
+        initialize.destroy_megatron()
+
+
+@pytest.mark.parametrize("device,tp,sp,want", [
+    ("cuda", 2, False, {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}), ("cuda", 4, True, {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}),
+    ("cuda", 1, False, {}), ("cpu", 2, False, {}), ("cpu", 2, True, {})])
+def test_cuda_device_max_connections_where_megatron_overlaps_tp_communication(device, tp, sp, want):
+    from megatron_searchr1.megatron.initialize import cuda_env
+
+    assert cuda_env(device, tp, sp) == want
+
+
+def test_cuda_env_is_set_before_cuda_and_a_user_value_is_kept(monkeypatch):
+    from megatron_searchr1.megatron import initialize
+
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
+    initialize._apply_cuda_env({"CUDA_DEVICE_MAX_CONNECTIONS": "1"})
+    assert os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "8")
+    with pytest.warns(UserWarning, match="kept as set"):
+        initialize._apply_cuda_env({"CUDA_DEVICE_MAX_CONNECTIONS": "1"})
+    assert os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == "8"
 
 
 def test_seed_is_offset_per_pipeline_stage(monkeypatch):

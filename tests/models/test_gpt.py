@@ -266,18 +266,6 @@ def test_bf16_model_holds_bf16_norms(megatron_tp1):
     assert logits.dtype == torch.bfloat16 and torch.isfinite(logits.float()).all()
 
 
-def test_sequence_parallel_with_the_local_spec_is_refused():
-    """Megatron's torch norm asserts sequence parallelism off deep inside construction; the builder refuses first
-    (the TP=2 worker below checks build_gpt_model itself)."""
-    from megatron_searchr1.models.gpt import check_sequence_parallel
-
-    sp = transformer_config_from_hf(tiny_config("qwen2"), tp=2, sequence_parallel=True)
-    with pytest.raises(ValueError, match="sequence_parallel=True needs the Transformer Engine spec"):
-        check_sequence_parallel(sp, use_te=False)
-    check_sequence_parallel(sp, use_te=True)
-    check_sequence_parallel(transformer_config_from_hf(tiny_config("qwen2"), tp=2), use_te=False)
-
-
 # ------------------------------------------------------------------------------------------------ logits
 @pytest.mark.parametrize("kind", ["qwen2", "llama", "llama3rope"])
 def test_logits_equal_transformers(megatron_tp1, kind):
@@ -508,13 +496,6 @@ def _worker(out_dir: str) -> None:
                 grads = labels_loss_grads(model, tp)
                 if parallel_state.get_tensor_model_parallel_rank() == 0:
                     results[f"{kind}_tp2_grads"] = grads
-        if tp == 2:  # sequence parallelism with the local spec: refused by the builder, with what to change
-            cfg = tiny_config("qwen2")
-            try:
-                build_gpt_model(cfg, use_te=False, config=transformer_config_from_hf(cfg, tp=2, sequence_parallel=True))
-                raise AssertionError("sequence_parallel with the local spec was built")
-            except ValueError as e:
-                assert "needs the Transformer Engine spec" in str(e), e
         # The critic (same trunk, value head) at this TP/PP: values equal to the TP=1 critic's.
         cfg, hf = tiny_hf_model("qwen2")
         critic = build_critic_model(cfg).eval()

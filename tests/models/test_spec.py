@@ -17,7 +17,6 @@ def test_final_norm_follows_the_spec_not_what_is_installed(megatron_tp1, monkeyp
     """Handed a layer spec, Megatron builds the block's final norm from whatever is installed (Apex's LayerNorm-only
     FusedLayerNorm where Apex imports, TE's where TE does). Stand in for such a machine: the build must not use it."""
     import megatron.core.transformer.transformer_block as tb
-    from megatron.core.transformer.torch_norm import WrappedTorchNorm
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
     class InstalledNorm(torch.nn.Module):
@@ -30,16 +29,15 @@ def test_final_norm_follows_the_spec_not_what_is_installed(megatron_tp1, monkeyp
     assert isinstance(model.decoder.final_layernorm, torch.nn.RMSNorm)
     assert all(isinstance(layer.input_layernorm, torch.nn.RMSNorm) for layer in model.decoder.layers)
     block = gpt_model_kwargs(cfg, transformer_config_from_hf(cfg), use_te=False)["transformer_layer_spec"]
-    assert isinstance(block, TransformerBlockSubmodules) and block.layer_norm is WrappedTorchNorm
+    assert isinstance(block, TransformerBlockSubmodules) and block.layer_norm is spec.TorchNorm
     assert len(block.layer_specs) == 2
 
 
 def test_qk_norm_spec_uses_torch_norms():
     layer = spec.layer_spec(use_te=False, qk_norm=True).submodules.self_attention.submodules
-    from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-    assert layer.q_layernorm is WrappedTorchNorm and layer.k_layernorm is WrappedTorchNorm
-    assert spec.layer_spec(use_te=False).submodules.self_attention.submodules.q_layernorm is not WrappedTorchNorm
+    assert layer.q_layernorm is spec.TorchNorm and layer.k_layernorm is spec.TorchNorm
+    assert spec.layer_spec(use_te=False).submodules.self_attention.submodules.q_layernorm is not spec.TorchNorm
 
 
 def test_te_import_failure_is_logged_not_hidden(monkeypatch, caplog):
@@ -55,3 +53,21 @@ def test_te_import_failure_is_logged_not_hidden(monkeypatch, caplog):
     assert len(warnings) == 1 and "halted" in warnings[0].getMessage()
     with pytest.raises(RuntimeError, match="halted"):
         spec.resolve_use_te(True)
+
+
+def test_torch_norm_is_megatrons_without_sp_and_marks_its_weight_for_the_tp_sum_with_sp():
+    """Without sequence parallelism TorchNorm builds exactly what WrappedTorchNorm builds (the CPU numbers do not
+    move); with it (which WrappedTorchNorm refuses) the same norm, its weight marked `sequence_parallel` so that
+    finalize_model_grads sums the per-rank partial gradients over TP."""
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    cfg = tiny_config("qwen2")
+    off = transformer_config_from_hf(cfg, tp=2)
+    on = transformer_config_from_hf(cfg, tp=2, sequence_parallel=True)
+    a, b = spec.TorchNorm(off, 64, eps=1e-6), WrappedTorchNorm(off, 64, eps=1e-6)
+    assert type(a) is type(b) is torch.nn.RMSNorm and a.eps == b.eps and torch.equal(a.weight, b.weight)
+    assert not getattr(a.weight, "sequence_parallel", False)
+    with pytest.raises(AssertionError, match="sequence parallel"):
+        WrappedTorchNorm(on, 64)
+    c = spec.TorchNorm(on, 64, eps=1e-6)
+    assert type(c) is torch.nn.RMSNorm and c.weight.sequence_parallel is True

@@ -115,3 +115,22 @@ def test_mini_batches_cover_everything_in_equal_counts():
         assert len(minis) == 3 and sorted(len(m) for m in minis) == [3, 3, 4]
         assert sorted(i for m in minis for i in m) == list(range(10))
     assert split_mini_batches(10, 3, seed=0) != split_mini_batches(10, 3, seed=1)
+
+
+def test_padded_to_a_multiple_of_tp_keeps_every_response_position_and_target():
+    """Sequence parallelism needs the sequence length to divide by TP: padded_to adds columns after every row's
+    last token; the response tokens' positions, the targets and the masks are unchanged."""
+    from megatron_searchr1.megatron.batching import make_micro_batches
+
+    seqs = [{"prompt_ids": [5, 6, 7], "response_ids": [8, 9], "loss_mask": torch.ones(2)},
+            {"prompt_ids": [4], "response_ids": [3, 2, 1, 7], "loss_mask": torch.ones(4)}]
+    (mb,) = make_micro_batches(seqs, 100)
+    assert mb.input_ids.shape[1] == 5
+    assert mb.padded_to(1) is mb and mb.padded_to(5) is mb
+    p = mb.padded_to(4)
+    assert p.input_ids.shape == (2, 8) and torch.equal(p.input_ids[:, :5], mb.input_ids)
+    assert int(p.input_ids[:, 5:].abs().sum()) == 0
+    real = mb.response_mask.bool()  # past a row's response the positions are clamped and masked out
+    assert torch.equal(p.response_positions()[real], mb.response_positions()[real])
+    assert torch.equal(p.response_targets(), mb.response_targets())
+    assert p.fields is mb.fields and torch.equal(p.response_mask, mb.response_mask)

@@ -51,3 +51,60 @@ def test_bad_arguments():
 def test_two_ranks_equal_one():
     out = run_torchrun(Path(__file__).with_name("vocab_parallel_script.py"), 2, timeout=120)
     assert "VOCAB_PARALLEL_OK" in out
+
+
+def _saved_bytes(fn):
+    """Bytes that `fn()`'s autograd graph keeps for backward (what a micro-batch holds until its backward)."""
+    sizes = []
+
+    def pack(t):
+        sizes.append(t.numel() * t.element_size())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return sum(sizes), out
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_entropy_as_a_metric_saves_nothing_more_than_log_probs_alone(temperature):
+    """entropy_grad=False (entropy_coeff 0): the entropy's value is the same, detached, and backward keeps only the
+    softmax, not the shifted logits as well: one (b, R, V) fp32 tensor less (~5 GB per 8k tokens at a 152k
+    vocabulary). The log-prob gradient is the same bit for bit."""
+    torch.manual_seed(1)
+    logits = torch.randn(2, 5, 64)
+    targets = torch.randint(0, 50, (2, 5))
+    kw = dict(real_vocab_size=50, temperature=temperature)
+    x1, x2, x3 = (logits.clone().requires_grad_(True) for _ in range(3))
+    alone, (lp1, _) = _saved_bytes(lambda: vocab_parallel_log_probs(x1, targets, **kw))
+    metric, (lp2, ent2) = _saved_bytes(lambda: vocab_parallel_log_probs(x2, targets, with_entropy=True,
+                                                                        entropy_grad=False, **kw))
+    full, (lp3, ent3) = _saved_bytes(lambda: vocab_parallel_log_probs(x3, targets, with_entropy=True, **kw))
+    vocab_tensor = 2 * 5 * 50 * 4
+    assert metric == alone and full >= alone + vocab_tensor
+    assert not ent2.requires_grad and ent3.requires_grad
+    torch.testing.assert_close(ent2, ent3, atol=1e-6, rtol=0)
+    assert torch.equal(lp1, lp2) and torch.equal(lp2, lp3)
+    lp1.sum().backward()
+    lp2.sum().backward()
+    assert torch.equal(x1.grad, x2.grad)
+
+
+def test_entropy_for_the_loss_is_computed_only_when_asked(monkeypatch):
+    """The spy: the gradient-carrying entropy (_expected_logit, which makes the saved shifted logits necessary) runs
+    for entropy_grad=True only; the metric path runs otherwise."""
+    import megatron_searchr1.megatron.vocab_parallel as vp
+
+    calls = []
+    for name in ("_expected_logit", "_entropy_metric"):
+        real = getattr(vp, name)
+        monkeypatch.setattr(vp, name, lambda *a, _real=real, _name=name: calls.append(_name) or _real(*a))
+    x = torch.randn(3, 12, requires_grad=True)
+    t = torch.tensor([0, 3, 7])
+    vocab_parallel_log_probs(x, t, real_vocab_size=12)
+    assert calls == []
+    vocab_parallel_log_probs(x, t, real_vocab_size=12, with_entropy=True, entropy_grad=False)
+    assert calls == ["_entropy_metric"]
+    calls.clear()
+    vocab_parallel_log_probs(x, t, real_vocab_size=12, with_entropy=True)
+    assert calls == ["_expected_logit"]
