@@ -10,6 +10,16 @@ an action, so it is excluded from every token-level quantity: policy loss, KL, e
 return recursions (stepped over, not cut), and every normalisation statistic. Search-R1 applies the mask to the
 policy loss only. No config objects and no ``torch.distributed`` here: the trainer reduces across ranks (the
 whitening statistics take a ``reduce`` callable that sums over the DP ranks).
+
+Public and stable (``__all__``): each name that verl's ``verl/trainer/ppo/core_algos.py`` also has
+(``compute_gae_advantage_return``, ``compute_grpo_outcome_advantage``, ``compute_rloo_outcome_advantage``,
+``compute_reinforce_plus_plus_outcome_advantage``, ``compute_policy_loss``, ``compute_value_loss``,
+``compute_entropy_loss``, ``agg_loss``, ``kl_penalty``, ``FixedKLController``, ``AdaptiveKLController``) means
+what it means there, with verl's argument names and order and return tuples; ``masked_mean`` / ``masked_var`` /
+``masked_whiten`` / ``entropy_from_logits`` are verl's ``verl.utils.torch_functional`` names. Where ours differ:
+the mask rule above, an optional ``reduce`` for cross-rank statistics, and ``agg_loss(..., denominator=)`` in place
+of verl's ``dp_size`` / ``batch_num_tokens`` / ``global_batch_size``. ``apply_kl_penalty`` takes tensors (verl's
+takes its DataProto) and ``outcome_token_rewards`` is ours.
 """
 from megatron_searchr1.algo.advantages import (
     compute_gae_advantage_return, compute_grpo_outcome_advantage, compute_reinforce_plus_plus_outcome_advantage,
