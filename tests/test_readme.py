@@ -56,6 +56,41 @@ def test_shell_blocks_honour_the_marker():
     assert shell_blocks(text) == [(2, "a\n", True), (6, "b\n", False)]
 
 
+def curls_without_fail(code: str) -> list[str]:
+    """The `curl` commands in `code` that would exit 0 on an HTTP error (a 4xx or 5xx): those without `-f` /
+    `--fail` (alone or in a bundle such as `-sf`), so a README block whose request is refused would still pass.
+
+    >>> curls_without_fail("curl -s localhost:1/x\\n  -d '{}'\\ncurl -sf x\\ncurl --fail x && echo curl -s")
+    ['curl -s localhost:1/x']
+    """
+    found = []
+    for line in code.replace("\\\n", " ").splitlines():
+        for command in re.split(r"&&|\|\||;|\|", line):
+            words = command.split()
+            if not words or words[0] != "curl":
+                continue
+            flags = [w for w in words[1:] if w.startswith("-")]
+            if not any(w in ("--fail", "--fail-with-body") or (not w.startswith("--") and "f" in w[1:])
+                       for w in flags):
+                found.append(command.strip())
+    return found
+
+
+def test_curl_check_spots_a_missing_fail_flag():
+    assert curls_without_fail("curl -s --retry 3 localhost:8000/retrieve -d '{}'\n") == [
+        "curl -s --retry 3 localhost:8000/retrieve -d '{}'"]
+    assert curls_without_fail("curl -sf --retry 3 localhost:8000/retrieve \\\n  -d '{}'\n") == []
+    assert curls_without_fail("curl --retry-connrefused --fail x\n") == []
+
+
+def test_readme_requests_fail_on_http_errors():
+    """The README's runnable blocks run under `bash -e`: a request must fail the block when the server refuses it."""
+    readme = os.environ.get("SEARCHR1_README") or str(REPO / "README.md")
+    blocks = shell_blocks(open(readme, encoding="utf-8").read())
+    bad = [(line, cmd) for line, code, runs in blocks if runs for cmd in curls_without_fail(code)]
+    assert not bad, f"{readme}: add -f to these curl calls: " + "; ".join(f"line {ln}: {c}" for ln, c in bad)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
