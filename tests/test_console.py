@@ -134,3 +134,20 @@ def test_doctests():
 
     result = doctest.testmod(console)
     assert result.failed == 0 and result.attempted > 0
+
+
+@pytest.mark.slow  # two fresh interpreters importing torch and megatron.core
+def test_megatrons_import_noise_is_filtered_in_a_real_run():
+    """What a user saw: megatron.core warns at import that Apex / Transformer Engine are missing (UserWarning) and
+    that a module path is deprecated (DeprecationWarning). With the filter none of it reaches stderr."""
+    imports = "import megatron.core.optimizer, megatron.core.models.gpt.gpt_layer_specs"
+    runs = {}
+    for quiet in (False, True):
+        code = ("import warnings; warnings.simplefilter('default'); "
+                + ("from megatron_searchr1.console import quiet_third_party_warnings; quiet_third_party_warnings(); "
+                   if quiet else "") + imports)
+        proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        runs[quiet] = proc.stderr
+    assert "UserWarning" in runs[False]  # the noise is there without the filter
+    assert "Warning" not in runs[True], runs[True][-2000:]
