@@ -111,3 +111,21 @@ def test_megatron_initialize_is_importable():
 
     assert callable(initialize_megatron) and callable(destroy_megatron)
     assert {"tp", "pp", "seed"} <= set(inspect.signature(initialize_megatron).parameters)
+
+
+def test_readme_lists_the_same_public_names():
+    """The README's "Public names" section and the code agree: the models bullet names exactly models.__all__,
+    and every algo / qa_em name it gives exists."""
+    import re
+
+    import megatron_searchr1.algo as algo
+    import megatron_searchr1.models as models
+    from megatron_searchr1.reward import qa_em
+
+    text = (REPO / "README.md").read_text(encoding="utf-8")
+    section = text[text.index("## Public names"):]
+    section = section[:section.index("\n## ", 1)]
+    bullets = {b.split("`", 2)[1]: set(re.findall(r"`(\w+)`", b)) for b in section.split("\n- ")[1:]}
+    assert bullets["megatron_searchr1.models"] == set(models.__all__)
+    assert bullets["megatron_searchr1.algo"] - {"core_algos"} <= set(algo.__all__)
+    assert all(callable(getattr(qa_em, name)) for name in bullets["megatron_searchr1.reward.qa_em"])
