@@ -207,9 +207,15 @@ class LoraAdapter(torch.nn.Module):
             return a_full, b_full[getattr(self, f"rows_{p}")]
         return a_full.chunk(self.tp, dim=1)[self.tp_rank], b_full
 
-    def gather(self, p: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's (A, B) of projection p -> full (A, B); collective over the TP group when TP > 1."""
-        a, b = self.lora_A[p].detach(), self.lora_B[p].detach()
+    def gather(self, p: str, grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's (A, B) of projection p -> full (A, B) (their gradients with `grad`, zeros when None);
+        collective over the TP group when TP > 1."""
+        pa, pb = self.lora_A[p], self.lora_B[p]
+        if grad:
+            a = pa.grad if pa.grad is not None else torch.zeros_like(pa)
+            b = pb.grad if pb.grad is not None else torch.zeros_like(pb)
+        else:
+            a, b = pa.detach(), pb.detach()
         if self.tp == 1:
             return a.clone(), b.clone()
         import torch.distributed as dist
@@ -375,14 +381,15 @@ def merged_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]
         yield name, (p.detach() if a is None else p.detach() + a.delta_weight().to(p.dtype))
 
 
-def gather_adapter_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+def gather_adapter_state(model: torch.nn.Module, grad: bool = False) -> dict[str, torch.Tensor]:
     """Full (TP-merged) adapter tensors of this pipeline stage under PEFT's names without the
     `base_model.model.` prefix: `model.layers.{i}.self_attn.q_proj.lora_A.weight` (r, in) and `...lora_B.weight`
-    (out, r), i global. Every TP rank of the stage must call it (all-gathers); all get the tensors."""
+    (out, r), i global (their gradients with `grad`). Every TP rank of the stage must call it (all-gathers); all
+    get the tensors."""
     out = {}
     for i, adapter in adapters(model):
         for p in adapter.lora_A:
-            a, b = adapter.gather(p)
+            a, b = adapter.gather(p, grad=grad)
             base = f"model.layers.{i}.{HF_MODULE[p]}"
             out[f"{base}.lora_A.weight"], out[f"{base}.lora_B.weight"] = a, b
     return out

@@ -1,0 +1,60 @@
+# torchrun --nproc_per_node 2 tests/models/lora_tp_script.py --hf-dir HF --inputs inputs.pt --out OUT
+"""LoRA at TP=2 (test_lora.py's torchrun worker): the adapter from `inputs.pt` (full tensors) loaded onto the TP=2
+shards; writes OUT/{tp2,tp2sp}.pt (logits and TP-gathered adapter gradients, without and with sequence
+parallelism) and, from the TP=2 model, a PEFT adapter dir OUT/adapter and a merged HF export OUT/merged. test_lora.py
+compares all of it with TP=1.
+
+With sequence parallelism a column adapter's A sees only this rank's tokens, so its gradient is summed over TP for
+parameters marked `sequence_parallel`, what Megatron's finalize_model_grads does inside wrap_ddp's training step.
+"""
+import argparse
+import os
+
+import torch
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--hf-dir", required=True)
+    p.add_argument("--inputs", required=True)
+    p.add_argument("--out", required=True)
+    a = p.parse_args()
+
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from transformers import AutoConfig
+
+    from megatron_searchr1.megatron.initialize import destroy_megatron, initialize_megatron
+    from megatron_searchr1.models.lora import LoraSettings, apply_lora, gather_adapter_state, load_adapter_state
+    from megatron_searchr1.models.lora_export import export_merged_hf, write_peft_adapter
+    from tests.models.test_lora import build_base, logits_of, loss_of
+
+    initialize_megatron(tp=2, pp=1)
+    cfg = AutoConfig.from_pretrained(a.hf_dir)
+    inputs = torch.load(a.inputs)
+    settings = LoraSettings(rank=4, alpha=8, targets=("all",))
+    os.makedirs(a.out, exist_ok=True)
+    for case, overrides in (("tp2", {}), ("tp2sp", {"sequence_parallel": True})):
+        model = build_base(cfg, a.hf_dir, **overrides)
+        apply_lora(model, settings)
+        load_adapter_state(model, inputs["state"])
+        logits = logits_of(model, inputs["ids"])
+        loss_of(logits).backward()
+        if overrides:
+            for param in model.parameters():
+                if param.grad is not None and getattr(param, "sequence_parallel", False):
+                    dist.all_reduce(param.grad, group=ps.get_tensor_model_parallel_group())
+        grads = gather_adapter_state(model, grad=True)
+        if dist.get_rank() == 0:
+            torch.save(dict(logits=logits.detach(), grads=grads), os.path.join(a.out, f"{case}.pt"))
+        if case == "tp2":
+            write_peft_adapter(model, os.path.join(a.out, "adapter"), base_model_name_or_path=a.hf_dir)
+            export_merged_hf(model, cfg, a.hf_dir, os.path.join(a.out, "merged"))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        print("LORA_TP_OK", flush=True)
+    destroy_megatron()
+
+
+if __name__ == "__main__":
+    main()
