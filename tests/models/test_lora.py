@@ -45,7 +45,7 @@ def build_base(cfg, hf_dir, **config_overrides):
     return model
 
 
-def random_adapter_state(model, seed=0, scale=0.2):
+def random_adapter_state(model, seed=0, scale=0.05):
     """Full adapter tensors (gather_adapter_state's names and shapes), random, B nonzero."""
     g = torch.Generator().manual_seed(seed)
     state = {}
@@ -61,7 +61,7 @@ def sample_ids(cfg, batch=2, seq=16, seed=1):
 def logits_of(model, ids):
     """(B, T, V) full-vocabulary logits, differentiable (train-mode forward, no pipeline schedule)."""
     out = model(ids, None, None, runtime_gather_output=True)
-    return out[..., : model.hf_vocab_size]
+    return out[..., : getattr(model, "module", model).hf_vocab_size]
 
 
 def loss_of(logits, seed=2):
@@ -230,7 +230,8 @@ def test_peft_adapter_and_merged_export_give_the_same_logits(tmp_path, megatron_
     assert (cfg_json["r"], cfg_json["lora_alpha"], cfg_json["peft_type"], cfg_json["task_type"]) == (
         4, 8, "LORA", "CAUSAL_LM")
     back_settings, back = read_peft_adapter(str(tmp_path / "adapter"))
-    assert back_settings == settings
+    assert (back_settings.rank, back_settings.alpha, back_settings.dropout, back_settings.projections) == (
+        settings.rank, settings.alpha, settings.dropout, settings.projections)
     assert sorted(k.removeprefix("base_model.model.") for k in back) == sorted(state)
     assert all(torch.equal(back["base_model.model." + k], v) for k, v in state.items())
 
