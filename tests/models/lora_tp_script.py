@@ -1,7 +1,8 @@
 # torchrun --nproc_per_node 2 tests/models/lora_tp_script.py --hf-dir HF --inputs inputs.pt --out OUT
-"""LoRA at TP=2 (test_lora.py's torchrun worker): the adapter from `inputs.pt` (full tensors) loaded onto the TP=2
-shards; writes OUT/{tp2,tp2sp}.pt (logits and TP-gathered adapter gradients, without and with sequence
-parallelism) and, from the TP=2 model, a PEFT adapter dir OUT/adapter and a merged HF export OUT/merged. test_lora.py
+"""LoRA at TP=2 and PP=2 (test_lora.py's torchrun worker): the adapter from `inputs.pt` (full tensors) loaded onto
+the shards / stages; writes OUT/{tp2,tp2sp,pp2}.pt (logits and gathered adapter gradients: TP=2 without and with
+sequence parallelism, PP=2 through Megatron's pipeline schedule) and a PEFT adapter dir and a merged HF export from
+the TP=2 model (OUT/adapter, OUT/merged) and from the PP=2 one (OUT/pp2_adapter, OUT/pp2_merged). test_lora.py
 compares all of it with TP=1.
 
 With sequence parallelism a column adapter's A sees only this rank's tokens, so its gradient is summed over TP for
@@ -50,10 +51,46 @@ def main():
         if case == "tp2":
             write_peft_adapter(model, os.path.join(a.out, "adapter"), base_model_name_or_path=a.hf_dir)
             export_merged_hf(model, cfg, a.hf_dir, os.path.join(a.out, "merged"))
+
+    ps.destroy_model_parallel()  # keep the process group, regroup the same two ranks as PP=2
+    initialize_megatron(tp=1, pp=2)
+    model = build_base(cfg, a.hf_dir)
+    apply_lora(model, settings)
+    load_adapter_state(model, inputs["state"])
+    logits = pipeline_forward_backward(model, inputs["ids"], logits_of, loss_of)
+    stage_grads = [None] * dist.get_world_size()
+    dist.all_gather_object(stage_grads, gather_adapter_state(model, grad=True))
+    if ps.is_pipeline_last_stage():
+        torch.save(dict(logits=logits, grads={k: v for g in stage_grads for k, v in g.items()}),
+                   os.path.join(a.out, "pp2.pt"))
+    write_peft_adapter(model, os.path.join(a.out, "pp2_adapter"), base_model_name_or_path=a.hf_dir)
+    export_merged_hf(model, cfg, a.hf_dir, os.path.join(a.out, "pp2_merged"))
     dist.barrier()
     if dist.get_rank() == 0:
         print("LORA_TP_OK", flush=True)
     destroy_megatron()
+
+
+def pipeline_forward_backward(model, ids, logits_of, loss_of):
+    """One forward and backward of `loss_of(logits)` through Megatron's pipeline schedule (one micro-batch); the
+    logits on the last stage, None elsewhere."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    kept = []
+
+    def forward_step(data_iterator, model_chunk):
+        logits = logits_of(model_chunk, next(data_iterator))
+
+        def loss_func(output):
+            kept.append(output.detach())
+            return loss_of(output), {}
+
+        return logits, loss_func
+
+    get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter([ids]), model=[model],
+                                num_microbatches=1, seq_length=ids.shape[1], micro_batch_size=ids.shape[0],
+                                forward_only=False)
+    return kept[0] if kept else None
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ At TP=1 in this process: the adapted model equals the base with merged weights; 
 Q's rows; a fresh adapter (B = 0) leaves the output unchanged; only adapters get gradients, and Megatron's DDP and
 optimizer hold exactly the adapters' numel; PEFT loads our adapter onto the HF base with the same logits, as does
 the merged HF export. Under torchrun at TP=2 (lora_tp_script.py): the sharded model gives the TP=1 logits and
-adapter gradients (also with sequence parallelism), and its exports load in HF with the same logits.
+adapter gradients (also with sequence parallelism, and at PP=2), and its exports load in HF with the same logits.
 """
 from __future__ import annotations
 
@@ -250,9 +250,9 @@ def hf_logits(hf_dir, adapter_dir, merged_dir, ids):
 
 # ------------------------------------------------------------------------------------------------ TP=2
 @pytest.mark.slow
-def test_tp2_matches_tp1_logits_grads_and_exports(tmp_path, megatron_tp1):
-    """torchrun, 2 ranks, TP=2 (and TP=2 with sequence parallelism): logits and gathered adapter gradients equal
-    TP=1's; the TP=2 PEFT adapter and merged export load in HF with TP=1's logits."""
+def test_tp2_and_pp2_match_tp1_logits_grads_and_exports(tmp_path, megatron_tp1):
+    """torchrun, 2 ranks, TP=2 (also with sequence parallelism) and PP=2: logits and gathered adapter gradients
+    equal TP=1's; the PEFT adapters and merged exports written at TP=2 and at PP=2 load in HF with TP=1's logits."""
     from pathlib import Path
 
     cfg, _, hf_dir = save_hf(tmp_path)
@@ -266,14 +266,15 @@ def test_tp2_matches_tp1_logits_grads_and_exports(tmp_path, megatron_tp1):
     script = Path(__file__).with_name("lora_tp_script.py")
     out = run_torchrun(script, 2, "--hf-dir", hf_dir, "--inputs", str(tmp_path / "inputs.pt"),
                        "--out", str(tmp_path / "tp2"), timeout=900)
-    for case in ("tp2", "tp2sp"):
+    for case in ("tp2", "tp2sp", "pp2"):
         got = torch.load(tmp_path / "tp2" / f"{case}.pt")
         assert (got["logits"] - logits.detach()).abs().max() <= TOL, case
         assert sorted(got["grads"]) == sorted(grads), case
         for n, g in grads.items():
             assert (got["grads"][n] - g).abs().max() <= 1e-4 * max(1.0, g.abs().max().item()), (case, n)
-    peft_logits, merged_logits = hf_logits(hf_dir, str(tmp_path / "tp2" / "adapter"),
-                                           str(tmp_path / "tp2" / "merged"), ids)
-    assert (peft_logits - logits.detach()).abs().max() <= TOL
-    assert (merged_logits - logits.detach()).abs().max() <= TOL
+    for prefix in ("", "pp2_"):
+        peft_logits, merged_logits = hf_logits(hf_dir, str(tmp_path / "tp2" / f"{prefix}adapter"),
+                                               str(tmp_path / "tp2" / f"{prefix}merged"), ids)
+        assert (peft_logits - logits.detach()).abs().max() <= TOL, prefix
+        assert (merged_logits - logits.detach()).abs().max() <= TOL, prefix
     assert "LORA_TP_OK" in out
