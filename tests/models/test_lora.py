@@ -184,6 +184,25 @@ def test_only_adapters_get_gradients(tmp_path, megatron_tp1):
             assert not p.requires_grad and p.grad is None, n
 
 
+def test_dropout_applies_to_the_adapter_input_only(tmp_path, megatron_tp1):
+    """In training a linear computes W x + scale * B A dropout(x), with dropout's mask drawn from torch's RNG."""
+    cfg, _, hf_dir = save_hf(tmp_path)
+    model, _ = lora_model(cfg, hf_dir, LoraSettings(rank=4, dropout=0.5, targets=("o_proj", "q_proj")))
+    layers = model.decoder.layers
+    for linear in (layers[0].self_attention.linear_proj, layers[1].self_attention.linear_qkv):
+        x = torch.randn(5, 2, linear.weight.shape[1])
+        torch.manual_seed(7)
+        train_out, _ = linear.train()(x)
+        torch.manual_seed(7)
+        dropped = torch.nn.functional.dropout(x, p=0.5, training=True)
+        with torch.no_grad():
+            delta_w = linear.lora.delta_weight()  # scale * B A in this linear's output layout
+        assert (train_out - (x @ linear.weight.T + dropped @ delta_w.T)).abs().max() <= TOL
+        eval_out, _ = linear.eval()(x)
+        assert (eval_out - (x @ linear.weight.T + x @ delta_w.T)).abs().max() <= TOL
+        assert (eval_out - train_out).abs().max() > 1e-3
+
+
 def test_ddp_and_optimizer_hold_only_the_adapters(tmp_path, megatron_tp1):
     """Megatron DDP's gradient buffers and the Adam state cover exactly the adapters' numel (base frozen)."""
     from megatron_searchr1.megatron.optimizer import build_optimizer, wrap_ddp
@@ -210,11 +229,12 @@ def test_ddp_and_optimizer_hold_only_the_adapters(tmp_path, megatron_tp1):
         assert torch.equal(p, before[n]) != is_lora_param(n), n
 
 
-def test_peft_adapter_and_merged_export_give_the_same_logits(tmp_path, megatron_tp1):
+@pytest.mark.parametrize("kind", ["qwen3", "qwen2", "llama"])  # q/k norms; qkv bias; tied embeddings
+def test_peft_adapter_and_merged_export_give_the_same_logits(tmp_path, megatron_tp1, kind):
     """PeftModel.from_pretrained(hf_base, our adapter dir) == our LoRA model == our merged HF export (fp32)."""
     from megatron_searchr1.models.lora_export import export_merged_hf, read_peft_adapter, write_peft_adapter
 
-    cfg, hf_base, hf_dir = save_hf(tmp_path)
+    cfg, hf_base, hf_dir = save_hf(tmp_path, kind)
     settings = LoraSettings(rank=4, alpha=8, dropout=0.1, targets=("q_proj", "v_proj", "o_proj", "down_proj",
                                                                    "gate_proj"))
     model, state = lora_model(cfg, hf_dir, settings)
