@@ -276,6 +276,43 @@ class LoraAdapter(torch.nn.Module):
         return self.scale * y
 
 
+    # -- checkpointing ----------------------------------------------------------------------------------------------
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None) -> dict:
+        """Megatron dist-checkpoint entries of the adapters, sharded as they are held (column B on dim 0, row A on
+        dim 1, the whole ones replicated over TP), so an adapter checkpoint loads at any TP/PP. A fused column
+        layer whose projection rows are not split evenly over TP (fewer KV heads than TP) has no such layout:
+        refused."""
+        from megatron.core import parallel_state as ps
+        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+        if self.kind == "column":
+            axis = {f"lora_B.{p}": 0 for p in self.lora_B}
+            for p in self.lora_B:
+                rows, n = getattr(self, f"rows_{p}"), self.full_shapes[p][1][0]
+                even = torch.arange(n // self.tp, device=rows.device) + self.tp_rank * (n // self.tp)
+                if n % self.tp or not torch.equal(rows, even):
+                    raise ValueError(f"{p}: its rows are not split evenly over TP={self.tp} (fewer KV heads than "
+                                     "TP?): save the adapter with lora_export.write_peft_adapter instead")
+        else:
+            axis = {f"lora_A.{p}": 1 for p in self.lora_A}
+        dp_cp = (metadata or {}).get("dp_cp_group") or ps.get_data_parallel_group(with_context_parallel=True)
+        return make_sharded_tensors_for_checkpoint(self.state_dict(prefix="", keep_vars=True), prefix, axis,
+                                                   sharded_offsets, tp_group=self.tp_group, dp_cp_group=dp_cp)
+
+
+def _with_adapter_checkpoint(linear: torch.nn.Module) -> None:
+    """Make `linear.sharded_state_dict` list its adapters sharded right (Megatron's parallel linears build theirs
+    from their own state dict, where the adapters would count as TP-replicated tensors)."""
+    base = linear.sharded_state_dict
+
+    def sharded_state_dict(prefix="", sharded_offsets=(), metadata=None):
+        out = {k: v for k, v in base(prefix, sharded_offsets, metadata).items() if not k.startswith(f"{prefix}lora.")}
+        out.update(linear.lora.sharded_state_dict(f"{prefix}lora.", sharded_offsets, metadata))
+        return out
+
+    linear.sharded_state_dict = sharded_state_dict
+
+
 def _lora_hook(module, args, kwargs, output):
     adapter = module.lora
     if not adapter.enabled:
@@ -325,6 +362,7 @@ def apply_lora(model: torch.nn.Module, settings: LoraSettings) -> list[str]:
             linear.lora = LoraAdapter(linear, suffix, PROJECTIONS[projs[0]][1], projs, settings,
                                       layer.layer_number - 1, model.config, tp, tp_rank, tp_group)
             linear.register_forward_hook(_lora_hook, with_kwargs=True)
+            _with_adapter_checkpoint(linear)
             adapted.append(f"decoder.layers.{i}.{suffix}")
     model.lora_settings = settings
     return adapted
@@ -347,6 +385,13 @@ def is_lora_param(name: str) -> bool:
 
 def lora_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
     return [p for n, p in _bare(model).named_parameters() if is_lora_param(n)]
+
+
+def adapter_sharded_state_dict(model: torch.nn.Module) -> dict:
+    """The adapters' entries of `model.sharded_state_dict()`: a LoRA checkpoint (megatron.core.dist_checkpointing
+    save / load) that holds the adapters only and loads at any TP/PP; load with
+    `model.load_state_dict(dist_checkpointing.load(adapter_sharded_state_dict(model), dir), strict=False)`."""
+    return {k: v for k, v in _bare(model).sharded_state_dict().items() if ".lora.lora_" in k}
 
 
 @contextlib.contextmanager

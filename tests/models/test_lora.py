@@ -4,7 +4,8 @@ At TP=1 in this process: the adapted model equals the base with merged weights; 
 Q's rows; a fresh adapter (B = 0) leaves the output unchanged; only adapters get gradients, and Megatron's DDP and
 optimizer hold exactly the adapters' numel; PEFT loads our adapter onto the HF base with the same logits, as does
 the merged HF export. Under torchrun at TP=2 (lora_tp_script.py): the sharded model gives the TP=1 logits and
-adapter gradients (also with sequence parallelism, and at PP=2), and its exports load in HF with the same logits.
+adapter gradients (also with sequence parallelism, and at PP=2), its exports load in HF with the same logits, and
+adapter-only checkpoints move between TP=1, TP=2 and PP=2.
 """
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ import pytest
 import torch
 
 from megatron_searchr1.models.lora import (
-    LoraSettings, adapters, apply_lora, column_layout, disable_adapters, gather_adapter_state, is_lora_param,
-    load_adapter_state, lora_parameters, merged_weights,
+    LoraSettings, adapter_sharded_state_dict, adapters, apply_lora, column_layout, disable_adapters,
+    gather_adapter_state, is_lora_param, load_adapter_state, lora_parameters, merged_weights,
 )
 from tests.dist_utils import run_torchrun
 from tests.models.test_gpt import megatron_tp1, tiny_hf_model  # noqa: F401  (megatron_tp1 is a fixture)
@@ -272,8 +273,11 @@ def hf_logits(hf_dir, adapter_dir, merged_dir, ids):
 @pytest.mark.slow
 def test_tp2_and_pp2_match_tp1_logits_grads_and_exports(tmp_path, megatron_tp1):
     """torchrun, 2 ranks, TP=2 (also with sequence parallelism) and PP=2: logits and gathered adapter gradients
-    equal TP=1's; the PEFT adapters and merged exports written at TP=2 and at PP=2 load in HF with TP=1's logits."""
+    equal TP=1's; the PEFT adapters and merged exports written at TP=2 and at PP=2 load in HF with TP=1's logits;
+    adapter checkpoints (dist_checkpointing, adapters only) move between TP=1, TP=2 and PP=2."""
     from pathlib import Path
+
+    from megatron.core import dist_checkpointing
 
     cfg, _, hf_dir = save_hf(tmp_path)
     settings = LoraSettings(rank=4, alpha=8, targets=ALL)
@@ -283,9 +287,11 @@ def test_tp2_and_pp2_match_tp1_logits_grads_and_exports(tmp_path, megatron_tp1):
     loss_of(logits).backward()
     grads = gather_adapter_state(model, grad=True)
     torch.save(dict(state=state, ids=ids), tmp_path / "inputs.pt")
+    (tmp_path / "ckpt_tp1").mkdir()
+    dist_checkpointing.save(adapter_sharded_state_dict(model), str(tmp_path / "ckpt_tp1"))
     script = Path(__file__).with_name("lora_tp_script.py")
     out = run_torchrun(script, 2, "--hf-dir", hf_dir, "--inputs", str(tmp_path / "inputs.pt"),
-                       "--out", str(tmp_path / "tp2"), timeout=900)
+                       "--out", str(tmp_path / "tp2"), "--ckpt", str(tmp_path / "ckpt_tp1"), timeout=900)
     for case in ("tp2", "tp2sp", "pp2"):
         got = torch.load(tmp_path / "tp2" / f"{case}.pt")
         assert (got["logits"] - logits.detach()).abs().max() <= TOL, case
@@ -298,3 +304,11 @@ def test_tp2_and_pp2_match_tp1_logits_grads_and_exports(tmp_path, megatron_tp1):
         assert (peft_logits - logits.detach()).abs().max() <= TOL, prefix
         assert (merged_logits - logits.detach()).abs().max() <= TOL, prefix
     assert "LORA_TP_OK" in out
+    # the adapter checkpoint written at TP=2 loads at TP=1 with the same tensors
+    fresh = build_base(cfg, hf_dir)
+    apply_lora(fresh, settings)
+    loaded = dist_checkpointing.load(adapter_sharded_state_dict(fresh), str(tmp_path / "tp2" / "ckpt_tp2"))
+    result = fresh.load_state_dict(loaded, strict=False)
+    assert not [k for k in result.missing_keys if is_lora_param(k)] and not result.unexpected_keys
+    back = gather_adapter_state(fresh)
+    assert sorted(back) == sorted(state) and all(torch.equal(back[k], v) for k, v in state.items())
