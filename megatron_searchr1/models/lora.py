@@ -178,9 +178,10 @@ class LoraAdapter(torch.nn.Module):
                 self.full_shapes[p] = ((r, in_local * tp), (out_local, r))
         for p in projections:
             (a_shape, b_shape) = self.full_shapes[p]
-            # A from a generator seeded per (layer, projection) on the FULL shape, then sharded: the same adapter at
-            # every TP size (PEFT: kaiming_uniform_(a=sqrt(5)), what nn.Linear's reset_parameters does).
-            g = torch.Generator().manual_seed(1000003 * (layer_index + 1) + list(PROJECTIONS).index(p))
+            # A drawn on the FULL shape from a generator seeded by (run seed, layer, projection), then sharded: the
+            # same adapter at every TP/PP (PEFT: kaiming_uniform_(a=sqrt(5)), what nn.Linear's reset_parameters does).
+            seed = (torch.initial_seed() * 1000003 + layer_index * 101 + list(PROJECTIONS).index(p)) % 2**63
+            g = torch.Generator().manual_seed(seed)
             bound = 1.0 / math.sqrt(a_shape[1])  # kaiming_uniform(a=sqrt(5)): gain*sqrt(3/fan_in) = 1/sqrt(fan_in)
             a_full = (torch.rand(a_shape, generator=g) * 2 - 1) * bound
             b_full = torch.zeros(b_shape)

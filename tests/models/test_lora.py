@@ -235,7 +235,7 @@ def test_peft_adapter_and_merged_export_give_the_same_logits(tmp_path, megatron_
     """PeftModel.from_pretrained(hf_base, our adapter dir) == our LoRA model == our merged HF export (fp32)."""
     from megatron_searchr1.models.lora_export import export_merged_hf, read_peft_adapter, write_peft_adapter
 
-    cfg, hf_base, hf_dir = save_hf(tmp_path, kind)
+    cfg, _, hf_dir = save_hf(tmp_path, kind)
     settings = LoraSettings(rank=4, alpha=8, dropout=0.1, targets=("q_proj", "v_proj", "o_proj", "down_proj",
                                                                    "gate_proj"))
     model, state = lora_model(cfg, hf_dir, settings)
