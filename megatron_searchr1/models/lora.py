@@ -340,7 +340,9 @@ def apply_lora(model: torch.nn.Module, settings: LoraSettings) -> list[str]:
 
     from megatron_searchr1.models.spec import uses_te_spec
 
-    model = _bare(model)
+    if _bare(model) is not model:
+        raise ValueError("apply_lora takes the bare model, before wrap_ddp: DDP sizes its gradient buffers for the "
+                         "parameters that are trainable when it wraps the model")
     if uses_te_spec(model):
         raise ValueError("LoRA needs Megatron's local spec (set model.use_te=false): Transformer Engine fuses the "
                          "norm into linear_qkv / linear_fc1, so the adapters' input is not available")
