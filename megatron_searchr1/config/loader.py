@@ -152,16 +152,23 @@ def save_config(cfg, path: str) -> None:
 
 
 
+def field_docs(cls) -> dict[str, str]:
+    """{field name: docstring} of a dataclass: the string literal right after each annotated assignment (the
+    one-line docs of our config sections; `describe` and the retrieval server's flags read them)."""
+    docs: dict[str, str] = {}
+    try:
+        body = ast.parse(inspect.getsource(cls)).body[0].body
+    except (OSError, TypeError):
+        return docs
+    for node, nxt in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+            docs[node.target.id] = str(nxt.value.value)
+    return docs
+
+
 def describe(cls, prefix: str = "") -> list[str]:
     """`section.field (default): docstring` lines for --help-config."""
-    docs: dict[str, str] = {}
-    try:  # field docstrings are the string literal right after each annotated assignment
-        body = ast.parse(inspect.getsource(cls)).body[0].body
-        for node, nxt in zip(body, body[1:]):
-            if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
-                docs[node.target.id] = str(nxt.value.value)
-    except (OSError, TypeError):
-        pass
+    docs = field_docs(cls)
     lines = []
     defaults = cls()
     for f in dataclasses.fields(cls):
@@ -171,4 +178,3 @@ def describe(cls, prefix: str = "") -> list[str]:
         else:
             lines.append(f"{prefix}{f.name} (default: {value!r}): {docs.get(f.name, '')}")
     return lines
-

@@ -383,6 +383,38 @@ def test_cli_without_an_index_says_what_to_pass():
     assert r.returncode != 0 and "--index-dir" in r.stderr
 
 
+SERVER_FLAGS = {  # every server flag and its default before the settings were declared once (ServerConfig fields)
+    "--host": "127.0.0.1", "--port": 8000, "--default-topk": 3, "--max-queries": 4096, "--max-topk": 100,
+    "--max-query-chars": 4096, "--max-body-bytes": 67108864, "--search-timeout-s": 300.0, "--batch-window-ms": 5.0,
+    "--batch-max-wait-ms": 50.0, "--max-batch-queries": 4096, "--max-pending-queries": None,
+    "--query-cache-size": 16384, "--log-level": "info", "--access-log": False,
+}
+OTHER_FLAGS = ["--index-dir", "--faiss-index", "--corpus", "--encoder", "--pooling", "--no-normalize", "--query-prefix",
+               "--passage-prefix", "--max-length", "--encoder-batch-size", "--fp16", "--device", "--encoder-backend",
+               "--torch-threads", "--faiss-gpu", "--faiss-threads", "--bm25-mmap", "--faiss-mmap"]
+
+
+def test_cli_flags_are_generated_from_the_settings_with_the_same_names_and_defaults():
+    import dataclasses
+
+    from megatron_searchr1.search.server import build_arg_parser, settings_from_args
+
+    parser = build_arg_parser()
+    flags = {a.option_strings[0]: a for a in parser._actions if a.option_strings and a.option_strings[0] != "-h"}
+    assert sorted(flags) == sorted([*SERVER_FLAGS, *OTHER_FLAGS])
+    assert {f: flags[f].default for f in SERVER_FLAGS} == SERVER_FLAGS
+    for f in dataclasses.fields(ServerConfig):  # each setting's help is its field's docstring
+        assert flags["--" + f.name.replace("_", "-")].help, f.name
+    assert "0 picks a free one" in flags["--port"].help
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--port", "-1"])
+    args = parser.parse_args(["--max-queries", "20000", "--max-topk", "7", "--batch-window-ms", "0"])
+    config = settings_from_args(args, ServerConfig)
+    assert (config.max_queries, config.max_topk, config.batch_window_ms, config.port) == (20000, 7, 0.0, 8000)
+    assert config.max_pending_queries == 20000  # the old rule: 16384, or --max-queries when that is larger
+    assert settings_from_args(parser.parse_args([]), ServerConfig) == ServerConfig()
+
+
 def test_index_dir_mistakes_name_the_step_or_the_index_inside(tmp_path):
     from megatron_searchr1.cli import UsageError
     from megatron_searchr1.search.server import check_index_dir
