@@ -80,7 +80,8 @@ class MicroBatcher:
     """
 
     def __init__(self, retriever: Retriever, window_s: float, max_batch_queries: int, timeout_s: float = 0.0,
-                 render: Callable[[np.ndarray, np.ndarray, bool], bytes] | None = None, max_wait_s: float | None = None):
+                 render: Callable[[np.ndarray, np.ndarray, bool], bytes] | None = None,
+                 max_wait_s: float | None = None):
         self.retriever, self.window_s, self.max_batch_queries = retriever, window_s, max_batch_queries
         self.max_wait_s = window_s if max_wait_s is None else max(max_wait_s, window_s)
         self.render = render or (lambda ids, scores, return_scores:
