@@ -25,6 +25,7 @@ from typing import Hashable, Iterable, Optional, Sequence
 
 from megatron_searchr1.rollout.engine import Generation, SamplingParams
 
+# the engine's logger: these are VLLMEngine's methods, and users filter its messages by that name
 logger = logging.getLogger("megatron_searchr1.rollout.engines.vllm_engine")
 
 
