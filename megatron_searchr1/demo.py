@@ -37,11 +37,15 @@ class Size:
     world: tuple[str, ...]
     """make_synthetic_world.py arguments."""
     sft_steps: int
+    """SFT warm-up optimizer steps."""
     sft_batch: int
+    """SFT examples per step."""
     grpo_steps: int
+    """GRPO steps after the warm-up."""
     grpo_batch: int
     """Prompts per GRPO step (each sampled `n` times)."""
     n: int
+    """Samples per prompt (GRPO group size)."""
     val_samples: int
     """Questions per split for each evaluation."""
     grpo_test_freq: int = 0
@@ -50,21 +54,20 @@ class Size:
     """Seeds of the worlds (same sizes as the RL world) whose gold trajectories are the SFT data. Several worlds:
     more distinct names, so the warm-up learns to copy and read names rather than memorise a few thousand
     trajectories over many epochs. None is the RL world: RL on questions the warm-up had memorised re-samples
-    memorised answers (measured: held-out EM 0.41 -> 0.37 in 60 steps), while held-out questions need reading."""
+    memorised answers, while held-out questions need reading (examples/cpu_demo_sizes.md)."""
     sft_stop_early: float = 0.0
     """The SFT worlds' lazy demonstrator (make_world --stop-early): at each point where a multi-hop chain needs
     another search, its trajectory answers a guess instead with this probability. Above 0.5 the warm-up's greedy
     policy gives up after the first search on multi-hop questions, and RL has to learn from the reward that
-    searching again pays (on perfect chains RL added only +0.04 held-out EM: little was left to learn)."""
+    searching again pays; on perfect chains little is left for RL to learn (examples/cpu_demo_sizes.md)."""
 
 
 SIZES = {
     # ~5 minutes on 2 cores: every stage runs for real at toy length (CI).
     "ci": Size(world=("--seed", "0"), sft_steps=40, sft_batch=16, grpo_steps=3, grpo_batch=4, n=4, val_samples=32,
                sft_world_seeds=(1,), grpo_test_freq=2, sft_stop_early=0.6),
-    # The measured run (README): a diverse world so the warm-up learns to copy unseen names into queries. As short
-    # as the effect allows: 1,200 SFT steps left a model that barely reads (held-out EM 0.04) and GRPO stayed flat;
-    # 1,500 read (0.25), and 50 GRPO steps from there added +0.22; 2,000 + 200 added +0.14 in 21 more minutes.
+    # The measured run (README): a diverse world so the warm-up learns to copy unseen names into queries; as short
+    # as the effect allows (the runs that chose these lengths: examples/cpu_demo_sizes.md).
     "full": Size(world=("--seed", "3", "--n-people", "8000", "--n-companies", "2500", "--n-cities", "1500",
                         "--n-products", "2500", "--n-universities", "800", "--n-distractors", "3000",
                         "--n-train", "6000", "--n-validation", "300", "--n-test", "300"),

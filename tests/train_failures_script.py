@@ -13,6 +13,7 @@ import sys
 from megatron_searchr1.config import load_config
 from megatron_searchr1.megatron.initialize import initialize_megatron
 from megatron_searchr1.rollout.engine import Generation
+from megatron_searchr1.search.client import SearchFailure
 from megatron_searchr1.train import Trainer
 
 
@@ -45,7 +46,7 @@ def main(estimator: str, model_dir: str, train_file: str, out: str) -> None:
 
     rt.engine.generate = scripted
     failing = rt.dp_rank == 1
-    rt.client.search = lambda queries: [("Search failed: injected" if failing else 'Doc 1(Title: "X") x\n')
+    rt.client.search = lambda queries: [(SearchFailure("injected") if failing else 'Doc 1(Title: "X") x\n')
                                         for _ in queries]
     metrics = trainer.step()
     print(f"SEEDS dp_rank={rt.dp_rank} {sorted(seeds)}", flush=True)  # Trainer.rollout's sampling seeds per turn

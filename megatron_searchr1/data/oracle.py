@@ -45,6 +45,7 @@ from collections.abc import Callable, Collection
 from megatron_searchr1.data.prompts import answer_turn, format_observation, search_turn
 from megatron_searchr1.data.qa import plain
 from megatron_searchr1.data.synthetic import RELATIONS
+from megatron_searchr1.search.client import is_search_failure
 
 # queries -> one observation text per query (the `format_docs` string, before <information> wrapping)
 Searcher = Callable[[list[str]], list[str]]
@@ -125,7 +126,7 @@ def gold_trajectories(rows: list[dict], search: Searcher, gold_text: dict[str, s
             if len(texts) != len(part):
                 raise RuntimeError(f"searcher returned {len(texts)} results for {len(part)} queries")
             for i, t in zip(part, texts):
-                if t.startswith("Search failed"):  # the client's error observation: never train on it
+                if is_search_failure(t):  # the client's error observation: never train on it
                     raise RuntimeError(f"retrieval failed for {chains[i][h]['query']!r}: {t}")
                 obs[i].append(t)
     rng = random.Random(seed)

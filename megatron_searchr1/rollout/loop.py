@@ -16,7 +16,8 @@ One turn, for every active sample at once:
 After `max_turns` search turns comes one last turn in which a search is no longer run (Search-R1's final
 turn); a sample that still does not answer ends `max_turns` (it searched) or `invalid` (it did not).
 The prompt is never cut: `max_response_length` bounds the response, and a sample that reaches it ends `length`.
-A failed search (the client's "Search failed: ..." text) ends the sample `search_error` after its observation.
+A failed search (the client's `SearchFailure` observation, "Search failed: ...") ends the sample `search_error` after
+its observation.
 
 Every turn asserts that response ids, loss mask and log-probs have equal lengths.
 
@@ -37,15 +38,15 @@ from megatron_searchr1.data.prompts import (
     format_observation,
 )
 from megatron_searchr1.rollout.engine import Engine, SamplingParams, keeps_sessions
+from megatron_searchr1.search.client import is_search_failure
 
 FINISH_REASONS = ("answer", "length", "max_turns", "invalid", "search_error")
 
-# queries -> one observation text per query (RetrievalClient.search: formatted docs or "Search failed: ...")
+# queries -> one observation text per query (RetrievalClient.search: formatted docs or a SearchFailure)
 Searcher = Callable[[list[str]], list[str]]
 
 _ACTION = re.compile(rf"{re.escape(SEARCH_START)}(.*?){re.escape(SEARCH_END)}|"
                      rf"{re.escape(ANSWER_START)}(.*?){re.escape(ANSWER_END)}", re.DOTALL)
-SEARCH_FAILED = "Search failed"
 
 
 def parse_action(turn_text: str) -> tuple[str, Optional[str]]:
@@ -149,8 +150,6 @@ class RolloutStats:
     """Tokens the engine decoded."""
     prefill_tokens: int = 0
     """Prompt tokens the engine computed (not served from its prefix cache)."""
-    observation_tokens: int = 0
-    search_calls: int = 0
     gen_seconds: float = 0.0
     search_seconds: float = 0.0
 
@@ -261,16 +260,14 @@ def _turns(engine: Engine, tokenizer, search: Searcher, trajs: list[Trajectory],
             start = time.perf_counter()
             results = search([q for _, q in pending])
             stats.search_seconds += time.perf_counter() - start
-            stats.search_calls += 1
             if len(results) != len(pending):
                 raise RuntimeError(f"search returned {len(results)} results for {len(pending)} queries")
             for (t, _), docs in zip(pending, results):
                 t.n_searches += 1
                 room = s.max_response_length - len(t.response_ids)
                 ids = _observation_ids(tokenizer, docs, min(s.max_obs_length, room))
-                stats.observation_tokens += len(ids)
                 t.extend(ids, 0)
-                if docs.startswith(SEARCH_FAILED):
+                if is_search_failure(docs):
                     t.finish("search_error")
                 elif len(t.response_ids) >= s.max_response_length:
                     t.finish("length")

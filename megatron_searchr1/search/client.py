@@ -9,7 +9,8 @@ after the first 404 and sends every batch as one request: its endpoint shares on
 fails under concurrent requests. Connection errors, timeouts and 5xx are retried `max_retries` times with
 exponential backoff; 429 (overloaded) is retried until `overload_deadline` seconds have passed, waiting at least the
 server's Retry-After. If a chunk still fails (or the server rejects it with a 4xx), its queries get the text
-"Search failed: <reason>" and `client.stats` counts it, so a flaky server costs a few bad observations, never a
+"Search failed: <reason>" (a `SearchFailure`, so the rollout knows it failed without reading the text) and
+`client.stats` counts it, so a flaky server costs a few bad observations, never a
 crashed training run. Results are formatted exactly like Search-R1's `_passages2string` (see `format_docs`), also
 those of its rerank server, whose `document` is a plain string.
 """
@@ -52,6 +53,33 @@ def format_docs(docs: list) -> str:
         lines = contents.split("\n")
         out.append(f"Doc {i}(Title: {lines[0]}) {chr(10).join(lines[1:])}\n")
     return "".join(out)
+
+
+class SearchFailure(str):
+    """The observation of a failed search. The text the model sees is "Search failed: <reason>", as before; the type
+    is what the rollout (`finish_reason` search_error) and the SFT oracle (never trains on it) check.
+
+    >>> obs = SearchFailure("HTTP 503: stalled")
+    >>> obs, obs.reason, isinstance(obs, str)
+    ('Search failed: HTTP 503: stalled', 'HTTP 503: stalled', True)
+    >>> is_search_failure(obs), is_search_failure("Doc 1(Title: X) ...")
+    (True, False)
+    """
+
+    reason: str
+
+    def __new__(cls, reason: object) -> "SearchFailure":
+        self = super().__new__(cls, f"Search failed: {reason}")
+        self.reason = str(reason)
+        return self
+
+    def __getnewargs__(self):  # pickle rebuilds it from the reason, not from the full text
+        return (self.reason,)
+
+
+def is_search_failure(observation: str) -> bool:
+    """True for the observation of a failed search (see SearchFailure)."""
+    return isinstance(observation, SearchFailure)
 
 
 class RetrievalError(Exception):
@@ -117,7 +145,8 @@ class RetrievalClient:
     # ---- public API -------------------------------------------------------------------------------------
 
     def search(self, queries: list[str]) -> list[str]:
-        """One observation text per query: formatted docs, or "Search failed: <reason>". Never raises."""
+        """One observation text per query: formatted docs, or a SearchFailure ("Search failed: <reason>"). Never
+        raises."""
         if not queries:
             return []
         results: list[str] = [""] * len(queries)
@@ -135,12 +164,12 @@ class RetrievalClient:
                     self._count(errors=1, failed_queries=len(chunk))
                     failed += len(chunk)
                     logger.warning("retrieval failed for %d queries: %s", len(chunk), outcome)
-                    texts = [f"Search failed: {outcome}"] * len(chunk)
+                    texts = [SearchFailure(outcome)] * len(chunk)
                 results[start:start + len(chunk)] = texts
         except Exception as e:  # noqa: BLE001 - a bug here must not kill a training run either
             logger.exception("retrieval client error")
             self._count(errors=1, failed_queries=len(queries) - failed)
-            return [f"Search failed: {type(e).__name__}: {e}"] * len(queries)
+            return [SearchFailure(f"{type(e).__name__}: {e}")] * len(queries)
         return results
 
     def retrieve(self, queries: list[str], topk: int | None = None, return_scores: bool = True) -> list[list[dict]]:

@@ -294,8 +294,14 @@ def test_vllm_load_weights_switches_model_and_resets_prefix_cache(vllm_a, hf_a, 
 
 
 @pytest.mark.slow
-def test_vllm_sleep_wake_up_keeps_generating(vllm_a, hf_a, prompts):
-    vllm_a.sleep()  # a no-op on the CPU backend (no sleep mode there), weights + KV offloaded on GPUs
+def test_vllm_sleep_and_wake_up_are_no_ops_on_the_cpu(vllm_a, hf_a, prompts):
+    """vLLM has no sleep mode on the CPU: sleep() frees nothing and wake_up() has nothing to wake; the engine keeps
+    generating with its weights. The GPU call order (wake weights, sync, wake KV cache) is tested with recording
+    doubles in test_vllm_engine_unit.py and test_wake.py."""
+    if not vllm_a.on_cpu:
+        pytest.skip("sleep mode is real on GPUs: see test_vllm_engine_unit.py and test_wake.py")
+    assert not vllm_a.sleep_mode
+    assert vllm_a.sleep(level=2) is False and not vllm_a.sleeping  # no weights dropped: no sync needed
     vllm_a.wake_up()
     assert_same(vllm_a.generate(prompts[:2], GREEDY), hf_a.generate(prompts[:2], GREEDY))
 

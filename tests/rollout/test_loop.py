@@ -4,6 +4,7 @@ import pytest
 from megatron_searchr1.data.prompts import INVALID_ACTION_FEEDBACK, format_observation
 from megatron_searchr1.rollout import loop
 from megatron_searchr1.rollout.loop import LoopSettings, Trajectory, run_rollout
+from megatron_searchr1.search.client import SearchFailure
 from tests.rollout.scripted import ScriptedEngine, SessionScriptedEngine
 
 
@@ -24,7 +25,7 @@ class Searcher:
 
     def __call__(self, queries):
         self.calls.append(list(queries))
-        return [f"Search failed: HTTP 503" if q in self.fail else self.docs.get(q, "Doc 1(Title: \"X\") nothing\n")
+        return [SearchFailure("HTTP 503") if q in self.fail else self.docs.get(q, "Doc 1(Title: \"X\") nothing\n")
                 for q in queries]
 
 
@@ -76,7 +77,7 @@ def test_one_search_call_per_turn_for_all_active_samples(tok):
     trajs, stats, engine, searcher = _run(tok, {"a": s1, "b": s2, "c": s3})
     assert searcher.calls == [["who founded acme?", "when was bo lund born?"], ["when was bo lund born?"]]
     assert engine.calls == [3, 2, 1]  # each turn batches only the samples still active
-    assert [t.n_searches for t in trajs] == [2, 1, 0] and stats.search_calls == 2
+    assert [t.n_searches for t in trajs] == [2, 1, 0]  # two search calls: searcher.calls above
     assert [t.answer for t in trajs] == ["1901", "1901", "7"]
 
 
@@ -142,8 +143,13 @@ def test_long_observation_is_cut_to_budget_keeping_the_closing_tag(tok):
 def test_failed_search_ends_the_sample_with_search_error(tok):
     (t,), stats, _, _ = _run(tok, {"a": ["<search> who founded acme? </search>", "<answer> a </answer>"]},
                              searcher=Searcher(fail={"who founded acme?"}))
-    assert t.finish_reason == "search_error" and "Search failed" in tok.decode(t.response_ids)
+    assert t.finish_reason == "search_error" and "Search failed: HTTP 503" in tok.decode(t.response_ids)
     assert stats.finish["search_error"] == 1
+    # the type decides, not the text: a passage that happens to start with those words is an observation
+    docs = {**DOCS, "who founded acme?": 'Search failed: a 1999 novel\n'}
+    (t,), _, _, _ = _run(tok, {"a": ["<search> who founded acme? </search>", "<answer> a </answer>"]},
+                         searcher=Searcher(docs))
+    assert t.finish_reason == "answer" and "Search failed: a 1999 novel" in tok.decode(t.response_ids)
 
 
 def test_metrics_cover_every_finish_reason(tok):

@@ -18,6 +18,9 @@ from megatron_searchr1.data.prompts import format_observation
 from megatron_searchr1.rollout.loop import LoopSettings, Trajectory, run_rollout
 
 
+INFER_QUESTION = "who founded the city"
+
+
 def _bigram_model(base_dir: str, out_dir: str, path: list[tuple[int, int]]):
     """Copy the HF model at base_dir with weights that send each `src` token to `dst` greedily."""
     import torch
@@ -88,8 +91,16 @@ def setup(tmp_path_factory):
         sources = [s for s, _ in path]
         assert len(set(sources)) == len(sources), "path tokens must be distinct"
         model_dir = _bigram_model(base, str(root / "bigram"), path)
+        # tools/infer.py renders its own prompt, which ends in a newline, as the observation does: a bigram model
+        # cannot answer after one and search after the other, so the CLI's model searches after every newline
+        # (one search turn, then a final turn that searches again: finish max_turns)
+        from megatron_searchr1.data.prompts import make_prompt, normalize_question, render_prompt
+
+        infer_last = one(render_prompt(make_prompt(normalize_question(INFER_QUESTION), "base"), tok, "auto"))[-1]
+        assert infer_last == obs[-1]
+        infer_model_dir = _bigram_model(base, str(root / "bigram_infer"), [(infer_last, think)] + path[1:7])
         yield dict(tok=tok, prompt=prompt, model_dir=model_dir, client=client, obs=obs, query=query,
-                   answer_text=tok.decode([A]).strip())
+                   answer_text=tok.decode([A]).strip(), infer_model_dir=infer_model_dir)
         client.close()
     finally:
         server.stop()
@@ -153,14 +164,20 @@ def test_infer_cli_prints_the_trajectory_turn_by_turn(setup):
     from megatron_searchr1.rollout.engines import make_engine
     from tests.dist_utils import REPO
 
-    proc = subprocess.run([sys.executable, "tools/infer.py", "--model", setup["model_dir"], "--engine", "hf",
-                           "--url", setup["client"].base_url, "--question", "who founded the city",
+    proc = subprocess.run([sys.executable, "tools/infer.py", "--model", setup["infer_model_dir"], "--engine", "hf",
+                           "--url", setup["client"].base_url, "--question", INFER_QUESTION,
                            "--max-turns", "1", "--max-tokens-per-turn", "8"],
                           cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
     assert out.startswith("[prompt]\n") and "Question: who founded the city?" in out and "[model]" in out
     assert "[finish]" in out.splitlines()[-1]
+    # the search ran: a [context] block holds the retrieved documents (not a failed search's text); the final turn
+    # searched again (the infer model's path, see setup), which ends the sample max_turns
+    context = out.split("[context]\n", 1)[1].split("\n[model]", 1)[0]
+    assert "<information>" in context and "Doc 1(Title: " in context, out
+    assert f"{setup['query']} is where the founder lived." in context and "Search failed" not in context
+    assert out.splitlines()[-1] == "[finish] max_turns; searches: 1; answer: None", out
     # segments alternate between what the model wrote and what was appended
     traj = _run(make_engine("hf", setup["model_dir"]), setup)
     kinds = [k for k, _ in turn_segments(setup["tok"], traj)]

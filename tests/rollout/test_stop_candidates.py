@@ -1,4 +1,4 @@
-"""The KV-session stop candidates (vllm_engine.stop_candidates / VLLMEngine._candidates) on byte-level BPEs
+"""The KV-session stop candidates (vllm_sessions.stop_candidates / VLLMEngine._candidates) on byte-level BPEs
 trained here: the ids whose token holds a stop's last character, no U+FFFD ids when the stops end in ASCII."""
 import importlib.util
 import sys

@@ -7,7 +7,7 @@ import pytest
 vllm = pytest.importorskip("vllm")
 
 from megatron_searchr1.rollout.engine import KV_CACHE, WEIGHTS, wake_and_sync  # noqa: E402
-from megatron_searchr1.rollout.engines import vllm_engine  # noqa: E402
+from megatron_searchr1.rollout.engines import vllm_cpu, vllm_engine  # noqa: E402
 from megatron_searchr1.rollout.engines.vllm_engine import VLLM_TESTED, VLLMEngine, vllm_version_problem  # noqa: E402
 
 
@@ -48,7 +48,7 @@ def platform(monkeypatch):
         monkeypatch.setattr(current_platform, "is_cpu", lambda: on_cpu)
         monkeypatch.setattr(current_platform, "is_sleep_mode_available", lambda: not on_cpu)
         if on_cpu:
-            monkeypatch.setattr(vllm_engine, "_use_plain_cpu_linear", lambda: None)
+            monkeypatch.setattr(vllm_cpu, "use_plain_cpu_linear", lambda: None)
     return use
 
 
@@ -118,3 +118,13 @@ def test_engine_warns_outside_the_tested_range(platform, monkeypatch, caplog):
     with caplog.at_level(logging.WARNING, logger=vllm_engine.__name__):
         VLLMEngine("/model", kv_sessions=False, kv_cache_gib=0.1)
     assert "vLLM 0.34.0 is installed" in caplog.text and VLLM_TESTED in caplog.text
+
+
+def test_doctests_of_the_vllm_modules():
+    import doctest
+
+    from megatron_searchr1.rollout.engines import vllm_sessions
+
+    for module in (vllm_engine, vllm_sessions):
+        result = doctest.testmod(module)
+        assert result.failed == 0 and result.attempted > 0, module.__name__

@@ -6,7 +6,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from megatron_searchr1.search.client import RetrievalClient, RetrievalError, format_docs
+from megatron_searchr1.search.client import RetrievalClient, RetrievalError, SearchFailure, format_docs
 from megatron_searchr1.search.server import BackgroundServer, ServerConfig
 
 
@@ -127,6 +127,7 @@ def test_server_down_gives_error_observations_counts_and_retries():
     elapsed = time.time() - t0
     assert len(out) == 3 and all(o.startswith("Search failed: ") and "ConnectError" in o for o in out)
     assert "after 3 attempts" in out[0]
+    assert all(isinstance(o, SearchFailure) and o == f"Search failed: {o.reason}" for o in out)  # typed, same text
     s = client.stats
     assert (s.requests, s.retries, s.errors, s.failed_queries) == (3, 2, 1, 3)
     assert elapsed >= 0.05 + 0.10  # exponential backoff: 0.05 s, then 0.10 s

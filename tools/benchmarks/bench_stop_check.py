@@ -3,7 +3,7 @@
 """The cost of vLLM's stop check on KV-session requests, before and after issue 19 (item 6).
 
 A session request cannot carry stop strings, so the vllm engine stops it on every token that could complete one
-(vllm_engine.stop_candidates). vLLM checks `last_token in sampling_params.stop_token_ids` after every generated
+(vllm_sessions.stop_candidates). vLLM checks `last_token in sampling_params.stop_token_ids` after every generated
 token of every running request, on the engine thread, and keeps that field as a list: a linear scan of every
 candidate for each token that is not one (nearly all of them). Before: candidates = tokens holding '>' or U+FFFD,
 as a list. After: tokens holding '>' only (the stops end in ASCII), as a frozenset.
@@ -82,7 +82,7 @@ def main(argv=None) -> None:
     p.add_argument("--checks", type=at_least(1000), default=20_000, help="token ids checked per measurement")
     args = p.parse_args(argv)
 
-    from megatron_searchr1.rollout.engines.vllm_engine import stop_candidates
+    from megatron_searchr1.rollout.engines.vllm_sessions import stop_candidates
 
     t = time.perf_counter()
     tok = train_byte_level_bpe(args.vocab)

@@ -1,9 +1,6 @@
-"""The run configuration: nested dataclasses, one YAML per experiment, dotted overrides on the command line.
+"""The RL run's schema: one dataclass per section, a one-line docstring per field.
 
-    cfg = load_config("examples/grpo_tiny_cpu.yaml", ["rollout.max_turns=4", "algo.adv_estimator=grpo"])
-    cfg.rollout.max_turns            # 4
-
-Sections: data, model, parallel, rollout, retrieval, algo, optim, trainer, logging (the SFT stage adds `sft`).
+Sections: data, model, parallel, rollout, retrieval, algo, optim, trainer, logging.
 Every field has a one-line docstring (`python -m megatron_searchr1.train --help-config` prints them). Each section
 checks itself in `__post_init__`; `Config.validate()` checks what spans sections and the files the run needs,
 cheaply (config.json is read as JSON, no model is built), so a bad config fails in a second with a message that
@@ -14,25 +11,16 @@ Names follow Search-R1 / verl where a user would look for them (`rollout.n`, `al
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
-import typing
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Optional
+
+from megatron_searchr1.config.loader import ConfigError, _check
 
 ESTIMATORS = ("grpo", "gae", "rloo", "reinforce_plus_plus")
 KL_KINDS = ("kl", "abs", "mse", "low_var_kl")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
-
-
-class ConfigError(ValueError):
-    """A configuration mistake; the message names the field and what to change."""
-
-
-def _check(ok: bool, message: str) -> None:
-    if not ok:
-        raise ConfigError(message)
 
 
 @dataclass
@@ -415,232 +403,3 @@ class Config:
             _check(bool(d.val_files) or not (self.trainer.val_only),
                    "trainer.val_only=true needs data.val_files")
 
-
-# --------------------------------------------------------------------------------------------------------------
-# YAML + dotted overrides
-# --------------------------------------------------------------------------------------------------------------
-def _coerce(tp: Any, value: Any, where: str) -> Any:
-    """Convert a YAML/CLI value to the field's annotated type (only the types our configs use)."""
-    origin = typing.get_origin(tp)
-    args = typing.get_args(tp)
-    if origin is typing.Union:  # Optional[X]
-        if value is None or (isinstance(value, str) and value.lower() in ("null", "none")):
-            return None
-        inner = [a for a in args if a is not type(None)][0]
-        return _coerce(inner, value, where)
-    if origin in (list, tuple):
-        if isinstance(value, str):
-            value = _parse_scalar_list(value)
-        if not isinstance(value, (list, tuple)):
-            value = [value]
-        elem = args[0] if args else str
-        out = [_coerce(elem, v, where) for v in value]
-        return tuple(out) if origin is tuple else out
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
-            return value.lower() in ("true", "1", "yes")
-        raise ConfigError(f"{where}: expected true/false, got {value!r}")
-    if tp in (int, float):
-        try:
-            out = tp(value)
-        except (TypeError, ValueError):
-            raise ConfigError(f"{where}: expected a {tp.__name__}, got {value!r}") from None
-        if tp is int and isinstance(value, float) and value != int(value):
-            raise ConfigError(f"{where}: expected an integer, got {value!r}")
-        return out
-    if tp is str:
-        return str(value)
-    return value
-
-
-def _parse_scalar_list(text: str) -> list:
-    """`[a, b]` or `a,b` from a command line."""
-    import yaml
-
-    text = text.strip()
-    if text.startswith("["):
-        return list(yaml.safe_load(text) or [])
-    return [t.strip() for t in text.split(",") if t.strip()]
-
-
-def _build(cls, raw: dict, where: str):
-    hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(raw) - names)
-    if unknown:
-        import difflib
-
-        hint = difflib.get_close_matches(unknown[0], names, n=1)
-        raise ConfigError(f"unknown field {where}{unknown[0]}" + (f" (did you mean {where}{hint[0]}?)" if hint else "")
-                          + f"; fields of {where.rstrip('.') or 'the config'}: {', '.join(sorted(names))}")
-    kwargs = {}
-    for name, value in raw.items():
-        tp = hints[name]
-        if dataclasses.is_dataclass(tp):
-            if not isinstance(value, dict):
-                raise ConfigError(f"{where}{name} is a section: set its fields, e.g. {where}{name}.FIELD=VALUE")
-            kwargs[name] = _build(tp, value, f"{where}{name}.")
-        else:
-            kwargs[name] = _coerce(tp, value, f"{where}{name}")
-    return cls(**kwargs)
-
-
-def apply_overrides(raw: dict, overrides: list[str]) -> dict:
-    """`a.b=c` strings into the nested dict (values parsed as YAML scalars: numbers, true/false, null, lists)."""
-    import yaml
-
-    for item in overrides:
-        if "=" not in item:
-            raise ConfigError(f"override {item!r} is not KEY=VALUE (e.g. rollout.max_turns=4)")
-        key, text = item.split("=", 1)
-        parts = key.strip().split(".")
-        node = raw
-        for part in parts[:-1]:
-            node = node.setdefault(part, {})
-            if not isinstance(node, dict):
-                raise ConfigError(f"override {item!r}: {part} is not a section")
-        try:
-            value = yaml.safe_load(text) if text.strip() else ""
-        except yaml.YAMLError:
-            value = text
-        node[parts[-1]] = value
-    return raw
-
-
-def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = None, cls=Config):
-    """Read the YAML (if any), apply dotted overrides, build and check each section."""
-    import yaml
-
-    raw: dict = {}
-    if path:
-        if not os.path.isfile(path):
-            raise ConfigError(f"config file {path!r} does not exist")
-        with open(path) as f:
-            try:
-                raw = yaml.safe_load(f) or {}
-            except yaml.YAMLError as e:
-                raise ConfigError(f"{path} is not valid YAML: {e}") from None
-        if not isinstance(raw, dict):
-            raise ConfigError(f"{path} must hold a mapping of sections (data:, model:, ...)")
-    raw = apply_overrides(raw, list(overrides or []))
-    try:
-        return _build(cls, raw, "")
-    except TypeError as e:  # a dataclass rejecting its arguments
-        raise ConfigError(str(e)) from None
-
-
-def to_dict(cfg) -> dict:
-    """Plain nested dict (tuples as lists) for YAML/JSON."""
-    def plain(v):
-        if isinstance(v, tuple):
-            return [plain(x) for x in v]
-        if isinstance(v, list):
-            return [plain(x) for x in v]
-        if isinstance(v, dict):
-            return {k: plain(x) for k, x in v.items()}
-        return v
-    return plain(dataclasses.asdict(cfg))
-
-
-def save_config(cfg, path: str) -> None:
-    """Write the resolved config as YAML (what the run actually used)."""
-    import yaml
-
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        yaml.safe_dump(to_dict(cfg), f, sort_keys=False)
-
-
-def describe(cls=Config, prefix: str = "") -> list[str]:
-    """`section.field (default): docstring` lines for --help-config."""
-    import ast
-    import inspect
-
-    docs: dict[str, str] = {}
-    try:  # field docstrings are the string literal right after each annotated assignment
-        body = ast.parse(inspect.getsource(cls)).body[0].body
-        for node, nxt in zip(body, body[1:]):
-            if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
-                docs[node.target.id] = str(nxt.value.value)
-    except (OSError, TypeError):
-        pass
-    lines = []
-    defaults = cls()
-    for f in dataclasses.fields(cls):
-        value = getattr(defaults, f.name)
-        if dataclasses.is_dataclass(value):
-            lines += describe(type(value), f"{prefix}{f.name}.")
-        else:
-            lines.append(f"{prefix}{f.name} (default: {value!r}): {docs.get(f.name, '')}")
-    return lines
-
-
-# --------------------------------------------------------------------------------------------------------------
-# The SFT warm-up stage (megatron_searchr1/sft.py) shares model / parallel / optim / logging with RL.
-# --------------------------------------------------------------------------------------------------------------
-@dataclass
-class SFTDataConfig:
-    dataset_dir: str = ""
-    """Directory holding dataset_info.json (LLaMA-Factory style) and the files it names."""
-    datasets: list[str] = field(default_factory=list)
-    """Names in dataset_info.json to train on (e.g. [synthetic_sft_train])."""
-    max_length: int = 1024
-    """Examples longer than this (tokens) are dropped and counted, never cut."""
-    batch_size: int = 16
-    """Examples per optimizer step over all DP ranks."""
-    shuffle: bool = True
-    """Shuffle every epoch (seeded by trainer.seed and the epoch)."""
-
-    def __post_init__(self):
-        _check(self.max_length >= 16, f"data.max_length must be >= 16, got {self.max_length}")
-        _check(self.batch_size >= 1, f"data.batch_size must be >= 1, got {self.batch_size}")
-
-
-@dataclass
-class SFTTrainerConfig:
-    output_dir: str = "runs/sft"
-    """Where the resolved config, TensorBoard events, checkpoints and the HF export go."""
-    total_steps: int = 500
-    """Optimizer steps."""
-    save_freq: int = 0
-    """Checkpoint every k steps (0 = only at the end)."""
-    keep_last: int = 1
-    """Checkpoints kept."""
-    resume: str = "auto"
-    """auto (latest checkpoint in output_dir if any), disable, or a checkpoint step directory."""
-    export_hf: bool = True
-    """Write the final model as a Hugging Face dir (<output_dir>/hf)."""
-    seed: int = 1
-    """Seed of data order and init."""
-
-    def __post_init__(self):
-        _check(self.total_steps >= 1, "trainer.total_steps must be >= 1")
-        _check(self.save_freq >= 0 and self.keep_last >= 1, "trainer.save_freq >= 0 and trainer.keep_last >= 1")
-        _check(self.resume in ("auto", "disable") or os.path.isdir(self.resume),
-               f"trainer.resume must be auto, disable or an existing checkpoint dir, got {self.resume!r}")
-
-
-@dataclass
-class SFTConfig:
-    data: SFTDataConfig = field(default_factory=SFTDataConfig)
-    model: ModelConfig = field(default_factory=ModelConfig)
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
-    trainer: SFTTrainerConfig = field(default_factory=SFTTrainerConfig)
-    logging: LoggingConfig = field(default_factory=LoggingConfig)
-
-    def validate(self, world_size: Optional[int] = None, check_files: bool = True) -> None:
-        p, d = self.parallel, self.data
-        if world_size is not None:
-            dp = p.data_parallel_size(world_size)
-            _check(d.batch_size % dp == 0, f"data.batch_size={d.batch_size} must be a multiple of the DP size {dp}")
-        if not check_files:
-            return
-        _check(bool(self.model.path) and os.path.isfile(os.path.join(self.model.path, "config.json")),
-               f"model.path={self.model.path!r} is not a Hugging Face model dir with config.json")
-        _check(os.path.isfile(os.path.join(d.dataset_dir, "dataset_info.json")),
-               f"data.dataset_dir={d.dataset_dir!r} has no dataset_info.json (tools/make_synthetic_world.py writes "
-               "one under <out-dir>/sft)")
-        _check(bool(d.datasets), "data.datasets is empty: name the datasets of dataset_info.json to train on")

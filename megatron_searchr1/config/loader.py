@@ -1,0 +1,180 @@
+"""The generic half of the configuration: YAML + dotted `key=value` overrides into nested dataclasses.
+
+Nothing here knows the RL or SFT schema; `rl.py` and `sft.py` declare the sections, this module builds them,
+coerces the values to each field's annotated type, writes the resolved config back as YAML and prints the
+field docstrings for `--help-config`.
+"""
+from __future__ import annotations
+
+import ast
+import dataclasses
+import difflib
+import inspect
+import os
+import typing
+from typing import Any, Optional
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration mistake; the message names the field and what to change."""
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def _coerce(tp: Any, value: Any, where: str) -> Any:
+    """Convert a YAML/CLI value to the field's annotated type (only the types our configs use)."""
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin is typing.Union:  # Optional[X]
+        if value is None or (isinstance(value, str) and value.lower() in ("null", "none")):
+            return None
+        inner = [a for a in args if a is not type(None)][0]
+        return _coerce(inner, value, where)
+    if origin in (list, tuple):
+        if isinstance(value, str):
+            value = _parse_scalar_list(value)
+        if not isinstance(value, (list, tuple)):
+            value = [value]
+        elem = args[0] if args else str
+        out = [_coerce(elem, v, where) for v in value]
+        return tuple(out) if origin is tuple else out
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+            return value.lower() in ("true", "1", "yes")
+        raise ConfigError(f"{where}: expected true/false, got {value!r}")
+    if tp in (int, float):
+        try:
+            out = tp(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{where}: expected a {tp.__name__}, got {value!r}") from None
+        if tp is int and isinstance(value, float) and value != int(value):
+            raise ConfigError(f"{where}: expected an integer, got {value!r}")
+        return out
+    if tp is str:
+        return str(value)
+    return value
+
+
+def _parse_scalar_list(text: str) -> list:
+    """`[a, b]` or `a,b` from a command line."""
+    text = text.strip()
+    if text.startswith("["):
+        return list(yaml.safe_load(text) or [])
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
+def _build(cls, raw: dict, where: str):
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - names)
+    if unknown:
+        hint = difflib.get_close_matches(unknown[0], names, n=1)
+        raise ConfigError(f"unknown field {where}{unknown[0]}" + (f" (did you mean {where}{hint[0]}?)" if hint else "")
+                          + f"; fields of {where.rstrip('.') or 'the config'}: {', '.join(sorted(names))}")
+    kwargs = {}
+    for name, value in raw.items():
+        tp = hints[name]
+        if dataclasses.is_dataclass(tp):
+            if not isinstance(value, dict):
+                raise ConfigError(f"{where}{name} is a section: set its fields, e.g. {where}{name}.FIELD=VALUE")
+            kwargs[name] = _build(tp, value, f"{where}{name}.")
+        else:
+            kwargs[name] = _coerce(tp, value, f"{where}{name}")
+    return cls(**kwargs)
+
+
+def apply_overrides(raw: dict, overrides: list[str]) -> dict:
+    """`a.b=c` strings into the nested dict (values parsed as YAML scalars: numbers, true/false, null, lists)."""
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not KEY=VALUE (e.g. rollout.max_turns=4)")
+        key, text = item.split("=", 1)
+        parts = key.strip().split(".")
+        node = raw
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {item!r}: {part} is not a section")
+        try:
+            value = yaml.safe_load(text) if text.strip() else ""
+        except yaml.YAMLError:
+            value = text
+        node[parts[-1]] = value
+    return raw
+
+
+
+def load(cls, path: Optional[str] = None, overrides: Optional[list[str]] = None):
+    """Read the YAML (if any), apply dotted overrides, build and check each section of the dataclass `cls`."""
+    raw: dict = {}
+    if path:
+        if not os.path.isfile(path):
+            raise ConfigError(f"config file {path!r} does not exist")
+        with open(path) as f:
+            try:
+                raw = yaml.safe_load(f) or {}
+            except yaml.YAMLError as e:
+                raise ConfigError(f"{path} is not valid YAML: {e}") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path} must hold a mapping of sections (data:, model:, ...)")
+    raw = apply_overrides(raw, list(overrides or []))
+    try:
+        return _build(cls, raw, "")
+    except TypeError as e:  # a dataclass rejecting its arguments
+        raise ConfigError(str(e)) from None
+
+
+def to_dict(cfg) -> dict:
+    """Plain nested dict (tuples as lists) for YAML/JSON."""
+    def plain(v):
+        if isinstance(v, tuple):
+            return [plain(x) for x in v]
+        if isinstance(v, list):
+            return [plain(x) for x in v]
+        if isinstance(v, dict):
+            return {k: plain(x) for k, x in v.items()}
+        return v
+    return plain(dataclasses.asdict(cfg))
+
+
+def save_config(cfg, path: str) -> None:
+    """Write the resolved config as YAML (what the run actually used)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        yaml.safe_dump(to_dict(cfg), f, sort_keys=False)
+
+
+
+def field_docs(cls) -> dict[str, str]:
+    """{field name: docstring} of a dataclass: the string literal right after each annotated assignment (the
+    one-line docs of our config sections; `describe` and the retrieval server's flags read them)."""
+    docs: dict[str, str] = {}
+    try:
+        body = ast.parse(inspect.getsource(cls)).body[0].body
+    except (OSError, TypeError):
+        return docs
+    for node, nxt in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+            docs[node.target.id] = str(nxt.value.value)
+    return docs
+
+
+def describe(cls, prefix: str = "") -> list[str]:
+    """`section.field (default): docstring` lines for --help-config."""
+    docs = field_docs(cls)
+    lines = []
+    defaults = cls()
+    for f in dataclasses.fields(cls):
+        value = getattr(defaults, f.name)
+        if dataclasses.is_dataclass(value):
+            lines += describe(type(value), f"{prefix}{f.name}.")
+        else:
+            lines.append(f"{prefix}{f.name} (default: {value!r}): {docs.get(f.name, '')}")
+    return lines

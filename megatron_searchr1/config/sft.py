@@ -1,0 +1,77 @@
+"""The SFT warm-up stage's configuration (megatron_searchr1/sft.py): its own data and trainer sections; model,
+parallel, optim and logging are the RL run's sections (rl.py), so one model dir and one parallel layout serve both.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Optional
+
+from megatron_searchr1.config.loader import _check
+from megatron_searchr1.config.rl import LoggingConfig, ModelConfig, OptimConfig, ParallelConfig
+
+
+@dataclass
+class SFTDataConfig:
+    dataset_dir: str = ""
+    """Directory holding dataset_info.json (LLaMA-Factory style) and the files it names."""
+    datasets: list[str] = field(default_factory=list)
+    """Names in dataset_info.json to train on (e.g. [synthetic_sft_train])."""
+    max_length: int = 1024
+    """Examples longer than this (tokens) are dropped and counted, never cut."""
+    batch_size: int = 16
+    """Examples per optimizer step over all DP ranks."""
+    shuffle: bool = True
+    """Shuffle every epoch (seeded by trainer.seed and the epoch)."""
+
+    def __post_init__(self):
+        _check(self.max_length >= 16, f"data.max_length must be >= 16, got {self.max_length}")
+        _check(self.batch_size >= 1, f"data.batch_size must be >= 1, got {self.batch_size}")
+
+
+@dataclass
+class SFTTrainerConfig:
+    output_dir: str = "runs/sft"
+    """Where the resolved config, TensorBoard events, checkpoints and the HF export go."""
+    total_steps: int = 500
+    """Optimizer steps."""
+    save_freq: int = 0
+    """Checkpoint every k steps (0 = only at the end)."""
+    keep_last: int = 1
+    """Checkpoints kept."""
+    resume: str = "auto"
+    """auto (latest checkpoint in output_dir if any), disable, or a checkpoint step directory."""
+    export_hf: bool = True
+    """Write the final model as a Hugging Face dir (<output_dir>/hf)."""
+    seed: int = 1
+    """Seed of data order and init."""
+
+    def __post_init__(self):
+        _check(self.total_steps >= 1, "trainer.total_steps must be >= 1")
+        _check(self.save_freq >= 0 and self.keep_last >= 1, "trainer.save_freq >= 0 and trainer.keep_last >= 1")
+        _check(self.resume in ("auto", "disable") or os.path.isdir(self.resume),
+               f"trainer.resume must be auto, disable or an existing checkpoint dir, got {self.resume!r}")
+
+
+@dataclass
+class SFTConfig:
+    data: SFTDataConfig = field(default_factory=SFTDataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
+    trainer: SFTTrainerConfig = field(default_factory=SFTTrainerConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def validate(self, world_size: Optional[int] = None, check_files: bool = True) -> None:
+        p, d = self.parallel, self.data
+        if world_size is not None:
+            dp = p.data_parallel_size(world_size)
+            _check(d.batch_size % dp == 0, f"data.batch_size={d.batch_size} must be a multiple of the DP size {dp}")
+        if not check_files:
+            return
+        _check(bool(self.model.path) and os.path.isfile(os.path.join(self.model.path, "config.json")),
+               f"model.path={self.model.path!r} is not a Hugging Face model dir with config.json")
+        _check(os.path.isfile(os.path.join(d.dataset_dir, "dataset_info.json")),
+               f"data.dataset_dir={d.dataset_dir!r} has no dataset_info.json (tools/make_synthetic_world.py writes "
+               "one under <out-dir>/sft)")
+        _check(bool(d.datasets), "data.datasets is empty: name the datasets of dataset_info.json to train on")
