@@ -97,6 +97,9 @@ class ParallelConfig:
     def __post_init__(self):
         _check(self.tp >= 1 and self.pp >= 1, f"parallel.tp and parallel.pp must be >= 1, got {self.tp}, {self.pp}")
         _check(self.timeout_minutes >= 1, f"parallel.timeout_minutes must be >= 1, got {self.timeout_minutes}")
+        _check(not self.sequence_parallel or self.tp > 1,
+               f"parallel.sequence_parallel needs parallel.tp > 1 (it splits activations over TP ranks), got "
+               f"tp={self.tp}: set parallel.sequence_parallel=false or raise parallel.tp")
 
     def data_parallel_size(self, world_size: int) -> int:
         """DP = world size / (tp * pp); a ConfigError with the torchrun line to use when it does not divide."""

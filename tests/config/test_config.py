@@ -26,6 +26,7 @@ def test_yaml_and_dotted_overrides(tmp_path):
     ("rollout=3", "rollout is a section"),
     ("rollout.max_turns", "is not KEY=VALUE"),
     ("trainer.val_only=maybe", "expected true/false"),
+    ("parallel.sequence_parallel=true", "sequence_parallel needs parallel.tp > 1"),
 ])
 def test_bad_overrides_say_what_to_change(override, message):
     with pytest.raises(ConfigError, match=message):
