@@ -20,8 +20,8 @@ from typing import Any, Optional
 import torch
 
 from megatron_searchr1.config import Config
+from megatron_searchr1.models.convert import DTYPES  # noqa: F401 (train.py and sft.py read it here)
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -117,12 +117,13 @@ def pin_model_source(path: str) -> str:
 
 def load_reference(rt: "Runtime", source: str) -> None:
     """Load the reference model's weights from `source` (a step's actor directory or an HF directory)."""
-    from megatron_searchr1.checkpoint import CheckpointError, _unwrap
+    from megatron_searchr1.checkpoint import CheckpointError
+    from megatron_searchr1.models.forward import unwrap
 
     if not os.path.exists(source):
         raise CheckpointError(f"the reference model this run was started with, {source}, is gone (pruned by that "
                               "run's trainer.keep_last?): restore it, or start a new run")
-    _weights_loader(rt.cfg, rt.hf_config, source)(_unwrap(rt.ref))
+    _weights_loader(rt.cfg, rt.hf_config, source)(unwrap(rt.ref))
     rt.model_source = source
 
 
