@@ -13,7 +13,7 @@ import sys
 from megatron_searchr1.config import load_config
 from megatron_searchr1.megatron.initialize import initialize_megatron
 from megatron_searchr1.rollout.engine import Generation
-from megatron_searchr1.train import Trainer
+from megatron_searchr1.trainer.rl import Trainer
 
 
 def main(estimator: str, model_dir: str, train_file: str, out: str) -> None:
@@ -28,7 +28,7 @@ def main(estimator: str, model_dir: str, train_file: str, out: str) -> None:
     ])
     cfg.validate(world_size=2)
     trainer = Trainer(cfg)
-    rt = trainer.rt
+    rt, worker = trainer.roles, trainer.worker
     tok = rt.tokenizer
 
     seeds = set()
@@ -43,12 +43,12 @@ def main(estimator: str, model_dir: str, train_file: str, out: str) -> None:
             outs.append(Generation(token_ids=got, logprobs=[-1.0] * len(got), finish_reason="stop"))
         return outs
 
-    rt.engine.generate = scripted
+    worker.engine.generate = scripted
     failing = rt.dp_rank == 1
-    rt.client.search = lambda queries: [("Search failed: injected" if failing else 'Doc 1(Title: "X") x\n')
+    worker.client.search = lambda queries: [("Search failed: injected" if failing else 'Doc 1(Title: "X") x\n')
                                         for _ in queries]
     metrics = trainer.step()
-    print(f"SEEDS dp_rank={rt.dp_rank} {sorted(seeds)}", flush=True)  # Trainer.rollout's sampling seeds per turn
+    print(f"SEEDS dp_rank={rt.dp_rank} {sorted(seeds)}", flush=True)  # RolloutWorker.generate's sampling seeds per turn
     if rt.rank == 0:
         print("METRICS " + json.dumps(metrics), flush=True)
     trainer.close()
