@@ -57,6 +57,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron_searchr1.models.forward import unwrap
+
 FORMAT = "megatron_searchr1.training_checkpoint"
 LATEST_FILE = "latest"
 MARKER_FILE = "checkpoint.json"

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections import Counter
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
