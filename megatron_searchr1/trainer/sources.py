@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 
 import torch.distributed as dist
+from transformers import GenerationConfig
 
 from megatron_searchr1.checkpoint import latest_step, step_dir
 from megatron_searchr1.models.convert import (
@@ -59,8 +60,6 @@ def pin_model_source(path: str) -> str:
 
 def stop_token_ids(tokenizer, hf_dir: str) -> tuple[int, ...]:
     """End-of-turn ids (eos of the tokenizer and the generation config): a turn that ends with one is invalid."""
-    from transformers import GenerationConfig
-
     ids = set()
     if tokenizer.eos_token_id is not None:
         ids.add(int(tokenizer.eos_token_id))
