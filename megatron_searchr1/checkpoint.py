@@ -57,6 +57,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron_searchr1.models.forward import unwrap
+
 FORMAT = "megatron_searchr1.training_checkpoint"
 LATEST_FILE = "latest"
 MARKER_FILE = "checkpoint.json"
@@ -86,13 +88,6 @@ def _world() -> int:
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
-
-
-def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The bare GPTModel/CriticModel under Megatron's DDP (and Float16Module) wrappers."""
-    while hasattr(model, "module") and isinstance(model.module, torch.nn.Module):
-        model = model.module
-    return model
 
 
 def _complete_steps(ckpt_root: str) -> list[int]:
@@ -251,7 +246,7 @@ def _write_convert_metadata(model_dir: str, model: torch.nn.Module, hf_dir: str,
     """Rank 0: the converter's searchr1_checkpoint.json + hf/ files, so `megatron_to_hf(model_dir, ...)` works."""
     from megatron_searchr1.models.convert import bind_mapping, load_hf_config, write_checkpoint_metadata
 
-    bare = _unwrap(model)
+    bare = unwrap(model)
     mapping = bind_mapping(load_hf_config(hf_dir), bare)
     dtype = next(bare.parameters()).dtype
     write_checkpoint_metadata(model_dir, hf_dir, tp=layout["tp"], pp=layout["pp"],
@@ -309,11 +304,11 @@ def save_checkpoint(ckpt_root: str, step: int, models: dict[str, torch.nn.Module
     _barrier()
 
     for name, model in models.items():
-        dist_checkpointing.save(_unwrap(model).sharded_state_dict(), os.path.join(tmp, name))
+        dist_checkpointing.save(unwrap(model).sharded_state_dict(), os.path.join(tmp, name))
         if name in optimizers:
             # The optimizer's state is keyed by the model's sharded tensors (matched by parameter identity); a
             # fresh model sharded state dict, since save() rewrites the one it is given in place.
-            opt_sd = optimizers[name].sharded_state_dict(_unwrap(model).sharded_state_dict(),
+            opt_sd = optimizers[name].sharded_state_dict(unwrap(model).sharded_state_dict(),
                                                          metadata=dict(OPTIMIZER_METADATA))
             dist_checkpointing.save(opt_sd, os.path.join(tmp, "optimizer", name))
     torch.save(rng_state(), os.path.join(tmp, "rng", f"rank_{rank:05d}.pt"))
@@ -387,11 +382,11 @@ def load_checkpoint(ckpt_root: str, step: Union[str, int], models: dict[str, tor
 
     for name, model in models.items():
         try:
-            load_megatron_checkpoint(_unwrap(model), os.path.join(path, name))
+            load_megatron_checkpoint(unwrap(model), os.path.join(path, name))
         except ConversionError as e:
             raise CheckpointError(f"model {name!r}: {e}") from None
     for name, opt in optimizers.items():
-        model_sd = _unwrap(models[name]).sharded_state_dict()
+        model_sd = unwrap(models[name]).sharded_state_dict()
         opt_sd = opt.sharded_state_dict(model_sd, is_loading=True, metadata=dict(OPTIMIZER_METADATA))
         opt.load_state_dict(dist_checkpointing.load(opt_sd, os.path.join(path, "optimizer", name)))
 

@@ -20,6 +20,7 @@ flag go into the argument's type: `p.add_argument("--iters", type=at_least(1), d
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Callable, NoReturn, Optional, Sequence
 
@@ -116,3 +117,49 @@ def console(main: Callable[[Optional[Sequence[str]]], Optional[int]]) -> Callabl
 
     cli.__doc__ = f"Console-script entry of {main.__module__}.main: user mistakes are one `error:` line, exit 2."
     return cli
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The trainers' command line (train, sft, evaluate): a YAML plus dotted overrides, read before torch is imported.
+# ---------------------------------------------------------------------------------------------------------------
+def parse(argv: Optional[Sequence[str]], cls=None, prog_doc: str = ""):
+    """`CONFIG.yaml KEY=VALUE ...` (or only overrides) -> a validated `cls` (default: the RL Config); a config
+    mistake is a UsageError naming the field. `--help-config` prints every field with its default and exits."""
+    # here, not at the top: the converters' and the server's command lines share this module and need no config
+    from megatron_searchr1.config import Config, ConfigError, describe, load_config
+
+    cls = cls or Config
+    p = ArgumentParser(description=(prog_doc or "").split("\n\n")[0], epilog="Overrides: dotted KEY=VALUE, e.g. "
+                       "rollout.max_turns=4 algo.adv_estimator=gae data.train_files=[a.parquet,b.parquet]")
+    p.add_argument("config", nargs="?", help="experiment YAML (examples/*.yaml); KEY=VALUE overrides may follow")
+    p.add_argument("overrides", nargs="*", help="dotted overrides applied after the YAML")
+    p.add_argument("--help-config", action="store_true", help="list every config field with its default and exit")
+    args = p.parse_args(argv)
+    if args.help_config:
+        print("\n".join(describe(cls)))
+        raise SystemExit(0)
+    overrides = list(args.overrides)
+    if args.config and "=" in args.config:  # no YAML, only overrides
+        overrides.insert(0, args.config)
+        args.config = None
+    try:
+        cfg = load_config(args.config, overrides, cls=cls)
+        cfg.validate(world_size=int(os.environ.get("WORLD_SIZE", "1")))
+    except ConfigError as e:
+        raise UsageError(str(e)) from None
+    return cfg
+
+
+def check_retrieval(cfg) -> None:
+    """Fail fast (before any model is built) when the retrieval server of an RL config does not answer."""
+    if cfg.retrieval.launch:
+        return
+    import httpx
+
+    base = cfg.retrieval.url.rstrip("/").removesuffix("/retrieve")
+    try:
+        httpx.post(f"{base}/retrieve", json={"queries": ["ping"], "topk": 1}, timeout=30).raise_for_status()
+    except Exception as e:  # noqa: BLE001 - any failure means the same thing to the user
+        raise UsageError(f"the retrieval server at {cfg.retrieval.url} does not answer ({type(e).__name__}: {e}): "
+                         "start it (python -m megatron_searchr1.search.server --index-dir DIR --port 8000) or set "
+                         "retrieval.launch=true retrieval.server_args=[--index-dir,DIR]") from None

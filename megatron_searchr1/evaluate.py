@@ -15,12 +15,10 @@ import os
 import sys
 from typing import Optional, Sequence
 
-from megatron_searchr1.cli import UsageError, run_main
+from megatron_searchr1.cli import UsageError, check_retrieval, parse, run_main
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from megatron_searchr1.train import Trainer, check_retrieval, parse
-
     argv = list(sys.argv[1:] if argv is None else argv)
     json_path = None
     if "--json" in argv:
@@ -33,12 +31,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if json_path and os.path.isdir(json_path):
         raise UsageError(f"--json {json_path!r} is a directory: give a file path")
     check_retrieval(cfg)
+    from megatron_searchr1.trainer.rl import Trainer  # after the arguments: torch, Megatron and vLLM load here
+
     trainer = Trainer(cfg)
     try:
         report = trainer.fit()
     finally:
         trainer.close()
-    if json_path and trainer.rt.rank == 0:
+    if json_path and trainer.rank == 0:
         os.makedirs(os.path.dirname(os.path.abspath(json_path)), exist_ok=True)
         with open(json_path, "w") as f:
             json.dump(report, f, indent=2)

@@ -17,22 +17,10 @@ from megatron_searchr1.cli import ArgumentParser, UsageError, run_main
 from megatron_searchr1.data.prompts import TEMPLATES
 
 
-def turn_segments(tokenizer, traj) -> list[tuple[str, str]]:
-    """[(kind, text)] of a trajectory: 'model' for generated runs (loss mask 1), 'context' for what was appended
-    (observations, invalid-action feedback)."""
-    out, start = [], 0
-    mask = traj.loss_mask
-    for i in range(1, len(mask) + 1):
-        if i == len(mask) or mask[i] != mask[start]:
-            kind = "model" if mask[start] == 1 else "context"
-            out.append((kind, tokenizer.decode(traj.response_ids[start:i], skip_special_tokens=False)))
-            start = i
-    return out
-
-
 def _resolve_model(path: str, workdir: str) -> str:
     """An HF dir as is; a Megatron checkpoint (converter's, or a run's checkpoints root) converted to HF first."""
-    from megatron_searchr1.runtime import resolve_model_source
+    from megatron_searchr1.models.convert import megatron_to_hf
+    from megatron_searchr1.trainer.sources import resolve_model_source
 
     if os.path.isfile(os.path.join(path, "config.json")) and any(
             f.endswith(".safetensors") or f.endswith(".index.json") for f in os.listdir(path)):
@@ -40,8 +28,6 @@ def _resolve_model(path: str, workdir: str) -> str:
     src = resolve_model_source(path)
     if not os.path.isfile(os.path.join(src, "metadata.json")):
         raise UsageError(f"--model {path!r} is neither a Hugging Face model dir nor a Megatron checkpoint")
-    from megatron_searchr1.models.convert import megatron_to_hf
-
     out = os.path.join(workdir, "hf")
     megatron_to_hf(src, out, overwrite=True)
     return out
@@ -82,7 +68,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from megatron_searchr1.data.prompts import make_prompt, normalize_question, render_prompt
     from megatron_searchr1.rollout.engines import make_engine
     from megatron_searchr1.rollout.loop import LoopSettings, Trajectory, run_rollout
-    from megatron_searchr1.runtime import _stop_token_ids
+    from megatron_searchr1.trainer.reports import turn_segments
+    from megatron_searchr1.trainer.sources import stop_token_ids
 
     with tempfile.TemporaryDirectory() as work:
         model_dir = _resolve_model(a.model, work)
@@ -94,7 +81,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         traj = Trajectory(prompt_ids=ids, uid="infer")
         settings = LoopSettings(max_turns=a.max_turns, max_tokens_per_turn=a.max_tokens_per_turn,
                                 max_response_length=(a.max_turns + 1) * (a.max_tokens_per_turn + 600),
-                                temperature=a.temperature, stop_token_ids=_stop_token_ids(tok, model_dir))
+                                temperature=a.temperature, stop_token_ids=stop_token_ids(tok, model_dir))
         run_rollout(engine, tok, client.search, [traj], settings)
     print(f"[prompt]\n{prompt}")
     for kind, text in turn_segments(tok, traj):

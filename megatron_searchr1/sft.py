@@ -7,124 +7,25 @@ Data: a LLaMA-Factory-style `dataset_info.json` naming alpaca or sharegpt files 
 tokenized segment by segment exactly as the rollout produces it (prompt, assistant turns, observations inline), so
 SFT trains on the token sequences RL later samples; the loss mask is 1 on assistant tokens only (the prompt and the
 `<information>` blocks are masked, as Search-R1's SFT does).
-Training: token-budget micro-batches through Megatron's pipeline schedule (workers/schedule.py), token-mean NLL
-over each global batch, Adam with warmup/decay, checkpoints like the RL trainer's (its actor subdir is what
-`model.megatron_ckpt` of the RL config points at), TensorBoard, and an HF export at the end.
+Training (megatron_searchr1/trainer/sft.py): token-budget micro-batches through Megatron's pipeline schedule,
+token-mean NLL over each global batch, Adam with warmup/decay, checkpoints like the RL trainer's (its actor subdir is
+what `model.megatron_ckpt` of the RL config points at), TensorBoard, and an HF export at the end.
 """
 from __future__ import annotations
 
-import os
 import sys
 from typing import Optional, Sequence
 
-from megatron_searchr1.cli import run_main
+from megatron_searchr1.cli import parse, run_main
 from megatron_searchr1.config import SFTConfig
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from megatron_searchr1.train import parse
-
     cfg = parse(argv, cls=SFTConfig, prog_doc=__doc__)
+    from megatron_searchr1.trainer.sft import train_sft  # after the arguments: torch and Megatron load here
+
     train_sft(cfg)
     return 0
-
-
-def train_sft(cfg: SFTConfig) -> dict:
-    """Run SFT; returns the last step's metrics. Every rank calls it."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state as mpu
-    from transformers import AutoTokenizer
-
-    from megatron_searchr1.checkpoint import load_checkpoint, resume_target, save_checkpoint
-    from megatron_searchr1.config import save_config
-    from megatron_searchr1.data.rl_data import PromptSampler, dp_shard
-    from megatron_searchr1.data.sft_data import load_sft_dataset
-    from megatron_searchr1.export import export_hf
-    from megatron_searchr1.megatron.batching import make_micro_batches, padding_share
-    from megatron_searchr1.megatron.initialize import initialize_megatron
-    from megatron_searchr1.megatron.optimizer import build_optimizer
-    from megatron_searchr1.metrics import RunLogger, mean_over_ranks, timer
-    from megatron_searchr1.models.convert import bind_mapping, load_hf_config
-    from megatron_searchr1.models.gpt import model_settings
-    from megatron_searchr1.runtime import DTYPES, _weights_loader
-    from megatron_searchr1.workers.actor import build_actor, masked_nll_loss, sft_sequence
-    from megatron_searchr1.workers.schedule import train_step
-
-    t, o, d = cfg.trainer, cfg.optim, cfg.data
-    initialize_megatron(tp=cfg.parallel.tp, pp=cfg.parallel.pp, seed=t.seed,
-                        timeout_minutes=cfg.parallel.timeout_minutes, sequence_parallel=cfg.parallel.sequence_parallel)
-    rank = dist.get_rank()
-    dp_rank, dp_size = mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size()
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
-    hf_config = load_hf_config(cfg.model.path)
-    dtype = DTYPES[cfg.model.dtype]
-    if rank == 0:
-        save_config(cfg, os.path.join(t.output_dir, "config.yaml"))
-
-    data = load_sft_dataset(d.dataset_dir, list(d.datasets), tokenizer, d.max_length)
-    if rank == 0:
-        dropped = sum(data.dropped_too_long.values())
-        print(f"SFT data: {len(data)} examples from {', '.join(d.datasets)}"
-              + (f" ({dropped} longer than data.max_length={d.max_length} dropped)" if dropped else ""), flush=True)
-    seqs = [sft_sequence(ex.input_ids, ex.loss_mask) for ex in data]
-    sampler = PromptSampler(len(seqs), d.batch_size, t.seed, d.shuffle)
-
-    settings = model_settings(hf_config, tp=cfg.parallel.tp, pp=cfg.parallel.pp, params_dtype=dtype,
-                              use_te=cfg.model.use_te, sequence_parallel=cfg.parallel.sequence_parallel,
-                              recompute=cfg.model.recompute)
-    model = build_actor(hf_config, **settings, load_weights=_weights_loader(cfg, hf_config, None),
-                        use_distributed_optimizer=cfg.parallel.use_distributed_optimizer)
-    warmup = int(o.warmup_steps_ratio * t.total_steps)
-    optimizer, scheduler = build_optimizer(model, lr=o.lr, min_lr=o.lr * o.min_lr_ratio, weight_decay=o.weight_decay,
-                                           adam_betas=tuple(o.betas), clip_grad=o.clip_grad, warmup_steps=warmup,
-                                           decay_steps=max(t.total_steps, warmup + 1), decay_style=o.lr_decay)
-    ckpt_root = os.path.join(t.output_dir, "checkpoints")
-    step = 0
-    target = resume_target(t.resume, ckpt_root)
-    if target is not None:
-        extra = load_checkpoint(*target, {"actor": model}, {"actor": optimizer}, {"actor": scheduler})
-        step = int(extra["step"])
-        sampler.load_state_dict(extra["sampler"])
-
-    def save():
-        save_checkpoint(ckpt_root, step, {"actor": model}, {"actor": optimizer}, {"actor": scheduler},
-                        {"step": step, "sampler": sampler.state_dict()}, hf_dirs={"actor": cfg.model.path},
-                        keep_last=t.keep_last)
-
-    logger = RunLogger(t.output_dir, enabled=rank == 0, tensorboard=cfg.logging.tensorboard)
-    from tqdm import tqdm
-
-    bar = tqdm(total=t.total_steps, initial=step, desc="SFT steps", unit="step",
-               disable=rank != 0 or not cfg.logging.progress_bar, dynamic_ncols=True)
-    metrics: dict = {}
-    while step < t.total_steps:
-        step += 1
-        with timer() as t_step:
-            batch = dp_shard(sampler.next_batch(), dp_rank, dp_size)
-            mbs = make_micro_batches([seqs[i] for i in batch], o.max_tokens_per_micro_batch,
-                                     pad_id=tokenizer.pad_token_id or 0)
-            m = train_step(model, optimizer, scheduler, mbs, masked_nll_loss)
-        tokens = sum(mb.num_real_tokens for mb in mbs)
-        metrics = mean_over_ranks({"sft/loss": m["loss"], "sft/grad_norm": m["grad_norm"], "sft/lr": m["lr"],
-                                   "sft/padding_share": padding_share(mbs), "time/step": t_step.seconds,
-                                   "perf/tokens_per_s": tokens / max(t_step.seconds, 1e-9)})
-        logger.log(step, metrics)
-        bar.update(1)
-        bar.set_postfix(loss=f"{metrics['sft/loss']:.4f}")
-        if t.save_freq and step % t.save_freq == 0 and step < t.total_steps:
-            save()
-    bar.close()
-    save()
-    if t.export_hf:
-        out = os.path.join(t.output_dir, "hf")
-        export_hf(model, bind_mapping(hf_config, model.module), cfg.model.path, out, dtype=dtype)
-        if rank == 0:
-            print(f"exported the SFT model as a Hugging Face model to {out}", flush=True)
-    logger.close()
-    if rank == 0:
-        print(f"SFT done: step {step}, loss {metrics.get('sft/loss', float('nan')):.4f}; checkpoint "
-              f"{os.path.join(ckpt_root, 'latest')}", flush=True)
-    return metrics
 
 
 def cli() -> int:

@@ -5,7 +5,7 @@ processes start once.
     torchrun --standalone --nproc_per_node 4 -m tests.layout_sweep_script --out OUT --layout 2,1,1 --layout 2,1,2 \
         examples/grpo_tiny_cpu.yaml KEY=VALUE ...
 
-Every rank runs the real Trainer (train.py: Trainer.step) with the HF engine. So that every layout trains on the
+Every rank runs the real Trainer (trainer/rl.py: Trainer.step) with the HF engine. So that every layout trains on the
 same data, each trajectory is sampled on its own with a seed of (step, uid, sample) instead of the engine's
 per-batch seeds, which depend on how the layout splits the trajectories between engines; with fp32 weights synced
 exactly, the samples are then the same at every layout. A random tiny model earns no EM reward (all advantages
@@ -26,7 +26,7 @@ import megatron_searchr1.ppo as ppo
 import megatron_searchr1.rollout.loop as loop
 from megatron_searchr1.config import load_config
 from megatron_searchr1.rollout.loop import RolloutStats
-from megatron_searchr1.train import Trainer
+from megatron_searchr1.trainer.rl import Trainer
 
 _run_rollout = loop.run_rollout
 STEP = [0]

@@ -21,3 +21,35 @@ def test_logger_round_trip(tmp_path):
     off.log(1, {"x": 1.0})
     assert not (tmp_path / "off").exists()
     assert mean_over_ranks({"a": 1.0}) == {"a": 1.0}  # a world of one (no process group)
+
+
+MEAN_SCRIPT = '''
+import json, sys
+import torch.distributed as dist
+from megatron_searchr1.metrics import mean_over_ranks
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+out = mean_over_ranks({"b": 10.0 * rank, "a": 1.0 + rank})       # keys in either order: packed sorted
+try:
+    mean_over_ranks({"a": 1.0} if rank == 0 else {"c": 1.0})
+    mismatch = "no error"
+except RuntimeError as e:
+    mismatch = str(e)
+print("RESULT" + str(rank) + " " + json.dumps({"out": out, "mismatch": mismatch}), flush=True)
+dist.destroy_process_group()
+'''
+
+
+def test_mean_over_ranks_averages_over_two_gloo_ranks(tmp_path):
+    """Two real processes (torchrun, gloo): every rank gets the mean of each key; ranks with different keys raise
+    (a rank missing a metric is a bug, not something to average)."""
+    from tests.dist_utils import run_torchrun
+
+    script = tmp_path / "mean_script.py"
+    script.write_text(MEAN_SCRIPT)
+    out = run_torchrun(script, 2, timeout=300)
+    for rank in (0, 1):
+        line = next(x for x in out.splitlines() if x.startswith(f"RESULT{rank} "))
+        got = json.loads(line.split(" ", 1)[1])
+        assert got["out"] == {"a": 1.5, "b": 5.0}
+        assert "ranks log different metric keys" in got["mismatch"]

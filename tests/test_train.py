@@ -21,7 +21,8 @@ import time
 
 import pytest
 
-from megatron_searchr1.train import reward_table
+from megatron_searchr1.reward.qa_em import em_check, extract_solution
+from megatron_searchr1.trainer.reports import reward_table
 from tests.dist_utils import REPO
 from tests.rl_fixtures import child_env, rl_root, run_module, server, tiny_model, world  # noqa: F401 (fixtures)
 
@@ -134,7 +135,7 @@ def grpo_run(world, tiny_model, server, rl_root):
 def test_sft_lowers_the_loss_and_the_rl_trainer_starts_from_it(sft_run, tiny_model):
     from megatron_searchr1.checkpoint import latest_step
     from megatron_searchr1.metrics import read_scalars
-    from megatron_searchr1.runtime import resolve_model_source
+    from megatron_searchr1.trainer.sources import resolve_model_source
 
     loss = [v for _, v in read_scalars(os.path.join(sft_run, "tensorboard"))["sft/loss"]]
     assert len(loss) == 10
@@ -273,7 +274,7 @@ def test_evaluate_cli_writes_the_table_and_json(grpo_run, world, tiny_model, ser
     report_path = os.path.join(rl_root, "eval", "report.json")
     args = [*rl_args(world, tiny_model, server, os.path.join(rl_root, "eval")), f"model.megatron_ckpt={out}",
             f"data.val_files=[{world}/validation.parquet,{world}/test.parquet]", "rollout.max_turns=0", "parallel.tp=1",
-            "--json", report_path]
+            "logging.trajectories_per_step=8", "--json", report_path]
     proc = run_module("megatron_searchr1.evaluate", args, nproc=1)
     assert "data_source" in proc.stdout and "split:test" in proc.stdout
     with open(report_path) as f:
@@ -284,3 +285,13 @@ def test_evaluate_cli_writes_the_table_and_json(grpo_run, world, tiny_model, ser
     assert set(table["all"]["finish"]) <= {"answer", "invalid", "max_turns", "length"}
     for key in ("em", "subem", "f1"):
         assert 0.0 <= table["all"][key] <= 1.0
+    # EM counted again, independently of the trainer's records: every trajectory's generated turns as written to
+    # val_trajectories.jsonl, its answer extracted and checked against the targets by the reward's own functions
+    with open(os.path.join(rl_root, "eval", "val_trajectories.jsonl")) as f:
+        samples = [json.loads(line) for line in f]
+    assert len(samples) == 8
+    hits = 0
+    for rec in samples:
+        answer = extract_solution("".join(text for kind, text in rec["turns"] if kind == "model"))
+        hits += answer is not None and em_check(answer, rec["target"]) == 1
+    assert table["all"]["em"] == pytest.approx(hits / 8)

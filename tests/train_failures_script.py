@@ -14,7 +14,7 @@ from megatron_searchr1.config import load_config
 from megatron_searchr1.megatron.initialize import initialize_megatron
 from megatron_searchr1.rollout.engine import Generation
 from megatron_searchr1.search.client import SearchFailure
-from megatron_searchr1.train import Trainer
+from megatron_searchr1.trainer.rl import Trainer
 
 
 def main(estimator: str, model_dir: str, train_file: str, out: str) -> None:
@@ -29,7 +29,7 @@ def main(estimator: str, model_dir: str, train_file: str, out: str) -> None:
     ])
     cfg.validate(world_size=2)
     trainer = Trainer(cfg)
-    rt = trainer.rt
+    rt, worker = trainer.roles, trainer.worker
     tok = rt.tokenizer
 
     seeds = set()
@@ -44,12 +44,12 @@ def main(estimator: str, model_dir: str, train_file: str, out: str) -> None:
             outs.append(Generation(token_ids=got, logprobs=[-1.0] * len(got), finish_reason="stop"))
         return outs
 
-    rt.engine.generate = scripted
+    worker.engine.generate = scripted
     failing = rt.dp_rank == 1
-    rt.client.search = lambda queries: [(SearchFailure("injected") if failing else 'Doc 1(Title: "X") x\n')
-                                        for _ in queries]
+    worker.client.search = lambda queries: [(SearchFailure("injected") if failing else 'Doc 1(Title: "X") x\n')
+                                             for _ in queries]
     metrics = trainer.step()
-    print(f"SEEDS dp_rank={rt.dp_rank} {sorted(seeds)}", flush=True)  # Trainer.rollout's sampling seeds per turn
+    print(f"SEEDS dp_rank={rt.dp_rank} {sorted(seeds)}", flush=True)  # RolloutWorker.generate's sampling seeds per turn
     if rt.rank == 0:
         print("METRICS " + json.dumps(metrics), flush=True)
     trainer.close()

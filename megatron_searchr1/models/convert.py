@@ -24,10 +24,9 @@ from typing import Any, Iterable
 import torch
 
 from megatron_searchr1.models.config import check_parallel_sizes, padded_vocab_size
-# The command lines live in convert_cli.py (checked before torch loads); these names keep the console scripts of an
-# install made before the move working until `pip install -e .` regenerates them.
-from megatron_searchr1.models.convert_cli import hf_to_megatron_main, megatron_to_hf_main  # noqa: F401
-from megatron_searchr1.models.families import ModelFamily, get_family, rename_layer, tp_merge, tp_split
+from megatron_searchr1.models.families import (
+    ModelFamily, get_family, rename_layer, split_layer_name, tp_merge, tp_split,
+)
 
 META_FILE = "searchr1_checkpoint.json"
 HF_SUBDIR = "hf"
@@ -161,8 +160,14 @@ def global_names(model: torch.nn.Module) -> list[tuple[str, str, torch.nn.Parame
     uneven splits (num_layers_in_first/last_pipeline_stage) name their layers right.
     """
     decoder = getattr(model, "decoder", None)
-    index = [layer.layer_number - 1 for layer in decoder.layers] if decoder is not None else []
-    return [(n, rename_layer(n, index), p) for n, p in model.named_parameters()]
+    index = [int(layer.layer_number) - 1 for layer in getattr(decoder, "layers", ())]
+    out = []
+    for n, p in model.named_parameters():
+        parsed = split_layer_name(n)
+        if parsed is not None and parsed[0] >= len(index):
+            raise ValueError(f"parameter {n!r} names layer {parsed[0]} but decoder.layers has {len(index)}")
+        out.append((n, rename_layer(n, index), p))
+    return out
 
 
 def load_hf_weights(model: torch.nn.Module, reader: SafetensorsReader, mapping: ModelFamily,
@@ -400,24 +405,37 @@ def megatron_to_hf(ckpt_dir: str, out_dir: str, *, tp: int = 1, pp: int = 1, dty
     out_dtype = _resolve_dtype(dtype, hf_config)
 
     import torch.distributed as dist
-    from safetensors.torch import save_file
 
     from megatron_searchr1.megatron.initialize import initialize_megatron
     from megatron_searchr1.models.gpt import build_gpt_model
 
     initialize_megatron(tp=tp, pp=pp)
-    from megatron.core import parallel_state as ps
-
     rank = dist.get_rank()
     model = all_ranks_ok(build_gpt_model, hf_config, params_dtype=params_dtype)
     all_ranks_ok(load_megatron_checkpoint, model, ckpt_dir)
-    mapping = bind_mapping(hf_config, model)
-    # One safetensors file per pipeline stage, written by the stage's first TP rank of DP replica 0; only it keeps
-    # the stage's tensors on the host, and other DP replicas (the same weights) do not gather. Rank 0 adds the index.
+    write_hf_dir(model, bind_mapping(hf_config, model), hf_aux, out_dir, out_dtype, overwrite=overwrite,
+                 progress=rank == 0)
+    if rank == 0:
+        print(f"wrote HF checkpoint ({str(out_dtype).replace('torch.', '')}) to {out_dir}")
+    dist.barrier()
+
+
+def write_hf_dir(model: torch.nn.Module, mapping: ModelFamily, hf_src_dir: str, out_dir: str, dtype: torch.dtype, *,
+                 overwrite: bool = False, progress: bool = False) -> None:
+    """Write a loaded (bare) Megatron model as an HF safetensors dir; every rank calls it. The one gather path of
+    megatron_to_hf and of the trainers' end-of-run export (export.py): config and tokenizer files from `hf_src_dir`.
+
+    One safetensors file per pipeline stage, written by the stage's first TP rank of DP replica 0; only it keeps the
+    stage's tensors on the host, and other DP replicas (the same weights) do not gather. Rank 0 adds the index."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from safetensors.torch import save_file
+
+    rank, pp = dist.get_rank(), ps.get_pipeline_model_parallel_world_size()
     role = export_role(ps.get_tensor_model_parallel_rank(), ps.get_data_parallel_rank())
     writer = role == "write"
-    tensors = {} if role == "skip" else host_tensors(gather_hf_weights(model, mapping, progress=rank == 0),
-                                                     out_dtype, keep=writer)
+    tensors = {} if role == "skip" else host_tensors(gather_hf_weights(model, mapping, progress=progress),
+                                                     dtype, keep=writer)
     pp_rank = ps.get_pipeline_model_parallel_rank()
     fname = "model.safetensors" if pp == 1 else f"model-{pp_rank + 1:05d}-of-{pp:05d}.safetensors"
     if rank == 0:
@@ -439,14 +457,13 @@ def megatron_to_hf(ckpt_dir: str, out_dir: str, *, tp: int = 1, pp: int = 1, dty
             with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
                 json.dump(index, f, indent=2)
         for name in HF_AUX_FILES:
-            if os.path.isfile(os.path.join(hf_aux, name)):
-                shutil.copy2(os.path.join(hf_aux, name), os.path.join(out_dir, name))
+            if os.path.isfile(os.path.join(hf_src_dir, name)):
+                shutil.copy2(os.path.join(hf_src_dir, name), os.path.join(out_dir, name))
         cfg_path = os.path.join(out_dir, "config.json")
         with open(cfg_path) as f:
             cfg = json.load(f)
-        cfg["dtype"] = str(out_dtype).replace("torch.", "")
+        cfg["dtype"] = str(dtype).replace("torch.", "")
         cfg.pop("torch_dtype", None)
         with open(cfg_path, "w") as f:
             json.dump(cfg, f, indent=2)
-        print(f"wrote HF checkpoint ({cfg['dtype']}) to {out_dir}")
     dist.barrier()

@@ -23,8 +23,9 @@ from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 
-def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The bare model inside Megatron DDP / Float16Module wrappers (they keep it in `.module`)."""
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The bare model (GPTModel / CriticModel) inside Megatron DDP / Float16Module wrappers (each keeps the next one
+    in `.module`). The one copy: checkpoints, weight sync and the model-output readers all unwrap through it."""
     while hasattr(model, "module") and isinstance(model.module, torch.nn.Module):
         model = model.module
     return model
@@ -66,7 +67,7 @@ def forward_only(
     micro_batches = list(input_ids.split(mbs, dim=0))
     if len({mb.shape[0] for mb in micro_batches}) > 1:
         raise ValueError(f"batch size {B} is not a multiple of micro_batch_size {mbs}")
-    config = _unwrap(model).config
+    config = unwrap(model).config
     pad = -T % config.tensor_model_parallel_size if config.sequence_parallel else 0
     if pad:  # sequence parallelism splits the sequence over TP: pad it, cut the outputs back to T (right padding)
         micro_batches = [torch.cat([mb, mb.new_zeros(mb.shape[0], pad)], dim=1) for mb in micro_batches]
@@ -108,7 +109,7 @@ def forward_logits(
     `input_ids` (B, T) must be on the model's device; see the module doc for positions and padding.
     """
     check_positions(input_ids, position_ids, attention_mask)
-    vocab = getattr(_unwrap(model), "hf_vocab_size", None) if trim_vocab else None
+    vocab = getattr(unwrap(model), "hf_vocab_size", None) if trim_vocab else None
 
     def call(m, ids):
         # runtime_gather_output: the output layer all-gathers the vocab shards over TP -> [b, s, V_pad]

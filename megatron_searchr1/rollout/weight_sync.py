@@ -51,9 +51,11 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from megatron_searchr1.models.convert import global_names
 from megatron_searchr1.models.families.base import (
-    OUTPUT_LAYER, ModelFamily, layer_name, split_layer_name, te_to_local_name, tp_kind, tp_merge, tp_place,
+    OUTPUT_LAYER, ModelFamily, te_to_local_name, tp_kind, tp_merge, tp_place,
 )
+from megatron_searchr1.models.forward import unwrap
 
 DEFAULT_BUCKET_BYTES = 256 << 20
 """256 MiB: few enough collectives for a 7B model (~60 buckets in bf16), little enough transient memory."""
@@ -156,37 +158,12 @@ def unpack_bucket(flat: torch.Tensor, layout: BucketLayout) -> list[tuple[str, t
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# The model: unwrapping and global names
+# The model: global names
 # ----------------------------------------------------------------------------------------------------------------
-def unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The bare GPTModel inside Megatron DDP / Float16Module wrappers (each keeps the next one in `.module`)."""
-    while hasattr(model, "module") and isinstance(model.module, torch.nn.Module):
-        model = model.module
-    return model
-
-
 def global_param_names(model: torch.nn.Module) -> list[tuple[str, str, torch.nn.Parameter]]:
-    """(local name, global Megatron name, parameter) of a bare model chunk, skipping SKIP_PREFIXES.
-
-    `decoder.layers.{i}.` (index within this chunk) becomes `decoder.layers.{layer_number - 1}.`: Megatron sets each
-    TransformerLayer's `layer_number` to its global 1-based index, whatever the pipeline split.
-    """
-    rename: dict[int, int] = {}
-    decoder = getattr(model, "decoder", None)
-    for i, layer in enumerate(getattr(decoder, "layers", ())):
-        rename[i] = int(layer.layer_number) - 1
-    out = []
-    for name, p in model.named_parameters():
-        if name.startswith(SKIP_PREFIXES):
-            continue
-        parsed = split_layer_name(name)
-        if parsed is not None:
-            if parsed[0] not in rename:
-                raise ValueError(f"parameter {name!r} names layer {parsed[0]} but decoder.layers has {len(rename)}")
-            out.append((name, layer_name(rename[parsed[0]], parsed[1]), p))
-        else:
-            out.append((name, name, p))
-    return out
+    """(local name, global Megatron name, parameter) of a bare model chunk (convert.global_names: each layer's
+    global index read off its `layer_number`, whatever the pipeline split), skipping SKIP_PREFIXES."""
+    return [(n, g, p) for n, g, p in global_names(model) if not n.startswith(SKIP_PREFIXES)]
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -17,13 +17,7 @@ from megatron.core import parallel_state
 
 from megatron_searchr1.megatron.batching import MicroBatch
 from megatron_searchr1.megatron.vocab_parallel import vocab_parallel_log_probs
-
-
-def unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The bare model inside Megatron DDP / Float16Module wrappers (they keep it in `.module`)."""
-    while hasattr(model, "module") and isinstance(model.module, torch.nn.Module):
-        model = model.module
-    return model
+from megatron_searchr1.models.forward import unwrap
 
 
 def is_critic(model: torch.nn.Module) -> bool:

@@ -1,16 +1,18 @@
 """The reference model of a run started from another run's root (`model.megatron_ckpt=<run>`): pinned once to a
-concrete step directory (runtime.pin_model_source), recorded in every checkpoint (Trainer.save), and reloaded from
+concrete step directory (trainer/sources.py pin_model_source), recorded in every checkpoint (Trainer.save), and reloaded from
 the recorded one on resume even after that root's `latest` has moved on (Trainer._resume). One process, no models:
-the trainer's runtime is a stand-in and the weight loading is recorded instead of done."""
+the trainer's roles are stand-ins and the weight loading is recorded instead of done."""
 import os
 from types import SimpleNamespace
 
 import pytest
 
-import megatron_searchr1.runtime as runtime
+import megatron_searchr1.trainer.sources as runtime
 from megatron_searchr1.checkpoint import CheckpointError, save_checkpoint, step_dir
 from megatron_searchr1.config import Config
-from megatron_searchr1.train import Trainer
+from megatron_searchr1.trainer.build import Data
+from megatron_searchr1.trainer.rl import Trainer
+from megatron_searchr1.trainer.roles import Policy
 
 
 class _Sampler:
@@ -30,14 +32,15 @@ class _KL:
 
 
 def _trainer(tmp_path, model_source):
-    """A Trainer without a runtime build: only what save() and _resume() read."""
+    """A Trainer without a build: only what save() and _resume() read."""
     cfg = Config()
     cfg.trainer.output_dir = str(tmp_path / "run")
     tr = object.__new__(Trainer)
     tr.cfg, tr.step_no, tr.ckpt_root = cfg, 0, os.path.join(cfg.trainer.output_dir, "checkpoints")
-    tr.rt = SimpleNamespace(rank=0, actor=object(), actor_opt=object(), actor_sched=object(), critic=None,
-                            ref=object(), model_source=model_source, sampler=_Sampler(), kl_ctrl=_KL(),
-                            cfg=cfg, hf_config=None, hf_dir=str(tmp_path))
+    tr.policy = Policy(object(), object(), object(), hf_dir=str(tmp_path), source=model_source)
+    tr.reference = Policy(object(), source=model_source)
+    tr.critic, tr.rank, tr.data = None, 0, Data([], [], _Sampler())
+    tr.roles = SimpleNamespace(kl_ctrl=_KL())
     return tr
 
 
@@ -66,7 +69,7 @@ def test_resume_reloads_the_recorded_reference_not_the_roots_latest(tmp_path, mo
         saved.update(extra)
         save_checkpoint(root, step, {}, {}, {}, extra)
 
-    monkeypatch.setattr("megatron_searchr1.checkpoint.save_checkpoint", fake_save)
+    monkeypatch.setattr("megatron_searchr1.trainer.rl.save_checkpoint", fake_save)
     tr = _trainer(tmp_path, first)
     tr.step_no = 2
     tr.save()
@@ -77,13 +80,13 @@ def test_resume_reloads_the_recorded_reference_not_the_roots_latest(tmp_path, mo
     now = runtime.pin_model_source(sft)
     assert now != first
     loaded = []
-    monkeypatch.setattr(runtime, "_weights_loader", lambda cfg, hf_config, source: lambda m: loaded.append(source))
-    monkeypatch.setattr("megatron_searchr1.checkpoint.load_checkpoint",
+    monkeypatch.setattr(runtime, "weights_loader", lambda hf_config, source: lambda m: loaded.append(source))
+    monkeypatch.setattr("megatron_searchr1.trainer.rl.load_checkpoint",
                         lambda root, step, *a: {**saved, "step": step})
     tr = _trainer(tmp_path, now)
     tr._resume()
     assert tr.step_no == 2
-    assert loaded == [first] and tr.rt.model_source == first
+    assert loaded == [first] and tr.reference.source == first
 
     # the recorded reference is gone (pruned by that run's keep_last): a clear error, not a silent other model
     os.rmdir(first)

@@ -188,7 +188,7 @@ def test_offloading_twice_moves_nothing_more(megatron_world):
 
 @pytest.mark.slow
 def test_grpo_with_every_offload_flag_equals_the_run_without(world, tiny_model, server, rl_root):
-    """The trainer's wiring (train.py sync_engine / sleep_engine) on the CPU demo's GRPO at TP=2 with the vllm
+    """The trainer's wiring (trainer/roles.py RolloutWorker.sync / sleep) on the CPU demo's GRPO at TP=2 with the vllm
     engine and a reference model: 2 steps with every model.*_offload flag give the same metrics, bit for bit, as
     2 steps without (the offload is exercised and changes nothing)."""
     from tests.test_train import STEP_FIELDS_THAT_VARY, rl_args, step_metrics

@@ -160,7 +160,7 @@ def test_vllm_engine_gives_the_hf_engines_tokens(setup):
 
 
 def test_infer_cli_prints_the_trajectory_turn_by_turn(setup):
-    from megatron_searchr1.infer import turn_segments
+    from megatron_searchr1.trainer.reports import turn_segments
     from megatron_searchr1.rollout.engines import make_engine
     from tests.dist_utils import REPO
 

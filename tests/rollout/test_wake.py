@@ -1,5 +1,5 @@
-"""The trainer's wake / sync / sleep choreography (Trainer.sync_engine, sleep_engine; rollout/engine.py), with an
-engine double that records every call, torch.cuda.empty_cache recorded, and the weight sync replaced."""
+"""The trainer's wake / sync / sleep choreography (trainer/roles.py RolloutWorker.sync, sleep; rollout/engine.py),
+with an engine double that records every call, torch.cuda.empty_cache recorded, and the weight sync replaced."""
 from types import SimpleNamespace
 
 import pytest
@@ -9,7 +9,8 @@ import megatron_searchr1.megatron.offload as offload_mod
 import megatron_searchr1.rollout.weight_sync as weight_sync
 from megatron_searchr1.config import load_config
 from megatron_searchr1.rollout.engine import sleep_engine, wake_and_sync
-from megatron_searchr1.train import Trainer
+from megatron_searchr1.megatron.offload import GenerationOffload
+from megatron_searchr1.trainer.roles import Policy, RolloutWorker
 
 
 class RecordingEngine:
@@ -36,13 +37,35 @@ def calls(monkeypatch):
     return calls
 
 
-def _trainer(calls, *overrides):
-    trainer = Trainer.__new__(Trainer)
-    trainer.cfg = load_config(None, list(overrides))
-    trainer.rt = SimpleNamespace(actor="actor", actor_opt=None, critic=None, critic_opt=None, ref=None,
-                                 engine=RecordingEngine(calls), mapping=None)
-    trainer.synced = False
-    return trainer
+class _Trainer:
+    """The trainer's side of the choreography: its rollout worker, fed from its policy (RolloutWorker.sync)."""
+
+    def __init__(self, calls, overrides, actor_opt=None, ref=None):
+        cfg = load_config(None, list(overrides))
+        self.policy = Policy("actor", actor_opt)
+        self.worker = RolloutWorker(cfg, RecordingEngine(calls), None, None, (), rank=0, world=1,
+                                    offload=GenerationOffload(cfg.model, actor="actor", actor_opt=actor_opt, ref=ref))
+
+    def sync_engine(self):
+        return self.worker.sync(self.policy)
+
+    def wake_engine(self):  # the rollout's call before generating: the engine is awake and synced already
+        return self.worker.sync(self.policy)
+
+    def sleep_engine(self):
+        self.worker.sleep()
+
+    @property
+    def synced(self):
+        return self.worker.synced
+
+    @synced.setter
+    def synced(self, value):
+        self.worker.synced = value
+
+
+def _trainer(calls, *overrides, **roles):
+    return _Trainer(calls, overrides, **roles)
 
 
 WAKE = [("empty_cache",), ("wake_up", ("weights",)), ("sync",), ("empty_cache",), ("wake_up", ("kv_cache",))]
@@ -97,8 +120,7 @@ def test_offload_runs_around_the_wake_when_asked(calls, monkeypatch):
     monkeypatch.setattr(offload_mod.Stash, "reload", lambda self: calls.append(("reload",)))
     monkeypatch.setattr(offload_mod.Stash, "empty", property(lambda self: False))
     trainer = _trainer(calls, "model.param_offload=true", "model.grad_offload=true", "model.optimizer_offload=true",
-                       "model.ref_offload=true")
-    trainer.rt.actor_opt, trainer.rt.ref = "actor_opt", "ref"
+                       "model.ref_offload=true", actor_opt="actor_opt", ref="ref")
     trainer.sync_engine()
     trainer.sleep_engine()
     released = [("empty_cache",)]  # offload's own release after each move

@@ -116,7 +116,7 @@ def test_launch_timeout_is_a_validated_config_field():
 def test_the_trainer_starts_its_server_with_the_configured_timeout(popen, monkeypatch):
     import torch.distributed as dist
 
-    from megatron_searchr1 import runtime
+    from megatron_searchr1.trainer import build
 
     monkeypatch.setattr(dist, "get_world_size", lambda *a: 1)
     monkeypatch.setattr(dist, "all_gather_object", lambda out, obj, *a: out.__setitem__(0, obj))
@@ -131,7 +131,7 @@ def test_the_trainer_starts_its_server_with_the_configured_timeout(popen, monkey
     monkeypatch.setattr(ServerProcess, "__init__", spy)
     cfg = load_config(None, ["retrieval.launch=true", "retrieval.server_args=[--index-dir,IDX]",
                              "retrieval.launch_timeout=1234"])
-    server, url = runtime._launch_server(cfg)
+    server, url = build.launch_server(cfg)
     server.stop()
     assert url == "http://127.0.0.1:4321"
     assert seen == {"timeout": 1234, "hint": "raise retrieval.launch_timeout"}

@@ -1,11 +1,11 @@
-"""Trainer.update's schedule of critic and actor updates, with the Megatron step replaced by a recorder."""
-from types import SimpleNamespace
-
+"""Trainer.update's schedule of critic and actor updates (trainer/rl.py), with the Megatron step replaced by a
+recorder."""
 import pytest
 import torch
 
 from megatron_searchr1.config import load_config
-from megatron_searchr1.train import Trainer
+from megatron_searchr1.trainer.rl import Trainer
+from megatron_searchr1.trainer.roles import Critic, Policy
 
 
 class _Sched:
@@ -27,8 +27,7 @@ def test_critic_warmup_matches_verl(monkeypatch, warmup, actor_steps):
     trainer = Trainer.__new__(Trainer)
     trainer.cfg = load_config(None, ["algo.adv_estimator=gae", f"optim.critic_warmup={warmup}",
                                      "data.train_batch_size=2", "algo.ppo_mini_batch_size=2"])
-    trainer.rt = SimpleNamespace(actor="actor", actor_opt=None, actor_sched=_Sched(), critic="critic",
-                                 critic_opt=None, critic_sched=_Sched())
+    trainer.policy, trainer.critic = Policy("actor", None, _Sched()), Critic("critic", None, _Sched())
     seqs = [{"prompt_ids": [1, 2], "response_ids": [3, 4], "loss_mask": torch.ones(2)} for _ in range(2)]
     updated = []
     for step in (1, 2, 3):
@@ -39,7 +38,7 @@ def test_critic_warmup_matches_verl(monkeypatch, warmup, actor_steps):
         if "actor" in calls:
             updated.append(step)
     assert updated == actor_steps
-    assert trainer.rt.actor_sched.steps == len(actor_steps) and trainer.rt.critic_sched.steps == 3
+    assert trainer.policy.scheduler.steps == len(actor_steps) and trainer.critic.scheduler.steps == 3
 
 
 @pytest.mark.parametrize("coeff", [0.0, 0.001])
@@ -53,7 +52,7 @@ def test_the_actor_update_computes_a_differentiable_entropy_only_for_an_entropy_
     trainer = Trainer.__new__(Trainer)
     trainer.cfg = load_config(None, [f"algo.entropy_coeff={coeff}", "data.train_batch_size=2",
                                      "algo.ppo_mini_batch_size=2"])
-    trainer.rt = SimpleNamespace(actor="actor", actor_opt=None, actor_sched=_Sched(), critic=None)
+    trainer.policy, trainer.critic = Policy("actor", None, _Sched()), None
     trainer.step_no = 1
     trainer.update([{"prompt_ids": [1, 2], "response_ids": [3, 4], "loss_mask": torch.ones(2)} for _ in range(2)])
     assert seen["actor"]["with_entropy"] is True

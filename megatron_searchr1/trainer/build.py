@@ -1,0 +1,180 @@
+"""Everything an RL run builds from its config, as role objects, so trainer/rl.py can read as the algorithm.
+
+    roles = build_roles(cfg)    # every rank: Megatron groups, policy / reference / critic, rollout worker, data
+    roles.policy, roles.reference, roles.critic, roles.worker, roles.data, roles.logger, roles.kl_ctrl
+    roles.close()
+
+Models: the actor starts from `model.megatron_ckpt` (e.g. the SFT stage's actor) when given, else from the HF
+weights in `model.path`; the frozen reference is a copy of the actor's start (only when a KL term is used); the
+critic (GAE only) starts its trunk from `model.critic_path` or the actor's start with a zero value head.
+The engine is built on `model.path` (config + tokenizer; vLLM loads its weights, then the first weight sync
+overwrites them with the actor's). With `rollout.engine_tp = 1` every rank runs its own engine.
+"""
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as mpu
+from transformers import AutoTokenizer
+
+from megatron_searchr1.algo import AdaptiveKLController, FixedKLController
+from megatron_searchr1.checkpoint import CheckpointError, check_shared_dir
+from megatron_searchr1.cli import UsageError
+from megatron_searchr1.config import Config
+from megatron_searchr1.data.rl_data import PromptSampler, load_prompts
+from megatron_searchr1.megatron.initialize import initialize_megatron
+from megatron_searchr1.megatron.offload import GenerationOffload
+from megatron_searchr1.megatron.optimizer import build_optimizer
+from megatron_searchr1.metrics import RunLogger
+from megatron_searchr1.models.convert import DTYPES, bind_mapping, load_hf_config
+from megatron_searchr1.models.forward import unwrap
+from megatron_searchr1.models.gpt import model_settings
+from megatron_searchr1.rollout.engines import make_engine
+from megatron_searchr1.search.client import RetrievalClient
+from megatron_searchr1.search.launch import ServerProcess
+from megatron_searchr1.trainer.roles import Critic, Policy, RolloutWorker
+from megatron_searchr1.trainer.sources import pin_model_source, stop_token_ids, weights_loader
+from megatron_searchr1.workers.actor import build_actor, build_reference
+from megatron_searchr1.workers.critic import build_critic
+
+
+@dataclass
+class Data:
+    """The prompts of an RL run: training rows (with their sampler) and validation rows."""
+
+    train: list
+    val: list
+    sampler: Optional[PromptSampler]
+
+
+@dataclass
+class Roles:
+    """What `build_roles` returns: the roles, the data and the run's bookkeeping."""
+
+    cfg: Config
+    tokenizer: Any
+    policy: Policy
+    reference: Optional[Policy]
+    critic: Optional[Critic]
+    worker: RolloutWorker
+    data: Data
+    logger: RunLogger
+    kl_ctrl: Any
+    rank: int
+    dp_rank: int
+    dp_size: int
+
+    def close(self) -> None:
+        if self.logger is not None:
+            self.logger.close()
+        self.worker.close()
+
+
+def build_optimizer_from_config(model, optim, total_steps: int, lr: float):
+    """(optimizer, scheduler) of a trainable model from config.optim: the one place the actor, the critic and the
+    SFT model get theirs. Megatron's warmup starts at LR 0: the schedule is stepped once here, so step k of the
+    run trains at k/warmup * lr, not at 0 in its first step."""
+    warmup = int(optim.warmup_steps_ratio * total_steps)
+    optimizer, scheduler = build_optimizer(model, lr=lr, min_lr=lr * optim.min_lr_ratio,
+                                           weight_decay=optim.weight_decay, adam_betas=tuple(optim.betas),
+                                           clip_grad=optim.clip_grad, warmup_steps=warmup,
+                                           decay_steps=max(total_steps, warmup + 1), decay_style=optim.lr_decay)
+    if warmup:
+        scheduler.step(1)
+    return optimizer, scheduler
+
+
+def launch_server(cfg: Config):
+    """One retrieval server per node (local rank 0 starts it); every rank gets its node's URL."""
+    server, url = None, None
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        server = ServerProcess(list(cfg.retrieval.server_args), start_timeout=cfg.retrieval.launch_timeout,
+                               timeout_hint="raise retrieval.launch_timeout").start()
+        url = server.url
+    urls = [None] * dist.get_world_size()
+    dist.all_gather_object(urls, (socket.gethostname(), url))
+    mine = [u for host, u in urls if host == socket.gethostname() and u]
+    return server, mine[0]
+
+
+def build_roles(cfg: Config) -> Roles:
+    p, o, a, r, t = cfg.parallel, cfg.optim, cfg.algo, cfg.rollout, cfg.trainer
+    initialize_megatron(tp=p.tp, pp=p.pp, seed=t.seed, timeout_minutes=p.timeout_minutes,
+                        sequence_parallel=p.sequence_parallel)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dp_rank, dp_size = mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size()
+    try:  # checkpoints need one directory for all nodes: refuse now, not at the first save or resume
+        check_shared_dir(t.output_dir)
+    except CheckpointError as e:
+        raise UsageError(str(e)) from None
+
+    hf_dir = cfg.model.path
+    tokenizer = AutoTokenizer.from_pretrained(hf_dir)
+    hf_config = load_hf_config(hf_dir)
+    dtype = DTYPES[cfg.model.dtype]
+
+    # -- models ---------------------------------------------------------------------------------------------
+    model_source = pin_model_source(cfg.model.megatron_ckpt or cfg.model.path)
+    load_actor = weights_loader(hf_config, model_source)
+    settings = model_settings(hf_config, tp=p.tp, pp=p.pp, params_dtype=dtype, use_te=cfg.model.use_te,
+                              sequence_parallel=p.sequence_parallel, recompute=cfg.model.recompute)
+    actor = build_actor(hf_config, **settings, load_weights=load_actor,
+                        use_distributed_optimizer=p.use_distributed_optimizer)
+    actor_opt, actor_sched = build_optimizer_from_config(actor, o, t.total_steps, o.lr)
+    mapping = bind_mapping(hf_config, unwrap(actor))
+    policy = Policy(actor, actor_opt, actor_sched, mapping=mapping, hf_config=hf_config, hf_dir=hf_dir, dtype=dtype,
+                    source=model_source)
+    reference = None
+    if a.use_kl_loss or a.use_kl_in_reward:
+        reference = Policy(build_reference(hf_config, **settings, load_weights=load_actor), mapping=mapping,
+                           hf_config=hf_config, hf_dir=hf_dir, dtype=dtype, source=model_source)
+    critic = None
+    if a.uses_critic:
+        critic_model = build_critic(hf_config, **settings,
+                                    load_weights=weights_loader(hf_config, cfg.model.critic_path
+                                                                or cfg.model.megatron_ckpt or cfg.model.path),
+                                    use_distributed_optimizer=p.use_distributed_optimizer)
+        critic = Critic(critic_model, *build_optimizer_from_config(critic_model, o, t.total_steps, o.critic_lr))
+
+    # -- data ------------------------------------------------------------------------------------------------
+    d = cfg.data
+    train_data = []
+    if d.train_files and not t.val_only:
+        train_data, _ = load_prompts(d.train_files, tokenizer, d.max_prompt_length, d.chat_template)
+    val_data = []
+    if d.val_files:
+        val_data, _ = load_prompts(d.val_files, tokenizer, d.max_prompt_length, d.chat_template,
+                                   limit=d.val_max_samples)
+    sampler = PromptSampler(len(train_data), d.train_batch_size, t.seed, d.shuffle) if train_data else None
+
+    # -- retrieval and engine ----------------------------------------------------------------------------------
+    server, url = None, cfg.retrieval.url
+    if cfg.retrieval.launch:
+        server, url = launch_server(cfg)
+    client = RetrievalClient(url, topk=cfg.retrieval.topk, timeout=cfg.retrieval.timeout)
+    engine_kw: dict = dict(dtype=cfg.model.dtype if r.dtype == "auto" else r.dtype)
+    if r.engine == "vllm":
+        # one seed per vLLM TP group: its ranks must sample alike (requests carry their own seeds anyway)
+        engine_kw.update(tensor_parallel_size=r.engine_tp, max_model_len=d.max_prompt_length + r.max_response_length,
+                         seed=t.seed + rank // r.engine_tp, gpu_memory_utilization=r.gpu_memory_utilization,
+                         enforce_eager=r.enforce_eager, kv_sessions=None if r.kv_sessions else False)
+        if not torch.cuda.is_available():
+            engine_kw["kv_cache_gib"] = r.kv_cache_gib
+    engine = make_engine(r.engine, hf_dir, **engine_kw)
+    offload = GenerationOffload(cfg.model, actor=actor, actor_opt=actor_opt,
+                                critic=critic.model if critic else None, critic_opt=critic.optimizer if critic else None,
+                                ref=reference.model if reference else None)
+    worker = RolloutWorker(cfg, engine, tokenizer, client, stop_token_ids(tokenizer, hf_dir), rank=rank, world=world,
+                           offload=offload, server=server)
+
+    kl_ctrl = (AdaptiveKLController(a.kl_coef, a.target_kl, a.kl_horizon) if a.kl_ctrl == "adaptive"
+               else FixedKLController(a.kl_coef))
+    logger = RunLogger(t.output_dir, enabled=rank == 0, tensorboard=cfg.logging.tensorboard)
+    return Roles(cfg=cfg, tokenizer=tokenizer, policy=policy, reference=reference, critic=critic, worker=worker,
+                 data=Data(train_data, val_data, sampler), logger=logger, kl_ctrl=kl_ctrl, rank=rank,
+                 dp_rank=dp_rank, dp_size=dp_size)

@@ -1,0 +1,235 @@
+"""The RL trainer: PPO / GRPO with a search engine in the loop, on the roles of trainer/build.py.
+
+    trainer = Trainer(cfg)      # every rank (SPMD): builds the roles, resumes from the latest checkpoint
+    trainer.fit()               # steps, checkpoints, validation, HF export; trainer.close()
+
+One step (`Trainer.step`), as DESIGN.md lays it out:
+  1. this DP rank's prompts, each repeated `rollout.n` times under its group id;
+  2. weight sync policy -> rollout engine (rollout/weight_sync.py: TP gather, PP broadcast, HF names, buckets);
+  3. rollout: the multi-turn search loop (rollout/loop.py), a share of the replica's trajectories per engine;
+  4. the engine sleeps (frees its memory) while the trainer runs: generation and training never overlap;
+  5. reward (EM on the response), old / reference log-probs and critic values (Megatron forward passes);
+  6. advantages (GRPO, GAE, RLOO, REINFORCE++), critic update, actor update (PPO clip; KL as a loss or in the
+     reward); retrieved tokens are masked everywhere (algo/);
+  7. metrics to TensorBoard and the console, sampled trajectories to JSONL, checkpoints, validation.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import torch.distributed as dist
+from megatron.core import parallel_state as mpu
+from tqdm import tqdm
+
+from megatron_searchr1 import ppo
+from megatron_searchr1.checkpoint import agreed_resume_target, load_checkpoint, save_checkpoint
+from megatron_searchr1.config import Config, save_config
+from megatron_searchr1.data.rl_data import dp_shard
+from megatron_searchr1.megatron.batching import make_micro_batches, split_mini_batches
+from megatron_searchr1.metrics import mean_over_ranks, timer
+from megatron_searchr1.trainer.build import Roles, build_roles
+from megatron_searchr1.trainer.reports import format_eval_table, reward_table, sample_records, summarize_eval
+
+
+class Trainer:
+    def __init__(self, cfg: Config, roles: Roles | None = None):
+        self.cfg = cfg
+        self.roles = roles if roles is not None else build_roles(cfg)
+        self.policy, self.reference, self.critic = self.roles.policy, self.roles.reference, self.roles.critic
+        self.worker, self.data = self.roles.worker, self.roles.data
+        self.rank = self.roles.rank
+        self.step_no = 0
+        if self.rank == 0:
+            save_config(cfg, os.path.join(cfg.trainer.output_dir, "config.yaml"))
+        self.ckpt_root = os.path.join(cfg.trainer.output_dir, "checkpoints")
+        self._resume()
+
+    # -- the loop -----------------------------------------------------------------------------------------------
+    def fit(self) -> dict:
+        t, logger = self.cfg.trainer, self.roles.logger
+        if t.val_only:
+            return self.validate()
+        if t.val_before_train and self.step_no == 0 and self.data.val:
+            self.validate()
+        bar = tqdm(total=t.total_steps, initial=self.step_no, desc="RL steps", unit="step", dynamic_ncols=True,
+                   disable=not (self.rank == 0 and self.cfg.logging.progress_bar))
+        while self.step_no < t.total_steps:
+            self.step_no += 1
+            metrics = self.step()
+            logger.log(self.step_no, metrics)
+            bar.update(1)
+            bar.set_postfix(reward=f"{metrics.get('reward/mean', 0):.3f}",
+                            searches=f"{metrics.get('rollout/searches_mean', 0):.2f}")
+            logger.console(self.step_no, t.total_steps, metrics, write=bar.write)
+            if t.save_freq and self.step_no % t.save_freq == 0 and self.step_no < t.total_steps:
+                self.save()
+            if t.test_freq and self.step_no % t.test_freq == 0 and self.data.val:
+                self.validate()
+        bar.close()
+        self.save()
+        final = self.validate() if self.data.val and (not t.test_freq or self.step_no % t.test_freq) else {}
+        if t.export_hf:
+            self.export(os.path.join(t.output_dir, "hf"))
+        return final
+
+    def step(self) -> dict:
+        """One RL step: DESIGN.md's seven steps."""
+        cfg, roles, worker = self.cfg, self.roles, self.worker
+        a, r, budget = cfg.algo, cfg.rollout, cfg.optim.max_tokens_per_micro_batch
+        with timer() as t_step:
+            rows = [self.data.train[i] for i in self.data.sampler.next_batch()]                      # 1. prompts
+            trajs = worker.make_trajectories(dp_shard(rows, roles.dp_rank, roles.dp_size), r.n)
+            with timer() as t_sync:
+                sync_stats = worker.sync(self.policy)                                                 # 2. sync
+            with timer() as t_gen:
+                trajs, roll_metrics = worker.generate(trajs, seed=self.step_seed())                   # 3. generate
+            worker.sleep()                                                                            # 4.
+            scores = ppo.score_trajectories(trajs, roles.tokenizer, a)                                # 5. score
+            seqs = ppo.to_sequences(trajs, r.drop_search_errors)
+            with timer() as t_old:                                                                    # forwards
+                if not self.on_policy():  # else the update's own forward gives them (ppo.actor_loss_fn)
+                    for s, lp in zip(seqs, self.policy.log_probs(seqs, budget, r.temperature)):
+                        s["old_log_probs"] = lp
+                if self.reference is not None:
+                    for s, lp in zip(seqs, self.reference.log_probs(seqs, budget, r.temperature)):
+                        s["ref_log_probs"] = lp
+                if self.critic is not None:
+                    for s, v in zip(seqs, self.critic.values(seqs, budget)):
+                        s["values"] = v
+            # 6. advantages: whitening and the advantage metrics over the whole batch (a sum over DP; every rank
+            # takes part, also one whose trajectories were all dropped)
+            adv_metrics = ppo.add_advantages(seqs, [x["score"] for x in scores], [tr.uid for tr in trajs], a,
+                                             roles.kl_ctrl, reduce=ppo.dp_sum(mpu.get_data_parallel_group()))
+            if a.use_kl_in_reward:  # one coefficient for all ranks: the KL is the whole batch's already
+                roles.kl_ctrl.update(adv_metrics["actor/reward_kl_penalty"], n_steps=cfg.data.train_batch_size * r.n)
+            lr_used = self.policy.lr  # before update() steps the schedule
+            with timer() as t_train:
+                update_metrics = self.update(seqs)                                                    # critic, actor
+            worker.mark_stale()
+            # 7. metrics (the rest happens in fit: logging, checkpoints, validation)
+            metrics = {**roll_metrics, **adv_metrics, **update_metrics, **self.reward_metrics(trajs, scores),
+                       **{f"sync/{k}": v for k, v in sync_stats.items()}}
+            if r.temperature == 1.0:  # engine log-probs are of the untempered model (vllm: raw_logprobs)
+                metrics["train/logprob_gap_engine"] = (metrics.pop("actor/logprob_gap_engine", float("nan"))
+                                                       if self.on_policy() else ppo.logprob_gap(seqs))
+        gen_tokens = sum(len(tr.response_ids) for tr in trajs)
+        metrics.update({"time/step": t_step.seconds, "time/sync": t_sync.seconds, "time/rollout": t_gen.seconds,
+                        "time/old_log_probs": t_old.seconds, "time/update": t_train.seconds,
+                        "perf/response_tokens_per_s": gen_tokens / max(t_gen.seconds, 1e-9),
+                        "train/lr": lr_used})
+        metrics = mean_over_ranks(metrics)
+        self.write_samples(trajs, scores)
+        return metrics
+
+    def on_policy(self) -> bool:
+        """Whether a step makes exactly one optimizer update from its rollouts (one epoch, one mini-batch) and
+        nothing else reads the old log-probs: then they equal the update's own log-probs before its single
+        step, and the actor loss takes those (detached) instead of a separate forward pass over every sequence
+        (~18 % of a CPU demo step)."""
+        a = self.cfg.algo
+        return (a.ppo_epochs == 1 and a.ppo_mini_batch_size == self.cfg.data.train_batch_size
+                and not a.use_kl_in_reward)
+
+    def update(self, seqs: list) -> dict:
+        """Critic, then actor: ppo_epochs passes over mini-batches of this rank's sequences."""
+        a, o = self.cfg.algo, self.cfg.optim
+        n_mini = self.cfg.data.train_batch_size // a.ppo_mini_batch_size
+        sums: dict[str, float] = {}
+
+        def run(role, loss_fn, prefix, **kw):
+            for epoch in range(a.ppo_epochs):
+                for mini in split_mini_batches(len(seqs), n_mini, seed=self.step_seed() + epoch):
+                    m = role.update(make_micro_batches([seqs[i] for i in mini], o.max_tokens_per_micro_batch),
+                                    loss_fn, **kw)
+                    for k, v in m.items():
+                        sums[f"{prefix}/{k}"] = sums.get(f"{prefix}/{k}", 0.0) + float(v)
+
+        if self.critic is not None:
+            run(self.critic, ppo.critic_loss_fn(a), "critic")
+            self.critic.step_schedule()
+        if self.step_no >= o.critic_warmup:  # verl: the actor updates once critic_warmup <= step (steps from 1)
+            t = self.cfg.rollout.temperature
+            run(self.policy, ppo.actor_loss_fn(a, engine_gap=t == 1.0), "actor", temperature=t, with_entropy=True,
+                entropy_grad=a.entropy_coeff != 0)
+            self.policy.step_schedule()
+        n_updates = a.ppo_epochs * n_mini
+        return {k: v / n_updates for k, v in sums.items()}
+
+    def step_seed(self) -> int:
+        return self.cfg.trainer.seed * 1_000_003 + self.step_no * 7919
+
+    # -- validation ---------------------------------------------------------------------------------------------
+    def validate(self) -> dict:
+        """Greedy rollouts on the validation rows (split over all engines), EM / sub-EM / F1 per data_source."""
+        cfg, logger = self.cfg, self.roles.logger
+        self.worker.sync(self.policy)
+        records, samples = self.worker.validate(self.data.val, cfg.data.val_batch_size,
+                                                cfg.logging.trajectories_per_step)
+        self.worker.sleep()
+        report = summarize_eval(records)
+        logger.log(self.step_no, {f"val/{k}": v for k, v in report["metrics"].items()})
+        logger.trajectories(self.step_no, samples, name="val_trajectories.jsonl")
+        if self.rank == 0:
+            print(format_eval_table(report, title=f"validation at step {self.step_no}"), flush=True)
+            with open(os.path.join(cfg.trainer.output_dir, "val_report.jsonl"), "a") as f:
+                f.write(json.dumps({"step": self.step_no, **report}) + "\n")
+        return report
+
+    # -- checkpoints and export --------------------------------------------------------------------------------
+    def _models(self):
+        p = self.policy
+        models, opts, scheds = {"actor": p.model}, {"actor": p.optimizer}, {"actor": p.scheduler}
+        if self.critic is not None:
+            c = self.critic
+            models["critic"], opts["critic"], scheds["critic"] = c.model, c.optimizer, c.scheduler
+        return models, opts, scheds
+
+    def save(self) -> None:
+        models, opts, scheds = self._models()
+        sampler = self.data.sampler
+        extra = {"step": self.step_no, "sampler": sampler.state_dict() if sampler else None,
+                 "kl_ctrl": self.roles.kl_ctrl.state_dict(),
+                 "ref_source": self.reference.source if self.reference is not None else None}
+        save_checkpoint(self.ckpt_root, self.step_no, models, opts, scheds, extra,
+                        hf_dirs={name: self.policy.hf_dir for name in models}, keep_last=self.cfg.trainer.keep_last)
+
+    def _resume(self) -> None:
+        target = agreed_resume_target(self.cfg.trainer.resume, self.ckpt_root)  # rank 0 decides for every node
+        if target is None:
+            return
+        root, step = target
+        models, opts, scheds = self._models()
+        extra = load_checkpoint(root, step, models, opts, scheds)
+        self.step_no = int(extra["step"])
+        if self.data.sampler is not None and extra.get("sampler"):
+            self.data.sampler.load_state_dict(extra["sampler"])
+        self.roles.kl_ctrl.load_state_dict(extra["kl_ctrl"])
+        ref = self.reference
+        pinned = extra.get("ref_source")  # the reference this run started with, not today's latest of its root
+        if ref is not None and pinned and pinned != ref.source:
+            ref.load_weights(pinned)
+        if self.rank == 0:
+            note = f", reference {ref.source}" if ref is not None else ""
+            print(f"resumed from {root} at step {self.step_no}{note}", flush=True)
+
+    def export(self, out_dir: str) -> None:
+        self.policy.export_hf(out_dir)
+        if self.rank == 0:
+            print(f"exported the actor as a Hugging Face model to {out_dir}", flush=True)
+
+    def reward_metrics(self, trajs: list, scores: list) -> dict:
+        """Reward and EM overall and per data source, over the whole batch: the DP ranks hold different data
+        sources, so their records are gathered (the metrics then have the same keys and values on every rank)."""
+        mine = [(tr.meta["data_source"], sc["score"], sc["em"]) for tr, sc in zip(trajs, scores)]
+        parts: list = [None] * self.roles.dp_size
+        dist.all_gather_object(parts, mine, group=mpu.get_data_parallel_group())
+        return reward_table([x for part in parts for x in part])
+
+    def write_samples(self, trajs: list, scores: list) -> None:
+        k = self.cfg.logging.trajectories_per_step
+        if k and self.rank == 0:
+            self.roles.logger.trajectories(self.step_no, sample_records(self.roles.tokenizer, trajs, scores, k))
+
+    def close(self) -> None:
+        self.roles.close()

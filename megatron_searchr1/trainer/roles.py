@@ -1,0 +1,223 @@
+"""The three roles of an RL step, each owning its model and the memory it holds.
+
+    policy.log_probs(seqs, budget, temperature)      # actor or, frozen, the reference (no optimizer)
+    policy.update(micro_batches, loss_fn, ...)       # one optimizer step (workers/schedule.py)
+    critic.values(seqs, budget); critic.update(...)
+    worker.sync(policy); worker.generate(trajs, temperature, seed); worker.sleep(); worker.validate(rows)
+
+`Policy` is also the SFT model. Every rank holds every role (SPMD): the models are Megatron stages, the
+`RolloutWorker` drives this rank's engine, which serves a share of its model replica's trajectories
+(rollout/engine_groups.py is the rule for which ranks form an engine).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections import Counter
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as mpu
+
+from megatron_searchr1 import ppo
+from megatron_searchr1.checkpoint import CheckpointError
+from megatron_searchr1.export import export_hf
+from megatron_searchr1.models.convert import DTYPES
+from megatron_searchr1.models.forward import unwrap
+from megatron_searchr1.rollout import loop, weight_sync
+from megatron_searchr1.rollout.engine import sleep_engine, wake_and_sync
+from megatron_searchr1.rollout.engine_groups import EngineLayout
+from megatron_searchr1.rollout.loop import LoopSettings, RolloutStats, Trajectory
+from megatron_searchr1.trainer import reports, sources
+from megatron_searchr1.workers import schedule
+from megatron_searchr1.workers.actor import compute_log_probs
+from megatron_searchr1.workers.critic import compute_values
+
+# Calls go through module attributes (schedule.train_step, weight_sync.sync_weights, loop.run_rollout,
+# ppo.score_trajectories, sources.weights_loader): the tests and the layout sweep replace those functions.
+
+
+@dataclasses.dataclass(eq=False)
+class Policy:
+    """A causal LM on Megatron: the actor (with optimizer and LR schedule), the frozen reference (`optimizer`
+    None), or the SFT model. `source` is the directory its weights started from (sources.pin_model_source)."""
+
+    model: Any
+    optimizer: Any = None
+    scheduler: Any = None
+    mapping: Any = None
+    hf_config: Any = None
+    hf_dir: str = ""
+    """Config + tokenizer dir (checkpoints and the HF export copy it)."""
+    dtype: torch.dtype = torch.float32
+    source: str = ""
+
+    @property
+    def frozen(self) -> bool:
+        return self.optimizer is None
+
+    def log_probs(self, seqs: list, max_tokens_per_micro_batch: int, temperature: float) -> list:
+        return compute_log_probs(self.model, seqs, max_tokens_per_micro_batch=max_tokens_per_micro_batch,
+                                 temperature=temperature)
+
+    def update(self, micro_batches: list, loss_fn, *, step_scheduler: bool = False, **kw) -> dict:
+        """One optimizer step over `micro_batches` (workers/schedule.py). The RL trainer counts its LR schedule in
+        RL steps (`step_schedule`); SFT steps it with every optimizer step (`step_scheduler=True`)."""
+        return schedule.train_step(self.model, self.optimizer, self.scheduler if step_scheduler else None,
+                                   micro_batches, loss_fn, **kw)
+
+    def step_schedule(self) -> None:
+        self.scheduler.step(1)
+
+    @property
+    def lr(self) -> float:
+        return self.optimizer.param_groups[0]["lr"]
+
+    def load_weights(self, source: str) -> None:
+        """Replace the weights with those of `source` (a step's actor directory or an HF directory): a resumed
+        run's reference goes back to the directory its checkpoints recorded."""
+        if not os.path.exists(source):
+            raise CheckpointError(f"the reference model this run was started with, {source}, is gone (pruned by "
+                                  "that run's trainer.keep_last?): restore it, or start a new run")
+        sources.weights_loader(self.hf_config, source)(unwrap(self.model))
+        self.source = source
+
+    def export_hf(self, out_dir: str) -> None:
+        """Every rank calls it: the model as a Hugging Face directory (export.py)."""
+        export_hf(self.model, self.mapping, self.hf_dir, out_dir, dtype=self.dtype)
+
+
+@dataclasses.dataclass(eq=False)
+class Critic:
+    """The value model (GAE): a causal-LM trunk with a scalar head, its optimizer and LR schedule."""
+
+    model: Any
+    optimizer: Any = None
+    scheduler: Any = None
+
+    def values(self, seqs: list, max_tokens_per_micro_batch: int) -> list:
+        return compute_values(self.model, seqs, max_tokens_per_micro_batch=max_tokens_per_micro_batch)
+
+    def update(self, micro_batches: list, loss_fn, **kw) -> dict:
+        return schedule.train_step(self.model, self.optimizer, None, micro_batches, loss_fn, **kw)
+
+    def step_schedule(self) -> None:
+        self.scheduler.step(1)
+
+
+class RolloutWorker:
+    """This rank's engine, its retrieval client and the loop settings (built once from config.rollout), with the
+    engine's wake / sync / sleep choreography and the sharding of trajectories over the engines."""
+
+    def __init__(self, cfg, engine, tokenizer, client, stop_token_ids: tuple[int, ...], *, rank: int, world: int,
+                 offload=None, server=None):
+        r = cfg.rollout
+        self.cfg, self.engine, self.tokenizer, self.client, self.server = cfg, engine, tokenizer, client, server
+        self.rank, self.world, self.offload = rank, world, offload
+        self.layout = EngineLayout(world, cfg.parallel.tp, cfg.parallel.pp, r.engine_tp)
+        common = dict(max_turns=r.max_turns, max_tokens_per_turn=r.max_tokens_per_turn,
+                      max_response_length=r.max_response_length, max_obs_length=r.max_obs_length,
+                      stop_token_ids=tuple(stop_token_ids))
+        self.train_settings = LoopSettings(**common, temperature=r.temperature,
+                                           top_p=r.top_p if r.temperature > 0 else 1.0,
+                                           top_k=r.top_k if r.temperature > 0 else -1)
+        self.val_settings = LoopSettings(**common, temperature=r.val_temperature, seed=cfg.trainer.seed)
+        self.sync_dtype = DTYPES[cfg.model.dtype if r.dtype == "auto" else r.dtype]
+        self.synced = False  # the engine holds the actor's current weights
+        self.asleep = False
+
+    # -- wake / sync / sleep ----------------------------------------------------------------------------------
+    def sync(self, policy: Policy) -> dict:
+        """Wake the engine with the policy's current weights (every rank takes part; with engine_tp = 1 every rank
+        feeds its own engine), in verl's order (rollout/engine.py wake_and_sync): weights, sync, then KV cache.
+        The opt-in offloads (model.*_offload, megatron/offload.py) free the trainer's memory around it."""
+        r = self.cfg.rollout
+        if self.synced and not self.asleep:
+            return {}
+
+        def sync():
+            return weight_sync.sync_weights(policy.model, self.engine, policy.mapping,
+                                            bucket_bytes=r.sync_bucket_mb << 20, dtype=self.sync_dtype)
+
+        if self.offload is not None:
+            self.offload.before_wake()
+        stats = wake_and_sync(self.engine, None if self.synced else sync,
+                              after_sync=self.offload.after_sync if self.offload is not None else None)
+        self.synced, self.asleep = True, False
+        return stats.as_dict() if stats is not None else {}
+
+    def mark_stale(self) -> None:
+        """The policy was updated: the next `sync` sends its weights."""
+        self.synced = False
+
+    def sleep(self) -> None:
+        """Engine asleep at rollout.sleep_level (level 2 drops its weights: the next wake-up syncs them), then the
+        offloaded trainer memory back."""
+        r = self.cfg.rollout
+        if r.sleep_between_steps and not self.asleep:
+            if sleep_engine(self.engine, r.sleep_level):
+                self.synced = False
+            self.asleep = True
+        if self.offload is not None:
+            self.offload.reload()
+
+    # -- rollouts -----------------------------------------------------------------------------------------------
+    @staticmethod
+    def make_trajectories(rows: list, n: int) -> list[Trajectory]:
+        """Each prompt row repeated `n` times under its group id (`uid`)."""
+        return [Trajectory(prompt_ids=list(row.prompt_ids), uid=row.uid, sample=k,
+                           meta={"data_source": row.data_source, "ground_truth": row.ground_truth,
+                                 "question": row.question, "split": row.extra.get("split", "")})
+                for row in rows for k in range(n)]
+
+    def generate(self, trajs: list, seed: int) -> tuple[list, dict]:
+        """Run the search loop. The tp*pp ranks of a DP rank hold the same trajectories: each of their engines
+        runs a share (rollout/engine_groups.py), and the finished shares are exchanged so every rank returns all
+        of them, in order. The engine must be awake (`sync`)."""
+        share, shares = self.layout.share(self.rank)
+        mine = trajs[share::shares]
+        # one seed per engine: DP ranks and shares draw different noise
+        settings = dataclasses.replace(self.train_settings, seed=self.layout.sampling_seed(seed, self.rank))
+        stats = loop.run_rollout(self.engine, self.tokenizer, self.client.search, mine, settings)
+        metrics = stats.as_metrics(mine)
+        group = mpu.get_model_parallel_group()
+        if dist.get_world_size(group) > 1:
+            parts: list = [None] * dist.get_world_size(group)
+            dist.all_gather_object(parts, (share, mine), group=group)
+            done = list(trajs)
+            for k, part in dict(parts).items():
+                done[k::shares] = part
+            trajs = done
+            # the counters in `stats` are this engine's share: finish reasons are recounted over all trajectories
+            everything = RolloutStats(finish=Counter(tr.finish_reason for tr in trajs))
+            metrics = {**everything.as_metrics(trajs), "time/generate": metrics["time/generate"],
+                       "time/search": metrics["time/search"],
+                       "rollout/computed_tokens": metrics["rollout/computed_tokens"]}
+        return trajs, metrics
+
+    def validate(self, rows: list, batch_size: int, n_samples: int) -> tuple[list[dict], list[dict]]:
+        """Greedy rollouts of the validation rows -> (every rank's records, this rank's first samples). Unlike
+        training, the rows are not one replica's: they are split over all engines (the ranks of one vLLM TP group
+        send the same prompts), and each engine's first rank contributes its records."""
+        group, n_groups = self.layout.group_of(self.rank), len(self.layout.groups)
+        records, samples = [], []
+        mine = rows[group::n_groups]
+        for start in range(0, len(mine), batch_size):
+            trajs = self.make_trajectories(mine[start:start + batch_size], 1)
+            loop.run_rollout(self.engine, self.tokenizer, self.client.search, trajs, self.val_settings)
+            for tr, sc in zip(trajs, ppo.score_trajectories(trajs, self.tokenizer, self.cfg.algo)):
+                if len(samples) < n_samples:
+                    samples.append(reports.eval_sample(self.tokenizer, tr, sc))
+                records.append(reports.eval_record(tr, sc))
+        parts: list = [None] * self.world
+        dist.all_gather_object(parts, records if self.rank == self.layout.groups[group][0] else [])
+        return [x for part in parts for x in part], samples
+
+    def close(self) -> None:
+        if hasattr(self.engine, "close"):
+            self.engine.close()
+        if self.client is not None:
+            self.client.close()
+        if self.server is not None:
+            self.server.stop()
