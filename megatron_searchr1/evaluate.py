@@ -16,9 +16,11 @@ import sys
 from typing import Optional, Sequence
 
 from megatron_searchr1.cli import UsageError, check_retrieval, parse, run_main
+from megatron_searchr1.console import quiet_third_party_warnings
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    quiet_third_party_warnings()  # torch / Megatron / vLLM deprecation noise; ours still shows
     argv = list(sys.argv[1:] if argv is None else argv)
     json_path = None
     if "--json" in argv:

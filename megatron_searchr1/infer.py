@@ -14,6 +14,7 @@ import sys
 from typing import Optional, Sequence
 
 from megatron_searchr1.cli import ArgumentParser, UsageError, run_main
+from megatron_searchr1.console import quiet_third_party_warnings
 from megatron_searchr1.data.prompts import TEMPLATES
 
 
@@ -34,6 +35,7 @@ def _resolve_model(path: str, workdir: str) -> str:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    quiet_third_party_warnings()  # torch / Megatron / vLLM deprecation noise; ours still shows
     p = ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="HF model dir, or a Megatron checkpoint dir / run checkpoints root")
     p.add_argument("--question", required=True, help="the question to answer")

@@ -17,10 +17,12 @@ import sys
 from typing import Optional, Sequence
 
 from megatron_searchr1.cli import parse, run_main
+from megatron_searchr1.console import quiet_third_party_warnings
 from megatron_searchr1.config import SFTConfig
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    quiet_third_party_warnings()  # torch / Megatron / vLLM deprecation noise; ours still shows
     cfg = parse(argv, cls=SFTConfig, prog_doc=__doc__)
     from megatron_searchr1.trainer.sft import train_sft  # after the arguments: torch and Megatron load here
 

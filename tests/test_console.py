@@ -151,3 +151,24 @@ def test_megatrons_import_noise_is_filtered_in_a_real_run():
         runs[quiet] = proc.stderr
     assert "UserWarning" in runs[False]  # the noise is there without the filter
     assert "Warning" not in runs[True], runs[True][-2000:]
+
+
+@pytest.mark.parametrize("entry", ["train", "sft", "evaluate", "infer"])
+def test_entry_points_filter_third_party_noise_before_their_heavy_imports(entry):
+    """Each entry point's main() installs the filter first: even `--help` leaves it in place, so the warnings torch,
+    Megatron and vLLM raise while they load (after argument parsing) are already filtered."""
+    import importlib
+    import warnings
+
+    module = importlib.import_module(f"megatron_searchr1.{entry}")
+    with warnings.catch_warnings():
+        warnings.resetwarnings()
+        with pytest.raises(SystemExit):
+            module.main(["--help"])
+
+        def ignored(name):
+            return any(action == "ignore" and category is FutureWarning and mod is not None and mod.match(name)
+                       for action, _, category, mod, _ in warnings.filters)
+
+        assert ignored("torch.distributed.c10d_logger") and ignored("megatron.core.dist_checkpointing")
+        assert not ignored("megatron_searchr1.trainer.rl")

@@ -334,7 +334,7 @@ class LoggingConfig:
     trajectories_per_step: int = 4
     """Sampled trajectories written to <output_dir>/trajectories.jsonl per step (0 = none)."""
     progress_bar: bool = True
-    """tqdm bars on rank 0."""
+    """Progress on rank 0: a tqdm bar on a terminal, a plain line every few steps in a log file (console.py)."""
 
 
 @dataclass

@@ -20,11 +20,11 @@ import os
 
 import torch.distributed as dist
 from megatron.core import parallel_state as mpu
-from tqdm import tqdm
 
 from megatron_searchr1 import ppo
 from megatron_searchr1.checkpoint import agreed_resume_target, load_checkpoint, save_checkpoint
 from megatron_searchr1.config import Config, save_config
+from megatron_searchr1.console import progress
 from megatron_searchr1.data.rl_data import dp_shard
 from megatron_searchr1.megatron.batching import make_micro_batches, split_mini_batches
 from megatron_searchr1.metrics import mean_over_ranks, timer
@@ -52,7 +52,7 @@ class Trainer:
             return self.validate()
         if t.val_before_train and self.step_no == 0 and self.data.val:
             self.validate()
-        bar = tqdm(total=t.total_steps, initial=self.step_no, desc="RL steps", unit="step", dynamic_ncols=True,
+        bar = progress(total=t.total_steps, initial=self.step_no, desc="RL steps", unit="step",
                    disable=not (self.rank == 0 and self.cfg.logging.progress_bar))
         while self.step_no < t.total_steps:
             self.step_no += 1

@@ -17,11 +17,11 @@ import os
 
 import torch.distributed as dist
 from megatron.core import parallel_state as mpu
-from tqdm import tqdm
 from transformers import AutoTokenizer
 
 from megatron_searchr1.checkpoint import load_checkpoint, resume_target, save_checkpoint
 from megatron_searchr1.config import SFTConfig, save_config
+from megatron_searchr1.console import progress
 from megatron_searchr1.data.rl_data import PromptSampler, dp_shard
 from megatron_searchr1.data.sft_data import load_sft_dataset
 from megatron_searchr1.megatron.batching import make_micro_batches, padding_share
@@ -80,8 +80,8 @@ def train_sft(cfg: SFTConfig) -> dict:
                         hf_dirs={"actor": cfg.model.path}, keep_last=t.keep_last)
 
     logger = RunLogger(t.output_dir, enabled=rank == 0, tensorboard=cfg.logging.tensorboard)
-    bar = tqdm(total=t.total_steps, initial=step, desc="SFT steps", unit="step",
-               disable=rank != 0 or not cfg.logging.progress_bar, dynamic_ncols=True)
+    bar = progress(total=t.total_steps, initial=step, desc="SFT steps", unit="step",
+                   disable=rank != 0 or not cfg.logging.progress_bar)
     metrics: dict = {}
     while step < t.total_steps:
         step += 1
