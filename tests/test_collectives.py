@@ -23,6 +23,8 @@ PLACED = {
     ("ppo.py", "dp_sum.reduce", "all_reduce"): "copied to collective_device() and back",
     ("megatron/vocab_parallel.py", "_all_reduce", "all_reduce"): "softmax statistics of the logits (model output)",
     ("models/convert.py", "gather_hf_weights", "all_gather"): "TP shards of model parameters (empty_like them)",
+    ("models/lora.py", "LoraAdapter.gather", "all_gather"):
+        "adapter parameters / their grads, and buffers made with device=b.device (the adapter's)",
     ("rollout/weight_sync.py", "WeightSync._gather_and_map", "all_gather_into_tensor"):
         "packed model parameters; the receive buffer is made on the same device",
     ("rollout/weight_sync.py", "WeightSync._by_broadcast", "broadcast"):

@@ -456,14 +456,20 @@ def write_hf_dir(model: torch.nn.Module, mapping: ModelFamily, hf_src_dir: str, 
                      "weight_map": dict(sorted(weight_map.items()))}
             with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
                 json.dump(index, f, indent=2)
-        for name in HF_AUX_FILES:
-            if os.path.isfile(os.path.join(hf_src_dir, name)):
-                shutil.copy2(os.path.join(hf_src_dir, name), os.path.join(out_dir, name))
-        cfg_path = os.path.join(out_dir, "config.json")
-        with open(cfg_path) as f:
-            cfg = json.load(f)
-        cfg["dtype"] = str(dtype).replace("torch.", "")
-        cfg.pop("torch_dtype", None)
-        with open(cfg_path, "w") as f:
-            json.dump(cfg, f, indent=2)
+        finish_hf_dir(hf_src_dir, out_dir, dtype)
     dist.barrier()
+
+
+def finish_hf_dir(hf_src_dir: str, out_dir: str, dtype: torch.dtype) -> None:
+    """Complete an HF directory whose safetensors are written: config and tokenizer files copied from `hf_src_dir`,
+    the config's dtype set to the one the tensors were saved in."""
+    for name in HF_AUX_FILES:
+        if os.path.isfile(os.path.join(hf_src_dir, name)):
+            shutil.copy2(os.path.join(hf_src_dir, name), os.path.join(out_dir, name))
+    cfg_path = os.path.join(out_dir, "config.json")
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+    cfg["dtype"] = str(dtype).replace("torch.", "")
+    cfg.pop("torch_dtype", None)
+    with open(cfg_path, "w") as f:
+        json.dump(cfg, f, indent=2)

@@ -86,14 +86,17 @@ def export_merged_hf(model: torch.nn.Module, hf_config: Any, hf_src_dir: str, ou
                      dtype: torch.dtype = torch.float32) -> None:
     """Write the merged model (base + scale * B A) as a plain HF directory; every rank calls this, rank 0 writes.
     `hf_src_dir`: the base model's HF directory (config and tokenizer files are copied from it)."""
-    from megatron_searchr1.export import SafetensorsSink
+    from safetensors.torch import save_file
+
+    from megatron_searchr1.models.convert import finish_hf_dir
 
     tensors = _collect_on_rank0(merged_hf_tensors(model, hf_config), keep=_writes_stage())
     dist = _dist()
     if dist is None or dist.get_rank() == 0:
-        sink = SafetensorsSink(out_dir, hf_src_dir, dtype)
-        sink.load_weights(sorted(tensors.items()))
-        sink.finish_weight_sync()
+        os.makedirs(out_dir, exist_ok=True)
+        host = {n: t.detach().to(dtype).cpu().contiguous() for n, t in sorted(tensors.items())}
+        save_file(host, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+        finish_hf_dir(hf_src_dir, out_dir, dtype)
     if dist is not None:
         dist.barrier()
 
