@@ -288,7 +288,7 @@ def sync_plan(counts: ModelCounts, bucket_bytes: int, dtype_bytes: int) -> tuple
 
     from megatron_searchr1.models.config import padded_vocab_size
     from megatron_searchr1.models.families import mapping_for, tp_kind
-    from megatron_searchr1.rollout.weight_sync import _aligned, plan_buckets
+    from megatron_searchr1.rollout.weight_sync import aligned, plan_buckets
 
     dims, tp, pp = counts.dims, counts.tp, counts.pp
     mapping = mapping_for(dims, padded_vocab_size=padded_vocab_size(dims.vocab_size, tp))
@@ -304,7 +304,7 @@ def sync_plan(counts: ModelCounts, bucket_bytes: int, dtype_bytes: int) -> tuple
                     or (layer is None and not name.startswith("embedding.") and s == pp - 1):
                 mine.append(name)
         full = [math.prod(mapping.megatron_shape(n)) * dtype_bytes for n in mine]
-        hf = [sum(_aligned(t.numel() * dtype_bytes) for _, t in mapping.megatron_to_hf(
+        hf = [sum(aligned(t.numel() * dtype_bytes) for _, t in mapping.megatron_to_hf(
             n, torch.empty(mapping.megatron_shape(n), dtype=dtype, device="meta"))) for n in mine]
         for run in plan_buckets(hf, bucket_bytes):
             h = sum(hf[i] for i in run)

@@ -30,9 +30,9 @@ PLACED = {
     ("rollout/weight_sync.py", "WeightSync._by_broadcast", "broadcast"):
         "packed model parameters on the source stage, self._device() on the others",
     ("workers/schedule.py", "_broadcast_from_last_stage", "broadcast"):
-        "model outputs on the last stage, torch.empty(device=_device()) on the others",
-    ("workers/schedule.py", "_set_global_counts", "all_reduce"): "made with device=_device()",
-    ("workers/schedule.py", "forward_backward", "all_reduce"): "made with device=_device()",
+        "model outputs on the last stage, torch.empty(device=collective_device()) on the others",
+    ("workers/schedule.py", "_set_global_counts", "all_reduce"): "made with device=collective_device()",
+    ("workers/schedule.py", "forward_backward", "all_reduce"): "made with device=collective_device()",
 }
 
 

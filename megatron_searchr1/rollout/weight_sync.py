@@ -51,6 +51,7 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from megatron_searchr1.megatron.initialize import collective_device
 from megatron_searchr1.models.convert import global_names
 from megatron_searchr1.models.families.base import (
     OUTPUT_LAYER, ModelFamily, te_to_local_name, tp_kind, tp_merge, tp_place,
@@ -71,7 +72,8 @@ TRANSPORTS = ("auto", "shm", "collective")
 # ----------------------------------------------------------------------------------------------------------------
 # Flat byte buckets (pure functions: no torch.distributed)
 # ----------------------------------------------------------------------------------------------------------------
-def _aligned(n: int) -> int:
+def aligned(n: int) -> int:
+    """`n` bytes rounded up to the bucket alignment (the planner counts bucket bytes with it too)."""
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
@@ -112,7 +114,7 @@ def layout_bucket(specs: Sequence[tuple[str, Sequence[int], torch.dtype]]) -> Bu
     for name, shape, dtype in specs:
         slot = Slot(name, tuple(int(s) for s in shape), dtype, offset)
         slots.append(slot)
-        offset += _aligned(slot.nbytes)
+        offset += aligned(slot.nbytes)
     return BucketLayout(tuple(slots), offset)
 
 
@@ -127,7 +129,7 @@ def plan_buckets(sizes: Sequence[int], bucket_bytes: int) -> list[range]:
         raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
     runs, start, used = [], 0, 0
     for i, size in enumerate(sizes):
-        size = _aligned(size)
+        size = aligned(size)
         if i > start and used + size > bucket_bytes:
             runs.append(range(start, i))
             start, used = i, 0
@@ -377,7 +379,7 @@ class WeightSync:
 
     def _plan_send(self) -> list[_SendBucket]:
         specs = [self._hf_specs(s) for s in self._sources]
-        sizes = [sum(_aligned(Slot(n, sh, dt, 0).nbytes) for n, sh, dt in sp) for sp in specs]
+        sizes = [sum(aligned(Slot(n, sh, dt, 0).nbytes) for n, sh, dt in sp) for sp in specs]
         buckets = []
         for run in plan_buckets(sizes, self.bucket_bytes):
             srcs = tuple(self._sources[i] for i in run)
@@ -498,7 +500,7 @@ class WeightSync:
         for c in self.chunks:
             for p in c.parameters():
                 return p.device
-        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        return collective_device()
 
     @property
     def hf_names(self) -> list[str]:

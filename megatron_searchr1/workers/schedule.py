@@ -43,14 +43,11 @@ from megatron.core import parallel_state as mpu
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_searchr1.megatron.batching import MicroBatch, restore_order
+from megatron_searchr1.megatron.initialize import collective_device
 from megatron_searchr1.megatron.optimizer import current_lr
 from megatron_searchr1.workers.outputs import is_critic, model_outputs, unwrap
 
 LossFn = Callable[[dict, MicroBatch], tuple[torch.Tensor, dict]]
-
-
-def _device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
 def _check_inputs(model: torch.nn.Module, micro_batches: Sequence[MicroBatch]) -> None:
@@ -67,7 +64,7 @@ def _check_inputs(model: torch.nn.Module, micro_batches: Sequence[MicroBatch]) -
 def _run_schedule(model, micro_batches: Sequence[MicroBatch], forward_only: bool,
                   post: Callable[[torch.Tensor, MicroBatch], object]) -> None:
     """Run the pipeline schedule over `micro_batches`; on the last stage `post(output, mb)` sees each output."""
-    device = _device()
+    device = collective_device()
     config = unwrap(model).config  # sequence parallelism splits the sequence over TP: pad it to a multiple
     micro_batches = [mb.padded_to(config.tensor_model_parallel_size if config.sequence_parallel else 1)
                      for mb in micro_batches]
@@ -129,7 +126,7 @@ def forward_per_sequence(model: torch.nn.Module, micro_batches: Sequence[MicroBa
             flat = torch.cat([outs[key][row, : int(n)] for mb, outs in zip(micro_batches, per_mb)
                               for row, n in enumerate(mb.response_lens)]).float().contiguous()
         else:
-            flat = torch.empty(sum(lengths), dtype=torch.float32, device=_device())
+            flat = torch.empty(sum(lengths), dtype=torch.float32, device=collective_device())
         flat = _broadcast_from_last_stage(flat).cpu()
         rows = list(flat.split(lengths))
         grouped, start = [], 0
@@ -147,7 +144,7 @@ def _set_global_counts(micro_batches: Sequence[MicroBatch], mask_key: str) -> No
         mask = mb.fields.get(mask_key, mb.response_mask)
         local.append(float((mask.float() * mb.response_mask).sum()))
     totals = torch.tensor([sum(local), float(sum(mb.num_rows for mb in micro_batches))], dtype=torch.float64,
-                          device=_device())
+                          device=collective_device())
     if mpu.get_data_parallel_world_size() > 1:
         dist.all_reduce(totals, group=mpu.get_data_parallel_group())
     for mb, n in zip(micro_batches, local):
@@ -188,7 +185,7 @@ def forward_backward(model: torch.nn.Module, micro_batches: Sequence[MicroBatch]
     summary: Optional[dict[str, float]] = None
     if mpu.is_pipeline_last_stage(ignore_virtual=True):
         names = sorted(records[0][2])
-        sums = torch.zeros(1 + len(names), dtype=torch.float64, device=_device())
+        sums = torch.zeros(1 + len(names), dtype=torch.float64, device=collective_device())
         for weight, loss, metrics in records:
             sums[0] += loss.double()
             for j, name in enumerate(names):
