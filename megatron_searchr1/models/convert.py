@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from typing import Any, Iterable
+from typing import Any, Iterable, Optional
 
 import torch
 
@@ -190,8 +190,11 @@ def load_hf_weights(model: torch.nn.Module, reader: SafetensorsReader, mapping: 
             param.copy_(shard.to(param.dtype))
 
 
-def gather_hf_weights(model: torch.nn.Module, mapping: ModelFamily, progress: bool = False):
+def gather_hf_weights(model: torch.nn.Module, mapping: ModelFamily, progress: bool = False,
+                      weights: Optional[Iterable[tuple[str, torch.Tensor]]] = None):
     """Yield (hf_name, tensor) for this pipeline stage: TP shards all-gathered, mapped to HF, vocab trimmed.
+    `weights`: (global Megatron name, this rank's shard) pairs to map instead of the model's parameters (the LoRA
+    export passes base + B·A).
 
     Every TP rank of the stage must iterate (the all-gathers are collective); all of them get the tensors.
     """
@@ -201,8 +204,9 @@ def gather_hf_weights(model: torch.nn.Module, mapping: ModelFamily, progress: bo
 
     tp = _parallel_info()[0]
     group = ps.get_tensor_model_parallel_group()
-    for _, name, param in tqdm(global_names(model), desc="Megatron -> HF", disable=not progress, unit="tensor"):
-        t = param.detach()
+    if weights is None:
+        weights = [(name, param.detach()) for _, name, param in global_names(model)]
+    for name, t in tqdm(weights, desc="Megatron -> HF", disable=not progress, unit="tensor"):
         if tp > 1:
             shards = [torch.empty_like(t) for _ in range(tp)]
             dist.all_gather(shards, t.contiguous(), group=group)

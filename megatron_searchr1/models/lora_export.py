@@ -62,24 +62,13 @@ def _writes_stage() -> bool:
 def merged_hf_tensors(model: torch.nn.Module, hf_config: Any) -> dict[str, torch.Tensor]:
     """This pipeline stage's merged weights as full HF tensors (every TP rank of the stage must call it: the TP
     shards are all-gathered; all of them get the tensors)."""
-    from megatron.core import parallel_state as ps
-
-    from megatron_searchr1.models.convert import bind_mapping
-    from megatron_searchr1.models.families import rename_layer, tp_merge
+    from megatron_searchr1.models.convert import bind_mapping, gather_hf_weights
+    from megatron_searchr1.models.families import rename_layer
 
     bare = _bare(model)
-    mapping = bind_mapping(hf_config, bare)
-    tp, group = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_group()
     index = [layer.layer_number - 1 for layer in bare.decoder.layers] if hasattr(bare, "decoder") else []
-    out = {}
-    for name, t in merged_weights(bare):
-        name = rename_layer(name, index)
-        if tp > 1:
-            shards = [torch.empty_like(t) for _ in range(tp)]
-            _dist().all_gather(shards, t.contiguous(), group=group)
-            t = tp_merge(name, shards)
-        out.update(mapping.megatron_to_hf(name, t))
-    return out
+    merged = ((rename_layer(name, index), t) for name, t in merged_weights(bare))
+    return dict(gather_hf_weights(bare, bind_mapping(hf_config, bare), weights=merged))
 
 
 def export_merged_hf(model: torch.nn.Module, hf_config: Any, hf_src_dir: str, out_dir: str,
