@@ -213,3 +213,11 @@ def test_grpo_lora_resume_reproduces_the_next_step(lora_run, world, tiny_model, 
     diff = {k: (want[3][k], got[3].get(k)) for k in keys if want[3][k] != got[3].get(k)}
     assert not diff, f"step 3 differs: {diff}"
     assert want[3]["actor/entropy"] != want[1]["actor/entropy"]  # the steps moved the policy: not vacuous
+
+
+def test_example_lora_recipe_loads():
+    from megatron_searchr1.config import load_config
+
+    cfg = load_config(os.path.join(REPO, "examples", "grpo_lora_tiny_cpu.yaml"))
+    cfg.validate(world_size=2, check_files=False)
+    assert cfg.model.lora.enabled and cfg.algo.use_kl_loss and cfg.model.lora.settings().scale == 2.0
