@@ -57,7 +57,8 @@ class LoraConfig:
     alpha: Optional[float] = None
     """Adapter scale numerator: a layer adds (alpha / rank) * B A x. None = 2 * rank (LLaMA-Factory's default)."""
     dropout: float = 0.0
-    """Dropout on the adapters' input while training (lora_dropout)."""
+    """Dropout on the adapters' input in the update's forward (lora_dropout); 0 keeps that forward equal to the
+    rollout's and the reference's, which the on-policy ratio and the engine log-prob gap assume."""
     targets: list[str] = field(default_factory=lambda: ["all"])
     """HF module names to adapt (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj) or [all]."""
 

@@ -116,6 +116,19 @@ def test_reference_is_the_base_model_without_a_second_copy(tmp_path, megatron_tp
     assert reference.source == hf_dir
 
 
+def test_reference_refuses_to_resume_on_another_base():
+    """A resumed LoRA run rebuilds its base from today's model source: when that resolves to other weights than the
+    run started from (the SFT run trained on), the reference (and the base) would change: refused, saying what to set."""
+    from types import SimpleNamespace
+
+    from megatron_searchr1.checkpoint import CheckpointError
+    from megatron_searchr1.trainer.roles import AdaptersOffReference
+
+    ref = AdaptersOffReference(SimpleNamespace(source="/runs/sft/checkpoints/step_000020/actor"))
+    with pytest.raises(CheckpointError, match="set model.megatron_ckpt=/runs/sft/checkpoints/step_000010/actor"):
+        ref.load_weights("/runs/sft/checkpoints/step_000010/actor")
+
+
 def test_lora_checkpoint_holds_the_adapters_and_their_optimizer_state(tmp_path, megatron_tp1):
     """One optimizer step, save; a fresh actor (other adapters) loads the adapters and Adam's moments back, and its
     next step equals the saved actor's next step. The checkpoint has no base tensors and no converter metadata."""
