@@ -347,7 +347,7 @@ def save_checkpoint(ckpt_root: str, step: int, models: dict[str, torch.nn.Module
                     "extra": extra or {}}, os.path.join(tmp, STATE_FILE))
         marker = {"format": FORMAT, "version": 1, "step": step, "world_size": _world(), **layout,
                   "models": sorted(models), "optimizers": sorted(optimizers), "schedulers": sorted(schedulers),
-                  "time": time.time()}
+                  "lora_models": sorted(n for n in models if has_lora(models[n])), "time": time.time()}
         with open(os.path.join(tmp, MARKER_FILE), "w") as f:
             json.dump(marker, f, indent=2)
         if os.path.exists(final):  # the same step saved again: move the old one aside first

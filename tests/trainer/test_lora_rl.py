@@ -152,6 +152,12 @@ def test_lora_checkpoint_holds_the_adapters_and_their_optimizer_state(tmp_path, 
     keys = list(load_tensors_metadata(os.path.join(root, "step_000001", "actor")))
     assert keys and all(".lora.lora_" in k for k in keys), keys[:5]  # ... of the adapters only
     assert not os.path.exists(os.path.join(root, "step_000001", "actor", "searchr1_checkpoint.json"))
+    # ... which is no model to start another run from: refused with what to use instead
+    from megatron_searchr1.cli import UsageError
+    from megatron_searchr1.trainer.sources import weights_loader
+
+    with pytest.raises(UsageError, match="LoRA adapters only.*merged export"):
+        weights_loader(cfg, root)
 
     b, _, _ = _lora_policy(cfg, hf_dir, seed=1)
     load_checkpoint(root, 1, {"actor": b.model}, {"actor": b.optimizer}, {"actor": b.scheduler})
