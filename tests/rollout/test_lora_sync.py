@@ -37,6 +37,7 @@ def _check(out, checks, ranks):
         assert {r["rank"] for r in rows} == set(ranks) and all(r["ok"] for r in rows), (check, rows)
 
 
+@pytest.mark.slow  # ~35 s on a busy 2-core machine
 def test_lora_sync_world_of_one(hf_dir):
     _check(run_torchrun(SCRIPT, 1, "--hf-dir", hf_dir, timeout=300), CHECKS, [0])
 
