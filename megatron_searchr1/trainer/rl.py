@@ -26,7 +26,7 @@ from megatron_searchr1.checkpoint import agreed_resume_target, load_checkpoint, 
 from megatron_searchr1.config import Config, save_config
 from megatron_searchr1.console import progress
 from megatron_searchr1.data.rl_data import dp_shard
-from megatron_searchr1.megatron.batching import make_micro_batches, split_mini_batches
+from megatron_searchr1.megatron.batching import TrainSequence, make_micro_batches, split_mini_batches
 from megatron_searchr1.metrics import mean_over_ranks, timer
 from megatron_searchr1.trainer.build import Roles, build_roles
 from megatron_searchr1.trainer.reports import format_eval_table, reward_table, sample_records, summarize_eval
@@ -90,13 +90,13 @@ class Trainer:
             with timer() as t_old:                                                                    # forwards
                 if not self.on_policy():  # else the update's own forward gives them (ppo.actor_loss_fn)
                     for s, lp in zip(seqs, self.policy.log_probs(seqs, budget, r.temperature)):
-                        s["old_log_probs"] = lp
+                        s.old_log_probs = lp
                 if self.reference is not None:
                     for s, lp in zip(seqs, self.reference.log_probs(seqs, budget, r.temperature)):
-                        s["ref_log_probs"] = lp
+                        s.ref_log_probs = lp
                 if self.critic is not None:
                     for s, v in zip(seqs, self.critic.values(seqs, budget)):
-                        s["values"] = v
+                        s.values = v
             # 6. advantages: whitening and the advantage metrics over the whole batch (a sum over DP; every rank
             # takes part, also one whose trajectories were all dropped)
             adv_metrics = ppo.add_advantages(seqs, [x["score"] for x in scores], [tr.uid for tr in trajs], a,
@@ -131,7 +131,7 @@ class Trainer:
         return (a.ppo_epochs == 1 and a.ppo_mini_batch_size == self.cfg.data.train_batch_size
                 and not a.use_kl_in_reward)
 
-    def update(self, seqs: list) -> dict:
+    def update(self, seqs: list[TrainSequence]) -> dict:
         """Critic, then actor: ppo_epochs passes over mini-batches of this rank's sequences."""
         a, o = self.cfg.algo, self.cfg.optim
         n_mini = self.cfg.data.train_batch_size // a.ppo_mini_batch_size
