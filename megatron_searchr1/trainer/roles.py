@@ -21,7 +21,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as mpu
 
 from megatron_searchr1 import ppo
-from megatron_searchr1.checkpoint import CheckpointError
+from megatron_searchr1.checkpoint import CheckpointError, RoleState
 from megatron_searchr1.export import export_hf
 from megatron_searchr1.models.convert import DTYPES
 from megatron_searchr1.models.forward import unwrap
@@ -70,6 +70,10 @@ class Policy:
     def step_schedule(self) -> None:
         self.scheduler.step(1)
 
+    def state(self) -> RoleState:
+        """What a checkpoint keeps of this model (checkpoint.save_roles / load_roles; loading fills it in place)."""
+        return RoleState(self.model, self.optimizer, self.scheduler)
+
     @property
     def lr(self) -> float:
         return self.optimizer.param_groups[0]["lr"]
@@ -104,6 +108,10 @@ class Critic:
 
     def step_schedule(self) -> None:
         self.scheduler.step(1)
+
+    def state(self) -> RoleState:
+        """What a checkpoint keeps of the critic (checkpoint.save_roles / load_roles; loading fills it in place)."""
+        return RoleState(self.model, self.optimizer, self.scheduler)
 
 
 class RolloutWorker:
