@@ -3,11 +3,12 @@
     policy.log_probs(seqs, budget, temperature)      # actor or, frozen, the reference (no optimizer)
     policy.update(micro_batches, loss_fn, ...)       # one optimizer step (workers/schedule.py)
     critic.values(seqs, budget); critic.update(...)
-    worker.sync(policy); worker.generate(trajs, temperature, seed); worker.sleep(); worker.validate(rows)
+    policy.state(), critic.state()                   # what a checkpoint keeps (checkpoint.save_roles / load_roles)
+    worker.sync(policy); worker.generate(trajs, seed); worker.sleep(); worker.validate(rows, batch_size, n_samples)
 
 `Policy` is also the SFT model. Every rank holds every role (SPMD): the models are Megatron stages, the
 `RolloutWorker` drives this rank's engine, which serves a share of its model replica's trajectories
-(rollout/engine_groups.py is the rule for which ranks form an engine).
+(rollout/engine_groups.py is the rule for which ranks form an engine and which slice of a list each engine runs).
 """
 from __future__ import annotations
 
