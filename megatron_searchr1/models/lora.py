@@ -45,6 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_searchr1.models.families import interleave_qkv, stack_gate_up, tp_split
+from megatron_searchr1.models.forward import unwrap
 
 # HF projection -> (Megatron linear suffix within a layer, TP kind)
 PROJECTIONS: dict[str, tuple[str, str]] = {
@@ -326,12 +327,6 @@ def _lora_hook(module, args, kwargs, output):
 # ----------------------------------------------------------------------------------------------------------------
 # Public API
 # ----------------------------------------------------------------------------------------------------------------
-def _bare(model: torch.nn.Module) -> torch.nn.Module:
-    while hasattr(model, "module") and isinstance(model.module, torch.nn.Module):
-        model = model.module
-    return model
-
-
 def apply_lora(model: torch.nn.Module, settings: LoraSettings) -> list[str]:
     """Freeze every parameter of `model` (a bare GPTModel stage, before wrap_ddp) and add LoRA adapters to the
     targeted linears; returns the adapted Megatron module names (stage-local). Call it once, after loading the base
@@ -340,7 +335,7 @@ def apply_lora(model: torch.nn.Module, settings: LoraSettings) -> list[str]:
 
     from megatron_searchr1.models.spec import uses_te_spec
 
-    if _bare(model) is not model:
+    if unwrap(model) is not model:
         raise ValueError("apply_lora takes the bare model, before wrap_ddp: DDP sizes its gradient buffers for the "
                          "parameters that are trainable when it wraps the model")
     if uses_te_spec(model):
@@ -373,7 +368,7 @@ def apply_lora(model: torch.nn.Module, settings: LoraSettings) -> list[str]:
 
 def adapters(model: torch.nn.Module) -> Iterator[tuple[int, LoraAdapter]]:
     """(global layer index, adapter) for every adapted linear of this stage."""
-    model = _bare(model)
+    model = unwrap(model)
     decoder = getattr(model, "decoder", None)
     for layer in (decoder.layers if decoder is not None else []):
         for m in layer.modules():
@@ -387,14 +382,14 @@ def is_lora_param(name: str) -> bool:
 
 
 def lora_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
-    return [p for n, p in _bare(model).named_parameters() if is_lora_param(n)]
+    return [p for n, p in unwrap(model).named_parameters() if is_lora_param(n)]
 
 
 def adapter_sharded_state_dict(model: torch.nn.Module) -> dict:
     """The adapters' entries of `model.sharded_state_dict()`: a LoRA checkpoint (megatron.core.dist_checkpointing
     save / load) that holds the adapters only and loads at any TP/PP; load with
     `model.load_state_dict(dist_checkpointing.load(adapter_sharded_state_dict(model), dir), strict=False)`."""
-    return {k: v for k, v in _bare(model).sharded_state_dict().items() if ".lora.lora_" in k}
+    return {k: v for k, v in unwrap(model).sharded_state_dict().items() if ".lora.lora_" in k}
 
 
 @contextlib.contextmanager
@@ -417,7 +412,7 @@ def merged_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]
     """(stage-local Megatron name, tensor) for every base parameter of this rank: W + scale * B A for adapted
     linears (a new tensor; the base is not changed), the parameter itself (detached) otherwise. Adapter parameters
     are not listed: the result names exactly the tensors of the model without adapters."""
-    model = _bare(model)
+    model = unwrap(model)
     deltas = {}
     for name, module in model.named_modules():
         if isinstance(getattr(module, "lora", None), LoraAdapter):
@@ -466,4 +461,4 @@ def load_adapter_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -
 
 def has_lora(model: torch.nn.Module) -> bool:
     """Whether `model` (bare or wrapped) had apply_lora."""
-    return getattr(_bare(model), "lora_settings", None) is not None
+    return getattr(unwrap(model), "lora_settings", None) is not None

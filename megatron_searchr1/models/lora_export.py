@@ -25,7 +25,8 @@ from typing import Any, Optional
 
 import torch
 
-from megatron_searchr1.models.lora import HF_MODULE, LoraSettings, _bare, gather_adapter_state, merged_weights
+from megatron_searchr1.models.forward import unwrap
+from megatron_searchr1.models.lora import HF_MODULE, LoraSettings, gather_adapter_state, merged_weights
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -65,7 +66,7 @@ def merged_hf_tensors(model: torch.nn.Module, hf_config: Any) -> dict[str, torch
     from megatron_searchr1.models.convert import bind_mapping, gather_hf_weights
     from megatron_searchr1.models.families import rename_layer
 
-    bare = _bare(model)
+    bare = unwrap(model)
     index = [layer.layer_number - 1 for layer in bare.decoder.layers] if hasattr(bare, "decoder") else []
     merged = ((rename_layer(name, index), t) for name, t in merged_weights(bare))
     return dict(gather_hf_weights(bare, bind_mapping(hf_config, bare), weights=merged))
@@ -117,7 +118,7 @@ def write_peft_adapter(model: torch.nn.Module, out_dir: str, base_model_name_or_
     `dtype`: of the saved tensors (default: the adapters' own)."""
     from safetensors.torch import save_file
 
-    settings: LoraSettings = _bare(model).lora_settings
+    settings: LoraSettings = unwrap(model).lora_settings
     state = _collect_on_rank0(gather_adapter_state(model), keep=_writes_stage())
     dist = _dist()
     if dist is None or dist.get_rank() == 0:

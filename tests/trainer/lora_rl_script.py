@@ -18,6 +18,7 @@ def main(argv):
     import torch.distributed as dist
 
     from megatron_searchr1.cli import check_retrieval, parse
+    from megatron_searchr1.megatron.batching import TrainSequence
     from megatron_searchr1.models.gpt import model_settings
     from megatron_searchr1.models.lora import is_lora_param, lora_parameters
     from megatron_searchr1.models.forward import unwrap
@@ -45,8 +46,9 @@ def main(argv):
                                                                                          policy.source))
         g = torch.Generator().manual_seed(0)
         vocab = policy.hf_config.vocab_size
-        seqs = [{"prompt_ids": torch.randint(0, vocab, (6,), generator=g).tolist(),
-                 "response_ids": torch.randint(0, vocab, (10,), generator=g).tolist()} for _ in range(4)]
+        seqs = [TrainSequence(prompt_ids=torch.randint(0, vocab, (6,), generator=g).tolist(),
+                              response_ids=torch.randint(0, vocab, (10,), generator=g).tolist(),
+                              loss_mask=torch.ones(10)) for _ in range(4)]
         base_lp = compute_log_probs(base, seqs, max_tokens_per_micro_batch=1024)
         ref_lp = reference.log_probs(seqs, 1024, 1.0)
         actor_lp = policy.log_probs(seqs, 1024, 1.0)

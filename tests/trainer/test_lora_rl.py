@@ -19,6 +19,7 @@ import torch
 
 from megatron_searchr1.config import ConfigError
 from megatron_searchr1.config.rl import Config, LoraConfig, ModelConfig
+from megatron_searchr1.megatron.batching import TrainSequence
 from tests.dist_utils import REPO
 from tests.models.test_gpt import megatron_tp1  # noqa: F401  (fixture)
 from tests.models.test_lora import random_adapter_state, save_hf
@@ -90,8 +91,12 @@ def _lora_policy(cfg, hf_dir, seed=0):
 
 def _seqs(cfg, n=3):
     g = torch.Generator().manual_seed(3)
-    return [{"prompt_ids": torch.randint(0, cfg.vocab_size, (5 + i,), generator=g).tolist(),
-             "response_ids": torch.randint(0, cfg.vocab_size, (7 - i,), generator=g).tolist()} for i in range(n)]
+    out = []
+    for i in range(n):
+        prompt = torch.randint(0, cfg.vocab_size, (5 + i,), generator=g).tolist()
+        response = torch.randint(0, cfg.vocab_size, (7 - i,), generator=g).tolist()
+        out.append(TrainSequence(prompt_ids=prompt, response_ids=response, loss_mask=torch.ones(len(response))))
+    return out
 
 
 def test_reference_is_the_base_model_without_a_second_copy(tmp_path, megatron_tp1):
@@ -138,7 +143,7 @@ def test_lora_checkpoint_holds_the_adapters_and_their_optimizer_state(tmp_path, 
     from megatron_searchr1.megatron.batching import make_micro_batches
 
     cfg, _, hf_dir = save_hf(tmp_path)
-    seqs = [sft_sequence(s["prompt_ids"] + s["response_ids"], [1] * 12) for s in _seqs(cfg)]
+    seqs = [sft_sequence(s.prompt_ids + s.response_ids, [1] * 12) for s in _seqs(cfg)]
     mbs = make_micro_batches(seqs, 512)
     a, _, _ = _lora_policy(cfg, hf_dir, seed=0)
     a.update(mbs, masked_nll_loss)
