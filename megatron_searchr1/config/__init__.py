@@ -21,13 +21,13 @@ from megatron_searchr1.config.rl import (
     ESTIMATORS, KL_KINDS, LOSS_AGG_MODES, AlgoConfig, Config, DataConfig, LoggingConfig, ModelConfig, OptimConfig,
     ParallelConfig, RetrievalConfig, RolloutConfig, TrainerConfig,
 )
-from megatron_searchr1.config.sft import SFTConfig, SFTDataConfig, SFTTrainerConfig
+from megatron_searchr1.config.sft import LoraConfig, SFTConfig, SFTDataConfig, SFTModelConfig, SFTTrainerConfig
 
 
-def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = None, cls=Config):
+def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = None, cls=Config, translate=None):
     """Read the YAML (if any), apply dotted overrides, build and check each section (the RL `Config` unless `cls`
-    names another schema, e.g. `SFTConfig`)."""
-    return loader.load(cls, path, overrides)
+    names another schema, e.g. `SFTConfig`; `translate` reads a foreign YAML, e.g. llamafactory.translate)."""
+    return loader.load(cls, path, overrides, translate)
 
 
 def describe(cls=Config, prefix: str = "") -> list[str]:
@@ -39,5 +39,5 @@ __all__ = [
     "ConfigError", "load_config", "save_config", "describe", "apply_overrides", "to_dict",
     "Config", "DataConfig", "ModelConfig", "ParallelConfig", "RolloutConfig", "RetrievalConfig", "AlgoConfig",
     "OptimConfig", "TrainerConfig", "LoggingConfig", "ESTIMATORS", "KL_KINDS", "LOSS_AGG_MODES",
-    "SFTConfig", "SFTDataConfig", "SFTTrainerConfig",
+    "SFTConfig", "SFTDataConfig", "SFTTrainerConfig", "SFTModelConfig", "LoraConfig",
 ]

@@ -111,8 +111,9 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
 
 
 
-def load(cls, path: Optional[str] = None, overrides: Optional[list[str]] = None):
-    """Read the YAML (if any), apply dotted overrides, build and check each section of the dataclass `cls`."""
+def load(cls, path: Optional[str] = None, overrides: Optional[list[str]] = None, translate=None):
+    """Read the YAML (if any), apply dotted overrides, build and check each section of the dataclass `cls`.
+    `translate(raw) -> raw`: a foreign schema read into ours after the overrides (SFT: llamafactory.py)."""
     raw: dict = {}
     if path:
         if not os.path.isfile(path):
@@ -125,6 +126,8 @@ def load(cls, path: Optional[str] = None, overrides: Optional[list[str]] = None)
         if not isinstance(raw, dict):
             raise ConfigError(f"{path} must hold a mapping of sections (data:, model:, ...)")
     raw = apply_overrides(raw, list(overrides or []))
+    if translate is not None:
+        raw = translate(raw)
     try:
         return _build(cls, raw, "")
     except TypeError as e:  # a dataclass rejecting its arguments
@@ -156,13 +159,14 @@ def field_docs(cls) -> dict[str, str]:
     """{field name: docstring} of a dataclass: the string literal right after each annotated assignment (the
     one-line docs of our config sections; `describe` and the retrieval server's flags read them)."""
     docs: dict[str, str] = {}
-    try:
-        body = ast.parse(inspect.getsource(cls)).body[0].body
-    except (OSError, TypeError):
-        return docs
-    for node, nxt in zip(body, body[1:]):
-        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
-            docs[node.target.id] = str(nxt.value.value)
+    for klass in reversed([k for k in cls.__mro__ if dataclasses.is_dataclass(k)]):  # a subclass's own docs win
+        try:
+            body = ast.parse(inspect.getsource(klass)).body[0].body
+        except (OSError, TypeError):
+            continue
+        for node, nxt in zip(body, body[1:]):
+            if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+                docs[node.target.id] = str(nxt.value.value)
     return docs
 
 

@@ -1,5 +1,9 @@
-"""The SFT warm-up stage's configuration (megatron_searchr1/sft.py): its own data and trainer sections; model,
-parallel, optim and logging are the RL run's sections (rl.py), so one model dir and one parallel layout serve both.
+"""The SFT warm-up stage's configuration (megatron_searchr1/sft.py): its own data, model and trainer sections; model
+extends the RL run's with the fine-tuning type (full, lora, freeze); parallel, optim and logging are the RL run's
+sections (rl.py), so one model dir and one parallel layout serve both.
+
+LLaMA-Factory's flat YAML (`model_name_or_path`, `finetuning_type`, `lora_rank`, ...) is read by llamafactory.py,
+which translates it into these sections.
 """
 from __future__ import annotations
 
@@ -9,6 +13,10 @@ from typing import Optional
 
 from megatron_searchr1.config.loader import _check
 from megatron_searchr1.config.rl import LoggingConfig, ModelConfig, OptimConfig, ParallelConfig
+
+FINETUNING_TYPES = ("full", "lora", "freeze")
+TEMPLATES = ("qwen3_nothink", "qwen", "default", "alpaca")
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 @dataclass
@@ -23,10 +31,63 @@ class SFTDataConfig:
     """Examples per optimizer step over all DP ranks."""
     shuffle: bool = True
     """Shuffle every epoch (seeded by trainer.seed and the epoch)."""
+    template: str = ""
+    """Empty: Search-R1's rollout layout (data/sft_data.py); or a LLaMA-Factory template every conversation is
+    rendered with (chat layout, end-of-turn learned): qwen3_nothink (the tokenizer's chat template, thinking off),
+    qwen, default, alpaca."""
+    max_samples: Optional[int] = None
+    """Read at most this many records of each dataset, the first ones (LLaMA-Factory's max_samples)."""
 
     def __post_init__(self):
         _check(self.max_length >= 16, f"data.max_length must be >= 16, got {self.max_length}")
         _check(self.batch_size >= 1, f"data.batch_size must be >= 1, got {self.batch_size}")
+        _check(self.template in ("",) + TEMPLATES,
+               f"data.template={self.template!r} is not known: choose one of {', '.join(TEMPLATES)} (or leave it "
+               "empty for the rollout layout)")
+        _check(self.max_samples is None or self.max_samples >= 1, "data.max_samples must be >= 1 (or null)")
+
+
+@dataclass
+class LoraConfig:
+    rank: int = 8
+    """r, the adapters' inner width (LLaMA-Factory's lora_rank)."""
+    alpha: Optional[float] = None
+    """Scale numerator, each adapted layer adds (alpha / rank) * B A x; null = 2 * rank (LLaMA-Factory's default)."""
+    dropout: float = 0.0
+    """Dropout on the adapters' input while training."""
+    target: list[str] = field(default_factory=lambda: ["all"])
+    """HF module names to adapt (q_proj k_proj v_proj o_proj gate_proj up_proj down_proj) or all (every linear
+    of the decoder layers, not the output layer)."""
+
+    def __post_init__(self):
+        if isinstance(self.target, str):
+            self.target = [t.strip() for t in self.target.split(",") if t.strip()]
+        _check(self.rank >= 1, f"model.lora.rank must be >= 1, got {self.rank}")
+        _check(self.alpha is None or self.alpha > 0, f"model.lora.alpha must be > 0, got {self.alpha}")
+        _check(0 <= self.dropout < 1, f"model.lora.dropout must be in [0, 1), got {self.dropout}")
+        bad = [t for t in self.target if t != "all" and t not in LORA_TARGETS]
+        _check(bool(self.target) and not bad, f"model.lora.target {self.target}: use all or some of "
+                                              f"{', '.join(LORA_TARGETS)} (unknown: {bad})")
+
+
+@dataclass
+class SFTModelConfig(ModelConfig):
+    finetuning_type: str = "full"
+    """full (every weight trains), lora (adapters only, base frozen; needs model.use_te=false) or freeze (only
+    the last model.freeze_trainable_layers decoder layers train; embeddings, final norm and output layer frozen)."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """LoRA settings (finetuning_type=lora)."""
+    freeze_trainable_layers: int = 2
+    """finetuning_type=freeze: the last N decoder layers train (N < 0: the first -N), as LLaMA-Factory's."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        _check(self.finetuning_type in FINETUNING_TYPES,
+               f"model.finetuning_type must be one of {', '.join(FINETUNING_TYPES)}, got {self.finetuning_type!r}")
+        _check(not (self.finetuning_type == "lora" and self.use_te),
+               "model.finetuning_type=lora needs Megatron's local layers: set model.use_te=false (Transformer Engine "
+               "fuses the norm into the adapted linears)")
+        _check(self.freeze_trainable_layers != 0, "model.freeze_trainable_layers must not be 0")
 
 
 @dataclass
@@ -45,9 +106,15 @@ class SFTTrainerConfig:
     """Write the final model as a Hugging Face dir (<output_dir>/hf)."""
     seed: int = 1
     """Seed of data order and init."""
+    num_epochs: Optional[float] = None
+    """Train this many passes over the data instead (total_steps = ceil(num_epochs * examples // data.batch_size))."""
+    log_every: int = 0
+    """Print `step k: loss ...` on rank 0 every k steps (0 = the progress bar only)."""
 
     def __post_init__(self):
         _check(self.total_steps >= 1, "trainer.total_steps must be >= 1")
+        _check(self.num_epochs is None or self.num_epochs > 0, "trainer.num_epochs must be > 0 (or null)")
+        _check(self.log_every >= 0, "trainer.log_every must be >= 0")
         _check(self.save_freq >= 0 and self.keep_last >= 1, "trainer.save_freq >= 0 and trainer.keep_last >= 1")
         _check(self.resume in ("auto", "disable") or os.path.isdir(self.resume),
                f"trainer.resume must be auto, disable or an existing checkpoint dir, got {self.resume!r}")
@@ -56,7 +123,7 @@ class SFTTrainerConfig:
 @dataclass
 class SFTConfig:
     data: SFTDataConfig = field(default_factory=SFTDataConfig)
-    model: ModelConfig = field(default_factory=ModelConfig)
+    model: SFTModelConfig = field(default_factory=SFTModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
     trainer: SFTTrainerConfig = field(default_factory=SFTTrainerConfig)
@@ -67,6 +134,10 @@ class SFTConfig:
         if world_size is not None:
             dp = p.data_parallel_size(world_size)
             _check(d.batch_size % dp == 0, f"data.batch_size={d.batch_size} must be a multiple of the DP size {dp}")
+        m = self.model
+        _check(m.finetuning_type != "freeze" or p.pp == 1,
+               "model.finetuning_type=freeze trains only some layers, so some pipeline stages would hold nothing to "
+               "train: use parallel.pp=1 (or finetuning_type lora / full)")
         if not check_files:
             return
         _check(bool(self.model.path) and os.path.isfile(os.path.join(self.model.path, "config.json")),
