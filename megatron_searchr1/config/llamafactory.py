@@ -11,8 +11,8 @@ What each key becomes (LLaMA-Factory's defaults when absent, so the same YAML tr
 
     model_name_or_path          model.path (a local HF directory here: there is no hub download)
     stage / do_train            must be sft / true (this is the SFT trainer)
-    finetuning_type             model.finetuning_type (lora | full | freeze); lora_rank, lora_alpha, lora_dropout,
-                                lora_target -> model.lora.*; freeze_trainable_layers -> model.*
+    finetuning_type             model.finetuning_type (lora | full; freeze is refused, config/sft.py says why);
+                                lora_rank, lora_alpha, lora_dropout, lora_target -> model.lora.*
     dataset, dataset_dir        data.datasets (comma-separated), data.dataset_dir (default `data`, as there)
     template                    data.template
     cutoff_len                  data.max_length (default 2048); longer examples are DROPPED and counted, not cut
@@ -43,7 +43,7 @@ from megatron_searchr1.config.loader import ConfigError
 
 SECTIONS = ("data", "model", "parallel", "optim", "trainer", "logging")
 KEYS = ("model_name_or_path", "stage", "do_train", "finetuning_type", "lora_rank", "lora_alpha", "lora_dropout",
-        "lora_target", "freeze_trainable_layers", "dataset", "dataset_dir", "template", "cutoff_len", "max_samples",
+        "lora_target", "dataset", "dataset_dir", "template", "cutoff_len", "max_samples",
         "per_device_train_batch_size", "gradient_accumulation_steps", "learning_rate", "weight_decay", "adam_beta1",
         "adam_beta2", "max_grad_norm", "num_train_epochs", "max_steps", "lr_scheduler_type", "warmup_ratio", "bf16",
         "fp16", "output_dir", "logging_steps", "save_steps", "save_total_limit", "seed", "plot_loss", "report_to",
@@ -52,7 +52,8 @@ KEYS = ("model_name_or_path", "stage", "do_train", "finetuning_type", "lora_rank
 # parallel.timeout_minutes), what a checkpoint holds (ours always resume exactly), logging destinations
 IGNORED = ("trust_remote_code", "preprocessing_num_workers", "dataloader_num_workers", "ddp_timeout", "save_only_model",
            "overwrite_cache", "logging_dir", "run_name", "flash_attn", "disable_tqdm", "use_fast_tokenizer",
-           "dataloader_pin_memory", "gradient_checkpointing", "ddp_find_unused_parameters")
+           "dataloader_pin_memory", "gradient_checkpointing", "ddp_find_unused_parameters", "freeze_trainable_layers",
+           "freeze_trainable_modules")
 SCHEDULERS = {"cosine": ("cosine", True), "linear": ("linear", True), "constant": ("constant", False),
               "constant_with_warmup": ("constant", True)}
 
@@ -132,8 +133,6 @@ def translate(raw: dict, world_size: int | None = None, say=print) -> dict:
             put(f"model.lora.{field}", lf[key])
     if "lora_target" in lf:
         put("model.lora.target", _names(lf["lora_target"]))
-    if "freeze_trainable_layers" in lf:
-        put("model.freeze_trainable_layers", lf["freeze_trainable_layers"])
 
     if "dataset" in lf:
         put("data.datasets", _names(lf["dataset"]))

@@ -1,5 +1,5 @@
 """The SFT warm-up stage's configuration (megatron_searchr1/sft.py): its own data, model and trainer sections; model
-extends the RL run's with the fine-tuning type (full, lora, freeze); parallel, optim and logging are the RL run's
+extends the RL run's with the fine-tuning type (full or lora); parallel, optim and logging are the RL run's
 sections (rl.py), so one model dir and one parallel layout serve both.
 
 LLaMA-Factory's flat YAML (`model_name_or_path`, `finetuning_type`, `lora_rank`, ...) is read by llamafactory.py,
@@ -14,7 +14,7 @@ from typing import Optional
 from megatron_searchr1.config.loader import _check
 from megatron_searchr1.config.rl import LoggingConfig, ModelConfig, OptimConfig, ParallelConfig
 
-FINETUNING_TYPES = ("full", "lora", "freeze")
+FINETUNING_TYPES = ("full", "lora")
 TEMPLATES = ("qwen3_nothink", "qwen", "default", "alpaca")
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -73,21 +73,24 @@ class LoraConfig:
 @dataclass
 class SFTModelConfig(ModelConfig):
     finetuning_type: str = "full"
-    """full (every weight trains), lora (adapters only, base frozen; needs model.use_te=false) or freeze (only
-    the last model.freeze_trainable_layers decoder layers train; embeddings, final norm and output layer frozen)."""
+    """full (every weight trains) or lora (adapters only, base frozen; needs model.use_te=false). freeze
+    (LLaMA-Factory: only the last N decoder layers train) is refused: Megatron checkpoints each weight of all
+    layers as one tensor, and the optimizer state of a few layers is a part of it that dist_checkpointing will not
+    save, so a freeze run could not resume."""
     lora: LoraConfig = field(default_factory=LoraConfig)
     """LoRA settings (finetuning_type=lora)."""
-    freeze_trainable_layers: int = 2
-    """finetuning_type=freeze: the last N decoder layers train (N < 0: the first -N), as LLaMA-Factory's."""
 
     def __post_init__(self):
         super().__post_init__()
+        _check(self.finetuning_type != "freeze",
+               "model.finetuning_type=freeze (only the last decoder layers train) is not supported: Megatron's "
+               "checkpoints hold each weight of all layers as one tensor, and a few layers' optimizer state cannot be "
+               "saved as a part of it, so the run could not resume; use lora (fewer weights train) or full")
         _check(self.finetuning_type in FINETUNING_TYPES,
                f"model.finetuning_type must be one of {', '.join(FINETUNING_TYPES)}, got {self.finetuning_type!r}")
         _check(not (self.finetuning_type == "lora" and self.use_te),
                "model.finetuning_type=lora needs Megatron's local layers: set model.use_te=false (Transformer Engine "
                "fuses the norm into the adapted linears)")
-        _check(self.freeze_trainable_layers != 0, "model.freeze_trainable_layers must not be 0")
 
 
 @dataclass
@@ -134,10 +137,7 @@ class SFTConfig:
         if world_size is not None:
             dp = p.data_parallel_size(world_size)
             _check(d.batch_size % dp == 0, f"data.batch_size={d.batch_size} must be a multiple of the DP size {dp}")
-        m = self.model
-        _check(m.finetuning_type != "freeze" or p.pp == 1,
-               "model.finetuning_type=freeze trains only some layers, so some pipeline stages would hold nothing to "
-               "train: use parallel.pp=1 (or finetuning_type lora / full)")
+
         if not check_files:
             return
         _check(bool(self.model.path) and os.path.isfile(os.path.join(self.model.path, "config.json")),

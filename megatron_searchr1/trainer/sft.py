@@ -18,8 +18,7 @@ before DDP and the optimizer see it (they allocate gradients and Adam state only
   (plus their optimizer state, the scheduler, RNG and data cursor: resume is exact; the base is reloaded from
   model.path); the export is the merged model (`<output_dir>/hf`, what `llamafactory-cli export` writes and what
   the RL config's model.path takes) and the PEFT adapter (`<output_dir>/adapter`, for PeftModel.from_pretrained).
-- `freeze`: LLaMA-Factory's partial fine-tuning: the last `model.freeze_trainable_layers` decoder layers train
-  (all their weights), embeddings, final norm and output layer stay frozen; checkpoints and export as `full`.
+- `freeze` (LLaMA-Factory: only the last N decoder layers train) is refused by the config (config/sft.py says why).
 """
 from __future__ import annotations
 
@@ -54,19 +53,6 @@ from megatron_searchr1.workers.actor import build_actor, masked_nll_loss, sft_se
 def lora_settings(cfg: SFTConfig) -> LoraSettings:
     lo = cfg.model.lora
     return LoraSettings(rank=lo.rank, alpha=lo.alpha, dropout=lo.dropout, targets=tuple(lo.target))
-
-
-def freeze_all_but_layers(model: torch.nn.Module, trainable_layers: int) -> list[int]:
-    """Freeze the bare model except its last `trainable_layers` decoder layers (the first -N when negative), as
-    LLaMA-Factory's `finetuning_type: freeze`; returns the trainable global layer indices."""
-    n_layers = model.config.num_layers
-    k = min(abs(trainable_layers), n_layers)
-    chosen = list(range(n_layers - k, n_layers)) if trainable_layers > 0 else list(range(k))
-    model.requires_grad_(False)
-    for layer in model.decoder.layers:
-        if layer.layer_number - 1 in chosen:
-            layer.requires_grad_(True)
-    return chosen
 
 
 class AdapterCheckpoint:
@@ -129,8 +115,6 @@ def train_sft(cfg: SFTConfig) -> dict:
         load_base(bare)
         if ft == "lora":
             apply_lora(bare, lora_settings(cfg))
-        elif ft == "freeze":
-            freeze_all_but_layers(bare, cfg.model.freeze_trainable_layers)
 
     model = build_actor(hf_config, **settings, load_weights=load_and_choose_trainable,
                         use_distributed_optimizer=cfg.parallel.use_distributed_optimizer)

@@ -63,7 +63,8 @@ def test_batch_size_counts_the_dp_ranks_and_our_dotted_keys_win(seed_yaml):
     ("stage=dpo", "stage: sft"),
     ("model_name_or_path=Qwen/Qwen3-4B-Instruct-2507", "huggingface-cli download"),
     ("lora_target=q_proj,qkv", "unknown: ['qkv']"),
-    ("finetuning_type=oft", "full, lora, freeze"),
+    ("finetuning_type=oft", "full, lora"),
+    ("finetuning_type=freeze", "freeze (only the last decoder layers train) is not supported"),
 ])
 def test_mistakes_are_refused_naming_the_key(seed_yaml, override, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("[", r"\[")):
@@ -72,21 +73,16 @@ def test_mistakes_are_refused_naming_the_key(seed_yaml, override, message):
 
 def test_scheduler_kinds_and_our_own_yaml_passes_through(seed_yaml):
     assert lf_config(seed_yaml, ["lr_scheduler_type=constant"]).optim.warmup_steps_ratio == 0.0  # as there
-    cfg = lf_config(seed_yaml, ["lr_scheduler_type=constant_with_warmup", "finetuning_type=freeze",
-                                "freeze_trainable_layers=1"])
-    assert (cfg.optim.lr_decay, cfg.optim.warmup_steps_ratio, cfg.model.finetuning_type,
-            cfg.model.freeze_trainable_layers) == ("constant", 0.1, "freeze", 1)
+    cfg = lf_config(seed_yaml, ["lr_scheduler_type=constant_with_warmup", "finetuning_type=full"])
+    assert (cfg.optim.lr_decay, cfg.optim.warmup_steps_ratio, cfg.model.finetuning_type) == ("constant", 0.1, "full")
     ours = lf_config(os.path.join(REPO, "examples", "sft_tiny_cpu.yaml"))
     plain = load_config(os.path.join(REPO, "examples", "sft_tiny_cpu.yaml"), cls=SFTConfig)
     assert ours == plain and plain.model.finetuning_type == "full" and plain.data.template == ""
 
 
-def test_lora_refuses_transformer_engine_and_freeze_refuses_pp():
+def test_lora_refuses_transformer_engine():
     with pytest.raises(ConfigError, match="use_te=false"):
         load_config(None, ["model.finetuning_type=lora", "model.use_te=true"], cls=SFTConfig)
-    cfg = load_config(None, ["model.finetuning_type=freeze", "parallel.pp=2"], cls=SFTConfig)
-    with pytest.raises(ConfigError, match="parallel.pp=1"):
-        cfg.validate(world_size=2, check_files=False)
 
 
 def run_sft_cli(*args):
