@@ -1,6 +1,7 @@
 """The SFT config: LLaMA-Factory's flat YAML (config/llamafactory.py) read into our sections, the study guide's YAML
 (examples/qwen3_lora_sft.yaml) as written, the fine-tuning types, and the CLI's one-line refusals."""
 import os
+import re
 import subprocess
 import sys
 
@@ -67,7 +68,7 @@ def test_batch_size_counts_the_dp_ranks_and_our_dotted_keys_win(seed_yaml):
     ("finetuning_type=freeze", "freeze (only the last decoder layers train) is not supported"),
 ])
 def test_mistakes_are_refused_naming_the_key(seed_yaml, override, message):
-    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("[", r"\[")):
+    with pytest.raises(ConfigError, match=re.escape(message)):
         lf_config(seed_yaml, [override])
 
 
