@@ -120,8 +120,24 @@ def test_resume_from_a_checkpoint_equals_the_uninterrupted_run(lora_run, lf_root
     assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_torchrun_tp2_follows_the_tp1_run(lf_root):
+    """The same YAML on 2 ranks at TP=2 (DP 1: the same batches) gives the TP=1 losses and adapter to fp32 round-off.
+    LoRA dropout off: each TP rank draws its dropout mask on its own shard, so masks cannot match TP=1's."""
+    from safetensors.torch import load_file
+
+    run_module("megatron_searchr1.sft", [seed_yaml(lf_root, "tp1", dropout=0.0, max_steps=3)])
+    run_module("megatron_searchr1.sft", [seed_yaml(lf_root, "tp2", dropout=0.0, max_steps=3), "parallel.tp=2"],
+               nproc=2)
+    tp1, tp2 = losses(lf_root / "tp1"), losses(lf_root / "tp2")
+    assert sorted(tp2) == [1, 2, 3] and all(abs(tp2[s] - tp1[s]) < 1e-5 for s in tp1), (tp1, tp2)
+    a = load_file(lf_root / "tp1" / "adapter" / "adapter_model.safetensors")
+    b = load_file(lf_root / "tp2" / "adapter" / "adapter_model.safetensors")
+    assert sorted(a) == sorted(b) and max((a[k] - b[k]).abs().max().item() for k in a) < 1e-5
+
+
 def test_peft_and_merged_exports_give_our_models_logits(lora_run, lf_root, megatron_tp1):
-    """Our Megatron model (HF base + LoRA + the run's last adapter checkpoint) == PeftModel.from_pretrained(base,
+    """(Last in the module: the in-process Megatron world's env vars stay set until the module ends, and a later
+    subprocess would inherit them.) Our Megatron model (HF base + LoRA + the run's last adapter checkpoint) == PeftModel.from_pretrained(base,
     adapter dir) == the merged HF export, fp32, within 1e-5."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
@@ -149,18 +165,3 @@ def test_peft_and_merged_exports_give_our_models_logits(lora_run, lf_root, megat
     assert (ours - peft_logits).abs().max() <= 1e-5
     assert (ours - merged).abs().max() <= 1e-5
     assert (ours - plain).abs().max() > 1e-4  # the adapter does something
-
-
-def test_torchrun_tp2_follows_the_tp1_run(lf_root):
-    """The same YAML on 2 ranks at TP=2 (DP 1: the same batches) gives the TP=1 losses and adapter to fp32 round-off.
-    LoRA dropout off: each TP rank draws its dropout mask on its own shard, so masks cannot match TP=1's."""
-    from safetensors.torch import load_file
-
-    run_module("megatron_searchr1.sft", [seed_yaml(lf_root, "tp1", dropout=0.0, max_steps=3)])
-    run_module("megatron_searchr1.sft", [seed_yaml(lf_root, "tp2", dropout=0.0, max_steps=3), "parallel.tp=2"],
-               nproc=2)
-    tp1, tp2 = losses(lf_root / "tp1"), losses(lf_root / "tp2")
-    assert sorted(tp2) == [1, 2, 3] and all(abs(tp2[s] - tp1[s]) < 1e-5 for s in tp1), (tp1, tp2)
-    a = load_file(lf_root / "tp1" / "adapter" / "adapter_model.safetensors")
-    b = load_file(lf_root / "tp2" / "adapter" / "adapter_model.safetensors")
-    assert sorted(a) == sorted(b) and max((a[k] - b[k]).abs().max().item() for k in a) < 1e-5
