@@ -13,6 +13,7 @@ Layout of one checkpoint (`<root>/step_000010/`):
                             *.distcp), keys UNPREFIXED, so it loads at any TP/PP and models/convert.py's
                             `megatron_to_hf` converts it as is (with `hf_dirs`, it also holds the converter's
                             searchr1_checkpoint.json and hf/ config + tokenizer)
+                            (a LoRA model: its adapters only, `lora.adapter_sharded_state_dict`)
     critic/                 the same for every other model
     optimizer/actor/        `optimizer.sharded_state_dict(model_sharded_state_dict)`: Adam moments keyed by the
                             model's tensor names (Megatron's own format, so it reshards with TP/PP too; the
@@ -58,6 +59,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_searchr1.models.forward import unwrap
+from megatron_searchr1.models.lora import adapter_sharded_state_dict, has_lora
 
 FORMAT = "megatron_searchr1.training_checkpoint"
 LATEST_FILE = "latest"
@@ -253,6 +255,28 @@ def _write_convert_metadata(model_dir: str, model: torch.nn.Module, hf_dir: str,
                               padded_vocab_size=mapping.dims.padded_vocab_size, dtype=dtype)
 
 
+def _model_state(model: torch.nn.Module) -> dict:
+    """What a model's checkpoint directory holds: its sharded state dict, or for a LoRA model its adapters only
+    (the frozen base is the run's pinned start, rebuilt from it at resume; models/lora.py)."""
+    return adapter_sharded_state_dict(model) if has_lora(model) else unwrap(model).sharded_state_dict()
+
+
+def _load_adapters(model: torch.nn.Module, model_dir: str) -> None:
+    """Load a LoRA model's adapters (saved by `_model_state`) into it; the base is left as built."""
+    from megatron.core import dist_checkpointing
+
+    from megatron_searchr1.models.convert import ConversionError
+
+    try:
+        state = dist_checkpointing.load(adapter_sharded_state_dict(model), model_dir)
+    except BaseException as e:  # DCP's CheckpointException is a BaseException
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+            raise
+        raise ConversionError(f"loading the LoRA adapters from {model_dir!r} failed (a full-model checkpoint, or "
+                              f"another lora rank / targets?): {type(e).__name__}: {str(e)[-1000:]}") from None
+    unwrap(model).load_state_dict(state, strict=False)
+
+
 def _remove_stale(ckpt_root: str) -> None:
     """Rank 0: leftovers of saves that crashed (`*.tmp` directories and files)."""
     for name in os.listdir(ckpt_root):
@@ -304,7 +328,7 @@ def save_checkpoint(ckpt_root: str, step: int, models: dict[str, torch.nn.Module
     _barrier()
 
     for name, model in models.items():
-        dist_checkpointing.save(unwrap(model).sharded_state_dict(), os.path.join(tmp, name))
+        dist_checkpointing.save(_model_state(model), os.path.join(tmp, name))
         if name in optimizers:
             # The optimizer's state is keyed by the model's sharded tensors (matched by parameter identity); a
             # fresh model sharded state dict, since save() rewrites the one it is given in place.
@@ -316,12 +340,14 @@ def save_checkpoint(ckpt_root: str, step: int, models: dict[str, torch.nn.Module
 
     if rank == 0:
         for name, hf_dir in (hf_dirs or {}).items():
+            if has_lora(models[name]):
+                continue  # adapters only: not a model the converter can write (the merged HF export is)
             _write_convert_metadata(os.path.join(tmp, name), models[name], hf_dir, layout)
         torch.save({"step": step, "schedulers": {n: s.state_dict() for n, s in schedulers.items()},
                     "extra": extra or {}}, os.path.join(tmp, STATE_FILE))
         marker = {"format": FORMAT, "version": 1, "step": step, "world_size": _world(), **layout,
                   "models": sorted(models), "optimizers": sorted(optimizers), "schedulers": sorted(schedulers),
-                  "time": time.time()}
+                  "lora_models": sorted(n for n in models if has_lora(models[n])), "time": time.time()}
         with open(os.path.join(tmp, MARKER_FILE), "w") as f:
             json.dump(marker, f, indent=2)
         if os.path.exists(final):  # the same step saved again: move the old one aside first
@@ -382,7 +408,10 @@ def load_checkpoint(ckpt_root: str, step: Union[str, int], models: dict[str, tor
 
     for name, model in models.items():
         try:
-            load_megatron_checkpoint(unwrap(model), os.path.join(path, name))
+            if has_lora(model):
+                _load_adapters(model, os.path.join(path, name))
+            else:
+                load_megatron_checkpoint(unwrap(model), os.path.join(path, name))
         except ConversionError as e:
             raise CheckpointError(f"model {name!r}: {e}") from None
     for name, opt in optimizers.items():

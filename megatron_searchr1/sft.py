@@ -1,4 +1,4 @@
-"""Supervised warm-up on Megatron: full-parameter, LoRA or freeze SFT at any TP/PP, loss on the assistant's tokens.
+"""Supervised warm-up on Megatron: full-parameter or LoRA SFT at any TP/PP, loss on the assistant's tokens only.
 
     torchrun --nproc_per_node 2 -m megatron_searchr1.sft examples/sft_tiny_cpu.yaml parallel.tp=2
     python -m megatron_searchr1.sft examples/qwen3_lora_sft.yaml     # LLaMA-Factory's YAML (config/llamafactory.py)

@@ -21,7 +21,7 @@ from megatron_searchr1.config.rl import (
     ESTIMATORS, KL_KINDS, LOSS_AGG_MODES, AlgoConfig, Config, DataConfig, LoggingConfig, ModelConfig, OptimConfig,
     ParallelConfig, RetrievalConfig, RolloutConfig, TrainerConfig,
 )
-from megatron_searchr1.config.sft import LoraConfig, SFTConfig, SFTDataConfig, SFTModelConfig, SFTTrainerConfig
+from megatron_searchr1.config.sft import SFTConfig, SFTDataConfig, SFTTrainerConfig
 
 
 def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = None, cls=Config, translate=None):
@@ -39,5 +39,5 @@ __all__ = [
     "ConfigError", "load_config", "save_config", "describe", "apply_overrides", "to_dict",
     "Config", "DataConfig", "ModelConfig", "ParallelConfig", "RolloutConfig", "RetrievalConfig", "AlgoConfig",
     "OptimConfig", "TrainerConfig", "LoggingConfig", "ESTIMATORS", "KL_KINDS", "LOSS_AGG_MODES",
-    "SFTConfig", "SFTDataConfig", "SFTTrainerConfig", "SFTModelConfig", "LoraConfig",
+    "SFTConfig", "SFTDataConfig", "SFTTrainerConfig",
 ]

@@ -11,8 +11,9 @@ What each key becomes (LLaMA-Factory's defaults when absent, so the same YAML tr
 
     model_name_or_path          model.path (a local HF directory here: there is no hub download)
     stage / do_train            must be sft / true (this is the SFT trainer)
-    finetuning_type             model.finetuning_type (lora | full; freeze is refused, config/sft.py says why);
-                                lora_rank, lora_alpha, lora_dropout, lora_target -> model.lora.*
+    finetuning_type             lora: model.lora.rank = lora_rank (default 8), lora_alpha, lora_dropout,
+                                lora_target -> model.lora.alpha / dropout / targets; full: model.lora.rank = 0;
+                                freeze is refused (the message says why)
     dataset, dataset_dir        data.datasets (comma-separated), data.dataset_dir (default `data`, as there)
     template                    data.template
     cutoff_len                  data.max_length (default 2048); longer examples are DROPPED and counted, not cut
@@ -125,14 +126,21 @@ def translate(raw: dict, world_size: int | None = None, say=print) -> dict:
                               f"{os.path.basename(path)}`, and pass that directory")
         put("model.path", path)
     ft = str(lf.get("finetuning_type", "lora"))  # LLaMA-Factory's default
-    put("model.finetuning_type", ft)
+    if ft == "freeze":
+        raise ConfigError("finetuning_type: freeze (only the last decoder layers train) is not supported: Megatron's "
+                          "checkpoints hold each weight of all layers as one tensor, and a few layers' optimizer state "
+                          "cannot be saved as a part of it, so the run could not resume; use lora or full")
+    if ft not in ("lora", "full"):
+        raise ConfigError(f"finetuning_type: {ft!r} is not supported here: choose lora or full")
     if ft == "lora":
+        put("model.lora.rank", lf.get("lora_rank", 8))
         put("model.use_te", False)  # the adapters need Megatron's local layers (models/lora.py)
-    for key, field in (("lora_rank", "rank"), ("lora_alpha", "alpha"), ("lora_dropout", "dropout")):
-        if key in lf:
-            put(f"model.lora.{field}", lf[key])
-    if "lora_target" in lf:
-        put("model.lora.target", _names(lf["lora_target"]))
+        for key, field in (("lora_alpha", "alpha"), ("lora_dropout", "dropout")):
+            if key in lf:
+                put(f"model.lora.{field}", lf[key])
+        put("model.lora.targets", _names(lf.get("lora_target", "all")))
+    else:
+        put("model.lora.rank", 0)  # full: LLaMA-Factory ignores the lora_* keys too
 
     if "dataset" in lf:
         put("data.datasets", _names(lf["dataset"]))

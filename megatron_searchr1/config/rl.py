@@ -51,6 +51,39 @@ class DataConfig:
 
 
 @dataclass
+class LoraConfig:
+    rank: int = 0
+    """LoRA rank r (LLaMA-Factory's lora_rank); 0 = off (full-parameter RL). On: the actor trains adapters only."""
+    alpha: Optional[float] = None
+    """Adapter scale numerator: a layer adds (alpha / rank) * B A x. None = 2 * rank (LLaMA-Factory's default)."""
+    dropout: float = 0.0
+    """Dropout on the adapters' input in the update's forward (lora_dropout); 0 keeps that forward equal to the
+    rollout's and the reference's, which the on-policy ratio and the engine log-prob gap assume."""
+    targets: list[str] = field(default_factory=lambda: ["all"])
+    """HF module names to adapt (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj) or [all]."""
+
+    def __post_init__(self):
+        if isinstance(self.targets, str):  # "q_proj,v_proj" as LLaMA-Factory writes lora_target
+            self.targets = [t.strip() for t in self.targets.split(",") if t.strip()]
+        _check(self.rank >= 0, f"model.lora.rank must be >= 0 (0 = no LoRA), got {self.rank}")
+        if self.enabled:
+            try:
+                self.settings()
+            except ValueError as e:
+                raise ConfigError(f"model.{e}: change model.lora.alpha / dropout / targets") from None
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+    def settings(self):
+        """The models/lora.py LoraSettings of an enabled config."""
+        from megatron_searchr1.models.lora import LoraSettings
+
+        return LoraSettings(rank=self.rank, alpha=self.alpha, dropout=self.dropout, targets=tuple(self.targets))
+
+
+@dataclass
 class ModelConfig:
     path: str = ""
     """Hugging Face model dir of the actor (config, tokenizer; weights unless megatron_ckpt is given)."""
@@ -73,12 +106,21 @@ class ModelConfig:
     """Move the optimizer states to host memory while the engine generates (GPU only)."""
     ref_offload: bool = False
     """Move the reference model to host memory while vLLM generates, back before its forward pass (GPU only)."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """LoRA RL: adapters on the actor (rank > 0); the reference is the same model with its adapters off."""
 
     def __post_init__(self):
         _check(self.dtype in ("float32", "bfloat16", "float16"),
                f"model.dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         _check(self.recompute in ("none", "selective", "full"),
                f"model.recompute must be none, selective or full, got {self.recompute!r}")
+        if self.lora.enabled:
+            _check(self.use_te is not True,
+                   "model.lora needs Megatron's local layers (Transformer Engine fuses the norm into the linears the "
+                   "adapters wrap): set model.use_te=false (or leave it null) or model.lora.rank=0")
+            _check(not self.ref_offload,
+                   "model.ref_offload has nothing to move with model.lora: the reference is the actor with its "
+                   "adapters off, not a second model; set model.ref_offload=false")
 
 
 @dataclass

@@ -1,6 +1,6 @@
-"""The SFT warm-up stage's configuration (megatron_searchr1/sft.py): its own data, model and trainer sections; model
-extends the RL run's with the fine-tuning type (full or lora); parallel, optim and logging are the RL run's
-sections (rl.py), so one model dir and one parallel layout serve both.
+"""The SFT warm-up stage's configuration (megatron_searchr1/sft.py): its own data and trainer sections; model (with
+`model.lora`: LoRA when its rank is > 0), parallel, optim and logging are the RL run's sections (rl.py), so one model
+dir, one LoRA setting and one parallel layout serve both.
 
 LLaMA-Factory's flat YAML (`model_name_or_path`, `finetuning_type`, `lora_rank`, ...) is read by llamafactory.py,
 which translates it into these sections.
@@ -14,9 +14,7 @@ from typing import Optional
 from megatron_searchr1.config.loader import _check
 from megatron_searchr1.config.rl import LoggingConfig, ModelConfig, OptimConfig, ParallelConfig
 
-FINETUNING_TYPES = ("full", "lora")
 TEMPLATES = ("qwen3_nothink", "qwen", "default", "alpaca")
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 @dataclass
@@ -45,52 +43,6 @@ class SFTDataConfig:
                f"data.template={self.template!r} is not known: choose one of {', '.join(TEMPLATES)} (or leave it "
                "empty for the rollout layout)")
         _check(self.max_samples is None or self.max_samples >= 1, "data.max_samples must be >= 1 (or null)")
-
-
-@dataclass
-class LoraConfig:
-    rank: int = 8
-    """r, the adapters' inner width (LLaMA-Factory's lora_rank)."""
-    alpha: Optional[float] = None
-    """Scale numerator, each adapted layer adds (alpha / rank) * B A x; null = 2 * rank (LLaMA-Factory's default)."""
-    dropout: float = 0.0
-    """Dropout on the adapters' input while training."""
-    target: list[str] = field(default_factory=lambda: ["all"])
-    """HF module names to adapt (q_proj k_proj v_proj o_proj gate_proj up_proj down_proj) or all (every linear
-    of the decoder layers, not the output layer)."""
-
-    def __post_init__(self):
-        if isinstance(self.target, str):
-            self.target = [t.strip() for t in self.target.split(",") if t.strip()]
-        _check(self.rank >= 1, f"model.lora.rank must be >= 1, got {self.rank}")
-        _check(self.alpha is None or self.alpha > 0, f"model.lora.alpha must be > 0, got {self.alpha}")
-        _check(0 <= self.dropout < 1, f"model.lora.dropout must be in [0, 1), got {self.dropout}")
-        bad = [t for t in self.target if t != "all" and t not in LORA_TARGETS]
-        _check(bool(self.target) and not bad, f"model.lora.target {self.target}: use all or some of "
-                                              f"{', '.join(LORA_TARGETS)} (unknown: {bad})")
-
-
-@dataclass
-class SFTModelConfig(ModelConfig):
-    finetuning_type: str = "full"
-    """full (every weight trains) or lora (adapters only, base frozen; needs model.use_te=false). freeze
-    (LLaMA-Factory: only the last N decoder layers train) is refused: Megatron checkpoints each weight of all
-    layers as one tensor, and the optimizer state of a few layers is a part of it that dist_checkpointing will not
-    save, so a freeze run could not resume."""
-    lora: LoraConfig = field(default_factory=LoraConfig)
-    """LoRA settings (finetuning_type=lora)."""
-
-    def __post_init__(self):
-        super().__post_init__()
-        _check(self.finetuning_type != "freeze",
-               "model.finetuning_type=freeze (only the last decoder layers train) is not supported: Megatron's "
-               "checkpoints hold each weight of all layers as one tensor, and a few layers' optimizer state cannot be "
-               "saved as a part of it, so the run could not resume; use lora (fewer weights train) or full")
-        _check(self.finetuning_type in FINETUNING_TYPES,
-               f"model.finetuning_type must be one of {', '.join(FINETUNING_TYPES)}, got {self.finetuning_type!r}")
-        _check(not (self.finetuning_type == "lora" and self.use_te),
-               "model.finetuning_type=lora needs Megatron's local layers: set model.use_te=false (Transformer Engine "
-               "fuses the norm into the adapted linears)")
 
 
 @dataclass
@@ -126,7 +78,8 @@ class SFTTrainerConfig:
 @dataclass
 class SFTConfig:
     data: SFTDataConfig = field(default_factory=SFTDataConfig)
-    model: SFTModelConfig = field(default_factory=SFTModelConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The RL run's model section: `model.lora.rank` > 0 trains LoRA adapters only (trainer/sft.py)."""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
     trainer: SFTTrainerConfig = field(default_factory=SFTTrainerConfig)

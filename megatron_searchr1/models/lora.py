@@ -462,3 +462,8 @@ def load_adapter_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -
             a, b = adapter.shard(p, a_full.to(adapter.lora_A[p].device), b_full.to(adapter.lora_B[p].device))
             adapter.lora_A[p].copy_(a)
             adapter.lora_B[p].copy_(b)
+
+
+def has_lora(model: torch.nn.Module) -> bool:
+    """Whether `model` (bare or wrapped) had apply_lora."""
+    return getattr(_bare(model), "lora_settings", None) is not None

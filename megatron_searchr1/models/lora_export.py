@@ -5,8 +5,8 @@
 
 `export_merged_hf` writes `W + (alpha / r) * B A` folded into every adapted weight (`llamafactory-cli export`): the
 merged tensors of `lora.merged_weights`, TP-gathered and renamed by the family mapping (`tp_merge`,
-`megatron_to_hf`), written by export.py's `SafetensorsSink` with the source's config and tokenizer files. The base
-weights are never changed in place.
+`megatron_to_hf`, both through `convert.gather_hf_weights`), saved by rank 0 as one safetensors file and completed
+with the source's config and tokenizer files (`convert.finish_hf_dir`). The base weights are never changed in place.
 
 `write_peft_adapter` writes what `peft.PeftModel.from_pretrained(hf_base, dir)` loads: `adapter_config.json`
 (peft_type LORA, task_type CAUSAL_LM, r, lora_alpha, lora_dropout, target_modules, base_model_name_or_path) and

@@ -33,6 +33,10 @@ of every stage) is built once: the shapes come from running the mapping on meta 
 their plans once with `all_gather_object` over the pipeline group (names, shapes and dtypes before any bytes).
 Later syncs only move bytes; a model whose parameters changed shape since then is refused.
 
+LoRA: an adapted linear's weight is sent merged, `W + (alpha / r) * B A` computed on this rank's shard as its bucket
+is packed (a new tensor; the trained base is never changed in place, so the reference stays the base), and the
+adapter tensors themselves are never sent: the engine serves a plain model, and the bucket bounds hold as before.
+
 Layer indices come from the layers themselves (`decoder.layers[i].layer_number - 1`, Megatron's global 1-based
 number), never from an even-split offset formula, so an uneven pipeline split (`num_layers_in_first_pipeline_stage`
 / `num_layers_in_last_pipeline_stage`) or virtual pipeline chunks cannot misplace weights.
@@ -57,6 +61,7 @@ from megatron_searchr1.models.families.base import (
     OUTPUT_LAYER, ModelFamily, te_to_local_name, tp_kind, tp_merge, tp_place,
 )
 from megatron_searchr1.models.forward import unwrap
+from megatron_searchr1.models.lora import LoraAdapter, is_lora_param
 
 DEFAULT_BUCKET_BYTES = 256 << 20
 """256 MiB: few enough collectives for a 7B model (~60 buckets in bf16), little enough transient memory."""
@@ -179,6 +184,16 @@ class _Source:
     param: torch.nn.Parameter
     gather: bool
     """True when its shards differ per TP rank (all-gathered); False for replicated tensors."""
+    adapter: Any = None
+    """The LoraAdapter of this weight's linear (LoRA): the engine gets W + scale * B A, made per bucket."""
+
+    def value(self, dtype: torch.dtype) -> torch.Tensor:
+        """This rank's shard as the engine gets it, cast to `dtype`: the parameter, or base + B A in a new tensor
+        (the base is never changed in place; one shard-sized temporary at a time)."""
+        w = self.param.detach()
+        if self.adapter is not None:
+            w = w + self.adapter.delta_weight().to(w.dtype)
+        return w.to(dtype)
 
 
 @dataclass(frozen=True)
@@ -357,11 +372,16 @@ class WeightSync:
     def _read_sources(self) -> list[_Source]:
         sources = []
         for chunk in self.chunks:
-            for _, global_name, p in global_param_names(chunk):
+            # LoRA: adapter tensors are not sent; the weight of each adapted linear goes merged (base + B A)
+            adapted = {f"{name}.weight": m.lora for name, m in chunk.named_modules()
+                       if isinstance(getattr(m, "lora", None), LoraAdapter)}
+            for local_name, global_name, p in global_param_names(chunk):
+                if is_lora_param(local_name):
+                    continue
                 if te_to_local_name(global_name) == OUTPUT_LAYER and self.mapping.dims.tie_embeddings:
                     continue  # the last stage's copy of a tied embedding: HF has no lm_head then
                 gather = self.tp > 1 and tp_kind(global_name) != "replicated"
-                sources.append(_Source(global_name, p, gather))
+                sources.append(_Source(global_name, p, gather, adapted.get(local_name)))
         return sources
 
     def _param_signature(self) -> list[tuple]:
@@ -400,7 +420,7 @@ class WeightSync:
             if self._tp_shm is not None:  # every rank wrote its shards at the start of the sync
                 merged = self._merged_views(i)
             else:
-                shards = [s.param.detach().to(self._out_dtype(s.param)) for s in bucket.sources if s.gather]
+                shards = [s.value(self._out_dtype(s.param)) for s in bucket.sources if s.gather]
                 local = pack_bucket(shards, bucket.gather_layout)
                 everything = torch.empty(self.tp * local.numel(), dtype=torch.uint8, device=local.device)
                 dist.all_gather_into_tensor(everything, local, group=self.tp_group)
@@ -410,7 +430,7 @@ class WeightSync:
             received = (self.tp - 1) * bucket.gather_layout.nbytes
         out = []
         for s in bucket.sources:
-            full = merged[s.global_name] if s.gather else s.param.detach().to(self._out_dtype(s.param))
+            full = merged[s.global_name] if s.gather else s.value(self._out_dtype(s.param))
             out += [t for _, t in self.mapping.megatron_to_hf(s.global_name, full)]
         return out, received
 
@@ -432,7 +452,7 @@ class WeightSync:
             merged = self._merged_views(i)
             for s in bucket.sources:
                 if s.gather:
-                    shard = s.param.detach().to(self._out_dtype(s.param))
+                    shard = s.value(self._out_dtype(s.param))
                     tp_place(s.global_name, merged[s.global_name], self.tp, self._tp_rank, shard)
         dist.barrier(group=self.tp_group)
 

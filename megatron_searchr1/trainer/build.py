@@ -5,7 +5,8 @@
     roles.close()
 
 Models: the actor starts from `model.megatron_ckpt` (e.g. the SFT stage's actor) when given, else from the HF
-weights in `model.path`; the frozen reference is a copy of the actor's start (only when a KL term is used); the
+weights in `model.path`; the frozen reference is a copy of the actor's start (only when a KL term is used; with
+`model.lora` the actor trains adapters only and the reference is the actor with them switched off); the
 critic (GAE only) starts its trunk from `model.critic_path` or the actor's start with a zero value head.
 The engine is built on `model.path` (config + tokenizer; vLLM loads its weights, then the first weight sync
 overwrites them with the actor's). With `rollout.engine_tp = 1` every rank runs its own engine.
@@ -34,10 +35,11 @@ from megatron_searchr1.metrics import RunLogger
 from megatron_searchr1.models.convert import DTYPES, bind_mapping, load_hf_config
 from megatron_searchr1.models.forward import unwrap
 from megatron_searchr1.models.gpt import model_settings
+from megatron_searchr1.models.lora import apply_lora
 from megatron_searchr1.rollout.engines import make_engine
 from megatron_searchr1.search.client import RetrievalClient
 from megatron_searchr1.search.launch import ServerProcess
-from megatron_searchr1.trainer.roles import Critic, Policy, RolloutWorker
+from megatron_searchr1.trainer.roles import AdaptersOffReference, Critic, Policy, RolloutWorker
 from megatron_searchr1.trainer.sources import pin_model_source, stop_token_ids, weights_loader
 from megatron_searchr1.workers.actor import build_actor, build_reference
 from megatron_searchr1.workers.critic import build_critic
@@ -60,6 +62,7 @@ class Roles:
     tokenizer: Any
     policy: Policy
     reference: Optional[Policy]
+    """The frozen reference: a Policy, or under LoRA an AdaptersOffReference (the actor with adapters off)."""
     critic: Optional[Critic]
     worker: RolloutWorker
     data: Data
@@ -121,16 +124,25 @@ def build_roles(cfg: Config) -> Roles:
     # -- models ---------------------------------------------------------------------------------------------
     model_source = pin_model_source(cfg.model.megatron_ckpt or cfg.model.path)
     load_actor = weights_loader(hf_config, model_source)
-    settings = model_settings(hf_config, tp=p.tp, pp=p.pp, params_dtype=dtype, use_te=cfg.model.use_te,
+    lora = cfg.model.lora
+    settings = model_settings(hf_config, tp=p.tp, pp=p.pp, params_dtype=dtype,
+                              use_te=False if lora.enabled else cfg.model.use_te,  # LoRA wraps the local spec only
                               sequence_parallel=p.sequence_parallel, recompute=cfg.model.recompute)
-    actor = build_actor(hf_config, **settings, load_weights=load_actor,
+    load_actor_stage = load_actor
+    if lora.enabled:  # the base weights first, then the adapters (base frozen), then DDP and the optimizer see them
+        def load_actor_stage(model):
+            load_actor(model)
+            apply_lora(model, lora.settings())
+    actor = build_actor(hf_config, **settings, load_weights=load_actor_stage,
                         use_distributed_optimizer=p.use_distributed_optimizer)
     actor_opt, actor_sched = build_optimizer_from_config(actor, o, t.total_steps, o.lr)
     mapping = bind_mapping(hf_config, unwrap(actor))
     policy = Policy(actor, actor_opt, actor_sched, mapping=mapping, hf_config=hf_config, hf_dir=hf_dir, dtype=dtype,
                     source=model_source)
     reference = None
-    if a.use_kl_loss or a.use_kl_in_reward:
+    if (a.use_kl_loss or a.use_kl_in_reward) and lora.enabled:
+        reference = AdaptersOffReference(policy)  # verl's ref_in_actor: no second model in memory
+    elif a.use_kl_loss or a.use_kl_in_reward:
         reference = Policy(build_reference(hf_config, **settings, load_weights=load_actor), mapping=mapping,
                            hf_config=hf_config, hf_dir=hf_dir, dtype=dtype, source=model_source)
     critic = None
@@ -168,7 +180,7 @@ def build_roles(cfg: Config) -> Roles:
     engine = make_engine(r.engine, hf_dir, **engine_kw)
     offload = GenerationOffload(cfg.model, actor=actor, actor_opt=actor_opt,
                                 critic=critic.model if critic else None, critic_opt=critic.optimizer if critic else None,
-                                ref=reference.model if reference else None)
+                                ref=reference.model if isinstance(reference, Policy) else None)  # LoRA: no ref model
     worker = RolloutWorker(cfg, engine, tokenizer, client, stop_token_ids(tokenizer, hf_dir), rank=rank, world=world,
                            offload=offload, server=server)
 

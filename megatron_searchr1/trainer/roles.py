@@ -24,6 +24,7 @@ from megatron_searchr1 import ppo
 from megatron_searchr1.checkpoint import CheckpointError
 from megatron_searchr1.export import export_hf
 from megatron_searchr1.models.convert import DTYPES
+from megatron_searchr1.models import lora, lora_export
 from megatron_searchr1.models.forward import unwrap
 from megatron_searchr1.rollout import loop, weight_sync
 from megatron_searchr1.rollout.engine import sleep_engine, wake_and_sync
@@ -84,8 +85,38 @@ class Policy:
         self.source = source
 
     def export_hf(self, out_dir: str) -> None:
-        """Every rank calls it: the model as a Hugging Face directory (export.py)."""
+        """Every rank calls it: the model as a Hugging Face directory (export.py). A LoRA actor is written merged
+        (W + scale * B A, what vLLM and transformers load), its PEFT adapter alongside in `<out_dir>_adapter`."""
+        if lora.has_lora(self.model):
+            lora_export.export_merged_hf(self.model, self.hf_config, self.hf_dir, out_dir, dtype=self.dtype)
+            lora_export.write_peft_adapter(self.model, out_dir.rstrip("/") + "_adapter",
+                                           base_model_name_or_path=self.source)
+            return
         export_hf(self.model, self.mapping, self.hf_dir, out_dir, dtype=self.dtype)
+
+
+@dataclasses.dataclass(eq=False)
+class AdaptersOffReference:
+    """LoRA RL's reference policy: the actor's own model with its adapters switched off, i.e. the frozen base it
+    started from (verl's `ref_in_actor`: no second model in memory, nothing to offload). Reads as a frozen Policy
+    to the trainer: `log_probs`, `source`, `load_weights`."""
+
+    policy: Policy
+
+    @property
+    def source(self) -> str:
+        return self.policy.source
+
+    def log_probs(self, seqs: list, max_tokens_per_micro_batch: int, temperature: float) -> list:
+        with lora.disable_adapters(self.policy.model):
+            return self.policy.log_probs(seqs, max_tokens_per_micro_batch, temperature)
+
+    def load_weights(self, source: str) -> None:
+        """The base is the actor's start, read again from `model.megatron_ckpt` / `model.path` when a run resumes;
+        refused when that now names other weights than the run started from (the KL term would change anchor)."""
+        if source != self.source:
+            raise CheckpointError(f"this LoRA run's base (and reference) was {source}, but the model source now "
+                                  f"resolves to {self.source}: set model.megatron_ckpt={source} to resume it")
 
 
 @dataclasses.dataclass(eq=False)

@@ -1,4 +1,4 @@
-"""Supervised warm-up on Megatron: full-parameter SFT at any TP/PP, loss on the assistant's own tokens only.
+"""Supervised warm-up on Megatron: full-parameter or LoRA SFT at any TP/PP, loss on the assistant's tokens only.
 
     metrics = train_sft(cfg)    # every rank; the entry point is megatron_searchr1/sft.py
 
@@ -11,14 +11,12 @@ over each global batch, Adam with warmup/decay (the RL trainer's setup, trainer/
 trainer's (its actor subdir is what `model.megatron_ckpt` of the RL config points at), TensorBoard, and an HF
 export at the end.
 
-Fine-tuning types (`model.finetuning_type`), each decided on the bare model right after its base weights load and
-before DDP and the optimizer see it (they allocate gradients and Adam state only for what still trains):
-- `full`: every weight trains; checkpoints hold the model, the export is `<output_dir>/hf`.
-- `lora`: adapters on the decoder's linears (models/lora.py), the base frozen; checkpoints hold ONLY the adapters
-  (plus their optimizer state, the scheduler, RNG and data cursor: resume is exact; the base is reloaded from
-  model.path); the export is the merged model (`<output_dir>/hf`, what `llamafactory-cli export` writes and what
-  the RL config's model.path takes) and the PEFT adapter (`<output_dir>/adapter`, for PeftModel.from_pretrained).
-- `freeze` (LLaMA-Factory: only the last N decoder layers train) is refused by the config (config/sft.py says why).
+LoRA (`model.lora.rank` > 0, LLaMA-Factory's `finetuning_type: lora`): adapters on the decoder's linears
+(models/lora.py) are added to the bare model right after its base weights load and before DDP and the optimizer see
+it, so only the adapters get gradient buffers and Adam state. Checkpoints hold only the adapters (with their Adam
+state, the scheduler, RNG and data cursor: resume is exact; the base is reloaded from model.path, checkpoint.py);
+the export is the merged model (`<output_dir>/hf`, what `llamafactory-cli export` writes and what the RL config's
+model.path takes) and the PEFT adapter (`<output_dir>/hf_adapter`, for PeftModel.from_pretrained).
 """
 from __future__ import annotations
 
@@ -42,39 +40,16 @@ from megatron_searchr1.metrics import RunLogger, mean_over_ranks, timer
 from megatron_searchr1.models.convert import DTYPES, bind_mapping, load_hf_config
 from megatron_searchr1.models.forward import unwrap
 from megatron_searchr1.models.gpt import model_settings
-from megatron_searchr1.models.lora import LoraSettings, adapter_sharded_state_dict, apply_lora
-from megatron_searchr1.models.lora_export import export_merged_hf, write_peft_adapter
+from megatron_searchr1.models.lora import apply_lora
 from megatron_searchr1.trainer.build import build_optimizer_from_config
 from megatron_searchr1.trainer.roles import Policy
 from megatron_searchr1.trainer.sources import weights_loader
 from megatron_searchr1.workers.actor import build_actor, masked_nll_loss, sft_sequence
 
 
-def lora_settings(cfg: SFTConfig) -> LoraSettings:
-    lo = cfg.model.lora
-    return LoraSettings(rank=lo.rank, alpha=lo.alpha, dropout=lo.dropout, targets=tuple(lo.target))
-
-
-class AdapterCheckpoint:
-    """What a LoRA run's checkpoint holds of its model: the adapters only (models/lora.py's
-    `adapter_sharded_state_dict`, resharded on load like any Megatron checkpoint), the frozen base left out (it
-    is reloaded from model.path). checkpoint.py saves / loads through these two methods."""
-
-    def __init__(self, model: torch.nn.Module):
-        self.bare = unwrap(model)
-
-    def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None) -> dict:
-        return adapter_sharded_state_dict(self.bare)
-
-    def load_state_dict(self, state: dict, strict: bool = False):
-        result = self.bare.load_state_dict(state, strict=False)
-        result.missing_keys[:] = [k for k in result.missing_keys if ".lora.lora_" in k]  # the base is not here
-        return result
-
-
 def train_sft(cfg: SFTConfig) -> dict:
     """Run SFT; returns the last step's metrics. Every rank calls it."""
-    t, o, d, ft = cfg.trainer, cfg.optim, cfg.data, cfg.model.finetuning_type
+    t, o, d, lora = cfg.trainer, cfg.optim, cfg.data, cfg.model.lora
     initialize_megatron(tp=cfg.parallel.tp, pp=cfg.parallel.pp, seed=t.seed,
                         timeout_minutes=cfg.parallel.timeout_minutes, sequence_parallel=cfg.parallel.sequence_parallel)
     rank = dist.get_rank()
@@ -106,15 +81,15 @@ def train_sft(cfg: SFTConfig) -> dict:
                                                                                                 d.batch_size)))
 
     settings = model_settings(hf_config, tp=cfg.parallel.tp, pp=cfg.parallel.pp, params_dtype=dtype,
-                              use_te=False if ft == "lora" else cfg.model.use_te,
+                              use_te=False if lora.enabled else cfg.model.use_te,  # LoRA wraps the local spec only
                               sequence_parallel=cfg.parallel.sequence_parallel, recompute=cfg.model.recompute)
     source = cfg.model.megatron_ckpt or cfg.model.path
     load_base = weights_loader(hf_config, source)
 
     def load_and_choose_trainable(bare):  # before DDP and the optimizer: they see only what trains
         load_base(bare)
-        if ft == "lora":
-            apply_lora(bare, lora_settings(cfg))
+        if lora.enabled:
+            apply_lora(bare, lora.settings())
 
     model = build_actor(hf_config, **settings, load_weights=load_and_choose_trainable,
                         use_distributed_optimizer=cfg.parallel.use_distributed_optimizer)
@@ -124,10 +99,10 @@ def train_sft(cfg: SFTConfig) -> dict:
     if rank == 0:
         n_train = sum(p.numel() for p in unwrap(model).parameters() if p.requires_grad)
         n_all = sum(p.numel() for p in unwrap(model).parameters())
-        print(f"finetuning_type={ft}: {n_train:,} of {n_all:,} parameters of this rank's shard train "
+        kind = f"LoRA rank {lora.rank}" if lora.enabled else "full fine-tuning"
+        print(f"{kind}: {n_train:,} of {n_all:,} parameters of this rank's shard train "
               f"({100 * n_train / n_all:.2f}%), {total_steps} steps", flush=True)
-    saved_model = AdapterCheckpoint(model) if ft == "lora" else policy.model
-    state = ({"actor": saved_model}, {"actor": policy.optimizer}, {"actor": policy.scheduler})
+    state = ({"actor": policy.model}, {"actor": policy.optimizer}, {"actor": policy.scheduler})
     ckpt_root = os.path.join(t.output_dir, "checkpoints")
     step = 0
     target = resume_target(t.resume, ckpt_root)
@@ -136,18 +111,14 @@ def train_sft(cfg: SFTConfig) -> dict:
             extra = load_checkpoint(*target, *state)
         except CheckpointError as e:
             raise UsageError(f"resuming from {target[0]} (step {target[1]}) failed: {e} (a checkpoint of another "
-                             "finetuning_type or model? set trainer.resume=disable, or overwrite_output_dir: true, "
-                             "to start fresh)") from None
-        if extra.get("finetuning_type", "full") != ft:
-            raise UsageError(f"the checkpoint in {target[0]} is of finetuning_type={extra.get('finetuning_type')}, "
-                             f"this run is {ft}: start fresh (trainer.resume=disable) or use the same type")
+                             "model or model.lora setting? trainer.resume=disable, or overwrite_output_dir: true, "
+                             "starts fresh)") from None
         step = int(extra["step"])
         sampler.load_state_dict(extra["sampler"])
 
     def save():
-        save_checkpoint(ckpt_root, step, *state, {"step": step, "sampler": sampler.state_dict(),
-                                                  "finetuning_type": ft},
-                        hf_dirs=None if ft == "lora" else {"actor": cfg.model.path}, keep_last=t.keep_last)
+        save_checkpoint(ckpt_root, step, *state, {"step": step, "sampler": sampler.state_dict()},
+                        hf_dirs={"actor": cfg.model.path}, keep_last=t.keep_last)
 
     logger = RunLogger(t.output_dir, enabled=rank == 0, tensorboard=cfg.logging.tensorboard)
     bar = progress(total=total_steps, initial=step, desc="SFT steps", unit="step",
@@ -176,16 +147,10 @@ def train_sft(cfg: SFTConfig) -> dict:
     save()
     if t.export_hf:
         out = os.path.join(t.output_dir, "hf")
-        if ft == "lora":
-            export_merged_hf(model, hf_config, cfg.model.path, out, dtype=dtype)
-            write_peft_adapter(model, os.path.join(t.output_dir, "adapter"),
-                               base_model_name_or_path=os.path.abspath(cfg.model.path))
-        else:
-            policy.export_hf(out)
+        policy.export_hf(out)  # LoRA: the merged model there, the PEFT adapter in <out>_adapter
         if rank == 0:
-            print(f"exported the SFT model as a Hugging Face model to {out}" + (
-                  f" (LoRA merged) and the PEFT adapter to {os.path.join(t.output_dir, 'adapter')}"
-                  if ft == "lora" else ""), flush=True)
+            print(f"exported the SFT model as a Hugging Face model to {out}"
+                  + (f" (LoRA merged) and its PEFT adapter to {out}_adapter" if lora.enabled else ""), flush=True)
     logger.close()
     if rank == 0 and cfg.logging.plot:
         from megatron_searchr1.plots import plot_sft_loss

@@ -9,12 +9,14 @@ record it, and a resumed run reloads the reference from the recorded directory (
 """
 from __future__ import annotations
 
+import json
 import os
 
 import torch.distributed as dist
 from transformers import GenerationConfig
 
-from megatron_searchr1.checkpoint import latest_step, step_dir
+from megatron_searchr1.checkpoint import MARKER_FILE, latest_step, step_dir
+from megatron_searchr1.cli import UsageError
 from megatron_searchr1.models.convert import (
     SafetensorsReader, bind_mapping, load_hf_weights, load_megatron_checkpoint,
 )
@@ -24,10 +26,24 @@ def weights_loader(hf_config, source: str):
     """`load(bare_model)` from a converted Megatron checkpoint dir, a run's checkpoint root or step, or an HF dir
     (a critic's value head stays zero)."""
     source = resolve_model_source(source)
+    refuse_adapter_only(source)
     if os.path.isfile(os.path.join(source, "metadata.json")):
         return lambda m: load_megatron_checkpoint(m, source)
     reader = SafetensorsReader(source)
     return lambda m: load_hf_weights(m, reader, bind_mapping(hf_config, m))
+
+
+def refuse_adapter_only(source: str) -> None:
+    """A LoRA run's checkpoint holds its adapters only (checkpoint.json's `lora_models`), not weights to start a
+    model from: a UsageError naming what to use instead."""
+    marker = os.path.join(os.path.dirname(os.path.abspath(source)), MARKER_FILE)
+    if not os.path.isfile(marker):
+        return
+    with open(marker) as f:
+        lora_models = json.load(f).get("lora_models", [])
+    if os.path.basename(os.path.abspath(source)) in lora_models:
+        raise UsageError(f"{source} holds LoRA adapters only, not a whole model: start from that run's merged export "
+                         "(<its output_dir>/hf) as model.path, with model.megatron_ckpt=null")
 
 
 def resolve_model_source(path: str) -> str:

@@ -35,7 +35,7 @@ def test_the_seed_yaml_means_the_same_recipe_here(seed_yaml):
     said = []
     cfg = lf_config(seed_yaml, say=said.append)
     m, d, o, t = cfg.model, cfg.data, cfg.optim, cfg.trainer
-    assert (m.finetuning_type, m.lora.rank, m.lora.alpha, m.lora.target, m.use_te) == ("lora", 8, None, ["all"], False)
+    assert (m.lora.rank, m.lora.alpha, m.lora.dropout, m.lora.targets, m.use_te) == (8, None, 0.0, ["all"], False)
     assert (d.datasets, d.dataset_dir, d.template, d.max_length, d.max_samples) == (
         ["identity", "alpaca_en_demo"], "LLaMA-Factory/data", "qwen3_nothink", 2048, 1000)
     assert (d.batch_size, o.max_tokens_per_micro_batch) == (8, 2048)  # 1 x 8 accumulation x DP 1
@@ -63,8 +63,8 @@ def test_batch_size_counts_the_dp_ranks_and_our_dotted_keys_win(seed_yaml):
     ("report_to=wandb", "none or tensorboard"),
     ("stage=dpo", "stage: sft"),
     ("model_name_or_path=Qwen/Qwen3-4B-Instruct-2507", "huggingface-cli download"),
-    ("lora_target=q_proj,qkv", "unknown: ['qkv']"),
-    ("finetuning_type=oft", "full, lora"),
+    ("lora_target=q_proj,qkv", "qkv"),
+    ("finetuning_type=oft", "choose lora or full"),
     ("finetuning_type=freeze", "freeze (only the last decoder layers train) is not supported"),
 ])
 def test_mistakes_are_refused_naming_the_key(seed_yaml, override, message):
@@ -75,15 +75,18 @@ def test_mistakes_are_refused_naming_the_key(seed_yaml, override, message):
 def test_scheduler_kinds_and_our_own_yaml_passes_through(seed_yaml):
     assert lf_config(seed_yaml, ["lr_scheduler_type=constant"]).optim.warmup_steps_ratio == 0.0  # as there
     cfg = lf_config(seed_yaml, ["lr_scheduler_type=constant_with_warmup", "finetuning_type=full"])
-    assert (cfg.optim.lr_decay, cfg.optim.warmup_steps_ratio, cfg.model.finetuning_type) == ("constant", 0.1, "full")
+    assert (cfg.optim.lr_decay, cfg.optim.warmup_steps_ratio, cfg.model.lora.rank) == ("constant", 0.1, 0)
+    cfg = lf_config(seed_yaml, ["lora_rank=4", "lora_alpha=32", "lora_dropout=0.05", "lora_target=q_proj,v_proj"])
+    assert (cfg.model.lora.rank, cfg.model.lora.alpha, cfg.model.lora.dropout, cfg.model.lora.targets) == (
+        4, 32, 0.05, ["q_proj", "v_proj"])
     ours = lf_config(os.path.join(REPO, "examples", "sft_tiny_cpu.yaml"))
     plain = load_config(os.path.join(REPO, "examples", "sft_tiny_cpu.yaml"), cls=SFTConfig)
-    assert ours == plain and plain.model.finetuning_type == "full" and plain.data.template == ""
+    assert ours == plain and plain.model.lora.rank == 0 and plain.data.template == ""
 
 
 def test_lora_refuses_transformer_engine():
     with pytest.raises(ConfigError, match="use_te=false"):
-        load_config(None, ["model.finetuning_type=lora", "model.use_te=true"], cls=SFTConfig)
+        load_config(None, ["model.lora.rank=8", "model.use_te=true"], cls=SFTConfig)
 
 
 def run_sft_cli(*args):

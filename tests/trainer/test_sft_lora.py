@@ -88,11 +88,11 @@ def test_seed_yaml_trains_saves_adapter_checkpoints_exports_and_plots(lora_run):
 
     keys = set(dist_checkpointing.load_tensors_metadata(str(out / "checkpoints" / "step_000006" / "actor")))
     assert keys and all(".lora.lora_" in k for k in keys), sorted(keys)[:4]
-    adapter = load_file(out / "adapter" / "adapter_model.safetensors")
+    adapter = load_file(out / "hf_adapter" / "adapter_model.safetensors")
     merged = load_file(out / "hf" / "model.safetensors")
     assert len(adapter) == 2 * 7 * 2 and all(k.startswith("base_model.model.model.layers.") for k in adapter)
     assert sum(t.numel() for t in adapter.values()) < 0.2 * sum(t.numel() for t in merged.values())
-    assert json.loads((out / "adapter" / "adapter_config.json").read_text())["r"] == 8
+    assert json.loads((out / "hf_adapter" / "adapter_config.json").read_text())["r"] == 8
     # training moved the adapters (B starts at zero)
     assert any(k.endswith("lora_B.weight") and v.abs().max() > 0 for k, v in adapter.items())
 
@@ -115,8 +115,8 @@ def test_resume_from_a_checkpoint_equals_the_uninterrupted_run(lora_run, lf_root
     resumed = lf_root / "resumed"
     assert sorted(losses(resumed)) == [3, 4, 5, 6]
     assert all(losses(resumed)[s] == losses(out)[s] for s in (3, 4, 5, 6))
-    a = load_file(out / "adapter" / "adapter_model.safetensors")
-    b = load_file(resumed / "adapter" / "adapter_model.safetensors")
+    a = load_file(out / "hf_adapter" / "adapter_model.safetensors")
+    b = load_file(resumed / "hf_adapter" / "adapter_model.safetensors")
     assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
 
 
@@ -130,23 +130,23 @@ def test_torchrun_tp2_follows_the_tp1_run(lf_root):
                nproc=2)
     tp1, tp2 = losses(lf_root / "tp1"), losses(lf_root / "tp2")
     assert sorted(tp2) == [1, 2, 3] and all(abs(tp2[s] - tp1[s]) < 1e-5 for s in tp1), (tp1, tp2)
-    a = load_file(lf_root / "tp1" / "adapter" / "adapter_model.safetensors")
-    b = load_file(lf_root / "tp2" / "adapter" / "adapter_model.safetensors")
+    a = load_file(lf_root / "tp1" / "hf_adapter" / "adapter_model.safetensors")
+    b = load_file(lf_root / "tp2" / "hf_adapter" / "adapter_model.safetensors")
     assert sorted(a) == sorted(b) and max((a[k] - b[k]).abs().max().item() for k in a) < 1e-5
 
 
 def test_peft_and_merged_exports_give_our_models_logits(lora_run, lf_root, megatron_tp1):
-    """(Last in the module: the in-process Megatron world's env vars stay set until the module ends, and a later
-    subprocess would inherit them.) Our Megatron model (HF base + LoRA + the run's last adapter checkpoint) == PeftModel.from_pretrained(base,
-    adapter dir) == the merged HF export, fp32, within 1e-5."""
+    """Our Megatron model (HF base + LoRA + the run's last adapter checkpoint) == PeftModel.from_pretrained(base,
+    adapter dir) == the merged HF export, fp32, within 1e-5. (Last in the module: the in-process Megatron world's
+    env vars stay set until the module ends, and a later subprocess would inherit them.)"""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     from megatron_searchr1.models.convert import SafetensorsReader, bind_mapping, load_hf_config, load_hf_weights
-    from megatron_searchr1.models.convert import load_megatron_checkpoint
     from megatron_searchr1.models.gpt import build_gpt_model
-    from megatron_searchr1.models.lora import LoraSettings, apply_lora
-    from megatron_searchr1.trainer.sft import AdapterCheckpoint
+    from megatron.core import dist_checkpointing
+
+    from megatron_searchr1.models.lora import LoraSettings, adapter_sharded_state_dict, apply_lora
 
     out, _ = lora_run
     base_dir = str(lf_root / "Qwen3-tiny")
@@ -154,12 +154,13 @@ def test_peft_and_merged_exports_give_our_models_logits(lora_run, lf_root, megat
     model = build_gpt_model(cfg, use_te=False)
     load_hf_weights(model, SafetensorsReader(base_dir), bind_mapping(cfg, model))
     apply_lora(model, LoraSettings(rank=8, alpha=16, dropout=0.1, targets=("all",)))
-    load_megatron_checkpoint(AdapterCheckpoint(model), str(out / "checkpoints" / "step_000006" / "actor"))
+    state = dist_checkpointing.load(adapter_sharded_state_dict(model), str(out / "checkpoints" / "step_000006" / "actor"))
+    model.load_state_dict(state, strict=False)
     ids = torch.randint(0, cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         ours = model.eval()(ids, None, None, runtime_gather_output=True)[..., : cfg.vocab_size]
         base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
-        peft_logits = PeftModel.from_pretrained(base, str(out / "adapter")).eval()(ids).logits
+        peft_logits = PeftModel.from_pretrained(base, str(out / "hf_adapter")).eval()(ids).logits
         merged = AutoModelForCausalLM.from_pretrained(str(out / "hf"), dtype=torch.float32).eval()(ids).logits
         plain = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()(ids).logits
     assert (ours - peft_logits).abs().max() <= 1e-5

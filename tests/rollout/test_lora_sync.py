@@ -1,0 +1,57 @@
+"""The weight sync of a LoRA actor (rollout/weight_sync.py): merged weights (base + scale * B A) to the engine,
+no adapter tensors, the base unchanged. Runs tests/rollout/lora_sync_script.py under torchrun (gloo): a tiny Qwen2
+(head_dim 32, GQA) with random adapters on every projection, into a `transformers` engine at TP=1 and TP=2, and into
+vLLM (fp32, CPU) at TP=2: the engine's log-probs equal the trainer's with adapters on, the received tensors are
+the merged export's exactly, and a second sync follows new adapters.
+"""
+import json
+
+import pytest
+
+from megatron_searchr1.models.tiny import TinyModelConfig, make_tiny_model
+from tests.dist_utils import run_torchrun
+from tests.rollout.test_weight_sync import SCRIPT as WEIGHT_SYNC_SCRIPT
+
+SCRIPT = WEIGHT_SYNC_SCRIPT.with_name("lora_sync_script.py")
+CHECKS = ["names", "exact", "logprobs", "resync", "base"]
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    d = str(tmp_path_factory.mktemp("lora_sync") / "qwen2")
+    make_tiny_model(TinyModelConfig(output_dir=d, arch="qwen2", hidden_size=128, num_heads=4, num_kv_heads=2,
+                                    intermediate_size=128, num_layers=2, tie_embeddings=True, init_std=0.1, seed=0,
+                                    vocab_size=500))
+    return d
+
+
+def _results(out):
+    decoder = json.JSONDecoder()
+    return [decoder.raw_decode(chunk)[0] for chunk in out.split("RESULT ")[1:]]
+
+
+def _check(out, checks, ranks):
+    results = _results(out)
+    for check in checks:
+        rows = [r for r in results if r["check"] == check]
+        assert {r["rank"] for r in rows} == set(ranks) and all(r["ok"] for r in rows), (check, rows)
+
+
+@pytest.mark.slow  # ~35 s on a busy 2-core machine
+def test_lora_sync_world_of_one(hf_dir):
+    _check(run_torchrun(SCRIPT, 1, "--hf-dir", hf_dir, timeout=300), CHECKS, [0])
+
+
+@pytest.mark.slow
+def test_lora_sync_tp2(hf_dir):
+    _check(run_torchrun(SCRIPT, 2, "--hf-dir", hf_dir, "--tp", "2", timeout=600), CHECKS, [0, 1])
+
+
+@pytest.mark.slow
+def test_lora_sync_into_vllm_tp2(hf_dir):
+    """Megatron TP=2 with adapters -> a vLLM engine (fp32, CPU) per rank: its log-probs of its own greedy tokens are
+    the adapted model's (<= 1e-4), not the base's, and follow a second sync of other adapters."""
+    pytest.importorskip("vllm")
+    out = run_torchrun(SCRIPT, 2, "--hf-dir", hf_dir, "--tp", "2", "--engine", "vllm", timeout=900,
+                       env=dict(VLLM_ENABLE_V1_MULTIPROCESSING="0"))
+    _check(out, ["logprobs", "resync", "base"], [0, 1])
