@@ -1,7 +1,8 @@
 """LLaMA-Factory's chat templates by name: how an SFT conversation is rendered to text when `data.template` is set.
 
     render = template_renderer("qwen", tokenizer)
-    render([{"role": "user", "content": "hi"}], True)    # '<|im_start|>system\\nYou are Qwen, ...<|im_start|>assistant\\n'
+    render([{"role": "user", "content": "hi"}], True)
+    # '<|im_start|>system\\nYou are Qwen, ...<|im_end|>\\n<|im_start|>user\\nhi<|im_end|>\\n<|im_start|>assistant\\n'
 
 `render(messages, add_generation_prompt)` is what data/sft_data.py's chat layout needs: the prompt before assistant
 turn k is `render(messages[:k], True)`, the turn itself is what `render(messages[:k+1], False)` adds to it (the loss

@@ -27,7 +27,8 @@ def test_string_templates_render_llama_factory_formats(tok):
                                      "<|im_start|>assistant\n")
     assert qwen(CHAT[:3], False).endswith("<|im_start|>assistant\nI am tiny.<|im_end|>\n")
     assert qwen(CHAT[:3], False).startswith("<|im_start|>system\nBe brief.<|im_end|>\n")
-    assert template_renderer("default", tok)(CHAT[1:3], False) == f"Human: Who are you?{eos}\nAssistant:I am tiny.{eos}\n"
+    default = template_renderer("default", tok)(CHAT[1:3], False)
+    assert default == f"Human: Who are you?{eos}\nAssistant:I am tiny.{eos}\n"
     alpaca = template_renderer("alpaca", tok)(CHAT[1:3], False)
     assert alpaca.startswith("Below is an instruction that describes a task.")
     assert alpaca.endswith(f"### Instruction:\nWho are you?\n\n### Response:\nI am tiny.{eos}\n\n")

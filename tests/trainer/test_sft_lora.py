@@ -154,7 +154,8 @@ def test_peft_and_merged_exports_give_our_models_logits(lora_run, lf_root, megat
     model = build_gpt_model(cfg, use_te=False)
     load_hf_weights(model, SafetensorsReader(base_dir), bind_mapping(cfg, model))
     apply_lora(model, LoraSettings(rank=8, alpha=16, dropout=0.1, targets=("all",)))
-    state = dist_checkpointing.load(adapter_sharded_state_dict(model), str(out / "checkpoints" / "step_000006" / "actor"))
+    ckpt = str(out / "checkpoints" / "step_000006" / "actor")
+    state = dist_checkpointing.load(adapter_sharded_state_dict(model), ckpt)
     model.load_state_dict(state, strict=False)
     ids = torch.randint(0, cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

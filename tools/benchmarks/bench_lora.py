@@ -48,7 +48,8 @@ def formula_lines(rank: int) -> list[str]:
     return [f"Qwen3-4B by formula (bf16, 16 B per trainable parameter: fp32 grad + fp32 master + 2 Adam moments):",
             f"  full: {full:,} trainable -> {full * per / 2**30:.1f} GiB gradients + optimizer",
             f"  lora r={rank}, all projections: {lora:,} trainable ({100 * lora / full:.2f}%) -> "
-            f"{lora * per / 2**20:.0f} MiB; ratio {lora / full:.4f}; bf16 weights {full * 2 / 2**30:.1f} GiB either way"]
+            f"{lora * per / 2**20:.0f} MiB; ratio {lora / full:.4f}; bf16 weights {full * 2 / 2**30:.1f} GiB "
+            "either way"]
 
 
 def measure(kind: str, args, batches) -> dict:
@@ -116,8 +117,8 @@ def main(argv=None) -> int:
         print(f"  {name}: trainable {m['trainable']:,}  gradients {m['grad']:,} B  optimizer {m['opt']:,} B  "
               f"step {m['step_s'] * 1e3:.1f} ms")
     mem = (lora["grad"] + lora["opt"]) / (full["grad"] + full["opt"])
-    print(f"  ratio lora/full: gradients+optimizer bytes {mem:.4f}  trainable {lora['trainable'] / full['trainable']:.4f}"
-          f"  step time {lora['step_s'] / full['step_s']:.2f}")
+    print(f"  ratio lora/full: gradients+optimizer bytes {mem:.4f}  "
+          f"trainable {lora['trainable'] / full['trainable']:.4f}  step time {lora['step_s'] / full['step_s']:.2f}")
     print("\n".join(formula_lines(args.rank)))
     return 0
 
