@@ -159,14 +159,13 @@ def field_docs(cls) -> dict[str, str]:
     """{field name: docstring} of a dataclass: the string literal right after each annotated assignment (the
     one-line docs of our config sections; `describe` and the retrieval server's flags read them)."""
     docs: dict[str, str] = {}
-    for klass in reversed([k for k in cls.__mro__ if dataclasses.is_dataclass(k)]):  # a subclass's own docs win
-        try:
-            body = ast.parse(inspect.getsource(klass)).body[0].body
-        except (OSError, TypeError):
-            continue
-        for node, nxt in zip(body, body[1:]):
-            if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
-                docs[node.target.id] = str(nxt.value.value)
+    try:
+        body = ast.parse(inspect.getsource(cls)).body[0].body
+    except (OSError, TypeError):
+        return docs
+    for node, nxt in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+            docs[node.target.id] = str(nxt.value.value)
     return docs
 
 
