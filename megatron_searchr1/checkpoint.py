@@ -7,6 +7,9 @@ scheduler, RNG and loop state, written so that a crash mid-save never damages th
     step = latest_step(root)                                                 # trainer.resume=auto: None = fresh
     extra = load_checkpoint(root, "latest", models, optimizers, schedulers)  # every rank calls it
 
+    save_roles(root, step, {"actor": policy.state(), "critic": critic.state()}, extra, hf_dirs=...)   # the trainers
+    extra = load_roles(root, "latest", {"actor": policy.state(), "critic": critic.state()})
+
 Layout of one checkpoint (`<root>/step_000010/`):
 
     actor/                  the model's `sharded_state_dict()` (Megatron dist checkpoint: metadata.json, common.pt,
@@ -52,7 +55,8 @@ import socket
 import time
 import uuid
 import warnings
-from typing import Optional, Union
+from dataclasses import dataclass
+from typing import Any, Optional, Union
 
 import numpy as np
 import torch
@@ -72,6 +76,36 @@ OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_sharded_model_space"
 
 class CheckpointError(Exception):
     """A checkpoint that cannot be written or loaded as asked; the message says what to change."""
+
+
+@dataclass(frozen=True)
+class RoleState:
+    """What one role (trainer/roles.py: Policy, Critic) keeps in a checkpoint: its model and, when it trains, its
+    optimizer and LR schedule. The live objects, not copies: saving reads them, loading writes into them in place
+    (Megatron's dist checkpointing matches saved shards to the live parameters' sharded state dicts)."""
+
+    model: Any
+    optimizer: Any = None
+    scheduler: Any = None
+
+
+def _split(roles: dict[str, RoleState]) -> tuple[dict, dict, dict]:
+    """name -> RoleState as save_checkpoint's three dicts (models, optimizers, schedulers): the format on disk is
+    theirs, one subdirectory per name."""
+    return ({n: s.model for n, s in roles.items()},
+            {n: s.optimizer for n, s in roles.items() if s.optimizer is not None},
+            {n: s.scheduler for n, s in roles.items() if s.scheduler is not None})
+
+
+def save_roles(ckpt_root: str, step: int, roles: dict[str, RoleState], extra: Optional[dict] = None, *,
+               hf_dirs: Optional[dict[str, str]] = None, keep_last: Optional[int] = None) -> str:
+    """save_checkpoint for roles: `roles` maps a name ("actor", "critic") to what `role.state()` returns."""
+    return save_checkpoint(ckpt_root, step, *_split(roles), extra, hf_dirs=hf_dirs, keep_last=keep_last)
+
+
+def load_roles(ckpt_root: str, step: Union[str, int], roles: dict[str, RoleState]) -> dict:
+    """load_checkpoint for roles: loads into the objects of each `role.state()`; returns the saved `extra`."""
+    return load_checkpoint(ckpt_root, step, *_split(roles))
 
 
 def step_dir(ckpt_root: str, step: int) -> str:

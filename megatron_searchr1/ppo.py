@@ -1,6 +1,6 @@
 """From finished trajectories to PPO/GRPO training data: rewards, advantages, and the actor/critic loss callbacks.
 
-    seqs = to_sequences(trajs)                                      # prompt/response ids + loss_mask per trajectory
+    seqs = to_sequences(trajs)                                      # TrainSequence records (megatron/batching.py)
     scores = score_trajectories(trajs, tokenizer, cfg.algo)         # EM on the response, routed by data_source
     add_advantages(seqs, scores, cfg.algo, kl_ctrl)                 # advantages/returns (+ token rewards)
     train_step(actor, opt, None, mbs, actor_loss_fn(cfg.algo), ...) # workers/schedule.py
@@ -19,6 +19,7 @@ import torch
 
 from megatron_searchr1 import algo
 from megatron_searchr1.config import AlgoConfig
+from megatron_searchr1.megatron.batching import TrainSequence
 from megatron_searchr1.rollout.loop import Trajectory, generated_text
 
 
@@ -35,7 +36,7 @@ def unpad_rows(mat: torch.Tensor, lengths: Sequence[int]) -> list[torch.Tensor]:
     return [mat[i, :n].clone() for i, n in enumerate(lengths)]
 
 
-def to_sequences(trajs: Sequence[Trajectory], drop_search_errors: bool = True) -> list[dict]:
+def to_sequences(trajs: Sequence[Trajectory], drop_search_errors: bool = True) -> list[TrainSequence]:
     """Worker sequences; a trajectory that ended in a failed search gets an all-zero loss mask (when asked), since
     its reward says nothing about the policy."""
     seqs = []
@@ -43,8 +44,8 @@ def to_sequences(trajs: Sequence[Trajectory], drop_search_errors: bool = True) -
         mask = torch.tensor(t.loss_mask, dtype=torch.float32)
         if drop_search_errors and t.finish_reason == "search_error":
             mask = torch.zeros_like(mask)
-        seqs.append({"prompt_ids": list(t.prompt_ids), "response_ids": list(t.response_ids), "loss_mask": mask,
-                     "engine_log_probs": torch.tensor(t.logprobs, dtype=torch.float32)})
+        seqs.append(TrainSequence(prompt_ids=list(t.prompt_ids), response_ids=list(t.response_ids), loss_mask=mask,
+                                  engine_log_probs=torch.tensor(t.logprobs, dtype=torch.float32)))
     return seqs
 
 
@@ -87,9 +88,9 @@ def dp_sum(group=None):
     return reduce
 
 
-def add_advantages(seqs: list[dict], scores: Sequence[float], group_ids: Sequence[str], cfg: AlgoConfig,
+def add_advantages(seqs: list[TrainSequence], scores: Sequence[float], group_ids: Sequence[str], cfg: AlgoConfig,
                    kl_ctrl=None, reduce: Optional[algo.Reduce] = None) -> dict[str, float]:
-    """Fill `advantages` and `returns` (per response token) into each sequence; returns metrics.
+    """Set `advantages`, `returns` and `token_rewards` (per response token) on each sequence; returns metrics.
 
     Needs `old_log_probs` (and `ref_log_probs` for KL in the reward, `values` for GAE) already in the sequences.
     A sequence with an all-zero loss mask (a failed search under rollout.drop_search_errors) gets its own group so
@@ -106,22 +107,22 @@ def add_advantages(seqs: list[dict], scores: Sequence[float], group_ids: Sequenc
     Here it gets advantage 0: with nothing to compare it with, it carries no signal (its tokens still take part
     in the KL and entropy terms). `train/lone_samples` counts them.
     """
-    lengths = [len(s["response_ids"]) for s in seqs]
-    mask = pad_rows([s["loss_mask"] for s in seqs])                      # (B, T)
+    lengths = [len(s.response_ids) for s in seqs]
+    mask = pad_rows([s.loss_mask for s in seqs])                         # (B, T)
     has_tokens = mask.bool().any(dim=-1)                                  # (B,)
     rewards = algo.outcome_token_rewards(list(scores), mask)              # (B, T)
     metrics: dict[str, float] = {}
     kl_sum = 0.0
     if cfg.use_kl_in_reward:
-        rewards, current_kl = algo.apply_kl_penalty(rewards, pad_rows([s["old_log_probs"] for s in seqs]),
-                                                    pad_rows([s["ref_log_probs"] for s in seqs]), mask, kl_ctrl,
+        rewards, current_kl = algo.apply_kl_penalty(rewards, pad_rows([s.old_log_probs for s in seqs]),
+                                                    pad_rows([s.ref_log_probs for s in seqs]), mask, kl_ctrl,
                                                     cfg.kl_penalty)
         kl_sum = current_kl * float(has_tokens.sum())  # current_kl: the mean over rows with tokens
     index = [g if bool(has_tokens[i]) else f"{g}#masked{i}" for i, g in enumerate(group_ids)]
     est = cfg.adv_estimator
     lone: list[int] = []
     if est == "gae":
-        adv, ret = algo.compute_gae_advantage_return(rewards, pad_rows([s["values"] for s in seqs]), mask,
+        adv, ret = algo.compute_gae_advantage_return(rewards, pad_rows([s.values for s in seqs]), mask,
                                                      cfg.gamma, cfg.lam, reduce=reduce)
     elif est in ("grpo", "rloo"):
         if est == "grpo":
@@ -137,7 +138,7 @@ def add_advantages(seqs: list[dict], scores: Sequence[float], group_ids: Sequenc
     else:
         adv, ret = algo.compute_reinforce_plus_plus_outcome_advantage(rewards, mask, cfg.gamma, reduce=reduce)
     for s, a, r, w in zip(seqs, unpad_rows(adv, lengths), unpad_rows(ret, lengths), unpad_rows(rewards, lengths)):
-        s["advantages"], s["returns"], s["token_rewards"] = a, r, w
+        s.advantages, s.returns, s.token_rewards = a, r, w
     m = mask.bool()
     sums = torch.tensor([float(adv[m].sum()), float(adv[m].abs().sum()), float(ret[m].sum()), float(m.sum()),
                          float((~has_tokens).sum()), float(len(lone)), kl_sum, float(has_tokens.sum())],
@@ -164,7 +165,7 @@ def _weight(mb, mode: str) -> float:
     the mini-batch size)."""
     if mode == "token-mean":
         return mb.loss_token_weight
-    rows_with_tokens = int(mb["loss_mask"].bool().any(dim=-1).sum()) if "loss_mask" in mb else mb.num_rows
+    rows_with_tokens = int(mb["loss_mask"].bool().any(dim=-1).sum())
     return rows_with_tokens / max(mb.global_num_seqs, 1)
 
 
@@ -216,12 +217,12 @@ def critic_loss_fn(cfg: AlgoConfig):
     return loss_fn
 
 
-def logprob_gap(seqs: Sequence[dict]) -> float:
+def logprob_gap(seqs: Sequence[TrainSequence]) -> float:
     """Mean |engine log-prob - trainer log-prob| over generated tokens: how far the rollout engine's numbers are
     from the trainer's on the same tokens (weight sync, precision, kernels)."""
     num, den = 0.0, 0.0
     for s in seqs:
-        gap, tokens = _gap_sums(s["engine_log_probs"], s["old_log_probs"], s["loss_mask"])
+        gap, tokens = _gap_sums(s.engine_log_probs, s.old_log_probs, s.loss_mask)
         num, den = num + float(gap), den + float(tokens)
     return num / max(den, 1.0)
 

@@ -1,4 +1,6 @@
 """ppo.py: trajectories -> sequences -> advantages, and the loss callbacks' share of the mini-batch loss."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -21,10 +23,10 @@ def _traj(uid, gen, obs, finish="answer"):
 def test_sequences_mask_failed_searches_and_keep_engine_logprobs():
     ok, bad = _traj("a", [5, 6], [7, 8, 9]), _traj("a", [5], [7], finish="search_error")
     seqs = ppo.to_sequences([ok, bad])
-    assert seqs[0]["loss_mask"].tolist() == [1, 1, 0, 0, 0, 1, 1]
-    assert seqs[0]["engine_log_probs"].tolist() == [-0.5, -0.5, 0, 0, 0, -0.25, -0.25]
-    assert seqs[1]["loss_mask"].sum() == 0  # a failed search teaches nothing
-    assert ppo.to_sequences([bad], drop_search_errors=False)[0]["loss_mask"].sum() == 2
+    assert seqs[0].loss_mask.tolist() == [1, 1, 0, 0, 0, 1, 1]
+    assert seqs[0].engine_log_probs.tolist() == [-0.5, -0.5, 0, 0, 0, -0.25, -0.25]
+    assert seqs[1].loss_mask.sum() == 0  # a failed search teaches nothing
+    assert ppo.to_sequences([bad], drop_search_errors=False)[0].loss_mask.sum() == 2
 
 
 def test_grpo_advantages_per_group_and_masked_rows_out_of_the_baseline():
@@ -32,18 +34,18 @@ def test_grpo_advantages_per_group_and_masked_rows_out_of_the_baseline():
              _traj("g1", [5], [7], finish="search_error")]
     seqs = ppo.to_sequences(trajs)
     metrics = ppo.add_advantages(seqs, [1.0, 0.0, 1.0, 1.0, 0.0], [t.uid for t in trajs], AlgoConfig())
-    a0, a1 = seqs[0]["advantages"], seqs[1]["advantages"]
+    a0, a1 = seqs[0].advantages, seqs[1].advantages
     # group g1 = {1, 0}: mean 0.5, unbiased std 0.7071 -> +-0.7071 on generated tokens, 0 on the observation
     assert torch.allclose(a0, torch.tensor([0.7071, 0.7071, 0, 0.7071, 0.7071]), atol=1e-3)
     assert torch.allclose(a1, -a0)
-    assert seqs[2]["advantages"].abs().max() == 0  # g2 agrees: no signal
-    assert seqs[4]["advantages"].abs().max() == 0  # the masked row did not join g1 (else g1's mean would move)
+    assert seqs[2].advantages.abs().max() == 0  # g2 agrees: no signal
+    assert seqs[4].advantages.abs().max() == 0  # the masked row did not join g1 (else g1's mean would move)
     assert metrics["actor/advantages_abs_mean"] > 0
 
 
 def _micro_batches(seqs, budget=10_000):
     mbs = make_micro_batches(seqs, budget)
-    total = sum(float(s["loss_mask"].sum()) for s in seqs)
+    total = sum(float(s.loss_mask.sum()) for s in seqs)
     for mb in mbs:
         mb.num_loss_tokens = float(mb["loss_mask"].sum())
         mb.global_num_loss_tokens = total
@@ -56,9 +58,9 @@ def test_actor_loss_shares_add_up_to_the_mini_batch_token_mean():
     trajs = [_traj("g", [5, 6, 7][: k + 1], [8] * (k + 1)) for k in range(3)]
     seqs = ppo.to_sequences(trajs)
     for s in seqs:
-        R = len(s["response_ids"])
-        s.update(old_log_probs=-torch.rand(R), ref_log_probs=-torch.rand(R), advantages=torch.randn(R))
-    new = [-torch.rand(len(s["response_ids"])) for s in seqs]
+        R = len(s.response_ids)
+        s.old_log_probs, s.ref_log_probs, s.advantages = -torch.rand(R), -torch.rand(R), torch.randn(R)
+    new = [-torch.rand(len(s.response_ids)) for s in seqs]
     cfg = AlgoConfig(kl_loss_coef=0.1)
     loss_fn = ppo.actor_loss_fn(cfg)
 
@@ -72,9 +74,9 @@ def test_actor_loss_shares_add_up_to_the_mini_batch_token_mean():
         return out
 
     # the whole batch's token-mean, computed directly
-    mask = ppo.pad_rows([s["loss_mask"] for s in seqs])
-    old, ref = ppo.pad_rows([s["old_log_probs"] for s in seqs]), ppo.pad_rows([s["ref_log_probs"] for s in seqs])
-    adv, lp = ppo.pad_rows([s["advantages"] for s in seqs]), ppo.pad_rows(new)
+    mask = ppo.pad_rows([s.loss_mask for s in seqs])
+    old, ref = ppo.pad_rows([s.old_log_probs for s in seqs]), ppo.pad_rows([s.ref_log_probs for s in seqs])
+    adv, lp = ppo.pad_rows([s.advantages for s in seqs]), ppo.pad_rows(new)
     expected = float(algo.compute_policy_loss(old, lp, adv, mask, 0.2)[0]
                      + 0.1 * algo.agg_loss(algo.kl_penalty(lp, ref, "low_var_kl"), mask, "token-mean"))
     assert total(10_000) == pytest.approx(expected, abs=1e-6)  # one micro-batch
@@ -83,7 +85,7 @@ def test_actor_loss_shares_add_up_to_the_mini_batch_token_mean():
 
 def test_logprob_gap_counts_generated_tokens_only():
     seqs = ppo.to_sequences([_traj("a", [5, 6], [7, 8])])
-    seqs[0]["old_log_probs"] = seqs[0]["engine_log_probs"] + torch.tensor([0.1, 0.1, 9, 9, 0.1, 0.1])
+    seqs[0].old_log_probs = seqs[0].engine_log_probs + torch.tensor([0.1, 0.1, 9, 9, 0.1, 0.1])
     assert ppo.logprob_gap(seqs) == pytest.approx(0.1)
 
 
@@ -93,14 +95,12 @@ def test_on_policy_loss_takes_its_own_log_probs_as_old_with_the_same_gradient():
     torch.manual_seed(0)
     seqs = ppo.to_sequences([_traj("g", [5, 6, 7][: k + 1], [8] * (k + 1)) for k in range(3)])
     for s in seqs:
-        s["advantages"] = torch.randn(len(s["response_ids"]))
-    new = [-torch.rand(len(s["response_ids"])) for s in seqs]
+        s.advantages = torch.randn(len(s.response_ids))
+    new = [-torch.rand(len(s.response_ids)) for s in seqs]
 
     def run(with_old: bool):
         for s, lp in zip(seqs, new):
-            s.pop("old_log_probs", None)
-            if with_old:
-                s["old_log_probs"] = lp.clone()
+            s.old_log_probs = lp.clone() if with_old else None
         (mb,) = _micro_batches(seqs)
         lp = torch.zeros(mb["loss_mask"].shape)
         for row, i in enumerate(mb.indices):
@@ -116,7 +116,7 @@ def test_on_policy_loss_takes_its_own_log_probs_as_old_with_the_same_gradient():
     assert torch.allclose(grad_on, grad_old, atol=1e-7) and grad_on.abs().sum() > 0
     assert "logprob_gap_engine" not in m_old
     for s, lp in zip(seqs, new):
-        s["old_log_probs"] = lp
+        s.old_log_probs = lp
     assert float(m_on["logprob_gap_engine"]) == pytest.approx(ppo.logprob_gap(seqs), abs=1e-6)
 
 
@@ -127,15 +127,16 @@ def _batch(seed=0, n=8):
     trajs = [_traj(f"g{i // 2}", [5, 6, 7][: 1 + i % 3], [8] * (1 + i % 2)) for i in range(n)]
     seqs = ppo.to_sequences(trajs)
     for s in seqs:
-        R = len(s["response_ids"])
-        s.update(values=torch.randn(R, generator=g), old_log_probs=-torch.rand(R, generator=g),
-                 ref_log_probs=-torch.rand(R, generator=g))
+        R = len(s.response_ids)
+        s.values, s.old_log_probs = torch.randn(R, generator=g), -torch.rand(R, generator=g)
+        s.ref_log_probs = -torch.rand(R, generator=g)
     scores = torch.rand(n, generator=g).tolist()
     return trajs, seqs, scores
 
 
 def _clone(seqs):
-    return [{k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in s.items()} for s in seqs]
+    return [dataclasses.replace(s, **{f.name: getattr(s, f.name).clone() for f in dataclasses.fields(s)
+                                      if isinstance(getattr(s, f.name), torch.Tensor)}) for s in seqs]
 
 
 @pytest.mark.parametrize("estimator", ["gae", "reinforce_plus_plus"])
@@ -152,14 +153,14 @@ def test_dp2_whitened_advantages_equal_dp1_on_the_same_batch(estimator):
                                                           [t.uid for t in trajs[4 * k: 4 * k + 4]], cfg, kl,
                                                           reduce=reduce) for k in range(2)])
     for a, b in zip(whole, halves[0] + halves[1]):
-        torch.testing.assert_close(b["advantages"], a["advantages"], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(b.advantages, a.advantages, atol=1e-5, rtol=1e-5)
     assert ms[0] == ms[1]  # every rank logs the same keys and values: the whole batch's
     for key in ("actor/advantages_mean", "actor/advantages_abs_mean", "critic/returns_mean", "actor/reward_kl_penalty"):
         assert ms[0][key] == pytest.approx(m1[key], abs=1e-6), key
     # per-rank whitening (what main did) differs
     alone = _clone(seqs[:4])
     ppo.add_advantages(alone, scores[:4], [t.uid for t in trajs[:4]], cfg, kl)
-    assert not all(torch.allclose(x["advantages"], y["advantages"], atol=1e-3) for x, y in zip(alone, whole[:4]))
+    assert not all(torch.allclose(x.advantages, y.advantages, atol=1e-3) for x, y in zip(alone, whole[:4]))
 
 
 @pytest.mark.parametrize("estimator", ["grpo", "rloo", "gae", "reinforce_plus_plus"])
@@ -171,7 +172,7 @@ def test_a_rank_whose_searches_all_failed_logs_the_same_keys_and_takes_part(esti
         t.finish_reason = "search_error"
     seqs = ppo.to_sequences(trajs)
     for s, src in zip(seqs, _batch()[1]):
-        s.update(values=src["values"], old_log_probs=src["old_log_probs"], ref_log_probs=src["ref_log_probs"])
+        s.values, s.old_log_probs, s.ref_log_probs = src.values, src.old_log_probs, src.ref_log_probs
     cfg = AlgoConfig(adv_estimator=estimator)
     halves = [seqs[:4], seqs[4:]]
     ms = run_ranks([lambda reduce, k=k: ppo.add_advantages(halves[k], scores[4 * k: 4 * k + 4],
@@ -180,7 +181,7 @@ def test_a_rank_whose_searches_all_failed_logs_the_same_keys_and_takes_part(esti
     assert sorted(ms[0]) == sorted(ms[1]) and ms[0] == ms[1]
     assert ms[0]["train/dropped_trajectories"] == 4
     assert all(torch.isfinite(torch.tensor(v)) for v in ms[0].values())
-    assert all(s["advantages"].abs().sum() == 0 for s in seqs[4:])
+    assert all(s.advantages.abs().sum() == 0 for s in seqs[4:])
 
 
 def test_a_sample_left_alone_in_its_group_gets_no_advantage():
@@ -191,8 +192,8 @@ def test_a_sample_left_alone_in_its_group_gets_no_advantage():
     for est in ("grpo", "rloo"):
         seqs = ppo.to_sequences(trajs)
         m = ppo.add_advantages(seqs, [1.0, 0.0, 1.0, 0.0], [t.uid for t in trajs], AlgoConfig(adv_estimator=est))
-        assert seqs[0]["advantages"].abs().sum() == 0 and seqs[0]["returns"].abs().sum() == 0
-        assert seqs[2]["advantages"].abs().sum() > 0  # a full group still learns
+        assert seqs[0].advantages.abs().sum() == 0 and seqs[0].returns.abs().sum() == 0
+        assert seqs[2].advantages.abs().sum() > 0  # a full group still learns
         assert m["train/lone_samples"] == 1 and m["train/dropped_trajectories"] == 1
     # the pure estimator keeps verl's rule for a group of one (mean 0, std 1): the raw score
     adv, _ = algo.compute_grpo_outcome_advantage(torch.tensor([[0.0, 1.0]]), torch.ones(1, 2), ["solo"])
@@ -208,10 +209,10 @@ def test_seq_mean_losses_do_not_depend_on_packing_with_fully_masked_rows(mode):
     trajs[1].finish_reason = "search_error"
     seqs = ppo.to_sequences(trajs)
     for s in seqs:
-        R = len(s["response_ids"])
-        s.update(old_log_probs=-torch.rand(R), ref_log_probs=-torch.rand(R), advantages=torch.randn(R),
-                 values=torch.randn(R), returns=torch.randn(R))
-    new = [-torch.rand(len(s["response_ids"])) for s in seqs]
+        R = len(s.response_ids)
+        s.old_log_probs, s.ref_log_probs, s.advantages = -torch.rand(R), -torch.rand(R), torch.randn(R)
+        s.values, s.returns = torch.randn(R), torch.randn(R)
+    new = [-torch.rand(len(s.response_ids)) for s in seqs]
     cfg = AlgoConfig(loss_agg_mode=mode, kl_loss_coef=0.1)
 
     def total(loss_fn, key, budget):
@@ -228,8 +229,8 @@ def test_seq_mean_losses_do_not_depend_on_packing_with_fully_masked_rows(mode):
         assert one_each == pytest.approx(packed, abs=1e-6), key
     # and it is sum(per-row loss) / all 4 rows (verl's seq-mean over the mini-batch size): agg_loss over the 3 rows
     # with tokens, times 3/4
-    mask = ppo.pad_rows([s["loss_mask"] for s in seqs])
-    old, ref, adv = (ppo.pad_rows([s[k] for s in seqs]) for k in ("old_log_probs", "ref_log_probs", "advantages"))
+    mask = ppo.pad_rows([s.loss_mask for s in seqs])
+    old, ref, adv = (ppo.pad_rows([getattr(s, k) for s in seqs]) for k in ("old_log_probs", "ref_log_probs", "advantages"))
     lp = ppo.pad_rows(new)
     expected = float(algo.compute_policy_loss(old, lp, adv, mask, 0.2, loss_agg_mode=mode)[0]
                      + 0.1 * algo.agg_loss(algo.kl_penalty(lp, ref, "low_var_kl"), mask, mode)) * 3 / 4
@@ -280,7 +281,7 @@ def test_entropy_at_coefficient_zero_is_a_metric_and_the_loss_and_gradient_are_u
     torch.manual_seed(0)
     seqs = ppo.to_sequences([_traj("g", [5, 6, 7][: k + 1], [8] * (k + 1)) for k in range(3)])
     for s in seqs:
-        s["advantages"] = torch.randn(len(s["response_ids"]))
+        s.advantages = torch.randn(len(s.response_ids))
     (mb,) = _micro_batches(seqs)
     logits = torch.randn(*mb["loss_mask"].shape, 40)
     targets = torch.randint(0, 40, mb["loss_mask"].shape)

@@ -4,9 +4,10 @@
     mbs = make_micro_batches([seqs[i] for i in minis[0]], max_tokens_per_micro_batch=8192)
     per_seq = restore_order([per_row_results_of(mb) for mb in mbs], mbs)          # back in input order
 
-A sequence is a mapping with `prompt_ids` and `response_ids` (lists of ints or 1-D tensors) and any number of
-per-response-token fields (1-D tensors of length len(response_ids): loss_mask, advantages, old_log_probs, ...)
-or per-sequence numbers (rewards, group ids). Other entries (strings, nested lists) are not batched.
+A sequence is a `TrainSequence`: prompt and response token ids, the loss mask, and the per-response-token fields
+that the RL step fills in one by one (engine / old / reference log-probs, values, advantages, returns). A record,
+not a dict: a misspelt field is an AttributeError where it is written, not a new key that nothing reads. Scripts
+may pass plain mappings instead; `as_sequence` turns each into a record (an unknown key is a TypeError).
 
 Packing: sequences are sorted by total length, longest first (ties: input order), and cut into consecutive
 micro-batches whose *padded* size, rows x longest row, stays within `max_tokens_per_micro_batch`; the cuts
@@ -19,7 +20,7 @@ Layout of one micro-batch (`MicroBatch`), right-padded because Megatron's RoPE u
 
     input_ids      (b, T)        prompt + response, then `pad_id`
     response_mask  (b, R)        1.0 on the response tokens, R = longest response in the micro-batch
-    fields[k]      (b, R) / (b,) per-response-token fields zero-padded to R; per-sequence numbers
+    fields[k]      (b, R)        the sequences' per-response-token fields that are set, zero-padded to R
     prompt_lens, response_lens (b,)
 
 Under sequence parallelism the workers pad input_ids to a multiple of TP columns (`MicroBatch.padded_to`).
@@ -37,22 +38,60 @@ from __future__ import annotations
 
 import dataclasses
 import random
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence, Union
 
 import torch
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class TrainSequence:
+    """One sequence on its way to the model: a rollout's trajectory (ppo.to_sequences) or an SFT example
+    (workers/actor.sft_sequence). Every tensor field is per response token, shape (R,), R = len(response_ids);
+    the optional ones are None until the step that computes them (trainer/rl.py) sets them."""
+
+    prompt_ids: list
+    """Prompt token ids (list of ints or a 1-D tensor); at least one: response token 0 is predicted from it."""
+    response_ids: list
+    """Response token ids: what the model generated plus the observations appended between its turns."""
+    loss_mask: torch.Tensor
+    """1.0 on the tokens the loss sees (generated ones), 0.0 on observations and on dropped trajectories."""
+    engine_log_probs: Optional[torch.Tensor] = None
+    """The rollout engine's log-probs of the generated tokens (0 on observations)."""
+    old_log_probs: Optional[torch.Tensor] = None
+    """The actor's log-probs before this step's update (None on the on-policy path: the update computes them)."""
+    ref_log_probs: Optional[torch.Tensor] = None
+    """The frozen reference's log-probs (KL terms only)."""
+    values: Optional[torch.Tensor] = None
+    """The critic's values (GAE only)."""
+    advantages: Optional[torch.Tensor] = None
+    returns: Optional[torch.Tensor] = None
+    token_rewards: Optional[torch.Tensor] = None
+    """The per-token reward the advantages were computed from (outcome score, minus the KL penalty in the reward)."""
+
+
+TOKEN_FIELDS = tuple(f.name for f in dataclasses.fields(TrainSequence))[2:]
+"""The per-response-token fields of a TrainSequence: what a MicroBatch may hold in `fields`."""
+
+
+def as_sequence(seq: Union[TrainSequence, Mapping[str, Any]]) -> TrainSequence:
+    """A TrainSequence as is; a mapping (a script's `{"prompt_ids": ..., "response_ids": ..., "loss_mask": ...}`)
+    as the record with those fields, so a misspelt key fails here (TypeError) instead of being left out.
+
+    >>> as_sequence({"prompt_ids": [1], "response_ids": [2], "loss_mask": torch.ones(1)}).response_ids
+    [2]
+    """
+    return seq if isinstance(seq, TrainSequence) else TrainSequence(**seq)
 
 
 def _as_long(x) -> torch.Tensor:
     return x.detach().to("cpu", torch.long).reshape(-1) if isinstance(x, torch.Tensor) else torch.tensor(x, dtype=torch.long)
 
 
-def sequence_lengths(seqs: Sequence[Mapping[str, Any]]) -> list[int]:
-    """len(prompt_ids) + len(response_ids) per sequence (checks both are present and the prompt is not empty)."""
+def sequence_lengths(seqs: Sequence[TrainSequence]) -> list[int]:
+    """len(prompt_ids) + len(response_ids) per sequence (checks that the prompt is not empty)."""
     lengths = []
     for i, s in enumerate(seqs):
-        if "prompt_ids" not in s or "response_ids" not in s:
-            raise ValueError(f"sequence {i} needs 'prompt_ids' and 'response_ids' (got keys {sorted(s)})")
-        p, r = len(s["prompt_ids"]), len(s["response_ids"])
+        p, r = len(s.prompt_ids), len(s.response_ids)
         if p < 1:
             raise ValueError(f"sequence {i} has an empty prompt: response token 0 is predicted from the last "
                              "prompt token, so give every sequence at least one prompt token (SFT: the first token)")
@@ -138,6 +177,7 @@ class MicroBatch:
     response_lens: torch.Tensor   # (b,) long
     response_mask: torch.Tensor   # (b, R) float32
     fields: dict[str, torch.Tensor]
+    """The sequences' TOKEN_FIELDS that are set, (b, R) each, 0 past a row's response."""
     # Set by the workers' train step for the mini-batch this micro-batch belongs to (see workers/train_step.py):
     num_loss_tokens: float = 0.0
     """loss-mask tokens in this micro-batch."""
@@ -150,6 +190,10 @@ class MicroBatch:
         return self.fields[key]
 
     def __contains__(self, key: str) -> bool:
+        """Whether the sequences had field `key` set; a name that is no TrainSequence field is a KeyError (a
+        misspelt `"old_log_probs" in mb` would otherwise be quietly False)."""
+        if key not in TOKEN_FIELDS:
+            raise KeyError(f"{key!r} is not a TrainSequence field (one of {', '.join(TOKEN_FIELDS)})")
         return key in self.fields
 
     @property
@@ -208,9 +252,9 @@ class MicroBatch:
         )
 
 
-def _collate(seqs: Sequence[Mapping[str, Any]], indices: list[int], pad_id: int) -> MicroBatch:
-    prompts = [_as_long(seqs[i]["prompt_ids"]) for i in indices]
-    responses = [_as_long(seqs[i]["response_ids"]) for i in indices]
+def _collate(seqs: Sequence[TrainSequence], indices: list[int], pad_id: int) -> MicroBatch:
+    prompts = [_as_long(seqs[i].prompt_ids) for i in indices]
+    responses = [_as_long(seqs[i].response_ids) for i in indices]
     b = len(indices)
     T = max(len(p) + len(r) for p, r in zip(prompts, responses))
     R = max(1, max(len(r) for r in responses))
@@ -222,38 +266,38 @@ def _collate(seqs: Sequence[Mapping[str, Any]], indices: list[int], pad_id: int)
         response_mask[row, : len(r)] = 1.0
 
     fields: dict[str, torch.Tensor] = {}
-    first = seqs[indices[0]]
-    for key in first:
-        if key in ("prompt_ids", "response_ids"):
+    for key in TOKEN_FIELDS:
+        values = [getattr(seqs[i], key) for i in indices]
+        if all(v is None for v in values):
             continue
-        values = [seqs[i].get(key) for i in indices]
-        if all(isinstance(v, torch.Tensor) and v.dim() == 1 for v in values):
-            out = torch.zeros((b, R), dtype=values[0].dtype)
-            for row, (v, r) in enumerate(zip(values, responses)):
-                if v.shape[0] != len(r):
-                    raise ValueError(f"field {key!r} of sequence {indices[row]} has {v.shape[0]} values but the "
-                                     f"response has {len(r)} tokens: per-token fields cover the response only")
-                out[row, : len(r)] = v.detach().cpu()
-            fields[key] = out
-        elif all(isinstance(v, (int, float, bool)) or (isinstance(v, torch.Tensor) and v.dim() == 0)
-                 for v in values):
-            fields[key] = torch.stack([torch.as_tensor(v) for v in values]).cpu()
-        # anything else (strings, nested lists, None) is not a tensor field: left out on purpose
+        if any(v is None for v in values):
+            raise ValueError(f"field {key!r} is set on some sequences of a micro-batch and not on others: set it on "
+                             "all of them (a (b, R) tensor needs a value for every row)")
+        values = [torch.as_tensor(v).reshape(-1) for v in values]
+        out = torch.zeros((b, R), dtype=values[0].dtype)
+        for row, (v, r) in enumerate(zip(values, responses)):
+            if v.shape[0] != len(r):
+                raise ValueError(f"field {key!r} of sequence {indices[row]} has {v.shape[0]} values but the "
+                                 f"response has {len(r)} tokens: per-token fields cover the response only")
+            out[row, : len(r)] = v.detach().cpu()
+        fields[key] = out
     return MicroBatch(indices=list(indices), input_ids=input_ids,
                       prompt_lens=torch.tensor([len(p) for p in prompts], dtype=torch.long),
                       response_lens=torch.tensor([len(r) for r in responses], dtype=torch.long),
                       response_mask=response_mask, fields=fields)
 
 
-def make_micro_batches(seqs: Sequence[Mapping[str, Any]], max_tokens_per_micro_batch: int, pad_id: int = 0,
-                       micro_batch_cost_tokens: Optional[int] = None) -> list[MicroBatch]:
+def make_micro_batches(seqs: Sequence[Union[TrainSequence, Mapping[str, Any]]], max_tokens_per_micro_batch: int,
+                       pad_id: int = 0, micro_batch_cost_tokens: Optional[int] = None) -> list[MicroBatch]:
     """Pack `seqs` by the token budget (see the module doc); tensors stay on the CPU until the worker moves them.
+    Mappings are read through `as_sequence`.
 
     `micro_batch_cost_tokens`: see plan_micro_batches. `pad_id` only fills positions after a row's last token: causal attention keeps them from touching real
     tokens and their outputs are masked, so any valid id works.
     """
     if not seqs:
         return []
+    seqs = [as_sequence(s) for s in seqs]
     plan = plan_micro_batches(sequence_lengths(seqs), max_tokens_per_micro_batch, micro_batch_cost_tokens)
     return [_collate(seqs, idx, pad_id) for idx in plan]
 

@@ -2,8 +2,16 @@
 
     layout = EngineLayout(world=8, tp=2, pp=2, engine_tp=2)     # raises LayoutError where no engine can serve
     layout.groups                  # [[0, 1], [2, 3], [4, 5], [6, 7]]: vLLM's TP groups (consecutive ranks)
-    layout.share(rank)             # (k, shares): this engine runs share k of its replica's trajectories
+    shard = layout.shard(rank, "replica")   # training: this engine runs shard.take(replica's trajectories)
+    shard = layout.shard(rank, "world")     # validation: this engine runs shard.take(all validation rows)
     layout.sampling_seed(seed, rank)
+
+The one sharding rule, for training and validation rollouts alike: a list that several engines hold in common is
+split round-robin over those engines, `items[k::n]` for the k-th of the n engines in rank order, and every engine's
+first rank hands in its results (`Shard.contributes`; the engine's other ranks computed the same ones). Only the
+scope differs: a training batch is one replica's (its tp*pp ranks hold the same trajectories; the results are
+exchanged inside the model-parallel group), the validation rows are everybody's (split over every engine; the
+results are gathered over all ranks).
 
 Two facts meet here. vLLM's `external_launcher` builds its TP groups from *consecutive* global ranks
 (``arange(world).reshape(-1, engine_tp)``). Megatron orders ranks tp-cp-ep-dp-pp (tp varies fastest; cp = ep = 1
@@ -19,6 +27,10 @@ check it against megatron.core's own RankGenerator for every layout up to 64 ran
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
+from typing import Sequence, TypeVar
+
+T = TypeVar("T")
 
 SHARE_SEED_STRIDE = 104_729
 """Seeds of two engines lie this far apart; the loop adds the turn number to a seed, so engines must be further
@@ -46,6 +58,39 @@ def engine_groups(world: int, engine_tp: int) -> list[list[int]]:
     [[0, 1], [2, 3]]
     """
     return [list(range(start, start + engine_tp)) for start in range(0, world, engine_tp)]
+
+
+@dataclass(frozen=True)
+class Shard:
+    """One engine's part of a list that `count` engines split (EngineLayout.shard)."""
+
+    index: int
+    """This engine's position among the engines that split the list (rank order)."""
+    count: int
+    """How many engines split it."""
+    contributes: bool
+    """Whether this rank hands in its engine's results (the engine's first rank does)."""
+
+    def take(self, items: Sequence[T]) -> list[T]:
+        """This engine's items: every `count`-th, from `index`.
+
+        >>> Shard(1, 3, True).take("abcdefg")
+        ['b', 'e']
+        """
+        return list(items[self.index::self.count])
+
+    def merge(self, parts: dict[int, list]) -> list:
+        """Every engine's results (shard index -> that engine's `take`, processed) back in the order of the list.
+
+        >>> Shard(0, 2, True).merge({1: ["b", "d"], 0: ["a", "c", "e"]})
+        ['a', 'b', 'c', 'd', 'e']
+        """
+        if sorted(parts) != list(range(self.count)):
+            raise ValueError(f"results of shards {sorted(parts)}, expected shards 0..{self.count - 1}")
+        out: list = [None] * sum(len(p) for p in parts.values())
+        for k, part in parts.items():
+            out[k::self.count] = part
+        return out
 
 
 @dataclass(frozen=True)
@@ -79,11 +124,11 @@ class EngineLayout:
     def dp(self) -> int:
         return self.world // (self.tp * self.pp)
 
-    @property
+    @cached_property
     def groups(self) -> list[list[int]]:
         return engine_groups(self.world, self.engine_tp)
 
-    @property
+    @cached_property
     def replica_of(self) -> list[int]:
         """DP rank (replica) of every global rank."""
         out = [0] * self.world
@@ -101,15 +146,23 @@ class EngineLayout:
         replica_of = self.replica_of
         return [g for g, ranks in enumerate(self.groups) if replica_of[ranks[0]] == dp_rank]
 
-    def share(self, rank: int) -> tuple[int, int]:
-        """(k, shares): `rank`'s engine runs share k of the `shares` shares of its replica's trajectories
-        (`trajs[k::shares]`).
+    def shard(self, rank: int, scope: str) -> Shard:
+        """`rank`'s part of a list split over engines (the module doc's rule). scope "replica": the list is one
+        replica's (training trajectories), split over that replica's engines; "world": every rank holds the same
+        list (validation rows), split over all engines.
 
-        >>> EngineLayout(8, tp=2, pp=2, engine_tp=2).share(5)  # replica 0 = [0, 1, 4, 5]: engines [0,1], [4,5]
-        (1, 2)
+        >>> L = EngineLayout(8, tp=2, pp=2, engine_tp=2)  # replica 0 = [0, 1, 4, 5]: engines [0,1], [4,5]
+        >>> L.shard(5, "replica"), L.shard(5, "world")
+        (Shard(index=1, count=2, contributes=False), Shard(index=2, count=4, contributes=False))
         """
-        mine = self.replica_groups(self.replica_of[rank])
-        return mine.index(self.group_of(rank)), len(mine)
+        group = self.group_of(rank)
+        if scope == "replica":
+            engines = self.replica_groups(self.replica_of[rank])
+        elif scope == "world":
+            engines = list(range(len(self.groups)))
+        else:
+            raise ValueError(f"scope must be 'replica' or 'world', got {scope!r}")
+        return Shard(engines.index(group), len(engines), contributes=rank == self.groups[group][0])
 
     def sampling_seed(self, step_seed: int, rank: int) -> int:
         """The rollout's base seed on `rank`: the step's seed plus an offset per engine, so engines of different

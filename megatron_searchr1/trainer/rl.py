@@ -22,11 +22,11 @@ import torch.distributed as dist
 from megatron.core import parallel_state as mpu
 
 from megatron_searchr1 import ppo
-from megatron_searchr1.checkpoint import agreed_resume_target, load_checkpoint, save_checkpoint
+from megatron_searchr1.checkpoint import RoleState, agreed_resume_target, load_roles, save_roles
 from megatron_searchr1.config import Config, save_config
 from megatron_searchr1.console import progress
 from megatron_searchr1.data.rl_data import dp_shard
-from megatron_searchr1.megatron.batching import make_micro_batches, split_mini_batches
+from megatron_searchr1.megatron.batching import TrainSequence, make_micro_batches, split_mini_batches
 from megatron_searchr1.metrics import mean_over_ranks, timer
 from megatron_searchr1.trainer.build import Roles, build_roles
 from megatron_searchr1.trainer.reports import format_eval_table, reward_table, sample_records, summarize_eval
@@ -93,13 +93,13 @@ class Trainer:
             with timer() as t_old:                                                                    # forwards
                 if not self.on_policy():  # else the update's own forward gives them (ppo.actor_loss_fn)
                     for s, lp in zip(seqs, self.policy.log_probs(seqs, budget, r.temperature)):
-                        s["old_log_probs"] = lp
+                        s.old_log_probs = lp
                 if self.reference is not None:
                     for s, lp in zip(seqs, self.reference.log_probs(seqs, budget, r.temperature)):
-                        s["ref_log_probs"] = lp
+                        s.ref_log_probs = lp
                 if self.critic is not None:
                     for s, v in zip(seqs, self.critic.values(seqs, budget)):
-                        s["values"] = v
+                        s.values = v
             # 6. advantages: whitening and the advantage metrics over the whole batch (a sum over DP; every rank
             # takes part, also one whose trajectories were all dropped)
             adv_metrics = ppo.add_advantages(seqs, [x["score"] for x in scores], [tr.uid for tr in trajs], a,
@@ -134,7 +134,7 @@ class Trainer:
         return (a.ppo_epochs == 1 and a.ppo_mini_batch_size == self.cfg.data.train_batch_size
                 and not a.use_kl_in_reward)
 
-    def update(self, seqs: list) -> dict:
+    def update(self, seqs: list[TrainSequence]) -> dict:
         """Critic, then actor: ppo_epochs passes over mini-batches of this rank's sequences."""
         a, o = self.cfg.algo, self.cfg.optim
         n_mini = self.cfg.data.train_batch_size // a.ppo_mini_batch_size
@@ -180,30 +180,29 @@ class Trainer:
         return report
 
     # -- checkpoints and export --------------------------------------------------------------------------------
-    def _models(self):
-        p = self.policy
-        models, opts, scheds = {"actor": p.model}, {"actor": p.optimizer}, {"actor": p.scheduler}
+    def _states(self) -> dict[str, RoleState]:
+        """The roles a checkpoint holds, under their subdirectory names (the frozen reference is not saved: its
+        source directory is, in `extra`)."""
+        states = {"actor": self.policy.state()}
         if self.critic is not None:
-            c = self.critic
-            models["critic"], opts["critic"], scheds["critic"] = c.model, c.optimizer, c.scheduler
-        return models, opts, scheds
+            states["critic"] = self.critic.state()
+        return states
 
     def save(self) -> None:
-        models, opts, scheds = self._models()
+        states = self._states()
         sampler = self.data.sampler
         extra = {"step": self.step_no, "sampler": sampler.state_dict() if sampler else None,
                  "kl_ctrl": self.roles.kl_ctrl.state_dict(),
                  "ref_source": self.reference.source if self.reference is not None else None}
-        save_checkpoint(self.ckpt_root, self.step_no, models, opts, scheds, extra,
-                        hf_dirs={name: self.policy.hf_dir for name in models}, keep_last=self.cfg.trainer.keep_last)
+        save_roles(self.ckpt_root, self.step_no, states, extra, hf_dirs={name: self.policy.hf_dir for name in states},
+                   keep_last=self.cfg.trainer.keep_last)
 
     def _resume(self) -> None:
         target = agreed_resume_target(self.cfg.trainer.resume, self.ckpt_root)  # rank 0 decides for every node
         if target is None:
             return
         root, step = target
-        models, opts, scheds = self._models()
-        extra = load_checkpoint(root, step, models, opts, scheds)
+        extra = load_roles(root, step, self._states())
         self.step_no = int(extra["step"])
         if self.data.sampler is not None and extra.get("sampler"):
             self.data.sampler.load_state_dict(extra["sampler"])

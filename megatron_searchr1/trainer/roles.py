@@ -3,11 +3,12 @@
     policy.log_probs(seqs, budget, temperature)      # actor or, frozen, the reference (no optimizer)
     policy.update(micro_batches, loss_fn, ...)       # one optimizer step (workers/schedule.py)
     critic.values(seqs, budget); critic.update(...)
-    worker.sync(policy); worker.generate(trajs, temperature, seed); worker.sleep(); worker.validate(rows)
+    policy.state(), critic.state()                   # what a checkpoint keeps (checkpoint.save_roles / load_roles)
+    worker.sync(policy); worker.generate(trajs, seed); worker.sleep(); worker.validate(rows, batch_size, n_samples)
 
 `Policy` is also the SFT model. Every rank holds every role (SPMD): the models are Megatron stages, the
 `RolloutWorker` drives this rank's engine, which serves a share of its model replica's trajectories
-(rollout/engine_groups.py is the rule for which ranks form an engine).
+(rollout/engine_groups.py is the rule for which ranks form an engine and which slice of a list each engine runs).
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as mpu
 
 from megatron_searchr1 import ppo
-from megatron_searchr1.checkpoint import CheckpointError
+from megatron_searchr1.checkpoint import CheckpointError, RoleState
 from megatron_searchr1.export import export_hf
 from megatron_searchr1.models.convert import DTYPES
 from megatron_searchr1.models import lora, lora_export
@@ -70,6 +71,10 @@ class Policy:
 
     def step_schedule(self) -> None:
         self.scheduler.step(1)
+
+    def state(self) -> RoleState:
+        """What a checkpoint keeps of this model (checkpoint.save_roles / load_roles; loading fills it in place)."""
+        return RoleState(self.model, self.optimizer, self.scheduler)
 
     @property
     def lr(self) -> float:
@@ -135,6 +140,10 @@ class Critic:
 
     def step_schedule(self) -> None:
         self.scheduler.step(1)
+
+    def state(self) -> RoleState:
+        """What a checkpoint keeps of the critic (checkpoint.save_roles / load_roles; loading fills it in place)."""
+        return RoleState(self.model, self.optimizer, self.scheduler)
 
 
 class RolloutWorker:
@@ -204,23 +213,18 @@ class RolloutWorker:
 
     def generate(self, trajs: list, seed: int) -> tuple[list, dict]:
         """Run the search loop. The tp*pp ranks of a DP rank hold the same trajectories: each of their engines
-        runs a share (rollout/engine_groups.py), and the finished shares are exchanged so every rank returns all
-        of them, in order. The engine must be awake (`sync`)."""
-        share, shares = self.layout.share(self.rank)
-        mine = trajs[share::shares]
-        # one seed per engine: DP ranks and shares draw different noise
+        runs its shard (rollout/engine_groups.py, scope "replica"), and the finished shards are exchanged so every
+        rank returns all of them, in order. The engine must be awake (`sync`)."""
+        shard = self.layout.shard(self.rank, "replica")
+        mine = shard.take(trajs)
+        # one seed per engine: DP ranks and shards draw different noise
         settings = dataclasses.replace(self.train_settings, seed=self.layout.sampling_seed(seed, self.rank))
         stats = loop.run_rollout(self.engine, self.tokenizer, self.client.search, mine, settings)
         metrics = stats.as_metrics(mine)
         group = mpu.get_model_parallel_group()
         if dist.get_world_size(group) > 1:
-            parts: list = [None] * dist.get_world_size(group)
-            dist.all_gather_object(parts, (share, mine), group=group)
-            done = list(trajs)
-            for k, part in dict(parts).items():
-                done[k::shares] = part
-            trajs = done
-            # the counters in `stats` are this engine's share: finish reasons are recounted over all trajectories
+            trajs = self._exchange(shard, mine, group)
+            # the counters in `stats` are this engine's shard: finish reasons are recounted over all trajectories
             everything = RolloutStats(finish=Counter(tr.finish_reason for tr in trajs))
             metrics = {**everything.as_metrics(trajs), "time/generate": metrics["time/generate"],
                        "time/search": metrics["time/search"],
@@ -228,12 +232,12 @@ class RolloutWorker:
         return trajs, metrics
 
     def validate(self, rows: list, batch_size: int, n_samples: int) -> tuple[list[dict], list[dict]]:
-        """Greedy rollouts of the validation rows -> (every rank's records, this rank's first samples). Unlike
-        training, the rows are not one replica's: they are split over all engines (the ranks of one vLLM TP group
-        send the same prompts), and each engine's first rank contributes its records."""
-        group, n_groups = self.layout.group_of(self.rank), len(self.layout.groups)
+        """Greedy rollouts of the validation rows -> (every engine's records, in row order; this rank's first
+        samples). Every rank holds all rows: they are split over all engines (scope "world"), the same rule as
+        training's."""
+        shard = self.layout.shard(self.rank, "world")
         records, samples = [], []
-        mine = rows[group::n_groups]
+        mine = shard.take(rows)
         for start in range(0, len(mine), batch_size):
             trajs = self.make_trajectories(mine[start:start + batch_size], 1)
             loop.run_rollout(self.engine, self.tokenizer, self.client.search, trajs, self.val_settings)
@@ -241,9 +245,14 @@ class RolloutWorker:
                 if len(samples) < n_samples:
                     samples.append(reports.eval_sample(self.tokenizer, tr, sc))
                 records.append(reports.eval_record(tr, sc))
-        parts: list = [None] * self.world
-        dist.all_gather_object(parts, records if self.rank == self.layout.groups[group][0] else [])
-        return [x for part in parts for x in part], samples
+        return self._exchange(shard, records, group=None), samples
+
+    def _exchange(self, shard, results: list, group) -> list:
+        """Every engine's results in list order: each engine's first rank hands in (shard index, its results), the
+        ranks of `group` (those that split the list; None: all ranks) gather them."""
+        parts: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(parts, (shard.index, results) if shard.contributes else None, group=group)
+        return shard.merge(dict(part for part in parts if part is not None))
 
     def close(self) -> None:
         if hasattr(self.engine, "close"):

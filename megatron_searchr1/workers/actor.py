@@ -29,7 +29,7 @@ import torch
 
 from megatron.core.distributed import DistributedDataParallel
 
-from megatron_searchr1.megatron.batching import MicroBatch, make_micro_batches
+from megatron_searchr1.megatron.batching import MicroBatch, TrainSequence, make_micro_batches
 from megatron_searchr1.megatron.optimizer import wrap_ddp
 from megatron_searchr1.models.gpt import build_gpt_model
 from megatron_searchr1.workers.schedule import forward_per_sequence
@@ -59,7 +59,7 @@ def build_reference(hf_config, *, params_dtype: torch.dtype = torch.float32, loa
     return model.eval()
 
 
-def compute_log_probs(model: torch.nn.Module, seqs: Sequence[dict], *, max_tokens_per_micro_batch: int,
+def compute_log_probs(model: torch.nn.Module, seqs: Sequence[TrainSequence], *, max_tokens_per_micro_batch: int,
                       temperature: float = 1.0, with_entropy: bool = False, pad_id: int = 0):
     """Log-probs of each sequence's response tokens: list[Tensor(len(response_ids))] fp32 on the CPU, in input
     order, the same on every rank of the model-parallel group; (log_probs, entropies) with `with_entropy`.
@@ -71,10 +71,10 @@ def compute_log_probs(model: torch.nn.Module, seqs: Sequence[dict], *, max_token
     return (out["log_probs"], out["entropy"]) if with_entropy else out["log_probs"]
 
 
-def sft_sequence(token_ids, loss_mask) -> dict:
+def sft_sequence(token_ids, loss_mask) -> TrainSequence:
     """One SFT example as a worker sequence: prompt = the first token, response = the rest (with its mask).
 
-    >>> s = sft_sequence([5, 6, 7], [0, 1, 1]); s["prompt_ids"], s["response_ids"], s["loss_mask"].tolist()
+    >>> s = sft_sequence([5, 6, 7], [0, 1, 1]); s.prompt_ids, s.response_ids, s.loss_mask.tolist()
     ([5], [6, 7], [1.0, 1.0])
     """
     ids = [int(t) for t in token_ids]
@@ -82,7 +82,7 @@ def sft_sequence(token_ids, loss_mask) -> dict:
     if len(ids) < 2 or mask.numel() != len(ids):
         raise ValueError(f"an SFT example needs >= 2 tokens and one mask value per token (got {len(ids)} tokens, "
                          f"{mask.numel()} mask values)")
-    return {"prompt_ids": ids[:1], "response_ids": ids[1:], "loss_mask": mask[1:]}
+    return TrainSequence(prompt_ids=ids[:1], response_ids=ids[1:], loss_mask=mask[1:])
 
 
 def masked_nll_loss(outputs: dict, mb: MicroBatch) -> tuple[torch.Tensor, dict]:

@@ -17,7 +17,7 @@ import torch
 
 from megatron.core.distributed import DistributedDataParallel
 
-from megatron_searchr1.megatron.batching import make_micro_batches
+from megatron_searchr1.megatron.batching import TrainSequence, make_micro_batches
 from megatron_searchr1.megatron.optimizer import wrap_ddp
 from megatron_searchr1.models.critic import build_critic_model
 from megatron_searchr1.workers.actor import LoadWeights
@@ -33,7 +33,7 @@ def build_critic(hf_config, *, params_dtype: torch.dtype = torch.float32, load_w
     return wrap_ddp(model, use_distributed_optimizer=use_distributed_optimizer)
 
 
-def compute_values(critic: torch.nn.Module, seqs: Sequence[dict], *, max_tokens_per_micro_batch: int,
+def compute_values(critic: torch.nn.Module, seqs: Sequence[TrainSequence], *, max_tokens_per_micro_batch: int,
                    pad_id: int = 0) -> list[torch.Tensor]:
     """Critic values per response token: list[Tensor(len(response_ids))] fp32 on the CPU, in input order, the
     same on every rank of the model-parallel group (which must all pass the same `seqs`)."""

@@ -7,8 +7,9 @@ save:  one training step, save step 5 (actor + optimizer + scheduler, critic wit
        parameters after one more step (OUT/save_rank{r}.pt); rank 0 also writes the actor's HF-named weights
        (OUT/actor_hf.pt).
 crash: load step 5, then start saving step 6 and SIGKILL rank 1 right after its model shards are written.
-load:  fresh models (another init seed) + fresh optimizer, load "latest", compare everything with the save run's
-       record (OUT/load_rank{r}.ok on success), then save step 7 with keep_last=1.
+load:  fresh models (another init seed) + fresh optimizer, load "latest" through the roles (Policy / Critic .state(),
+       checkpoint.load_roles: the trainers' path reads what the dict API wrote), compare everything with the save
+       run's record (OUT/load_rank{r}.ok on success), then save step 7 with keep_last=1 through the roles.
 """
 import argparse
 import os
@@ -151,7 +152,10 @@ def main():
         record = torch.load(os.path.join(args.out, f"save_rank{rank}.pt"), weights_only=False)
         fresh = params(ddp.module)
         assert any(not torch.equal(fresh[n], record["actor"][n]) for n in fresh), "fresh model equals the saved one"
-        extra = ckpt.load_checkpoint(args.root, "latest", models, opts, scheds)
+        from megatron_searchr1.trainer.roles import Critic, Policy
+
+        states = {"actor": Policy(ddp, opt, sched).state(), "critic": Critic(critic).state()}
+        extra = ckpt.load_roles(args.root, "latest", states)
         assert_equal(extra, {**EXTRA, "step": STEP_SAVED}, "extra")
         assert_equal(params(ddp.module), record["actor"], "actor")
         assert_equal(params(critic), record["critic"], "critic")
@@ -161,7 +165,7 @@ def main():
         assert_equal(draws(), record["draws"], "random draws")
         train_step(ddp, opt, sched, hf_config.vocab_size, seed=1)
         assert_equal(params(ddp.module), record["after"], "parameters after the next step")
-        ckpt.save_checkpoint(args.root, STEP_SAVED + 2, models, opts, scheds, EXTRA, keep_last=1)
+        ckpt.save_roles(args.root, STEP_SAVED + 2, states, EXTRA, keep_last=1)
         open(os.path.join(args.out, f"load_rank{rank}.ok"), "w").close()
     destroy_megatron()
 

@@ -2,6 +2,7 @@
 restore in one process (fast); and at TP=2 under torchrun (slow): models, optimizer state, scheduler, RNG and extra
 come back exactly into fresh objects, a rank SIGKILLed mid-save leaves the previous checkpoint loadable, and the
 actor subdirectory converts to Hugging Face with checkpoints_convert/megatron_to_hf.py."""
+import json
 import os
 import random
 
@@ -117,6 +118,11 @@ def test_tp2_save_crash_load_and_convert(tmp_path):
     run_torchrun(SCRIPT, 2, "--mode", "load", *common)
     assert (out / "load_rank0.ok").exists() and (out / "load_rank1.ok").exists()
     assert sorted(os.listdir(root)) == [LATEST_FILE, "step_000007"]
+    # saved through the roles (save_roles): the dict API's layout, the critic without optimizer or schedule
+    marker = json.loads((root / "step_000007" / "checkpoint.json").read_text())
+    assert (marker["models"], marker["optimizers"], marker["schedulers"]) == (["actor", "critic"], ["actor"], ["actor"])
+    assert sorted(os.listdir(root / "step_000007")) == ["actor", "checkpoint.json", "critic", "optimizer", "rng",
+                                                        "trainer_state.pt"]
 
 
 def test_resume_target(tmp_path):

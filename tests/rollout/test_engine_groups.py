@@ -45,11 +45,22 @@ def test_every_layout_up_to_64_ranks_matches_megatron_and_never_spans_replicas()
         assert not spans, (tp, pp, dp, e)
         accepted += 1
         assert layout.groups == vllm_groups
-        # every replica's trajectories are split over its own engines, and each engine's ranks agree on the share
-        for rank in range(world):
-            k, shares = layout.share(rank)
-            assert shares == len(cache[key][0]) // e if dp > 1 else shares == world // e
-            assert all(layout.share(r) == (k, shares) for r in vllm_groups[rank // e])
+        # one rule for both scopes: the engines that hold a list each take items[k::n], every item goes to exactly
+        # one engine, each engine's ranks agree on k and exactly one of them (its first) hands the results in
+        for scope, holders in (("replica", cache[key]), ("world", [list(range(world))])):
+            for ranks in holders:
+                items = list(range(3 * len(ranks) + 1))
+                shards = {r: layout.shard(r, scope) for r in ranks}
+                taken = sorted(x for r, sh in shards.items() if sh.contributes for x in sh.take(items))
+                assert taken == items, (scope, tp, pp, dp, e)
+                for r, sh in shards.items():
+                    engine = vllm_groups[r // e]
+                    assert all(shards[q].index == sh.index for q in engine) and sh.contributes == (r == engine[0])
+                    assert sh.count == (len(ranks) // e if scope == "replica" or dp > 1 else world // e)
+            # validation keeps its old rule (rows[rank // engine_tp :: engines]), training its old shares
+            assert all(layout.shard(r, "world").index == r // e for r in range(world))
+            assert all(layout.shard(r, "replica").index == layout.replica_groups(layout.replica_of[r]).index(r // e)
+                       for r in range(world))
         # seeds: the same on the ranks of one engine, different between engines (so between DP ranks)
         seeds = {g[0]: layout.sampling_seed(11, g[0]) for g in vllm_groups}
         assert len(set(seeds.values())) == len(vllm_groups)
@@ -64,7 +75,9 @@ def test_the_issue_layouts():
         EngineLayout(4, tp=1, pp=2, engine_tp=2)
     ok = EngineLayout(8, tp=2, pp=2, engine_tp=2)
     assert ok.groups == [[0, 1], [2, 3], [4, 5], [6, 7]]
-    assert [ok.share(r) for r in range(8)] == [(0, 2), (0, 2), (0, 2), (0, 2), (1, 2), (1, 2), (1, 2), (1, 2)]
+    assert [ok.shard(r, "replica").index for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert [ok.shard(r, "world").index for r in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert [ok.shard(r, "replica").contributes for r in range(8)] == [True, False] * 4
     assert EngineLayout(4, tp=2, pp=2, engine_tp=4).groups == [[0, 1, 2, 3]]  # DP = 1: one replica, one engine
 
 
@@ -103,3 +116,15 @@ def test_seeds_differ_between_dp_ranks_and_so_do_samples():
     out = [engine.generate([[1, 2, 3]], SamplingParams(max_tokens=16, temperature=1.0, seed=s))[0].token_ids
            for s in seeds]
     assert out[0] != out[1]
+
+
+def test_shard_merge_puts_every_engines_results_back_in_list_order():
+    layout = EngineLayout(8, tp=2, pp=2, engine_tp=1)  # replica 0 = [0, 1, 4, 5]: four engines, one per rank
+    items = list("abcdefghij")
+    shards = [layout.shard(r, "replica") for r in (0, 1, 4, 5)]
+    parts = {sh.index: [x.upper() for x in sh.take(items)] for sh in shards}
+    assert shards[0].merge(parts) == list("ABCDEFGHIJ")
+    with pytest.raises(ValueError, match="expected shards 0..3"):
+        shards[0].merge({0: parts[0], 1: parts[1]})
+    with pytest.raises(ValueError, match="scope"):
+        layout.shard(0, "dp")

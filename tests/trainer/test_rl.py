@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from megatron_searchr1.config import load_config
+from megatron_searchr1.megatron.batching import TrainSequence
 from megatron_searchr1.trainer.rl import Trainer
 from megatron_searchr1.trainer.roles import Critic, Policy
 
@@ -28,7 +29,7 @@ def test_critic_warmup_matches_verl(monkeypatch, warmup, actor_steps):
     trainer.cfg = load_config(None, ["algo.adv_estimator=gae", f"optim.critic_warmup={warmup}",
                                      "data.train_batch_size=2", "algo.ppo_mini_batch_size=2"])
     trainer.policy, trainer.critic = Policy("actor", None, _Sched()), Critic("critic", None, _Sched())
-    seqs = [{"prompt_ids": [1, 2], "response_ids": [3, 4], "loss_mask": torch.ones(2)} for _ in range(2)]
+    seqs = [TrainSequence([1, 2], [3, 4], torch.ones(2)) for _ in range(2)]
     updated = []
     for step in (1, 2, 3):
         trainer.step_no = step
@@ -54,6 +55,6 @@ def test_the_actor_update_computes_a_differentiable_entropy_only_for_an_entropy_
                                      "algo.ppo_mini_batch_size=2"])
     trainer.policy, trainer.critic = Policy("actor", None, _Sched()), None
     trainer.step_no = 1
-    trainer.update([{"prompt_ids": [1, 2], "response_ids": [3, 4], "loss_mask": torch.ones(2)} for _ in range(2)])
+    trainer.update([TrainSequence([1, 2], [3, 4], torch.ones(2)) for _ in range(2)])
     assert seen["actor"]["with_entropy"] is True
     assert seen["actor"]["entropy_grad"] is (coeff != 0)

@@ -64,8 +64,8 @@ def test_log_probs_and_entropy_equal_hf(hf_dir, results):
     hf = Qwen2ForCausalLM.from_pretrained(hf_dir).eval()
     got = results("tp1")
     for i, s in enumerate(make_sequences()):
-        P, R = len(s["prompt_ids"]), len(s["response_ids"])
-        ids = torch.tensor([s["prompt_ids"] + s["response_ids"]])
+        P, R = len(s.prompt_ids), len(s.response_ids)
+        ids = torch.tensor([s.prompt_ids + s.response_ids])
         with torch.no_grad():
             logp = torch.log_softmax(hf(ids).logits[0].float() / 0.7, dim=-1)[P - 1: P + R - 1]  # (R, V)
         want = logp.gather(-1, ids[0, P:].unsqueeze(-1)).squeeze(-1)

@@ -23,6 +23,8 @@ VOCAB = 300  # padded to 384 at TP=1 and 512 at TP=2: TP=2's second rank holds 4
 
 
 def make_sequences(n=7, seed=0):
+    from megatron_searchr1.megatron.batching import TrainSequence
+
     g = torch.Generator().manual_seed(seed)
     seqs = []
     for _ in range(n):
@@ -30,9 +32,9 @@ def make_sequences(n=7, seed=0):
         r = int(torch.randint(1, 13, (1,), generator=g))
         mask = (torch.rand(r, generator=g) > 0.3).float()
         mask[0] = 1.0
-        seqs.append({"prompt_ids": torch.randint(0, VOCAB, (p,), generator=g).tolist(),
-                     "response_ids": torch.randint(0, VOCAB, (r,), generator=g).tolist(),
-                     "loss_mask": mask, "advantages": torch.randn(r, generator=g)})
+        seqs.append(TrainSequence(prompt_ids=torch.randint(0, VOCAB, (p,), generator=g).tolist(),
+                                  response_ids=torch.randint(0, VOCAB, (r,), generator=g).tolist(),
+                                  loss_mask=mask, advantages=torch.randn(r, generator=g)))
     return seqs
 
 
@@ -136,7 +138,7 @@ def main():
     if args.train:
         optimizer, scheduler = build_optimizer(actor, lr=3e-3, clip_grad=1.0, warmup_steps=1, decay_steps=10,
                                                decay_style="linear")
-        sft = [sft_sequence(s["prompt_ids"] + s["response_ids"], [1] * (len(s["prompt_ids"]) + len(s["response_ids"])))
+        sft = [sft_sequence(s.prompt_ids + s.response_ids, [1] * (len(s.prompt_ids) + len(s.response_ids)))
                for s in seqs]
         result["train"] = [train_step(actor, optimizer, scheduler, make_micro_batches(sft, 40), masked_nll_loss)
                            for _ in range(6)]

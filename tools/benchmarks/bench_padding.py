@@ -66,7 +66,9 @@ def main(argv=None) -> int:
     if a.max_tokens_per_micro_batch < a.max_prompt_length + a.max_response_length:
         ap.error("--max-tokens-per-micro-batch must be >= max prompt + max response length "
                  f"({a.max_prompt_length + a.max_response_length})")
-    from megatron_searchr1.megatron.batching import make_micro_batches, padding_share  # after the checks: imports torch
+    import torch  # after the checks: torch is slow to import
+
+    from megatron_searchr1.megatron.batching import TrainSequence, make_micro_batches, padding_share
 
     row_tokens = a.max_prompt_length + a.max_response_length
     print(f"{a.sequences} trajectories per mini-batch, max_turns={a.max_turns}, topk={a.topk}; Search-R1 rows "
@@ -78,7 +80,7 @@ def main(argv=None) -> int:
         lengths = synthetic_trajectory_lengths(a.sequences, seed, max_prompt=a.max_prompt_length,
                                                max_response=a.max_response_length, max_turns=a.max_turns,
                                                doc_tokens=a.doc_tokens, topk=a.topk)
-        seqs = [{"prompt_ids": [1] * p, "response_ids": [2] * r} for p, r in lengths]
+        seqs = [TrainSequence([1] * p, [2] * r, torch.ones(r)) for p, r in lengths]
         mbs = make_micro_batches(seqs, a.max_tokens_per_micro_batch,
                                  micro_batch_cost_tokens=a.micro_batch_cost_tokens)
         ours = padding_share(mbs)

@@ -1,7 +1,7 @@
 """torchrun worker: vocab_parallel_log_probs over 2 gloo ranks (plain torch.distributed, no Megatron) equals the
 single-process result on the real vocabulary, values and gradients, with padded columns holding huge logits.
 
-    torchrun --standalone --nproc_per_node 2 tests/workers/vocab_parallel_script.py
+    torchrun --standalone --nproc_per_node 2 tests/megatron/vocab_parallel_script.py
 """
 import sys
 from pathlib import Path

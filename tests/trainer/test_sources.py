@@ -65,11 +65,12 @@ def test_resume_reloads_the_recorded_reference_not_the_roots_latest(tmp_path, mo
     # the run saves a checkpoint: it records the pinned reference
     saved = {}
 
-    def fake_save(root, step, models, opts, scheds, extra, **kw):
+    def fake_save(root, step, states, extra, **kw):
+        assert sorted(states) == ["actor"]  # the policy's state; the reference is recorded by its source only
         saved.update(extra)
         save_checkpoint(root, step, {}, {}, {}, extra)
 
-    monkeypatch.setattr("megatron_searchr1.trainer.rl.save_checkpoint", fake_save)
+    monkeypatch.setattr("megatron_searchr1.trainer.rl.save_roles", fake_save)
     tr = _trainer(tmp_path, first)
     tr.step_no = 2
     tr.save()
@@ -81,8 +82,7 @@ def test_resume_reloads_the_recorded_reference_not_the_roots_latest(tmp_path, mo
     assert now != first
     loaded = []
     monkeypatch.setattr(runtime, "weights_loader", lambda hf_config, source: lambda m: loaded.append(source))
-    monkeypatch.setattr("megatron_searchr1.trainer.rl.load_checkpoint",
-                        lambda root, step, *a: {**saved, "step": step})
+    monkeypatch.setattr("megatron_searchr1.trainer.rl.load_roles", lambda root, step, states: {**saved, "step": step})
     tr = _trainer(tmp_path, now)
     tr._resume()
     assert tr.step_no == 2

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from megatron_searchr1.megatron.batching import (
-    make_micro_batches, padding_share, plan_micro_batches, restore_order, split_mini_batches,
+    TrainSequence, make_micro_batches, padding_share, plan_micro_batches, restore_order, split_mini_batches,
 )
 
 
@@ -14,10 +14,9 @@ def random_seqs(n, seed=0, max_prompt=30, max_response=60):
     seqs = []
     for i in range(n):
         p, r = rng.randint(1, max_prompt), rng.randint(0, max_response)
-        seqs.append({"prompt_ids": [rng.randrange(100) for _ in range(p)],
-                     "response_ids": [rng.randrange(100) for _ in range(r)],
-                     "loss_mask": torch.ones(r), "advantages": torch.arange(r, dtype=torch.float32) + i,
-                     "reward": float(i), "uid": f"q{i}"})
+        seqs.append(TrainSequence(prompt_ids=[rng.randrange(100) for _ in range(p)],
+                                  response_ids=[rng.randrange(100) for _ in range(r)], loss_mask=torch.ones(r),
+                                  advantages=torch.arange(r, dtype=torch.float32) + i))
     return seqs
 
 
@@ -30,24 +29,23 @@ def test_budget_respected_and_every_sequence_once(budget):
     for mb in mbs:
         for row, i in enumerate(mb.indices):
             s = seqs[i]
-            P, R = len(s["prompt_ids"]), len(s["response_ids"])
-            assert mb.input_ids[row, :P + R].tolist() == s["prompt_ids"] + s["response_ids"]  # right-padded
+            P, R = len(s.prompt_ids), len(s.response_ids)
+            assert mb.input_ids[row, :P + R].tolist() == s.prompt_ids + s.response_ids  # right-padded
             assert mb.response_mask[row].sum() == R
-            assert mb["advantages"][row, :R].tolist() == s["advantages"].tolist()
+            assert mb["advantages"][row, :R].tolist() == s.advantages.tolist()
             assert mb["advantages"][row, R:].abs().sum() == 0
-            assert mb["reward"][row] == float(i)
-            assert mb.response_targets()[row, :R].tolist() == s["response_ids"]
+            assert mb.response_targets()[row, :R].tolist() == s.response_ids
             # the position predicting response token j is P + j - 1
             assert mb.response_positions()[row, :R].tolist() == list(range(P - 1, P + R - 1))
-        assert "uid" not in mb  # strings are not batched
+        assert "advantages" in mb and "values" not in mb  # only the fields that are set
 
 
 def test_order_restored():
     seqs = random_seqs(23, seed=1)
     mbs = make_micro_batches(seqs, 150)
     assert len(mbs) > 3
-    per_mb = [[mb["reward"][row].item() for row in range(mb.num_rows)] for mb in mbs]
-    assert restore_order(per_mb, mbs) == [float(i) for i in range(23)]
+    per_mb = [[mb["advantages"][row, 0].item() for row in range(mb.num_rows)] for mb in mbs]
+    assert restore_order(per_mb, mbs) == [float(i) if seqs[i].response_ids else 0.0 for i in range(23)]
 
 
 def test_plan_is_deterministic_and_sorted_by_length():
@@ -92,7 +90,7 @@ def test_plan_is_the_cheapest_cut_of_the_sorted_order(charge):
 
 
 def test_padding_share():
-    seqs = [{"prompt_ids": [1, 2], "response_ids": [3, 4]}, {"prompt_ids": [1], "response_ids": [2]}]
+    seqs = [TrainSequence([1, 2], [3, 4], torch.ones(2)), TrainSequence([1], [2], torch.ones(1))]
     mbs = make_micro_batches(seqs, 100)  # one micro-batch of 2 rows x 4 tokens, 6 real
     assert padding_share(mbs) == pytest.approx(2 / 8)
     assert padding_share(make_micro_batches(seqs, 4)) == 0.0  # one row per micro-batch
@@ -102,9 +100,9 @@ def test_errors_say_what_to_change():
     with pytest.raises(ValueError, match="raise the budget"):
         make_micro_batches(random_seqs(3), 10)
     with pytest.raises(ValueError, match="empty prompt"):
-        make_micro_batches([{"prompt_ids": [], "response_ids": [1]}], 10)
+        make_micro_batches([TrainSequence([], [1], torch.ones(1))], 10)
     with pytest.raises(ValueError, match="per-token fields cover the response only"):
-        make_micro_batches([{"prompt_ids": [1], "response_ids": [1, 2], "loss_mask": torch.ones(3)}], 10)
+        make_micro_batches([TrainSequence([1], [1, 2], torch.ones(3))], 10)
     with pytest.raises(ValueError, match="mini-batches"):
         split_mini_batches(3, 4)
 
@@ -122,8 +120,7 @@ def test_padded_to_a_multiple_of_tp_keeps_every_response_position_and_target():
     last token; the response tokens' positions, the targets and the masks are unchanged."""
     from megatron_searchr1.megatron.batching import make_micro_batches
 
-    seqs = [{"prompt_ids": [5, 6, 7], "response_ids": [8, 9], "loss_mask": torch.ones(2)},
-            {"prompt_ids": [4], "response_ids": [3, 2, 1, 7], "loss_mask": torch.ones(4)}]
+    seqs = [TrainSequence([5, 6, 7], [8, 9], torch.ones(2)), TrainSequence([4], [3, 2, 1, 7], torch.ones(4))]
     (mb,) = make_micro_batches(seqs, 100)
     assert mb.input_ids.shape[1] == 5
     assert mb.padded_to(1) is mb and mb.padded_to(5) is mb
@@ -134,3 +131,22 @@ def test_padded_to_a_multiple_of_tp_keeps_every_response_position_and_target():
     assert torch.equal(p.response_positions()[real], mb.response_positions()[real])
     assert torch.equal(p.response_targets(), mb.response_targets())
     assert p.fields is mb.fields and torch.equal(p.response_mask, mb.response_mask)
+
+
+def test_a_misspelt_field_fails_where_it_is_written_not_silently():
+    """Sequences are records (issue 21): a typo is an AttributeError, a mapping with an unknown key a TypeError, and
+    asking a micro-batch for a field that does not exist a KeyError, where a dict would have taken a new key and the
+    loss would have read nothing."""
+    s = TrainSequence([1, 2], [3, 4], torch.ones(2))
+    with pytest.raises(AttributeError):
+        s.old_logprobs = torch.zeros(2)
+    with pytest.raises(TypeError, match="old_logprobs"):
+        make_micro_batches([{"prompt_ids": [1], "response_ids": [2], "loss_mask": torch.ones(1),
+                             "old_logprobs": torch.zeros(1)}], 10)
+    (mb,) = make_micro_batches([s, {"prompt_ids": [1], "response_ids": [2], "loss_mask": torch.ones(1)}], 100)
+    assert "old_log_probs" not in mb
+    with pytest.raises(KeyError, match="old_logprobs"):
+        "old_logprobs" in mb  # noqa: B015
+    s.old_log_probs = torch.zeros(2)  # set on one row only: refused, not dropped
+    with pytest.raises(ValueError, match="'old_log_probs' is set on some sequences"):
+        make_micro_batches([s, TrainSequence([1], [2], torch.ones(1))], 100)

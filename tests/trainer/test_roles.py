@@ -1,0 +1,109 @@
+"""trainer/roles.py RolloutWorker: training and validation rollouts split over the engines by one rule
+(rollout/engine_groups.py EngineLayout.shard), on 8 simulated ranks (threads; all_gather_object by a barrier), with
+the rollout loop and the scorer replaced by recorders. The real multi-process runs are test_layout_sweep.py and
+test_two_nodes.py; this pins which engine runs which item and the order the results come back in."""
+import threading
+from types import SimpleNamespace
+
+import pytest
+
+import megatron_searchr1.trainer.roles as roles
+from megatron_searchr1.config import load_config
+from megatron_searchr1.rollout import loop
+from megatron_searchr1.rollout.engine_groups import EngineLayout, replicas
+from megatron_searchr1.rollout.loop import RolloutStats
+
+WORLD, TP, PP = 8, 2, 2  # replicas [0, 1, 4, 5] and [2, 3, 6, 7]: not contiguous, the case that needs the rule
+
+
+class FakeDist:
+    """all_gather_object over a group (None: every rank, else a tuple of ranks) among threads, one per rank."""
+
+    def __init__(self):
+        self.local = threading.local()
+        self.lock = threading.Lock()
+        self.rounds: dict = {}
+
+    def ranks(self, group):
+        return tuple(range(WORLD)) if group is None else group
+
+    def get_world_size(self, group=None):
+        return len(self.ranks(group))
+
+    def all_gather_object(self, parts, obj, group=None):
+        ranks, me = self.ranks(group), self.local.rank
+        n = self.local.calls.get(ranks, 0)
+        self.local.calls[ranks] = n + 1
+        with self.lock:
+            box, barrier = self.rounds.setdefault((ranks, n), ({}, threading.Barrier(len(ranks))))
+            box[me] = obj
+        barrier.wait(timeout=30)
+        parts[:] = [box[r] for r in ranks]
+
+
+def _run_ranks(engine_tp, monkeypatch, body):
+    """body(worker) on each of the WORLD ranks at once; returns {rank: result}."""
+    fake = FakeDist()
+    monkeypatch.setattr(roles, "dist", fake)
+    replica = {r: tuple(g) for g in replicas(WORLD, TP, PP) for r in g}
+    monkeypatch.setattr(roles, "mpu", SimpleNamespace(get_model_parallel_group=lambda: replica[fake.local.rank]))
+
+    def run_rollout(engine, tokenizer, search, trajs, settings):
+        for t in trajs:
+            t.meta["engine"] = engine.group  # which engine ran it (every rank of that engine does)
+            t.finish("answer")
+        return RolloutStats()
+
+    monkeypatch.setattr(loop, "run_rollout", run_rollout)
+    monkeypatch.setattr(roles.ppo, "score_trajectories",
+                        lambda trajs, tok, cfg: [{"score": 1.0, "em": 1.0, "subem": 1.0, "f1": 1.0} for _ in trajs])
+    cfg = load_config(None, [f"parallel.tp={TP}", f"parallel.pp={PP}", f"rollout.engine_tp={engine_tp}"])
+    out, errors = {}, []
+
+    def rank_main(rank):
+        fake.local.rank, fake.local.calls = rank, {}
+        try:
+            worker = roles.RolloutWorker(cfg, SimpleNamespace(group=rank // engine_tp), None,
+                                         SimpleNamespace(search=None), (), rank=rank, world=WORLD)
+            out[rank] = body(worker)
+        except BaseException as e:  # noqa: BLE001 (reported below)
+            errors.append((rank, e))
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(WORLD)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not errors, errors
+    return out
+
+
+def _rows(n):
+    return [SimpleNamespace(prompt_ids=[1, 2], uid=f"q{i}", data_source="nq", ground_truth={"target": ["x"]},
+                            question=f"question {i}", extra={}) for i in range(n)]
+
+
+@pytest.mark.parametrize("engine_tp", [1, 2])
+def test_training_rollouts_run_round_robin_over_the_replicas_engines_and_come_back_in_order(engine_tp, monkeypatch):
+    layout = EngineLayout(WORLD, TP, PP, engine_tp)
+    rows = _rows(7)
+    out = _run_ranks(engine_tp, monkeypatch,
+                     lambda w: w.generate(w.make_trajectories(rows, 2), seed=5)[0])
+    for rank, trajs in out.items():
+        assert [(t.uid, t.sample) for t in trajs] == [(r.uid, k) for r in rows for k in range(2)]  # list order
+        engines = layout.replica_groups(layout.replica_of[rank])
+        assert len(engines) == 4 // engine_tp
+        assert [t.meta["engine"] for t in trajs] == [engines[i % len(engines)] for i in range(len(trajs))]
+
+
+@pytest.mark.parametrize("engine_tp", [1, 2])
+def test_validation_rows_run_round_robin_over_all_engines_and_the_records_come_back_in_row_order(engine_tp,
+                                                                                                monkeypatch):
+    rows = _rows(11)
+    n_engines = WORLD // engine_tp
+    monkeypatch.setattr(roles.reports, "eval_record", lambda tr, sc: {"uid": tr.uid, "engine": tr.meta["engine"]})
+    out = _run_ranks(engine_tp, monkeypatch, lambda w: w.validate(rows, batch_size=2, n_samples=0)[0])
+    for rank, records in out.items():
+        # each row once, in row order, on every rank; row i ran on engine i % engines (validation's rule all along:
+        # rows[k::engines] on engine k)
+        assert records == [{"uid": r.uid, "engine": i % n_engines} for i, r in enumerate(rows)]
