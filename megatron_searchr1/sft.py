@@ -1,6 +1,7 @@
-"""Supervised warm-up on Megatron: full-parameter SFT at any TP/PP, loss on the assistant's own tokens only.
+"""Supervised warm-up on Megatron: full-parameter or LoRA SFT at any TP/PP, loss on the assistant's tokens only.
 
     torchrun --nproc_per_node 2 -m megatron_searchr1.sft examples/sft_tiny_cpu.yaml parallel.tp=2
+    python -m megatron_searchr1.sft examples/qwen3_lora_sft.yaml     # LLaMA-Factory's YAML (config/llamafactory.py)
     python -m megatron_searchr1.sft --help-config
 
 Data: a LLaMA-Factory-style `dataset_info.json` naming alpaca or sharegpt files (data/sft_data.py). Each example is
@@ -18,12 +19,12 @@ from typing import Optional, Sequence
 
 from megatron_searchr1.cli import parse, run_main
 from megatron_searchr1.console import quiet_third_party_warnings
-from megatron_searchr1.config import SFTConfig
+from megatron_searchr1.config import SFTConfig, llamafactory
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     quiet_third_party_warnings()  # torch / Megatron / vLLM deprecation noise; ours still shows
-    cfg = parse(argv, cls=SFTConfig, prog_doc=__doc__)
+    cfg = parse(argv, cls=SFTConfig, prog_doc=__doc__, translate=llamafactory.translate)
     from megatron_searchr1.trainer.sft import train_sft  # after the arguments: torch and Megatron load here
 
     train_sft(cfg)

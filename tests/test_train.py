@@ -126,8 +126,8 @@ def sft_run(world, tiny_model, rl_root):
 @pytest.fixture(scope="module")
 def grpo_run(world, tiny_model, server, rl_root):
     out = os.path.join(rl_root, "grpo")
-    proc = run_module("megatron_searchr1.train", rl_args(world, tiny_model, server, out, "trainer.total_steps=3"),
-                      nproc=2)
+    proc = run_module("megatron_searchr1.train", rl_args(world, tiny_model, server, out, "trainer.total_steps=3",
+                                                         "logging.plot=true"), nproc=2)
     return out, proc.stdout + proc.stderr
 
 
@@ -171,6 +171,8 @@ def test_grpo_tp2_logs_every_scalar_checkpoints_and_exports(grpo_run):
     assert latest_step(os.path.join(out, "checkpoints")) == 3
     assert os.path.isfile(os.path.join(out, "hf", "model.safetensors"))
     assert "exported the actor" in log
+    # logging.plot: the reward / EM curves as pictures (plots.py; tests/test_plots.py checks what they show)
+    assert all(os.path.getsize(os.path.join(out, f)) > 10_000 for f in ("training_reward.png", "validation_em.png"))
 
 
 @pytest.mark.slow

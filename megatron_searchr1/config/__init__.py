@@ -24,10 +24,10 @@ from megatron_searchr1.config.rl import (
 from megatron_searchr1.config.sft import SFTConfig, SFTDataConfig, SFTTrainerConfig
 
 
-def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = None, cls=Config):
+def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = None, cls=Config, translate=None):
     """Read the YAML (if any), apply dotted overrides, build and check each section (the RL `Config` unless `cls`
-    names another schema, e.g. `SFTConfig`)."""
-    return loader.load(cls, path, overrides)
+    names another schema, e.g. `SFTConfig`; `translate` reads a foreign YAML, e.g. llamafactory.translate)."""
+    return loader.load(cls, path, overrides, translate)
 
 
 def describe(cls=Config, prefix: str = "") -> list[str]:

@@ -111,8 +111,9 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
 
 
 
-def load(cls, path: Optional[str] = None, overrides: Optional[list[str]] = None):
-    """Read the YAML (if any), apply dotted overrides, build and check each section of the dataclass `cls`."""
+def load(cls, path: Optional[str] = None, overrides: Optional[list[str]] = None, translate=None):
+    """Read the YAML (if any), apply dotted overrides, build and check each section of the dataclass `cls`.
+    `translate(raw) -> raw`: a foreign schema read into ours after the overrides (SFT: llamafactory.py)."""
     raw: dict = {}
     if path:
         if not os.path.isfile(path):
@@ -125,6 +126,8 @@ def load(cls, path: Optional[str] = None, overrides: Optional[list[str]] = None)
         if not isinstance(raw, dict):
             raise ConfigError(f"{path} must hold a mapping of sections (data:, model:, ...)")
     raw = apply_overrides(raw, list(overrides or []))
+    if translate is not None:
+        raw = translate(raw)
     try:
         return _build(cls, raw, "")
     except TypeError as e:  # a dataclass rejecting its arguments

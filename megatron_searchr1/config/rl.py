@@ -377,6 +377,8 @@ class LoggingConfig:
     """Sampled trajectories written to <output_dir>/trajectories.jsonl per step (0 = none)."""
     progress_bar: bool = True
     """Progress on rank 0: a tqdm bar on a terminal, a plain line every few steps in a log file (console.py)."""
+    plot: bool = False
+    """At the end, plot the run's curves as PNGs in output_dir (plots.py): RL reward / EM, SFT training_loss.png."""
 
 
 @dataclass

@@ -1,5 +1,9 @@
-"""The SFT warm-up stage's configuration (megatron_searchr1/sft.py): its own data and trainer sections; model,
-parallel, optim and logging are the RL run's sections (rl.py), so one model dir and one parallel layout serve both.
+"""The SFT warm-up stage's configuration (megatron_searchr1/sft.py): its own data and trainer sections; model (with
+`model.lora`: LoRA when its rank is > 0), parallel, optim and logging are the RL run's sections (rl.py), so one model
+dir, one LoRA setting and one parallel layout serve both.
+
+LLaMA-Factory's flat YAML (`model_name_or_path`, `finetuning_type`, `lora_rank`, ...) is read by llamafactory.py,
+which translates it into these sections.
 """
 from __future__ import annotations
 
@@ -9,6 +13,8 @@ from typing import Optional
 
 from megatron_searchr1.config.loader import _check
 from megatron_searchr1.config.rl import LoggingConfig, ModelConfig, OptimConfig, ParallelConfig
+
+TEMPLATES = ("qwen3_nothink", "qwen", "default", "alpaca")
 
 
 @dataclass
@@ -23,10 +29,20 @@ class SFTDataConfig:
     """Examples per optimizer step over all DP ranks."""
     shuffle: bool = True
     """Shuffle every epoch (seeded by trainer.seed and the epoch)."""
+    template: str = ""
+    """Empty: Search-R1's rollout layout (data/sft_data.py); or a LLaMA-Factory template every conversation is
+    rendered with (chat layout, end-of-turn learned): qwen3_nothink (the tokenizer's chat template, thinking off),
+    qwen, default, alpaca."""
+    max_samples: Optional[int] = None
+    """Read at most this many records of each dataset, the first ones (LLaMA-Factory's max_samples)."""
 
     def __post_init__(self):
         _check(self.max_length >= 16, f"data.max_length must be >= 16, got {self.max_length}")
         _check(self.batch_size >= 1, f"data.batch_size must be >= 1, got {self.batch_size}")
+        _check(self.template in ("",) + TEMPLATES,
+               f"data.template={self.template!r} is not known: choose one of {', '.join(TEMPLATES)} (or leave it "
+               "empty for the rollout layout)")
+        _check(self.max_samples is None or self.max_samples >= 1, "data.max_samples must be >= 1 (or null)")
 
 
 @dataclass
@@ -45,9 +61,15 @@ class SFTTrainerConfig:
     """Write the final model as a Hugging Face dir (<output_dir>/hf)."""
     seed: int = 1
     """Seed of data order and init."""
+    num_epochs: Optional[float] = None
+    """Train this many passes over the data instead (total_steps = ceil(num_epochs * examples // data.batch_size))."""
+    log_every: int = 0
+    """Print `step k: loss ...` on rank 0 every k steps (0 = the progress bar only)."""
 
     def __post_init__(self):
         _check(self.total_steps >= 1, "trainer.total_steps must be >= 1")
+        _check(self.num_epochs is None or self.num_epochs > 0, "trainer.num_epochs must be > 0 (or null)")
+        _check(self.log_every >= 0, "trainer.log_every must be >= 0")
         _check(self.save_freq >= 0 and self.keep_last >= 1, "trainer.save_freq >= 0 and trainer.keep_last >= 1")
         _check(self.resume in ("auto", "disable") or os.path.isdir(self.resume),
                f"trainer.resume must be auto, disable or an existing checkpoint dir, got {self.resume!r}")
@@ -57,6 +79,7 @@ class SFTTrainerConfig:
 class SFTConfig:
     data: SFTDataConfig = field(default_factory=SFTDataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
+    """The RL run's model section: `model.lora.rank` > 0 trains LoRA adapters only (trainer/sft.py)."""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
     trainer: SFTTrainerConfig = field(default_factory=SFTTrainerConfig)
@@ -67,6 +90,7 @@ class SFTConfig:
         if world_size is not None:
             dp = p.data_parallel_size(world_size)
             _check(d.batch_size % dp == 0, f"data.batch_size={d.batch_size} must be a multiple of the DP size {dp}")
+
         if not check_files:
             return
         _check(bool(self.model.path) and os.path.isfile(os.path.join(self.model.path, "config.json")),

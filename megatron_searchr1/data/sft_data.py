@@ -277,19 +277,22 @@ def tokenize_rollout(messages: list[dict], tokenizer) -> tuple[list[int], list[i
     return ids, mask
 
 
-def tokenize_chat(messages: list[dict], tokenizer, where: str = "conversation") -> tuple[list[int], list[int]]:
+def tokenize_chat(messages: list[dict], tokenizer, where: str = "conversation", render=None
+                  ) -> tuple[list[int], list[int]]:
     """Chat layout: the conversation through the chat template, masked on each assistant turn's added text.
 
     Pieces: render(messages[:k], generation prompt) is the prompt before assistant turn k; the text that
     render(messages[:k+1]) adds to it is the turn (mask 1); the text between the end of turn k and the next prompt
-    (user turn, assistant header) is mask 0. Needs a template whose rendering of a prefix is a prefix of the
+    (user turn, assistant header) is mask 0. `render(messages, add_generation_prompt)`: a LLaMA-Factory template
+    (data/templates.py); default the tokenizer's chat template. Needs a template whose rendering of a prefix is a prefix of the
     rendering of the whole (templates that rewrite earlier turns, e.g. drop old reasoning, are refused).
     """
-    if not getattr(tokenizer, "chat_template", None):
-        raise SFTDataError(f"{where}: a multi-turn chat needs a tokenizer with a chat_template")
+    if render is None:
+        if not getattr(tokenizer, "chat_template", None):
+            raise SFTDataError(f"{where}: a multi-turn chat needs a tokenizer with a chat_template")
 
-    def render(msgs: list[dict], gen: bool) -> str:
-        return tokenizer.apply_chat_template(msgs, add_generation_prompt=gen, tokenize=False)
+        def render(msgs: list[dict], gen: bool) -> str:
+            return tokenizer.apply_chat_template(msgs, add_generation_prompt=gen, tokenize=False)
 
     ids: list[int] = []
     mask: list[int] = []
@@ -329,11 +332,23 @@ def tokenize_messages(messages: list[dict], tokenizer, where: str = "conversatio
 # ----------------------------------------------------------------------------------------------------------------
 # The loader
 # ----------------------------------------------------------------------------------------------------------------
-def load_sft_dataset(dataset_info_dir: str, names: list[str], tokenizer, max_length: int) -> SFTDataset:
+def load_sft_dataset(dataset_info_dir: str, names: list[str], tokenizer, max_length: int, template: str = "",
+                     max_samples: int | None = None) -> SFTDataset:
     """Tokenised examples of the named datasets, in order (dataset by dataset, record by record).
 
     Examples with more than `max_length` tokens are dropped, counted in `.dropped_too_long` per dataset.
+    `template`: a LLaMA-Factory template name (data/templates.py): every conversation in the chat layout rendered
+    with it (what LLaMA-Factory trains on); empty: the layouts above. `max_samples`: the first N records of each
+    dataset.
     """
+    render = None
+    if template:
+        from megatron_searchr1.data.templates import template_renderer
+
+        try:
+            render = template_renderer(template, tokenizer)
+        except ValueError as e:
+            raise SFTDataError(str(e)) from None
     if max_length <= 0:
         raise SFTDataError(f"max_length must be positive, got {max_length}")
     if isinstance(names, str):
@@ -352,12 +367,21 @@ def load_sft_dataset(dataset_info_dir: str, names: list[str], tokenizer, max_len
         index = 0
         for path in _data_files(dataset_info_dir, name, info[name]):
             for record in _read_records(path):
+                if max_samples is not None and index >= max_samples:
+                    break
                 where = f"dataset {name!r} ({os.path.basename(path)} record {index})"
                 if not isinstance(record, dict):
                     raise SFTDataError(f"{where}: a record must be a JSON object")
                 messages = (alpaca_messages(record, columns, where) if fmt == "alpaca"
                             else sharegpt_messages(record, columns, tags, where))
-                ids, mask = tokenize_messages(messages, tokenizer, where)
+                if render is None:
+                    ids, mask = tokenize_messages(messages, tokenizer, where)
+                else:
+                    if any(m["role"] == "observation" for m in messages):
+                        raise SFTDataError(f"{where}: observation turns are not rendered with data.template={template}"
+                                           " (RL never sees a template's tool turn): leave data.template empty")
+                    _check_order(messages, where)
+                    ids, mask = tokenize_chat(messages, tokenizer, where, render=render)
                 if len(ids) > max_length:
                     out.dropped_too_long[name] += 1
                 else:

@@ -71,6 +71,9 @@ class Trainer:
         final = self.validate() if self.data.val and (not t.test_freq or self.step_no % t.test_freq) else {}
         if t.export_hf:
             self.export(os.path.join(t.output_dir, "hf"))
+        if self.cfg.logging.plot and self.rank == 0:
+            from megatron_searchr1.plots import plot_rl_curves
+            plot_rl_curves(t.output_dir)
         return final
 
     def step(self) -> dict:

@@ -1,4 +1,4 @@
-"""Supervised warm-up on Megatron: full-parameter SFT at any TP/PP, loss on the assistant's own tokens only.
+"""Supervised warm-up on Megatron: full-parameter or LoRA SFT at any TP/PP, loss on the assistant's tokens only.
 
     metrics = train_sft(cfg)    # every rank; the entry point is megatron_searchr1/sft.py
 
@@ -10,16 +10,26 @@ Training: token-budget micro-batches through Megatron's pipeline schedule (worke
 over each global batch, Adam with warmup/decay (the RL trainer's setup, trainer/build.py), checkpoints like the RL
 trainer's (its actor subdir is what `model.megatron_ckpt` of the RL config points at), TensorBoard, and an HF
 export at the end.
+
+LoRA (`model.lora.rank` > 0, LLaMA-Factory's `finetuning_type: lora`): adapters on the decoder's linears
+(models/lora.py) are added to the bare model right after its base weights load and before DDP and the optimizer see
+it, so only the adapters get gradient buffers and Adam state. Checkpoints hold only the adapters (with their Adam
+state, the scheduler, RNG and data cursor: resume is exact; the base is reloaded from model.path, checkpoint.py);
+the export is the merged model (`<output_dir>/hf`, what `llamafactory-cli export` writes and what the RL config's
+model.path takes) and the PEFT adapter (`<output_dir>/hf_adapter`, for PeftModel.from_pretrained).
 """
 from __future__ import annotations
 
+import math
 import os
 
+import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as mpu
 from transformers import AutoTokenizer
 
-from megatron_searchr1.checkpoint import load_checkpoint, resume_target, save_checkpoint
+from megatron_searchr1.checkpoint import CheckpointError, load_checkpoint, resume_target, save_checkpoint
+from megatron_searchr1.cli import UsageError
 from megatron_searchr1.config import SFTConfig, save_config
 from megatron_searchr1.console import progress
 from megatron_searchr1.data.rl_data import PromptSampler, dp_shard
@@ -30,6 +40,7 @@ from megatron_searchr1.metrics import RunLogger, mean_over_ranks, timer
 from megatron_searchr1.models.convert import DTYPES, bind_mapping, load_hf_config
 from megatron_searchr1.models.forward import unwrap
 from megatron_searchr1.models.gpt import model_settings
+from megatron_searchr1.models.lora import apply_lora
 from megatron_searchr1.trainer.build import build_optimizer_from_config
 from megatron_searchr1.trainer.roles import Policy
 from megatron_searchr1.trainer.sources import weights_loader
@@ -38,7 +49,7 @@ from megatron_searchr1.workers.actor import build_actor, masked_nll_loss, sft_se
 
 def train_sft(cfg: SFTConfig) -> dict:
     """Run SFT; returns the last step's metrics. Every rank calls it."""
-    t, o, d = cfg.trainer, cfg.optim, cfg.data
+    t, o, d, lora = cfg.trainer, cfg.optim, cfg.data, cfg.model.lora
     initialize_megatron(tp=cfg.parallel.tp, pp=cfg.parallel.pp, seed=t.seed,
                         timeout_minutes=cfg.parallel.timeout_minutes, sequence_parallel=cfg.parallel.sequence_parallel)
     rank = dist.get_rank()
@@ -46,32 +57,62 @@ def train_sft(cfg: SFTConfig) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     hf_config = load_hf_config(cfg.model.path)
     dtype = DTYPES[cfg.model.dtype]
+    if dtype != torch.float32 and not torch.cuda.is_available():
+        if rank == 0:
+            print(f"model.dtype={cfg.model.dtype} (bf16/fp16) needs a GPU: this machine has none, training runs in "
+                  "float32", flush=True)
+        dtype = torch.float32
     if rank == 0:
         save_config(cfg, os.path.join(t.output_dir, "config.yaml"))
 
-    data = load_sft_dataset(d.dataset_dir, list(d.datasets), tokenizer, d.max_length)
+    data = load_sft_dataset(d.dataset_dir, list(d.datasets), tokenizer, d.max_length, template=d.template,
+                            max_samples=d.max_samples)
     if rank == 0:
         dropped = sum(data.dropped_too_long.values())
         print(f"SFT data: {len(data)} examples from {', '.join(d.datasets)}"
               + (f" ({dropped} longer than data.max_length={d.max_length} dropped)" if dropped else ""), flush=True)
+    if len(data) < d.batch_size:
+        raise UsageError(f"{len(data)} SFT examples cannot fill one batch of data.batch_size={d.batch_size} (LLaMA-"
+                         "Factory: per_device_train_batch_size * gradient_accumulation_steps * DP size): lower it")
     seqs = [sft_sequence(ex.input_ids, ex.loss_mask) for ex in data]
     sampler = PromptSampler(len(seqs), d.batch_size, t.seed, d.shuffle)
+    # epochs: whole batches per pass (the sampler skips an epoch's tail that does not fill one, as drop_last does)
+    total_steps = t.total_steps if t.num_epochs is None else max(1, math.ceil(t.num_epochs * (len(seqs) //
+                                                                                                d.batch_size)))
 
     settings = model_settings(hf_config, tp=cfg.parallel.tp, pp=cfg.parallel.pp, params_dtype=dtype,
-                              use_te=cfg.model.use_te, sequence_parallel=cfg.parallel.sequence_parallel,
-                              recompute=cfg.model.recompute)
+                              use_te=False if lora.enabled else cfg.model.use_te,  # LoRA wraps the local spec only
+                              sequence_parallel=cfg.parallel.sequence_parallel, recompute=cfg.model.recompute)
     source = cfg.model.megatron_ckpt or cfg.model.path
-    model = build_actor(hf_config, **settings, load_weights=weights_loader(hf_config, source),
+    load_base = weights_loader(hf_config, source)
+
+    def load_and_choose_trainable(bare):  # before DDP and the optimizer: they see only what trains
+        load_base(bare)
+        if lora.enabled:
+            apply_lora(bare, lora.settings())
+
+    model = build_actor(hf_config, **settings, load_weights=load_and_choose_trainable,
                         use_distributed_optimizer=cfg.parallel.use_distributed_optimizer)
-    policy = Policy(model, *build_optimizer_from_config(model, o, t.total_steps, o.lr),
+    policy = Policy(model, *build_optimizer_from_config(model, o, total_steps, o.lr),
                     mapping=bind_mapping(hf_config, unwrap(model)), hf_config=hf_config, hf_dir=cfg.model.path,
                     dtype=dtype, source=source)
+    if rank == 0:
+        n_train = sum(p.numel() for p in unwrap(model).parameters() if p.requires_grad)
+        n_all = sum(p.numel() for p in unwrap(model).parameters())
+        kind = f"LoRA rank {lora.rank}" if lora.enabled else "full fine-tuning"
+        print(f"{kind}: {n_train:,} of {n_all:,} parameters of this rank's shard train "
+              f"({100 * n_train / n_all:.2f}%), {total_steps} steps", flush=True)
     state = ({"actor": policy.model}, {"actor": policy.optimizer}, {"actor": policy.scheduler})
     ckpt_root = os.path.join(t.output_dir, "checkpoints")
     step = 0
     target = resume_target(t.resume, ckpt_root)
     if target is not None:
-        extra = load_checkpoint(*target, *state)
+        try:
+            extra = load_checkpoint(*target, *state)
+        except CheckpointError as e:
+            raise UsageError(f"resuming from {target[0]} (step {target[1]}) failed: {e} (a checkpoint of another "
+                             "model or model.lora setting? trainer.resume=disable, or overwrite_output_dir: true, "
+                             "starts fresh)") from None
         step = int(extra["step"])
         sampler.load_state_dict(extra["sampler"])
 
@@ -80,10 +121,10 @@ def train_sft(cfg: SFTConfig) -> dict:
                         hf_dirs={"actor": cfg.model.path}, keep_last=t.keep_last)
 
     logger = RunLogger(t.output_dir, enabled=rank == 0, tensorboard=cfg.logging.tensorboard)
-    bar = progress(total=t.total_steps, initial=step, desc="SFT steps", unit="step",
+    bar = progress(total=total_steps, initial=step, desc="SFT steps", unit="step",
                    disable=rank != 0 or not cfg.logging.progress_bar)
     metrics: dict = {}
-    while step < t.total_steps:
+    while step < total_steps:
         step += 1
         with timer() as t_step:
             batch = dp_shard(sampler.next_batch(), dp_rank, dp_size)
@@ -97,16 +138,24 @@ def train_sft(cfg: SFTConfig) -> dict:
         logger.log(step, metrics)
         bar.update(1)
         bar.set_postfix(loss=f"{metrics['sft/loss']:.4f}")
-        if t.save_freq and step % t.save_freq == 0 and step < t.total_steps:
+        if t.log_every and step % t.log_every == 0 and rank == 0:
+            bar.write(f"step {step}/{total_steps} loss={metrics['sft/loss']:.4f} grad_norm="
+                      f"{metrics['sft/grad_norm']:.3g} lr={metrics['sft/lr']:.3g}")
+        if t.save_freq and step % t.save_freq == 0 and step < total_steps:
             save()
     bar.close()
     save()
     if t.export_hf:
         out = os.path.join(t.output_dir, "hf")
-        policy.export_hf(out)
+        policy.export_hf(out)  # LoRA: the merged model there, the PEFT adapter in <out>_adapter
         if rank == 0:
-            print(f"exported the SFT model as a Hugging Face model to {out}", flush=True)
+            print(f"exported the SFT model as a Hugging Face model to {out}"
+                  + (f" (LoRA merged) and its PEFT adapter to {out}_adapter" if lora.enabled else ""), flush=True)
     logger.close()
+    if rank == 0 and cfg.logging.plot:
+        from megatron_searchr1.plots import plot_sft_loss
+
+        plot_sft_loss(t.output_dir)
     if rank == 0:
         print(f"SFT done: step {step}, loss {metrics.get('sft/loss', float('nan')):.4f}; checkpoint "
               f"{os.path.join(ckpt_root, 'latest')}", flush=True)
