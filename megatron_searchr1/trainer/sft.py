@@ -28,7 +28,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as mpu
 from transformers import AutoTokenizer
 
-from megatron_searchr1.checkpoint import CheckpointError, load_checkpoint, resume_target, save_checkpoint
+from megatron_searchr1.checkpoint import CheckpointError, agreed_resume_target, load_roles, save_roles
 from megatron_searchr1.cli import UsageError
 from megatron_searchr1.config import SFTConfig, save_config
 from megatron_searchr1.console import progress
@@ -102,13 +102,12 @@ def train_sft(cfg: SFTConfig) -> dict:
         kind = f"LoRA rank {lora.rank}" if lora.enabled else "full fine-tuning"
         print(f"{kind}: {n_train:,} of {n_all:,} parameters of this rank's shard train "
               f"({100 * n_train / n_all:.2f}%), {total_steps} steps", flush=True)
-    state = ({"actor": policy.model}, {"actor": policy.optimizer}, {"actor": policy.scheduler})
     ckpt_root = os.path.join(t.output_dir, "checkpoints")
     step = 0
-    target = resume_target(t.resume, ckpt_root)
+    target = agreed_resume_target(t.resume, ckpt_root)  # rank 0 decides for every node
     if target is not None:
         try:
-            extra = load_checkpoint(*target, *state)
+            extra = load_roles(*target, {"actor": policy.state()})
         except CheckpointError as e:
             raise UsageError(f"resuming from {target[0]} (step {target[1]}) failed: {e} (a checkpoint of another "
                              "model or model.lora setting? trainer.resume=disable, or overwrite_output_dir: true, "
@@ -117,7 +116,7 @@ def train_sft(cfg: SFTConfig) -> dict:
         sampler.load_state_dict(extra["sampler"])
 
     def save():
-        save_checkpoint(ckpt_root, step, *state, {"step": step, "sampler": sampler.state_dict()},
+        save_roles(ckpt_root, step, {"actor": policy.state()}, {"step": step, "sampler": sampler.state_dict()},
                         hf_dirs={"actor": cfg.model.path}, keep_last=t.keep_last)
 
     logger = RunLogger(t.output_dir, enabled=rank == 0, tensorboard=cfg.logging.tensorboard)
