@@ -78,7 +78,7 @@ class LoraConfig:
 
     def settings(self):
         """The models/lora.py LoraSettings of an enabled config."""
-        from megatron_searchr1.models.lora import LoraSettings
+        from megatron_searchr1.models.lora_settings import LoraSettings
 
         return LoraSettings(rank=self.rank, alpha=self.alpha, dropout=self.dropout, targets=tuple(self.targets))
 

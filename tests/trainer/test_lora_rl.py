@@ -62,6 +62,21 @@ def test_lora_overrides_from_the_command_line():
     assert cfg.model.lora.settings().scale == 2.0 and cfg.model.lora.targets == ["q_proj", "o_proj"]
 
 
+def test_lora_config_is_checked_before_torch_loads():
+    """A command line says what is wrong before its heavy imports: validating model.lora (rank > 0) must not pull
+    in torch (it did through models/lora.py; the settings live in the torch-free models/lora_settings.py)."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom megatron_searchr1.config import load_config\n"
+            "cfg = load_config(None, ['model.lora.rank=8', 'model.lora.targets=[q_proj,v_proj]'])\n"
+            "assert cfg.model.lora.settings().projections == ('q_proj', 'v_proj')\n"
+            "print(sorted(m for m in ('torch', 'megatron', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
 # ------------------------------------------------------------------------------------------------ TP=1
 def _lora_policy(cfg, hf_dir, seed=0):
     """The actor as build_roles makes it under model.lora (base loaded, adapters, DDP, optimizer), with random
