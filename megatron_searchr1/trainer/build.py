@@ -105,7 +105,7 @@ def launch_server(cfg: Config):
 def build_roles(cfg: Config) -> Roles:
     p, o, a, r, t = cfg.parallel, cfg.optim, cfg.algo, cfg.rollout, cfg.trainer
     initialize_megatron(tp=p.tp, pp=p.pp, seed=t.seed, timeout_minutes=p.timeout_minutes,
-                        sequence_parallel=p.sequence_parallel)
+                        sequence_parallel=p.sequence_parallel, ep=p.ep)
     rank, world = dist.get_rank(), dist.get_world_size()
     dp_rank, dp_size = mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size()
     try:  # checkpoints need one directory for all nodes: refuse now, not at the first save or resume
@@ -122,7 +122,7 @@ def build_roles(cfg: Config) -> Roles:
     model_source = pin_model_source(cfg.model.megatron_ckpt or cfg.model.path)
     load_actor = weights_loader(hf_config, model_source)
     settings = model_settings(hf_config, tp=p.tp, pp=p.pp, params_dtype=dtype, use_te=cfg.model.use_te,
-                              sequence_parallel=p.sequence_parallel, recompute=cfg.model.recompute)
+                              sequence_parallel=p.sequence_parallel, recompute=cfg.model.recompute, ep=p.ep)
     actor = build_actor(hf_config, **settings, load_weights=load_actor,
                         use_distributed_optimizer=p.use_distributed_optimizer)
     actor_opt, actor_sched = build_optimizer_from_config(actor, o, t.total_steps, o.lr)
