@@ -119,6 +119,10 @@ def model_settings(hf_config: Any, *, tp: int, pp: int, params_dtype: torch.dtyp
     present and transformer_engine imports) and a TransformerConfig with the kernel settings (kernel_overrides:
     fusions on only with TE on CUDA). On a CPU with the defaults the config equals the one build_gpt_model makes."""
     use_te = resolve_use_te(use_te)
+    if read_dims(hf_config).moe is not None and tp > 1 and not sequence_parallel:
+        # Megatron's MoELayer refuses to train under TP without it (the experts' tokens are split over TP).
+        raise ValueError(f"an MoE model at parallel.tp={tp} trains only with parallel.sequence_parallel=true: set "
+                         "it, or use parallel.tp=1 and parallel.ep for the experts")
     overrides = kernel_overrides(tp=tp, sequence_parallel=sequence_parallel, recompute=recompute, te=use_te,
                                  cuda=torch.cuda.is_available(), wgrad_fusion=use_te and wgrad_fusion_available())
     config = transformer_config_from_hf(hf_config, tp=tp, pp=pp, params_dtype=params_dtype, ep=ep, **overrides)

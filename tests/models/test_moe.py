@@ -206,3 +206,33 @@ def test_convert_tp2_ep2_then_pp2_bit_exact_logits_and_aux_loss(odd_models, tmp_
         assert abs(r["hf_pooled"] - r["hf_model_aux_loss"]) <= 1e-6  # what the HF model itself adds (x coef)
         mean_per_layer = sum(r["hf_per_layer"]) / len(r["hf_per_layer"])
         assert abs(r["hf_pooled"] - mean_per_layer) > 1e-3  # pooling is not averaging
+
+
+@pytest.mark.slow
+def test_qwen3_30b_a3b_real_config_maps_every_parameter():
+    """Qwen3-30B-A3B's public config.json: transformers' own model (meta device) and the mapping agree on every
+    parameter's element count, per layer (routed experts fused in transformers' module, one tensor per expert in
+    the checkpoint and in Megatron), and the EP=8 x TP=4 config translates (128 experts, 16 per EP rank)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from megatron_searchr1.models.config import check_parallel_sizes, transformer_config_from_hf
+
+    with open(os.path.join(HERE, "real_configs", "Qwen3-30B-A3B.json")) as f:
+        raw = json.load(f)
+    mapping = mapping_for(raw)
+    with torch.device("meta"):
+        hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(**raw))
+    per_layer = {}
+    for name, p in hf.named_parameters():
+        key = name.split(".")[2] if name.startswith("model.layers.") else "rest"
+        per_layer[key] = per_layer.get(key, 0) + p.numel()
+    mapped = {}
+    for name in mapping.megatron_names():
+        key = name.split(".")[2] if name.startswith("decoder.layers.") else "rest"
+        mapped[key] = mapped.get(key, 0) + torch.Size(mapping.megatron_shape(name)).numel()
+    assert mapped == per_layer
+    assert 30.0e9 < sum(per_layer.values()) < 31.0e9
+    assert len(mapping.layer_hf_names(47)) == 128 * 3 + 1 + 4 + 2 + 2  # experts, router, q/k/v/o, q/k norm, norms
+    check_parallel_sizes(raw, 4, 2, ep=8, world_size=64)
+    config = transformer_config_from_hf(raw, tp=4, ep=8)
+    assert (config.num_moe_experts, config.moe_router_topk, config.moe_ffn_hidden_size) == (128, 8, 768)
