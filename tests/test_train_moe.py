@@ -37,3 +37,4 @@ def test_grpo_two_steps_at_ep2(world, tiny_moe, server, rl_root):
     assert [s for s, _ in scalars["reward/mean"]] == [1, 2]
     assert all(v < 1e-3 for _, v in scalars["train/logprob_gap_engine"]), scalars["train/logprob_gap_engine"]
     assert "actor/moe/load_balancing_loss" in scalars and "actor/moe/tokens_per_expert/layer_1/max" in scalars
+
