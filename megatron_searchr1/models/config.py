@@ -173,7 +173,8 @@ def transformer_config_from_hf(
 ) -> TransformerConfig:
     """A Megatron TransformerConfig equivalent to `hf_config` (or its ModelDims) for TP=`tp`, PP=`pp`.
 
-    `ep`: expert-parallel size (MoE models). `overrides` are TransformerConfig fields applied last (e.g. recompute_granularity="full",
+    `ep`: expert-parallel size (MoE models).
+    `overrides` are TransformerConfig fields applied last (e.g. recompute_granularity="full",
     bias_activation_fusion=True, apply_rope_fusion=True on GPU, num_layers_in_first_pipeline_stage=...).
     """
     dims: ModelDims = read_dims(hf_config)

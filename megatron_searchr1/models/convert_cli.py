@@ -90,7 +90,8 @@ def megatron_to_hf_main(argv: Optional[Sequence[str]] = None) -> int:
     _common_args(p)
     a = p.parse_args(argv)
     check_dirs("--ckpt-dir", a.ckpt_dir, a.out_dir, a.overwrite)
-    return _convert("megatron_to_hf", dict(ckpt_dir=a.ckpt_dir, out_dir=a.out_dir, tp=a.tp, pp=a.pp, ep=a.ep, dtype=a.dtype,
+    return _convert("megatron_to_hf", dict(ckpt_dir=a.ckpt_dir, out_dir=a.out_dir, tp=a.tp, pp=a.pp, ep=a.ep,
+                                           dtype=a.dtype,
                                            overwrite=a.overwrite))
 
 

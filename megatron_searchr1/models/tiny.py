@@ -2,8 +2,8 @@
 
 `make_tiny_model(TinyModelConfig(...))` writes a Hugging Face checkpoint directory:
   tokenizer.json + tokenizer_config.json (+ chat template)   a byte-level BPE `transformers` fast tokenizer
-  config.json + generation_config.json + model.safetensors   a randomly initialised Qwen2, Qwen3, Llama or Mistral model,
-                                                             or a Qwen3-MoE / Qwen2-MoE mixture of experts
+  config.json + generation_config.json + model.safetensors   a randomly initialised Qwen2, Qwen3, Llama or Mistral
+                                                             model, or a Qwen3-MoE / Qwen2-MoE mixture of experts
 
 The tokenizer is trained on the given text files (or a small built-in English text) with the special tokens a chat
 model needs: `<|endoftext|>` (pad, and bos for configs that want one), `<|im_start|>` / `<|im_end|>` (eos of a chat

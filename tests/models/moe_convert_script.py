@@ -1,4 +1,5 @@
-# torchrun --nproc_per_node 4 tests/models/moe_convert_script.py --mode to_megatron --tp 2 --ep 2 --hf-dirs H --ckpt-dirs C
+# torchrun --nproc_per_node 4 tests/models/moe_convert_script.py --mode to_megatron --tp 2 --ep 2 --hf-dirs H \
+#     --ckpt-dirs C
 """MoE conversion under torchrun (gloo): the real converter at one TP x PP x EP layout, then Megatron's logits and
 router aux loss against transformers' on the converted weights.
 

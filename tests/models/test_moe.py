@@ -1,7 +1,8 @@
 """Mixture-of-experts models (models/families/moe.py, the MoE parts of config.py, spec.py, convert.py).
 
 Quick tests: the name/tensor mapping round trip, the MoE TransformerConfig translation, the EP size checks. Slow
-tests run the converter under torchrun (gloo) on two tiny MoE models with odd sizes (tests/models/moe_convert_script.py):
+tests run the converter under torchrun (gloo) on two tiny MoE models with odd sizes
+(tests/models/moe_convert_script.py):
 HF -> Megatron at TP2 x EP2 (4 ranks) and Megatron -> HF at PP2, bit-exact, with Megatron's logits equal to
 transformers' (fp32, <= 1e-5) at both layouts and the router aux loss compared with transformers'.
 """

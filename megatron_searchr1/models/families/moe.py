@@ -4,7 +4,7 @@ expert behind a sigmoid gate, q/k/v bias).
 An MoE layer keeps the dense layer's attention and norms and replaces its MLP by Megatron's MoELayer:
 
     HF  model.layers.{i}.mlp.gate.weight                  (E, h)   -> mlp.router.weight
-        model.layers.{i}.mlp.experts.{e}.gate_proj/up_proj (fm, h)  -> mlp.experts.local_experts.{e}.linear_fc1 [gate; up]
+        model.layers.{i}.mlp.experts.{e}.gate_proj/up_proj (fm, h) -> mlp.experts.local_experts.{e}.linear_fc1 [gate;up]
         model.layers.{i}.mlp.experts.{e}.down_proj        (h, fm)  -> mlp.experts.local_experts.{e}.linear_fc2
         model.layers.{i}.mlp.shared_expert.*_proj                  -> mlp.shared_experts.linear_fc1 / linear_fc2
         model.layers.{i}.mlp.shared_expert_gate.weight    (1, h)   -> mlp.shared_experts.gate_weight
