@@ -135,9 +135,13 @@ class ParallelConfig:
     """Megatron sequence parallelism: activations outside attention/MLP split over TP ranks (needs tp > 1)."""
     timeout_minutes: int = 30
     """Collective timeout (NCCL / gloo): a rank that waits longer than this fails instead of hanging."""
+    ep: int = 1
+    """Expert-parallel size (MoE models): each MoE layer's experts split over `ep` ranks of a data-parallel group;
+    must divide the number of experts and the world size / (tp * pp)."""
 
     def __post_init__(self):
         _check(self.tp >= 1 and self.pp >= 1, f"parallel.tp and parallel.pp must be >= 1, got {self.tp}, {self.pp}")
+        _check(self.ep >= 1, f"parallel.ep must be >= 1, got {self.ep}")
         _check(self.timeout_minutes >= 1, f"parallel.timeout_minutes must be >= 1, got {self.timeout_minutes}")
         _check(not self.sequence_parallel or self.tp > 1,
                f"parallel.sequence_parallel needs parallel.tp > 1 (it splits activations over TP ranks), got "
@@ -149,6 +153,10 @@ class ParallelConfig:
         _check(world_size % mp == 0,
                f"world size {world_size} is not a multiple of parallel.tp * parallel.pp = {mp}: launch "
                f"`torchrun --nproc_per_node {mp}` (or a multiple), or change parallel.tp / parallel.pp")
+        _check(world_size % (mp * self.ep) == 0,
+               f"world size {world_size} is not a multiple of parallel.tp * parallel.pp * parallel.ep = "
+               f"{mp * self.ep}: launch `torchrun --nproc_per_node {mp * self.ep}` (or a multiple), or lower "
+               f"parallel.ep")
         return world_size // mp
 
 

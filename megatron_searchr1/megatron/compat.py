@@ -58,6 +58,12 @@ _MEGATRON_MODULES = (
     "megatron.core.dist_checkpointing.strategies.async_utils",
     "megatron.core.dist_checkpointing.strategies.filesystem_async",
     "megatron.core.utils",
+    "megatron.core.transformer.moe.moe_utils",
+    "megatron.core.transformer.moe.router",
+    "megatron.core.transformer.moe.token_dispatcher",
+    "megatron.core.transformer.moe.moe_layer",
+    "megatron.core.transformer.moe.experts",
+    "megatron.core.transformer.moe.shared_experts",
 )
 
 _CPU = torch.device("cpu")
@@ -234,10 +240,41 @@ def install_cpu_compat() -> bool:
     if random_mod is not None:
         random_mod._set_cuda_rng_state = _set_cpu_rng_state
         random_mod._get_cuda_rng_state = _get_cpu_rng_state
+    _patch_moe()
     if not _installed:
         _patch_tensor_methods()
         _installed = True
     return True
+
+
+def _split_sizes_to_host(tensor, as_numpy: bool = False, record_stream: bool = False):
+    """moe_utils.maybe_move_tensor_to_cpu that also turns a CPU tensor into numpy when asked: Megatron converts only
+    CUDA tensors, so on the CPU the alltoall dispatcher hands torch tensors as `all_to_all_single` split sizes,
+    which it refuses (TypeError: it wants a list of ints, as numpy's arrays convert)."""
+    if torch.is_tensor(tensor) and as_numpy and not tensor.is_cuda:
+        return tensor.numpy()
+    return _ORIGINAL_MOVE_TO_CPU(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+
+_ORIGINAL_MOVE_TO_CPU = None
+
+
+def _patch_moe() -> None:
+    """The two MoE places a CPU run hits (megatron-core 0.16.1): moe_utils refers to `te_general_gemm` (the router's
+    GEMM) without defining it when Transformer Engine is absent (NameError), and the alltoall dispatcher's split
+    sizes (`_split_sizes_to_host`)."""
+    global _ORIGINAL_MOVE_TO_CPU
+    moe_utils = sys.modules.get("megatron.core.transformer.moe.moe_utils")
+    if moe_utils is None:
+        return
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+    if _ORIGINAL_MOVE_TO_CPU is None:
+        _ORIGINAL_MOVE_TO_CPU = moe_utils.maybe_move_tensor_to_cpu
+    for name in ("megatron.core.transformer.moe.moe_utils", "megatron.core.transformer.moe.token_dispatcher"):
+        module = sys.modules.get(name)
+        if module is not None and getattr(module, "maybe_move_tensor_to_cpu", None) is _ORIGINAL_MOVE_TO_CPU:
+            module.maybe_move_tensor_to_cpu = _split_sizes_to_host
 
 
 _PROXY = _TorchProxy()

@@ -170,8 +170,12 @@ def seed_everything(seed: int) -> int:
 
 
 def initialize_megatron(tp: int = 1, pp: int = 1, seed: int = 1234, timeout_minutes: int = 30,
-                        device: Optional[str] = None, sequence_parallel: bool = False) -> None:
+                        device: Optional[str] = None, sequence_parallel: bool = False, ep: int = 1) -> None:
     """Initialise torch.distributed and Megatron's TP/PP/DP groups; DP = world_size / (tp * pp).
+
+    `ep`: expert-parallel size (parallel.ep, MoE models): the experts of a layer are split over `ep` ranks of one
+    data-parallel group, so the world must be a multiple of tp * pp * ep; expert-tensor-parallel is Megatron's
+    default (= tp), and expert parameters are all-reduced over world / (tp * pp * ep) ranks.
 
     `timeout_minutes`: the collective timeout (parallel.timeout_minutes). `sequence_parallel`: with `tp`, decides
     the CUDA environment Megatron needs (`cuda_env`), set before the first CUDA call.
@@ -182,8 +186,8 @@ def initialize_megatron(tp: int = 1, pp: int = 1, seed: int = 1234, timeout_minu
     """
     from megatron.core import parallel_state as mpu
 
-    if tp < 1 or pp < 1:
-        raise ValueError(f"tensor/pipeline parallel sizes must be >= 1, got tp={tp}, pp={pp}")
+    if tp < 1 or pp < 1 or ep < 1:
+        raise ValueError(f"tensor/pipeline/expert parallel sizes must be >= 1, got tp={tp}, pp={pp}, ep={ep}")
     device = resolve_device(device)
     _apply_cuda_env(cuda_env(device, tp, sequence_parallel))
     _init_process_group(timeout_minutes, device)
@@ -193,15 +197,23 @@ def initialize_megatron(tp: int = 1, pp: int = 1, seed: int = 1234, timeout_minu
             f"world size {world} is not divisible by tp*pp = {tp}*{pp} = {tp * pp}: launch "
             f"`torchrun --nproc_per_node {tp * pp}` (or a multiple of it), or change parallel.tp / parallel.pp"
         )
+    if world % (tp * pp * ep):
+        raise ValueError(
+            f"world size {world} is not divisible by tp*pp*ep = {tp}*{pp}*{ep} = {tp * pp * ep}: launch "
+            f"`torchrun --nproc_per_node {tp * pp * ep}` (or a multiple of it), or change parallel.ep"
+        )
     install_cpu_compat()
     if mpu.model_parallel_is_initialized():
-        have = (mpu.get_tensor_model_parallel_world_size(), mpu.get_pipeline_model_parallel_world_size())
-        if have != (tp, pp):
-            raise RuntimeError(f"Megatron is already initialised with (tp, pp)={have}; call destroy_megatron() first")
+        have = (mpu.get_tensor_model_parallel_world_size(), mpu.get_pipeline_model_parallel_world_size(),
+                mpu.get_expert_model_parallel_world_size())
+        if have != (tp, pp, ep):
+            raise RuntimeError(f"Megatron is already initialised with (tp, pp, ep)={have}; call destroy_megatron() "
+                               "first")
     else:
         mpu.initialize_model_parallel(
             tensor_model_parallel_size=tp,
             pipeline_model_parallel_size=pp,
+            expert_model_parallel_size=ep,
             distributed_timeout_minutes=timeout_minutes,
         )
     install_cpu_compat()  # again: initialize_model_parallel may import more megatron modules

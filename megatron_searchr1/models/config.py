@@ -20,13 +20,16 @@ from megatron_searchr1.models.families import ModelDims, read_dims, stage_layer_
 
 
 def check_parallel_sizes(hf_config_or_dims: Any, tp: int, pp: int, *, first_stage_layers: Optional[int] = None,
-                         last_stage_layers: Optional[int] = None, world_size: Optional[int] = None) -> None:
+                         last_stage_layers: Optional[int] = None, world_size: Optional[int] = None,
+                         ep: int = 1) -> None:
     """Refuse TP/PP (and a world size) that do not fit the model: a ValueError listing every problem and what to do.
 
     Megatron's rules: TP divides the query heads and the MLP width; the KV heads (query groups) are a multiple of
     TP (each rank holds whole groups) or divide TP (each group is replicated over TP/groups ranks, as Megatron's
     attention does); the layers split over PP stages (evenly, or with `first_stage_layers` / `last_stage_layers`
-    on the end stages and the rest evenly); the world size, when given, is a multiple of TP*PP.
+    on the end stages and the rest evenly); the world size, when given, is a multiple of TP*PP. Expert parallelism
+    (`ep`, MoE models only): EP divides the experts, TP (= expert TP) divides an expert's width, and the world is a
+    multiple of TP*PP*EP as well (the experts' data-parallel groups are world / (TP*PP*EP) ranks).
     """
     dims = read_dims(hf_config_or_dims)
     heads, groups, ffn = dims.num_heads, dims.num_kv_heads, dims.ffn_hidden_size
@@ -48,8 +51,56 @@ def check_parallel_sizes(hf_config_or_dims: Any, tp: int, pp: int, *, first_stag
         if world_size is not None and world_size % (tp * pp):
             problems.append(f"world size {world_size} is not a multiple of tp*pp={tp * pp}: launch with "
                             f"`torchrun --nproc_per_node {tp * pp} ...` (or use TP=1 PP=1 in one process)")
+        problems += _expert_parallel_problems(dims, tp, pp, ep, world_size)
     if problems:
         raise ValueError("; ".join(problems))
+
+
+def _expert_parallel_problems(dims: ModelDims, tp: int, pp: int, ep: int, world_size: Optional[int]) -> list[str]:
+    if ep < 1:
+        return [f"EP must be >= 1 (got EP={ep})"]
+    if dims.moe is None:
+        return [] if ep == 1 else [f"EP={ep} needs a mixture-of-experts model; this one is dense: set parallel.ep=1"]
+    problems = []
+    if dims.moe.num_experts % ep:
+        problems.append(f"EP={ep} does not divide num_experts={dims.moe.num_experts}: choose an EP that divides it")
+    if dims.moe.ffn_hidden_size % tp:
+        problems.append(f"TP={tp} does not divide moe_intermediate_size={dims.moe.ffn_hidden_size} (experts are "
+                        "split over TP too): choose a TP that divides it")
+    if dims.moe.shared_expert_size % tp:
+        problems.append(f"TP={tp} does not divide shared_expert_intermediate_size={dims.moe.shared_expert_size}")
+    if world_size is not None and world_size % (tp * pp * ep):
+        problems.append(f"world size {world_size} is not a multiple of tp*pp*ep={tp * pp * ep}: launch with "
+                        f"`torchrun --nproc_per_node {tp * pp * ep} ...` (or lower parallel.ep)")
+    return problems
+
+
+def moe_config_fields(dims: ModelDims, ep: int = 1) -> dict[str, Any]:
+    """The TransformerConfig fields of an MoE model ({} for a dense one).
+
+    The token dispatcher is alltoall everywhere (allgather refuses variable_seq_lengths, which pipelined RL
+    micro-batches need); on the CPU it runs over gloo thanks to compat._split_sizes_to_host. The experts run as
+    Megatron's SequentialMLP (`moe_grouped_gemm=False`): on GPUs TE's grouped GEMM is faster but names its weights
+    differently (families/moe.py). The router's GEMM and softmax run in fp32 (HF upcasts the router logits too).
+    """
+    moe = dims.moe
+    if moe is None:
+        return {}
+    return dict(
+        num_moe_experts=moe.num_experts,
+        moe_router_topk=moe.topk,
+        moe_ffn_hidden_size=moe.ffn_hidden_size,
+        moe_router_pre_softmax=not moe.norm_topk_prob,
+        moe_router_score_function="softmax",
+        moe_router_load_balancing_type="aux_loss",
+        moe_aux_loss_coeff=moe.aux_loss_coeff,
+        moe_shared_expert_intermediate_size=moe.shared_expert_size or None,
+        moe_shared_expert_gate=moe.shared_expert_gate,
+        moe_layer_freq=[1 if dims.is_moe_layer(i) else 0 for i in range(dims.num_layers)],
+        moe_grouped_gemm=False,
+        moe_router_dtype="fp32",
+        expert_model_parallel_size=ep,
+    )
 
 
 def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
@@ -117,10 +168,12 @@ def wgrad_fusion_available() -> bool:
 
 
 def transformer_config_from_hf(
-    hf_config: Any, *, tp: int = 1, pp: int = 1, params_dtype: torch.dtype = torch.float32, **overrides: Any
+    hf_config: Any, *, tp: int = 1, pp: int = 1, params_dtype: torch.dtype = torch.float32, ep: int = 1,
+    **overrides: Any
 ) -> TransformerConfig:
     """A Megatron TransformerConfig equivalent to `hf_config` (or its ModelDims) for TP=`tp`, PP=`pp`.
 
+    `ep`: expert-parallel size (MoE models).
     `overrides` are TransformerConfig fields applied last (e.g. recompute_granularity="full",
     bias_activation_fusion=True, apply_rope_fusion=True on GPU, num_layers_in_first_pipeline_stage=...).
     """
@@ -130,7 +183,7 @@ def transformer_config_from_hf(
     if unknown:
         raise ValueError(f"Unknown TransformerConfig override(s) {unknown}: they are not TransformerConfig fields.")
     check_parallel_sizes(dims, tp, pp, first_stage_layers=overrides.get("num_layers_in_first_pipeline_stage"),
-                         last_stage_layers=overrides.get("num_layers_in_last_pipeline_stage"))
+                         last_stage_layers=overrides.get("num_layers_in_last_pipeline_stage"), ep=ep)
     if params_dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"params_dtype must be float32, bfloat16 or float16, got {params_dtype}.")
 
@@ -167,7 +220,8 @@ def transformer_config_from_hf(
         use_cpu_initialization=not torch.cuda.is_available(),
         # RL micro-batches have different lengths: pipeline stages exchange shapes first.
         variable_seq_lengths=True,
-        moe_token_dispatcher_type="alltoall",  # unused by dense models; the default rejects variable lengths
+        moe_token_dispatcher_type="alltoall",  # the default (allgather) rejects variable lengths
+        **moe_config_fields(dims, ep),
     )
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)

@@ -25,7 +25,8 @@ import torch
 
 from megatron_searchr1.models.config import check_parallel_sizes, padded_vocab_size
 from megatron_searchr1.models.families import (
-    ModelFamily, get_family, rename_layer, split_layer_name, tp_merge, tp_split,
+    ModelFamily, expert_index, get_family, is_expert_param, rename_expert, rename_layer, split_layer_name, tp_merge,
+    tp_split,
 )
 
 META_FILE = "searchr1_checkpoint.json"
@@ -111,13 +112,13 @@ def load_hf_config(hf_dir: str):
         raise ConversionError(f"{hf_dir}/config.json is invalid: {type(e).__name__}: {e}") from None
 
 
-def _check_sizes(hf_config: Any, tp: int, pp: int) -> None:
-    """`check_parallel_sizes` for this model, TP/PP and torchrun's world size, as a ConversionError naming the
+def _check_sizes(hf_config: Any, tp: int, pp: int, ep: int = 1) -> None:
+    """`check_parallel_sizes` for this model, TP/PP/EP and torchrun's world size, as a ConversionError naming the
     flags, before any process group starts."""
     try:
-        check_parallel_sizes(hf_config, tp, pp, world_size=int(os.environ.get("WORLD_SIZE", "1")))
+        check_parallel_sizes(hf_config, tp, pp, world_size=int(os.environ.get("WORLD_SIZE", "1")), ep=ep)
     except ValueError as e:
-        raise ConversionError(f"{e} (--tp/--pp)") from None
+        raise ConversionError(f"{e} (--tp/--pp{'/--ep' if ep > 1 else ''})") from None
 
 
 def check_hf_tensor_names(mapping: ModelFamily, reader: SafetensorsReader) -> None:
@@ -158,16 +159,35 @@ def global_names(model: torch.nn.Module) -> list[tuple[str, str, torch.nn.Parame
 
     Each layer's global index is read off the layer (`layer_number - 1`, Megatron's offset for this stage), so
     uneven splits (num_layers_in_first/last_pipeline_stage) name their layers right.
+    An MoE layer's routed experts are numbered globally too: this rank's `local_experts.{j}` is expert
+    `local_expert_indices[0] + j` (Megatron's EP offset, ep_rank * E/ep).
     """
     decoder = getattr(model, "decoder", None)
-    index = [int(layer.layer_number) - 1 for layer in getattr(decoder, "layers", ())]
+    layers = list(getattr(decoder, "layers", ()))
+    index = [int(layer.layer_number) - 1 for layer in layers]
+    expert_offset = [(getattr(layer.mlp, "local_expert_indices", None) or [0])[0] for layer in layers]
     out = []
     for n, p in model.named_parameters():
         parsed = split_layer_name(n)
         if parsed is not None and parsed[0] >= len(index):
             raise ValueError(f"parameter {n!r} names layer {parsed[0]} but decoder.layers has {len(index)}")
-        out.append((n, rename_layer(n, index), p))
+        g = rename_layer(n, index)
+        if parsed is not None and expert_index(n) is not None:
+            g = rename_expert(g, expert_offset[parsed[0]])
+        out.append((n, g, p))
     return out
+
+
+def tp_of(name: str) -> tuple[int, int, Any]:
+    """(size, rank, group) of the tensor-parallel group that splits parameter `name`: the expert-tensor-parallel
+    group for routed experts, the TP group for everything else."""
+    from megatron.core import parallel_state as ps
+
+    if is_expert_param(name):
+        return (ps.get_expert_tensor_parallel_world_size(), ps.get_expert_tensor_parallel_rank(),
+                ps.get_expert_tensor_parallel_group())
+    return (ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank(),
+            ps.get_tensor_model_parallel_group())
 
 
 def load_hf_weights(model: torch.nn.Module, reader: SafetensorsReader, mapping: ModelFamily,
@@ -178,10 +198,10 @@ def load_hf_weights(model: torch.nn.Module, reader: SafetensorsReader, mapping: 
     """
     from tqdm import tqdm
 
-    tp, tp_rank, _, _ = _parallel_info()
     params = [(n, g, p) for n, g, p in global_names(model) if not _is_fresh(n)]
     for _, name, param in tqdm(params, desc="HF -> Megatron", disable=not progress, unit="tensor"):
         full = mapping.hf_to_megatron(name, reader.get_many(mapping.hf_sources(name)))
+        tp, tp_rank, _ = tp_of(name)
         shard = tp_split(name, full, tp)[tp_rank]
         if tuple(shard.shape) != tuple(param.shape):
             raise ConversionError(f"{name}: mapped shard has shape {tuple(shard.shape)} but the Megatron model "
@@ -197,21 +217,46 @@ def gather_hf_weights(model: torch.nn.Module, mapping: ModelFamily, progress: bo
     export passes base + B·A).
 
     Every TP rank of the stage must iterate (the all-gathers are collective); all of them get the tensors.
+    Routed experts are all-gathered over the expert-TP group, then over the expert-parallel group, so every rank
+    yields every expert (EP ranks that skip the dense tensors iterate `expert_weights(model)`).
     """
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
     from tqdm import tqdm
 
-    tp = _parallel_info()[0]
-    group = ps.get_tensor_model_parallel_group()
     if weights is None:
         weights = [(name, param.detach()) for _, name, param in global_names(model)]
+    ep, ep_group = ps.get_expert_model_parallel_world_size(), ps.get_expert_model_parallel_group()
     for name, t in tqdm(weights, desc="Megatron -> HF", disable=not progress, unit="tensor"):
+        tp, _, group = tp_of(name)
         if tp > 1:
             shards = [torch.empty_like(t) for _ in range(tp)]
             dist.all_gather(shards, t.contiguous(), group=group)
             t = tp_merge(name, shards)
-        yield from mapping.megatron_to_hf(name, t)
+        if ep > 1 and is_expert_param(name):
+            yield from _gather_experts(mapping, name, t, ep, ep_group)
+        else:
+            yield from mapping.megatron_to_hf(name, t)
+
+
+def _gather_experts(mapping: ModelFamily, name: str, t: torch.Tensor, ep: int, group) -> Iterable:
+    """One routed expert's full tensor on every EP rank -> the HF pairs of all `ep` of them (EP rank r holds
+    global expert r * E/ep + j where this rank holds j; `name` carries this rank's global index)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    per_rank = mapping.dims.moe.num_experts // ep
+    local = expert_index(name) - ps.get_expert_model_parallel_rank() * per_rank
+    parts = [torch.empty_like(t) for _ in range(ep)]
+    dist.all_gather(parts, t.contiguous(), group=group)
+    for r, part in enumerate(parts):
+        yield from mapping.megatron_to_hf(rename_expert(name, r * per_rank + local - expert_index(name)), part)
+
+
+def expert_weights(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """(global Megatron name, shard) of this stage's routed experts only: what a rank whose dense tensors another
+    DP replica exports still gathers (gather_hf_weights(..., weights=expert_weights(model)))."""
+    return [(name, param.detach()) for _, name, param in global_names(model) if is_expert_param(name)]
 
 
 def export_role(tp_rank: int, dp_rank: int) -> str:
@@ -362,10 +407,10 @@ def _prepare_out_dir(out_dir: str, overwrite: bool, input_dir: str) -> None:
 
 
 def hf_to_megatron(hf_dir: str, out_dir: str, *, tp: int = 1, pp: int = 1, dtype: str = "auto",
-                   overwrite: bool = False) -> None:
+                   overwrite: bool = False, ep: int = 1) -> None:
     """Convert an HF dir to a Megatron dist checkpoint; every rank of the (tp*pp*dp) world calls this."""
     hf_config = load_hf_config(hf_dir)
-    _check_sizes(hf_config, tp, pp)
+    _check_sizes(hf_config, tp, pp, ep)
     reader = SafetensorsReader(hf_dir)
     mapping = get_family(hf_config).from_hf_config(hf_config)
     check_hf_tensor_names(mapping, reader)
@@ -378,7 +423,7 @@ def hf_to_megatron(hf_dir: str, out_dir: str, *, tp: int = 1, pp: int = 1, dtype
     from megatron_searchr1.megatron.initialize import initialize_megatron
     from megatron_searchr1.models.gpt import build_gpt_model
 
-    initialize_megatron(tp=tp, pp=pp)
+    initialize_megatron(tp=tp, pp=pp, ep=ep)
     rank = dist.get_rank()
     model = all_ranks_ok(build_gpt_model, hf_config, params_dtype=params_dtype)
     mapping = bind_mapping(hf_config, model)
@@ -398,12 +443,12 @@ def hf_to_megatron(hf_dir: str, out_dir: str, *, tp: int = 1, pp: int = 1, dtype
 
 
 def megatron_to_hf(ckpt_dir: str, out_dir: str, *, tp: int = 1, pp: int = 1, dtype: str = "auto",
-                   overwrite: bool = False) -> None:
+                   overwrite: bool = False, ep: int = 1) -> None:
     """Convert a Megatron dist checkpoint (saved at any TP/PP) to an HF safetensors dir, loading it at TP/PP."""
     meta = read_checkpoint_metadata(ckpt_dir)
     hf_aux = os.path.join(ckpt_dir, HF_SUBDIR)
     hf_config = load_hf_config(hf_aux)
-    _check_sizes(hf_config, tp, pp)
+    _check_sizes(hf_config, tp, pp, ep)
     _prepare_out_dir(out_dir, overwrite, ckpt_dir)
     params_dtype = DTYPES[meta.get("dtype", "float32")]
     out_dtype = _resolve_dtype(dtype, hf_config)
@@ -413,7 +458,7 @@ def megatron_to_hf(ckpt_dir: str, out_dir: str, *, tp: int = 1, pp: int = 1, dty
     from megatron_searchr1.megatron.initialize import initialize_megatron
     from megatron_searchr1.models.gpt import build_gpt_model
 
-    initialize_megatron(tp=tp, pp=pp)
+    initialize_megatron(tp=tp, pp=pp, ep=ep)
     rank = dist.get_rank()
     model = all_ranks_ok(build_gpt_model, hf_config, params_dtype=params_dtype)
     all_ranks_ok(load_megatron_checkpoint, model, ckpt_dir)
@@ -440,6 +485,9 @@ def write_hf_dir(model: torch.nn.Module, mapping: ModelFamily, hf_src_dir: str, 
     writer = role == "write"
     tensors = {} if role == "skip" else host_tensors(gather_hf_weights(model, mapping, progress=progress),
                                                      dtype, keep=writer)
+    if role == "skip" and ps.get_expert_model_parallel_world_size() > 1 and ps.get_expert_data_parallel_rank() == 0:
+        # This DP replica holds other experts than replica 0: it joins the expert all-gathers, keeps nothing.
+        host_tensors(gather_hf_weights(model, mapping, weights=expert_weights(model)), dtype, keep=False)
     pp_rank = ps.get_pipeline_model_parallel_rank()
     fname = "model.safetensors" if pp == 1 else f"model-{pp_rank + 1:05d}-of-{pp:05d}.safetensors"
     if rank == 0:

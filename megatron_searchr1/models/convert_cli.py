@@ -23,6 +23,8 @@ def _common_args(p: ArgumentParser) -> None:
     p.add_argument("--tp", type=at_least(1), default=1,
                    help="tensor-parallel size (world size must be a multiple of tp*pp)")
     p.add_argument("--pp", type=at_least(1), default=1, help="pipeline-parallel size")
+    p.add_argument("--ep", type=at_least(1), default=1,
+                   help="expert-parallel size, MoE models (world size must be a multiple of tp*pp*ep)")
     p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
                    help="weight dtype (auto: the dtype in config.json)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
@@ -76,7 +78,7 @@ def hf_to_megatron_main(argv: Optional[Sequence[str]] = None) -> int:
     _common_args(p)
     a = p.parse_args(argv)
     check_dirs("--hf-dir", a.hf_dir, a.out_dir, a.overwrite, need_file="config.json")
-    return _convert("hf_to_megatron", dict(hf_dir=a.hf_dir, out_dir=a.out_dir, tp=a.tp, pp=a.pp, dtype=a.dtype,
+    return _convert("hf_to_megatron", dict(hf_dir=a.hf_dir, out_dir=a.out_dir, tp=a.tp, pp=a.pp, ep=a.ep, dtype=a.dtype,
                                            overwrite=a.overwrite))
 
 
@@ -88,7 +90,8 @@ def megatron_to_hf_main(argv: Optional[Sequence[str]] = None) -> int:
     _common_args(p)
     a = p.parse_args(argv)
     check_dirs("--ckpt-dir", a.ckpt_dir, a.out_dir, a.overwrite)
-    return _convert("megatron_to_hf", dict(ckpt_dir=a.ckpt_dir, out_dir=a.out_dir, tp=a.tp, pp=a.pp, dtype=a.dtype,
+    return _convert("megatron_to_hf", dict(ckpt_dir=a.ckpt_dir, out_dir=a.out_dir, tp=a.tp, pp=a.pp, ep=a.ep,
+                                           dtype=a.dtype,
                                            overwrite=a.overwrite))
 
 

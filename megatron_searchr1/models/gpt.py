@@ -98,8 +98,12 @@ def resolve_config(dims: ModelDims, config: Optional[TransformerConfig], params_
     config shared by the actor, the reference and the critic (model_settings' dict) would hand the last-wrapped
     model's hooks to the others."""
     tp, pp = parallel_sizes()
+    ep = parallel_state.get_expert_model_parallel_world_size()
     if config is None:
-        return transformer_config_from_hf(dims, tp=tp, pp=pp, params_dtype=params_dtype)
+        return transformer_config_from_hf(dims, tp=tp, pp=pp, params_dtype=params_dtype, ep=ep)
+    if config.expert_model_parallel_size != ep:
+        raise ValueError(f"config says EP={config.expert_model_parallel_size} but parallel_state is EP={ep}: build "
+                         f"the config with transformer_config_from_hf(..., ep={ep}), matching initialize_megatron's ep")
     if (config.tensor_model_parallel_size, config.pipeline_model_parallel_size) != (tp, pp):
         raise ValueError(f"config says TP={config.tensor_model_parallel_size}, PP={config.pipeline_model_parallel_size} "
                          f"but parallel_state is TP={tp}, PP={pp}: build the config with "
@@ -109,15 +113,19 @@ def resolve_config(dims: ModelDims, config: Optional[TransformerConfig], params_
 
 
 def model_settings(hf_config: Any, *, tp: int, pp: int, params_dtype: torch.dtype, use_te: Optional[bool] = None,
-                   sequence_parallel: bool = False, recompute: str = "none") -> dict:
+                   sequence_parallel: bool = False, recompute: str = "none", ep: int = 1) -> dict:
     """Keyword arguments for build_actor / build_reference / build_critic from the run's model.use_te,
     model.recompute and parallel.sequence_parallel: `params_dtype`, the resolved `use_te` (None: TE when CUDA is
     present and transformer_engine imports) and a TransformerConfig with the kernel settings (kernel_overrides:
     fusions on only with TE on CUDA). On a CPU with the defaults the config equals the one build_gpt_model makes."""
     use_te = resolve_use_te(use_te)
+    if read_dims(hf_config).moe is not None and tp > 1 and not sequence_parallel:
+        # Megatron's MoELayer refuses to train under TP without it (the experts' tokens are split over TP).
+        raise ValueError(f"an MoE model at parallel.tp={tp} trains only with parallel.sequence_parallel=true: set "
+                         "it, or use parallel.tp=1 and parallel.ep for the experts")
     overrides = kernel_overrides(tp=tp, sequence_parallel=sequence_parallel, recompute=recompute, te=use_te,
                                  cuda=torch.cuda.is_available(), wgrad_fusion=use_te and wgrad_fusion_available())
-    config = transformer_config_from_hf(hf_config, tp=tp, pp=pp, params_dtype=params_dtype, **overrides)
+    config = transformer_config_from_hf(hf_config, tp=tp, pp=pp, params_dtype=params_dtype, ep=ep, **overrides)
     return dict(params_dtype=params_dtype, use_te=use_te, config=config)
 
 

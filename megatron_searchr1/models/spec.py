@@ -21,6 +21,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
 from megatron_searchr1.models.attention import SDPAttention, SDPSelfAttention
 
@@ -94,13 +95,19 @@ def norm_module(use_te: bool) -> type:
     return TorchNorm
 
 
-def layer_spec(use_te: bool, qk_norm: bool = False) -> ModuleSpec:
-    """One transformer layer: TE's spec, or Megatron's local spec with SDPAttention and torch norms throughout."""
+def layer_spec(use_te: bool, qk_norm: bool = False, num_experts: Optional[int] = None) -> ModuleSpec:
+    """One transformer layer: TE's spec, or Megatron's local spec with SDPAttention and torch norms throughout.
+
+    `num_experts`: an MoE layer (Megatron's MoELayer: router, SequentialMLP experts, shared expert when the config
+    sizes one). Grouped GEMM stays off on GPUs too: TEGroupedMLP would name the expert weights differently from the
+    family mapping (families/moe.py)."""
     if use_te:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_norm)
-    spec = copy.deepcopy(get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_norm))
+        return get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts, moe_grouped_gemm=False,
+                                                          qk_layernorm=qk_norm)
+    spec = copy.deepcopy(get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False,
+                                                  normalization="RMSNorm", qk_layernorm=qk_norm))
     layer = spec.submodules
     layer.input_layernorm = layer.pre_mlp_layernorm = TorchNorm
     if qk_norm:
@@ -112,10 +119,20 @@ def layer_spec(use_te: bool, qk_norm: bool = False) -> ModuleSpec:
 
 def block_spec(config: TransformerConfig, use_te: bool, qk_norm: bool = False) -> TransformerBlockSubmodules:
     """This pipeline stage's block: its layers (as many as Megatron builds here, uneven splits included) and a
-    final norm of the same kind as the layers' norms."""
-    layer = layer_spec(use_te, qk_norm)
-    return TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(config),
-                                      layer_norm=norm_module(use_te))
+    final norm of the same kind as the layers' norms. An MoE config's `moe_layer_freq` list (one 0/1 per global
+    layer, models/config.moe_config_fields) picks an MoE or a dense layer for each."""
+    n = get_num_layers_to_build(config)
+    dense = layer_spec(use_te, qk_norm)
+    if not config.num_moe_experts:
+        layers = [dense] * n
+    else:
+        moe = layer_spec(use_te, qk_norm, num_experts=config.num_moe_experts)
+        freq = config.moe_layer_freq
+        if not isinstance(freq, list):
+            raise ValueError(f"block_spec needs moe_layer_freq as a per-layer 0/1 list, got {freq!r}")
+        offset = get_transformer_layer_offset(config)
+        layers = [moe if freq[offset + i] else dense for i in range(n)]
+    return TransformerBlockSubmodules(layer_specs=layers, layer_norm=norm_module(use_te))
 
 
 def uses_te_spec(model: torch.nn.Module) -> bool:

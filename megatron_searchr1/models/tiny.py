@@ -2,7 +2,8 @@
 
 `make_tiny_model(TinyModelConfig(...))` writes a Hugging Face checkpoint directory:
   tokenizer.json + tokenizer_config.json (+ chat template)   a byte-level BPE `transformers` fast tokenizer
-  config.json + generation_config.json + model.safetensors   a randomly initialised Qwen2, Qwen3, Llama or Mistral model
+  config.json + generation_config.json + model.safetensors   a randomly initialised Qwen2, Qwen3, Llama or Mistral
+                                                             model, or a Qwen3-MoE / Qwen2-MoE mixture of experts
 
 The tokenizer is trained on the given text files (or a small built-in English text) with the special tokens a chat
 model needs: `<|endoftext|>` (pad, and bos for configs that want one), `<|im_start|>` / `<|im_end|>` (eos of a chat
@@ -38,7 +39,8 @@ CHAT_TEMPLATE = (
 )
 
 ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                 "mistral": "MistralForCausalLM"}
+                 "mistral": "MistralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                 "qwen2_moe": "Qwen2MoeForCausalLM"}
 
 
 @dataclass
@@ -78,6 +80,12 @@ class TinyModelConfig:
     """Seed for the weights (the tokenizer training is deterministic)."""
     search_tags_as_tokens: bool = True
     """Add the Search-R1 tags as single (normal, non-special) tokens."""
+    num_experts: int = 8
+    """MoE archs (qwen3_moe, qwen2_moe): routed experts per layer."""
+    experts_per_token: int = 2
+    """MoE archs: experts each token is routed to (top-k)."""
+    moe_intermediate_size: int = 64
+    """MoE archs: one routed expert's MLP width (qwen2_moe's shared expert is intermediate_size wide)."""
 
     def __post_init__(self):
         if self.arch not in ARCHITECTURES:
@@ -88,6 +96,9 @@ class TinyModelConfig:
             raise ValueError(f"hidden_size={self.hidden_size} must be a multiple of num_heads={self.num_heads}")
         if (self.hidden_size // self.num_heads) % 2 != 0:
             raise ValueError("head_dim (hidden_size / num_heads) must be even for RoPE")
+        if self.arch.endswith("_moe") and not 1 <= self.experts_per_token <= self.num_experts:
+            raise ValueError(f"experts_per_token={self.experts_per_token} must be between 1 and "
+                             f"num_experts={self.num_experts}")
         for path in self.text_files:
             if not os.path.isfile(path):
                 raise FileNotFoundError(f"tokenizer text file {path!r} does not exist")
@@ -167,7 +178,7 @@ def train_tokenizer(cfg: TinyModelConfig):
 
 def build_hf_config(cfg: TinyModelConfig, vocab_size: int, pad_id: int, eos_id: int):
     """The `transformers` config for the tiny model."""
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig
 
     common = dict(
         vocab_size=vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
@@ -179,6 +190,13 @@ def build_hf_config(cfg: TinyModelConfig, vocab_size: int, pad_id: int, eos_id: 
     )
     if cfg.arch == "qwen2":
         return Qwen2Config(**common)
+    moe = dict(num_experts=cfg.num_experts, num_experts_per_tok=cfg.experts_per_token,
+               moe_intermediate_size=cfg.moe_intermediate_size, norm_topk_prob=True, router_aux_loss_coef=0.001)
+    if cfg.arch == "qwen3_moe":
+        return Qwen3MoeConfig(attention_bias=False, head_dim=cfg.hidden_size // cfg.num_heads, **moe, **common)
+    if cfg.arch == "qwen2_moe":
+        moe["norm_topk_prob"] = False  # Qwen1.5-MoE / Qwen2-57B-A14B keep the softmax over all experts
+        return Qwen2MoeConfig(shared_expert_intermediate_size=cfg.intermediate_size, **moe, **common)
     if cfg.arch == "qwen3":
         return Qwen3Config(attention_bias=False, head_dim=cfg.hidden_size // cfg.num_heads, **common)
     if cfg.arch == "mistral":
@@ -238,6 +256,9 @@ def parse_args(argv=None) -> TinyModelConfig:
     p.add_argument("--init-std", type=above(0.0), default=0.02)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-search-tag-tokens", action="store_true", help="leave <search> etc. to BPE pieces")
+    p.add_argument("--num-experts", type=at_least(1), default=8, help="MoE archs: routed experts per layer")
+    p.add_argument("--experts-per-token", type=at_least(1), default=2, help="MoE archs: top-k")
+    p.add_argument("--moe-intermediate-size", type=at_least(1), default=64, help="MoE archs: one expert's width")
     a = p.parse_args(argv)
     if os.path.exists(a.output_dir) and not os.path.isdir(a.output_dir):
         raise UsageError(f"--output-dir {a.output_dir!r} is a file: give a directory")
@@ -250,12 +271,14 @@ def parse_args(argv=None) -> TinyModelConfig:
             num_layers=a.num_layers, num_heads=a.num_heads, num_kv_heads=a.num_kv_heads,
             max_position_embeddings=a.max_position_embeddings, rope_theta=a.rope_theta,
             tie_embeddings=a.tie_embeddings, init_std=a.init_std, seed=a.seed,
-            search_tags_as_tokens=not a.no_search_tag_tokens,
+            search_tags_as_tokens=not a.no_search_tag_tokens, num_experts=a.num_experts,
+            experts_per_token=a.experts_per_token, moe_intermediate_size=a.moe_intermediate_size,
         )
     except FileNotFoundError as e:
         raise UsageError(f"--text: {e}") from None
     except ValueError as e:  # TinyModelConfig's own checks name the fields
-        raise UsageError(f"{e} (--hidden-size, --num-heads, --num-kv-heads)") from None
+        raise UsageError(f"{e} (--hidden-size, --num-heads, --num-kv-heads, --num-experts, --experts-per-token)"
+                         ) from None
     return cfg
 
 

@@ -56,9 +56,9 @@ import torch
 import torch.distributed as dist
 
 from megatron_searchr1.megatron.initialize import collective_device
-from megatron_searchr1.models.convert import global_names
+from megatron_searchr1.models.convert import expert_weights, gather_hf_weights, global_names
 from megatron_searchr1.models.families.base import (
-    OUTPUT_LAYER, ModelFamily, te_to_local_name, tp_kind, tp_merge, tp_place,
+    OUTPUT_LAYER, ModelFamily, is_expert_param, split_layer_name, te_to_local_name, tp_kind, tp_merge, tp_place,
 )
 from megatron_searchr1.models.forward import unwrap
 from megatron_searchr1.models.lora import LoraAdapter, is_lora_param
@@ -380,6 +380,8 @@ class WeightSync:
                     continue
                 if te_to_local_name(global_name) == OUTPUT_LAYER and self.mapping.dims.tie_embeddings:
                     continue  # the last stage's copy of a tied embedding: HF has no lm_head then
+                if is_expert_param(global_name) and expert_parallel_size() > 1:
+                    continue  # other EP ranks hold other experts: sync_expert_weights sends them
                 gather = self.tp > 1 and tp_kind(global_name) != "replicated"
                 sources.append(_Source(global_name, p, gather, adapted.get(local_name)))
         return sources
@@ -539,4 +541,54 @@ def sync_weights(model: torch.nn.Module | Sequence[torch.nn.Module], engine: Opt
     key = (id(mapping), int(bucket_bytes), dtype, transport)
     if key not in cache or cache[key].mapping is not mapping:
         cache[key] = WeightSync(model, mapping, bucket_bytes=bucket_bytes, dtype=dtype, transport=transport)
+    sync_expert_weights(model, engine, mapping, dtype=dtype)  # before: WeightSync.sync finishes the engine's sync
     return cache[key].sync(engine)
+
+
+def expert_parallel_size() -> int:
+    from megatron.core import parallel_state as ps
+
+    return ps.get_expert_model_parallel_world_size() if ps.model_parallel_is_initialized() else 1
+
+
+@torch.no_grad()
+def sync_expert_weights(model: torch.nn.Module | Sequence[torch.nn.Module], engine: Optional[Any],
+                        mapping: ModelFamily, *, dtype: Optional[torch.dtype] = None) -> int:
+    """Under expert parallelism (EP > 1; a no-op returning 0 otherwise), send the routed experts that WeightSync
+    leaves out: one MoE layer at a time, every expert all-gathered over expert-TP and EP (convert.gather_hf_weights)
+    on the layer's stage, broadcast over the pipeline group from that stage, handed to `engine.load_weights` under
+    the checkpoint's per-expert HF names (what vLLM's MoE loaders read). Every rank calls it; returns the bytes
+    handed over. At most one layer's experts (all E of them, cast to `dtype` at the source) are in flight: the
+    memory bound, in place of WeightSync's buckets.
+    """
+    if expert_parallel_size() == 1:
+        return 0
+    from megatron.core import parallel_state as ps
+
+    chunks = [unwrap(m) for m in (model if isinstance(model, (list, tuple)) else [model])]
+    mine: dict[int, list[tuple[str, torch.Tensor]]] = {}
+    for chunk in chunks:
+        for name, t in expert_weights(chunk):
+            mine.setdefault(split_layer_name(name)[0], []).append((name, t if dtype is None else t.to(dtype)))
+    pp, pp_rank, pp_group = (ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank(),
+                             ps.get_pipeline_model_parallel_group())
+    layers = [sorted(mine)] * pp
+    if pp > 1:
+        layers = [None] * pp
+        dist.all_gather_object(layers, sorted(mine), group=pp_group)
+    pp_ranks = dist.get_process_group_ranks(pp_group) if pp > 1 else [dist.get_rank()]
+    nbytes = 0
+    for stage, stage_layers in enumerate(layers):
+        for layer in stage_layers:
+            pairs = list(gather_hf_weights(None, mapping, weights=mine[layer])) if stage == pp_rank else None
+            if pp > 1:
+                meta = [[(n, tuple(t.shape), t.dtype) for n, t in pairs] if pairs is not None else None]
+                dist.broadcast_object_list(meta, src=pp_ranks[stage], group=pp_group)
+                if pairs is None:
+                    pairs = [(n, torch.empty(shape, dtype=dt, device=collective_device())) for n, shape, dt in meta[0]]
+                for _, t in pairs:
+                    dist.broadcast(t, src=pp_ranks[stage], group=pp_group)
+            if engine is not None:
+                engine.load_weights(iter(pairs))
+            nbytes += sum(t.numel() * t.element_size() for _, t in pairs)
+    return nbytes

@@ -108,7 +108,7 @@ def launch_server(cfg: Config):
 def build_roles(cfg: Config) -> Roles:
     p, o, a, r, t = cfg.parallel, cfg.optim, cfg.algo, cfg.rollout, cfg.trainer
     initialize_megatron(tp=p.tp, pp=p.pp, seed=t.seed, timeout_minutes=p.timeout_minutes,
-                        sequence_parallel=p.sequence_parallel)
+                        sequence_parallel=p.sequence_parallel, ep=p.ep)
     rank, world = dist.get_rank(), dist.get_world_size()
     dp_rank, dp_size = mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size()
     try:  # checkpoints need one directory for all nodes: refuse now, not at the first save or resume
@@ -127,7 +127,7 @@ def build_roles(cfg: Config) -> Roles:
     lora = cfg.model.lora
     settings = model_settings(hf_config, tp=p.tp, pp=p.pp, params_dtype=dtype,
                               use_te=False if lora.enabled else cfg.model.use_te,  # LoRA wraps the local spec only
-                              sequence_parallel=p.sequence_parallel, recompute=cfg.model.recompute)
+                              sequence_parallel=p.sequence_parallel, recompute=cfg.model.recompute, ep=p.ep)
     load_actor_stage = load_actor
     if lora.enabled:  # the base weights first, then the adapters (base frozen), then DDP and the optimizer see them
         def load_actor_stage(model):

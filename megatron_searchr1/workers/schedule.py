@@ -44,6 +44,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_searchr1.megatron.batching import MicroBatch, restore_order
 from megatron_searchr1.megatron.initialize import collective_device
+from megatron_searchr1.megatron.moe_metrics import moe_step_metrics, start_moe_step
 from megatron_searchr1.megatron.optimizer import current_lr
 from megatron_searchr1.workers.outputs import is_critic, model_outputs, unwrap
 
@@ -207,12 +208,15 @@ def train_step(model: torch.nn.Module, optimizer, scheduler, micro_batches: Sequ
     """One optimizer step on one mini-batch: zero grads, forward_backward, clip + step, scheduler.step(1).
 
     `scheduler=None` leaves the LR schedule to the caller (e.g. one scheduler step per RL step, as verl does).
-    Returns forward_backward's metrics plus grad_norm (pre-clip), lr (used by this step), update_successful.
+    Returns forward_backward's metrics plus grad_norm (pre-clip), lr (used by this step), update_successful, and
+    for an MoE model the load-balancing metrics (megatron/moe_metrics.py; the aux loss is in the gradient already).
     """
     model.zero_grad_buffer()
     optimizer.zero_grad()
+    start_moe_step(unwrap(model))
     metrics = forward_backward(model, micro_batches, loss_fn, temperature=temperature, with_entropy=with_entropy,
                                entropy_grad=entropy_grad, mask_key=mask_key)
+    metrics.update(moe_step_metrics(unwrap(model), len(micro_batches)))  # MoE: aux loss, tokens per expert
     lr = current_lr(optimizer)
     ok, grad_norm, _ = optimizer.step()
     if ok and scheduler is not None:

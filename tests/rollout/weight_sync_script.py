@@ -79,6 +79,7 @@ def main():
     ap.add_argument("--hf-dirs", nargs="+", required=True)
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--pp", type=int, default=1)
+    ap.add_argument("--ep", type=int, default=1, help="expert-parallel size (MoE models; vllm engine only)")
     ap.add_argument("--first-stage-layers", type=int, default=None)
     ap.add_argument("--bucket-bytes", type=int, default=16 << 10, help="small: many buckets, some single tensors")
     ap.add_argument("--engine", default="state_dict", choices=["state_dict", "vllm"])
@@ -182,7 +183,7 @@ def vllm_main(a):
     from megatron_searchr1.rollout.engines import make_engine
     from megatron_searchr1.rollout.weight_sync import sync_weights
 
-    initialize_megatron(tp=a.tp, pp=a.pp)
+    initialize_megatron(tp=a.tp, pp=a.pp, ep=a.ep)
     rank = dist.get_rank()
     g = torch.Generator().manual_seed(0)
     for hf_dir in a.hf_dirs:

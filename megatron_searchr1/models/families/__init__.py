@@ -12,18 +12,20 @@ import dataclasses
 from typing import Any
 
 from megatron_searchr1.models.families.base import (  # noqa: F401  (re-exported API)
-    EMBEDDING, FINAL_NORM, LAYER_TENSORS, OUTPUT_LAYER, ModelFamily, deinterleave_qkv, global_to_local_layer,
-    global_to_local_name, interleave_qkv, local_to_global_name, local_to_te_name, pad_vocab, pp_layer_range,
-    rename_layer, split_layer_name, stack_gate_up, stage_layer_counts, te_to_local_name, tp_kind, tp_merge, tp_place,
-    tp_split, trim_vocab, unstack_gate_up,
+    EMBEDDING, FINAL_NORM, LAYER_TENSORS, MOE_LAYER_TENSORS, OUTPUT_LAYER, ModelFamily, deinterleave_qkv,
+    expert_index, global_to_local_layer, global_to_local_name, interleave_qkv, is_expert_param, rename_expert,
+    local_to_global_name, local_to_te_name, pad_vocab, pp_layer_range, rename_layer, split_layer_name, stack_gate_up,
+    stage_layer_counts, te_to_local_name, tp_kind, tp_merge, tp_place, tp_split, trim_vocab, unstack_gate_up,
 )
-from megatron_searchr1.models.families.dims import ModelDims, RopeSettings, config_get  # noqa: F401
+from megatron_searchr1.models.families.dims import ModelDims, MoeDims, RopeSettings, config_get  # noqa: F401
 from megatron_searchr1.models.families.llama import LlamaFamily
 from megatron_searchr1.models.families.mistral import MistralFamily
+from megatron_searchr1.models.families.moe import MoeFamily, Qwen2MoeFamily, Qwen3MoeFamily  # noqa: F401
 from megatron_searchr1.models.families.qwen2 import Qwen2Family
 from megatron_searchr1.models.families.qwen3 import Qwen3Family
 
-FAMILIES: tuple[type[ModelFamily], ...] = (Qwen2Family, Qwen3Family, LlamaFamily, MistralFamily)
+FAMILIES: tuple[type[ModelFamily], ...] = (Qwen2Family, Qwen3Family, LlamaFamily, MistralFamily, Qwen3MoeFamily,
+                                           Qwen2MoeFamily)
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(a for f in FAMILIES for a in f.architectures)
 
 

@@ -89,6 +89,62 @@ LAYER_TENSORS: dict[str, LayerTensor] = {
 }
 TP_KIND_NON_LAYER = {EMBEDDING: "vocab", OUTPUT_LAYER: "vocab", FINAL_NORM: "replicated"}
 
+# A mixture-of-experts layer (families/moe.py) replaces the dense `mlp.*` tensors above with these; `{e}` is the
+# expert index. In a *full* (global) Megatron name it is the GLOBAL expert index; a rank's own state dict numbers its
+# experts from 0 (`local_experts.{j}` is global expert ep_rank * E/ep + j): `rename_expert`. Expert linears are
+# split over the expert-tensor-parallel group like the dense MLP ("fc1", "row"); the router and the shared expert's
+# gate are replicated; the shared expert is a dense MLP over the TP group.
+_EXPERT = "mlp.experts.local_experts.{e}."
+MOE_LAYER_TENSORS: dict[str, LayerTensor] = {
+    "mlp.router.weight": LayerTensor(
+        "replicated", ("mlp.gate.weight",), lambda d: (d.moe.num_experts, d.hidden_size)),
+    _EXPERT + "linear_fc1.weight": LayerTensor(
+        "fc1", ("mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight"),
+        lambda d: (2 * d.moe.ffn_hidden_size, d.hidden_size)),
+    _EXPERT + "linear_fc2.weight": LayerTensor(
+        "row", ("mlp.experts.{e}.down_proj.weight",), lambda d: (d.hidden_size, d.moe.ffn_hidden_size)),
+    "mlp.shared_experts.linear_fc1.weight": LayerTensor(
+        "fc1", ("mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight"),
+        lambda d: (2 * d.moe.shared_expert_size, d.hidden_size), lambda d: d.moe.shared_expert_size > 0),
+    "mlp.shared_experts.linear_fc2.weight": LayerTensor(
+        "row", ("mlp.shared_expert.down_proj.weight",), lambda d: (d.hidden_size, d.moe.shared_expert_size),
+        lambda d: d.moe.shared_expert_size > 0),
+    "mlp.shared_experts.gate_weight": LayerTensor(
+        "replicated", ("mlp.shared_expert_gate.weight",), lambda d: (1, d.hidden_size),
+        lambda d: d.moe.shared_expert_gate),
+}
+_EXPERT_RE = re.compile(r"(mlp\.experts\.local_experts\.)(\d+)(\.)")
+
+
+def expert_index(name: str) -> int | None:
+    """The expert index in a routed expert's parameter name, None for any other name.
+
+    >>> expert_index("decoder.layers.1.mlp.experts.local_experts.5.linear_fc2.weight"), expert_index("embedding")
+    (5, None)
+    """
+    m = _EXPERT_RE.search(name)
+    return int(m.group(2)) if m else None
+
+
+def rename_expert(name: str, offset: int) -> str:
+    """Shift a routed expert's index by `offset` (rank-local -> global: offset = ep_rank * E/ep; back: -offset).
+
+    >>> rename_expert("decoder.layers.0.mlp.experts.local_experts.1.linear_fc1.weight", 4)
+    'decoder.layers.0.mlp.experts.local_experts.5.linear_fc1.weight'
+    """
+    return _EXPERT_RE.sub(lambda m: f"{m.group(1)}{int(m.group(2)) + offset}{m.group(3)}", name, count=1)
+
+
+def is_expert_param(name: str) -> bool:
+    """True for routed-expert parameters: Megatron splits them over the expert-parallel and expert-tensor-parallel
+    groups and all-reduces their gradients over the expert-data-parallel group (they carry `allreduce=False`)."""
+    return expert_index(name) is not None
+
+
+def layer_table_key(suffix: str) -> str:
+    """A layer suffix as the tables key it (`local_experts.7.` -> `local_experts.{e}.`)."""
+    return _EXPERT_RE.sub(lambda m: m.group(1) + "{e}" + m.group(3), suffix, count=1)
+
 
 def split_layer_name(name: str) -> tuple[int, str] | None:
     """`decoder.layers.3.mlp.linear_fc2.weight` -> (3, 'mlp.linear_fc2.weight'); None for non-layer names."""
@@ -122,9 +178,12 @@ def tp_kind(name: str) -> str:
     if name in TP_KIND_NON_LAYER:
         return TP_KIND_NON_LAYER[name]
     parsed = split_layer_name(name)
-    if parsed is None or parsed[1] not in LAYER_TENSORS:
+    key = None if parsed is None else layer_table_key(parsed[1])
+    if key in MOE_LAYER_TENSORS:
+        return MOE_LAYER_TENSORS[key].tp
+    if key not in LAYER_TENSORS:
         raise KeyError(f"no tensor-parallel rule for Megatron parameter {name!r}")
-    return LAYER_TENSORS[parsed[1]].tp
+    return LAYER_TENSORS[key].tp
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -106,6 +106,35 @@ class ModelDims:
     """Std of Megatron's random init (HF initializer_range)."""
     architecture: str = ""
     """The HF causal-LM architecture name written to an exported config."""
+    moe: Optional["MoeDims"] = None
+    """The mixture-of-experts settings (families/moe.py); None for a dense model."""
+
+    def is_moe_layer(self, index: int) -> bool:
+        """Whether layer `index` (global) has experts (a mixed model keeps some layers dense)."""
+        return self.moe is not None and index in self.moe.layers
+
+
+@dataclass(frozen=True)
+class MoeDims:
+    """A mixture-of-experts model's expert settings, read once from its HF config (Qwen2-MoE, Qwen3-MoE)."""
+
+    num_experts: int
+    """Routed experts per MoE layer E (HF num_experts / num_local_experts)."""
+    topk: int
+    """Experts each token is routed to (HF num_experts_per_tok)."""
+    ffn_hidden_size: int
+    """One routed expert's MLP width (HF moe_intermediate_size)."""
+    norm_topk_prob: bool
+    """Renormalise the top-k probabilities to sum to 1 (softmax over the k chosen logits, Megatron's
+    moe_router_pre_softmax=False) rather than keep the softmax over all experts (pre_softmax=True)."""
+    aux_loss_coeff: float
+    """Load-balancing loss weight (HF router_aux_loss_coef)."""
+    layers: tuple[int, ...]
+    """Global indices of the layers with experts; the others are dense with the model's ffn_hidden_size."""
+    shared_expert_size: int = 0
+    """The shared expert's MLP width (Qwen2-MoE shared_expert_intermediate_size); 0: no shared expert."""
+    shared_expert_gate: bool = False
+    """The shared expert's output is scaled by sigmoid(x @ gate), a (1, h) weight (Qwen2-MoE)."""
 
 
 def check_common(hf_config: Any) -> None:

