@@ -34,6 +34,7 @@ from megatron_searchr1.megatron.optimizer import build_optimizer
 from megatron_searchr1.metrics import RunLogger
 from megatron_searchr1.models.convert import DTYPES, bind_mapping, load_hf_config
 from megatron_searchr1.models.forward import unwrap
+from megatron_searchr1.models.families import read_dims
 from megatron_searchr1.models.gpt import model_settings
 from megatron_searchr1.models.lora import apply_lora
 from megatron_searchr1.rollout.engines import make_engine
@@ -92,6 +93,24 @@ def build_optimizer_from_config(model, optim, total_steps: int, lr: float):
     return optimizer, scheduler
 
 
+def actor_settings(cfg, hf_config, dtype: torch.dtype) -> dict:
+    """model_settings for the RL and SFT models from the run's config (model.use_te, model.recompute,
+    parallel.*), with what this model cannot do under that config refused as a UsageError (one `error:` line on
+    the command line): LoRA on a mixture-of-experts model (the experts' linears carry no adapters), an MoE model
+    under TP without sequence parallelism. LoRA wraps the local spec only, so it turns Transformer Engine off."""
+    lora = cfg.model.lora
+    if lora.enabled and read_dims(hf_config).moe is not None:
+        raise UsageError(f"model.lora: {cfg.model.path} is a mixture-of-experts model and LoRA adapts dense "
+                         "decoder linears only: set model.lora.rank=0 (full fine-tuning)")
+    p = cfg.parallel
+    try:
+        return model_settings(hf_config, tp=p.tp, pp=p.pp, params_dtype=dtype,
+                              use_te=False if lora.enabled else cfg.model.use_te,
+                              sequence_parallel=p.sequence_parallel, recompute=cfg.model.recompute, ep=p.ep)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+
+
 def launch_server(cfg: Config):
     """One retrieval server per node (local rank 0 starts it); every rank gets its node's URL."""
     server, url = None, None
@@ -125,14 +144,12 @@ def build_roles(cfg: Config) -> Roles:
     model_source = pin_model_source(cfg.model.megatron_ckpt or cfg.model.path)
     load_actor = weights_loader(hf_config, model_source)
     lora = cfg.model.lora
-    settings = model_settings(hf_config, tp=p.tp, pp=p.pp, params_dtype=dtype,
-                              use_te=False if lora.enabled else cfg.model.use_te,  # LoRA wraps the local spec only
-                              sequence_parallel=p.sequence_parallel, recompute=cfg.model.recompute, ep=p.ep)
-    load_actor_stage = load_actor
-    if lora.enabled:  # the base weights first, then the adapters (base frozen), then DDP and the optimizer see them
-        def load_actor_stage(model):
-            load_actor(model)
+    settings = actor_settings(cfg, hf_config, dtype)
+    def load_actor_stage(model):  # the base weights, then the adapters (base frozen); DDP and the optimizer follow
+        load_actor(model)
+        if lora.enabled:
             apply_lora(model, lora.settings())
+
     actor = build_actor(hf_config, **settings, load_weights=load_actor_stage,
                         use_distributed_optimizer=p.use_distributed_optimizer)
     actor_opt, actor_sched = build_optimizer_from_config(actor, o, t.total_steps, o.lr)

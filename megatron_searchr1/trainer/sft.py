@@ -39,9 +39,8 @@ from megatron_searchr1.megatron.initialize import initialize_megatron
 from megatron_searchr1.metrics import RunLogger, mean_over_ranks, timer
 from megatron_searchr1.models.convert import DTYPES, bind_mapping, load_hf_config
 from megatron_searchr1.models.forward import unwrap
-from megatron_searchr1.models.gpt import model_settings
 from megatron_searchr1.models.lora import apply_lora
-from megatron_searchr1.trainer.build import build_optimizer_from_config
+from megatron_searchr1.trainer.build import actor_settings, build_optimizer_from_config
 from megatron_searchr1.trainer.roles import Policy
 from megatron_searchr1.trainer.sources import weights_loader
 from megatron_searchr1.workers.actor import build_actor, masked_nll_loss, sft_sequence
@@ -51,7 +50,8 @@ def train_sft(cfg: SFTConfig) -> dict:
     """Run SFT; returns the last step's metrics. Every rank calls it."""
     t, o, d, lora = cfg.trainer, cfg.optim, cfg.data, cfg.model.lora
     initialize_megatron(tp=cfg.parallel.tp, pp=cfg.parallel.pp, seed=t.seed,
-                        timeout_minutes=cfg.parallel.timeout_minutes, sequence_parallel=cfg.parallel.sequence_parallel)
+                        timeout_minutes=cfg.parallel.timeout_minutes, sequence_parallel=cfg.parallel.sequence_parallel,
+                        ep=cfg.parallel.ep)
     rank = dist.get_rank()
     dp_rank, dp_size = mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size()
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
@@ -80,9 +80,7 @@ def train_sft(cfg: SFTConfig) -> dict:
     total_steps = t.total_steps if t.num_epochs is None else max(1, math.ceil(t.num_epochs * (len(seqs) //
                                                                                                 d.batch_size)))
 
-    settings = model_settings(hf_config, tp=cfg.parallel.tp, pp=cfg.parallel.pp, params_dtype=dtype,
-                              use_te=False if lora.enabled else cfg.model.use_te,  # LoRA wraps the local spec only
-                              sequence_parallel=cfg.parallel.sequence_parallel, recompute=cfg.model.recompute)
+    settings = actor_settings(cfg, hf_config, dtype)
     source = cfg.model.megatron_ckpt or cfg.model.path
     load_base = weights_loader(hf_config, source)
 

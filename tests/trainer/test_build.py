@@ -36,3 +36,27 @@ def test_no_warmup_starts_at_lr(monkeypatch):
     cfg = load_config(None, ["optim.lr=1e-3", "optim.warmup_steps_ratio=0", "trainer.total_steps=10"])
     opt, _ = build.build_optimizer_from_config(None, cfg.optim, cfg.trainer.total_steps, cfg.optim.lr)
     assert opt.param_groups[0]["lr"] == pytest.approx(1e-3)
+
+
+@pytest.mark.parametrize("cls", [Config, SFTConfig])
+def test_actor_settings_refuse_what_an_moe_model_cannot_do(cls):
+    """RL and SFT build their models through build.actor_settings: LoRA on an MoE model, and an MoE model under TP
+    without sequence parallelism, are one-line UsageErrors naming the setting, not tracebacks from every rank."""
+    from transformers import Qwen2Config, Qwen3MoeConfig
+
+    from megatron_searchr1.cli import UsageError
+
+    moe = Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                         num_experts=4, num_experts_per_tok=2)
+    dense = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2)
+    lora = load_config(None, ["model.path=/m", "model.lora.rank=4"], cls=cls)
+    with pytest.raises(UsageError, match=r"mixture-of-experts.*model\.lora\.rank=0"):
+        build.actor_settings(lora, moe, torch.float32)
+    assert build.actor_settings(lora, dense, torch.float32)["use_te"] is False  # LoRA: the local spec
+    tp2 = load_config(None, ["model.path=/m", "parallel.tp=2"], cls=cls)
+    with pytest.raises(UsageError, match="sequence_parallel=true"):
+        build.actor_settings(tp2, moe, torch.float32)
+    plain = load_config(None, ["model.path=/m"], cls=cls)
+    assert build.actor_settings(plain, moe, torch.float32)["config"].num_moe_experts == 4
