@@ -15,6 +15,10 @@ rank/size overrides per stage. Everything else is arithmetic, written down next 
 - weights: params x model.dtype bytes; gradients: Megatron DDP's fp32 buffer (`grad_reduce_in_fp32=True` in
   megatron/optimizer.py), 4 bytes per param, never sharded; optimizer: Adam m and v in fp32 plus an fp32 master copy
   for bf16/fp16 models (12 bytes per param; 8 for fp32 models), divided by DP with the distributed optimizer.
+- MoE (parallel.ep): a rank holds E/ep routed experts at 1/tp of their width (Megatron's expert-TP defaults to TP)
+  and the attention, norms, router and shared expert at its TP; the experts' gradients and optimizer state follow
+  them, the optimizer state sharded over expert-DP = world / (ep x tp x pp) instead of DP. Activations: the MLP
+  term becomes topk routed copies per token (`mlp_bytes_per_token`), balanced routing assumed (imbalance adds).
 - activations (one micro-batch of optim.max_tokens_per_micro_batch tokens): Korthikanti et al. 2022 ("Reducing
   activation recomputation in large transformer models") per-layer accounting, adapted to these models (RMSNorm,
   GQA, SwiGLU, no dropout, fused flash attention on the GPU, so no s^2 score tensors), bytes per token per layer:
@@ -80,6 +84,10 @@ class StageCounts:
     """Transformer layers of this stage."""
     first: bool
     last: bool
+    actor_experts: int = 0
+    """Of `actor`, the routed-expert parameters (MoE): this rank's E/ep experts at 1/tp of their width."""
+    critic_experts: int = 0
+    """Of `critic`, the routed-expert parameters."""
 
 
 @dataclass(frozen=True)
@@ -94,7 +102,9 @@ class ModelCounts:
     hf_params: int
     """Parameters of the HF model (what the engine holds, unsharded)."""
     hf_replicated: int
-    """Of those, the ones every engine TP rank holds whole (norms, replicated biases)."""
+    """Of those, the ones every engine TP rank holds whole (norms, replicated biases, MoE routers)."""
+    ep: int = 1
+    """Expert-parallel size (parallel.ep); expert-TP is Megatron's default, tp."""
 
 
 def read_dims_of(hf_config):
@@ -177,27 +187,41 @@ def shard_numel(global_name: str, shape: Sequence[int], dims, tp: int) -> int:
     return numel if kind == "replicated" else numel // tp
 
 
-def stage_param_numel(model, dims, tp: int) -> int:
-    """One TP rank's parameter count of a meta stage built by `build_meta_stage`."""
+def stage_param_numel(model, dims, tp: int, ep: int = 1) -> tuple[int, int]:
+    """(all, routed experts): one rank's parameter counts of a meta stage built by `build_meta_stage` (at EP = 1,
+    every expert) at TP = `tp` and EP = `ep`: a rank holds E/ep experts, each at 1/tp of its width (Megatron's
+    expert-TP defaults to TP), and the attention, norms, router and shared expert at its TP alone."""
+    from megatron_searchr1.models.families import is_expert_param
     from megatron_searchr1.rollout.weight_sync import global_param_names
 
-    total = sum(shard_numel(g, p.shape, dims, tp) for _, g, p in global_param_names(model))
-    return total + sum(p.numel() for n, p in model.named_parameters() if n.startswith("value_head."))
+    dense = experts = 0
+    for _, g, p in global_param_names(model):
+        n = shard_numel(g, p.shape, dims, tp)
+        if is_expert_param(g):
+            experts += n
+        else:
+            dense += n
+    dense += sum(p.numel() for n, p in model.named_parameters() if n.startswith("value_head."))
+    if experts % ep:
+        raise ValueError(f"EP={ep} does not split the {experts} expert parameters evenly (parallel.ep)")
+    return dense + experts // ep, experts // ep
 
 
-def count_params(dims, tp: int, pp: int, last_stage_layers: Optional[int] = None) -> ModelCounts:
-    """ModelCounts for `dims` at (tp, pp): every stage of the actor and the critic built on the meta device
-    (`last_stage_layers`: an uneven split, Megatron's num_layers_in_last_pipeline_stage)."""
+def count_params(dims, tp: int, pp: int, last_stage_layers: Optional[int] = None, ep: int = 1) -> ModelCounts:
+    """ModelCounts for `dims` at (tp, pp, ep): every stage of the actor and the critic built on the meta device
+    (`last_stage_layers`: an uneven split, Megatron's num_layers_in_last_pipeline_stage). The stages are built at
+    EP = 1 (a world of one has no expert groups) and the experts divided by `ep` (`stage_param_numel`)."""
     from megatron_searchr1.models.families import mapping_for, stage_layer_counts, tp_kind
 
     _ensure_world_of_one()
     layers = stage_layer_counts(dims.num_layers, pp, None, last_stage_layers)
     stages = []
     for s in range(pp):
-        actor = stage_param_numel(build_meta_stage(dims, pp, s, last_stage_layers=last_stage_layers), dims, tp)
-        critic = stage_param_numel(build_meta_stage(dims, pp, s, critic=True, last_stage_layers=last_stage_layers),
-                                   dims, tp)
-        stages.append(StageCounts(actor, critic, layers[s], s == 0, s == pp - 1))
+        actor, actor_e = stage_param_numel(build_meta_stage(dims, pp, s, last_stage_layers=last_stage_layers), dims,
+                                           tp, ep)
+        critic, critic_e = stage_param_numel(
+            build_meta_stage(dims, pp, s, critic=True, last_stage_layers=last_stage_layers), dims, tp, ep)
+        stages.append(StageCounts(actor, critic, layers[s], s == 0, s == pp - 1, actor_e, critic_e))
     mapping = mapping_for(dims)
     hf_params = hf_replicated = 0
     for name in mapping.megatron_names():
@@ -206,7 +230,7 @@ def count_params(dims, tp: int, pp: int, last_stage_layers: Optional[int] = None
             n = n // dims.padded_vocab_size * dims.vocab_size
         hf_params += n
         hf_replicated += n if tp_kind(name) == "replicated" else 0
-    return ModelCounts(dims, tp, pp, tuple(stages), hf_params, hf_replicated)
+    return ModelCounts(dims, tp, pp, tuple(stages), hf_params, hf_replicated, ep)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -224,7 +248,21 @@ def activation_bytes_per_token_layer(dims, tp: int, *, sequence_parallel: bool, 
     if recompute == "full":
         return a_bytes * h // sp
     qkv = (dims.num_heads // tp + 2 * math.ceil(dims.num_kv_heads / tp)) * d
-    return a_bytes * (4 * h // sp + qkv + dims.num_heads * d // tp + 3 * f // tp)
+    return a_bytes * (4 * h // sp + qkv + dims.num_heads * d // tp) + mlp_bytes_per_token(dims, tp, a_bytes)
+
+
+def mlp_bytes_per_token(dims, tp: int, a_bytes: int) -> int:
+    """The MLP's saved activations per token: a dense layer's 3F/tp (fc1's [gate; up] output, fc2's input); an MoE
+    layer's (the largest layer of a mixed model) per routed copy, topk of them with balanced routing: the permuted
+    input h (fc1's weight gradient) and the expert output h (kept for the probabilities' gradient) plus 3 fm/tp
+    (expert TP = tp), the shared expert's 3 S/tp, and the router's fp32 logits and probabilities (8E bytes).
+    Under EP a rank receives, on average, topk copies of each of its micro-batch's tokens (the all-to-all swaps
+    tokens between EP ranks, each with a micro-batch of its own)."""
+    moe = dims.moe
+    if moe is None or not moe.layers:
+        return a_bytes * 3 * dims.ffn_hidden_size // tp
+    routed = moe.topk * (2 * dims.hidden_size + 3 * moe.ffn_hidden_size // tp)
+    return a_bytes * (routed + 3 * moe.shared_expert_size // tp) + 8 * moe.num_experts
 
 
 def head_bytes_per_token(dims, tp: int, entropy: bool) -> int:
@@ -283,11 +321,14 @@ def sync_plan(counts: ModelCounts, bucket_bytes: int, dtype_bytes: int) -> tuple
     each stage's Megatron tensors mapped to HF on meta tensors (`mapping.megatron_to_hf`), packed in order into
     buckets of `bucket_bytes` HF bytes (`plan_buckets`; a larger tensor travels alone). Extra bytes of one bucket:
     this rank's packed shards g/tp, the all-gathered buffer g, the merged tensors g, the HF-mapped tensors h, and with
-    PP > 1 the packed broadcast buffer h (g = the bucket's TP-split tensors in full, h = its HF bytes)."""
+    PP > 1 the packed broadcast buffer h (g = the bucket's TP-split tensors in full, h = its HF bytes). Under EP > 1
+    the routed experts skip the buckets (`sync_expert_weights`): one MoE layer's E experts travel at a time, x bytes
+    in full, all-gathered over expert-TP and EP (x) and merged (x), and with PP > 1 broadcast from their stage (x);
+    each such layer counts as one bucket."""
     import torch
 
     from megatron_searchr1.models.config import padded_vocab_size
-    from megatron_searchr1.models.families import mapping_for, tp_kind
+    from megatron_searchr1.models.families import is_expert_param, mapping_for, tp_kind
     from megatron_searchr1.rollout.weight_sync import aligned, plan_buckets
 
     dims, tp, pp = counts.dims, counts.tp, counts.pp
@@ -298,11 +339,17 @@ def sync_plan(counts: ModelCounts, bucket_bytes: int, dtype_bytes: int) -> tuple
     for s in range(pp):
         lo, hi = sum(layer_counts[:s]), sum(layer_counts[: s + 1])
         mine = []
+        experts: dict[int, int] = {}  # MoE layer -> its experts' bytes in full (EP > 1)
         for name in mapping.megatron_names():
             layer = int(name.split(".")[2]) if name.startswith("decoder.layers.") else None
-            if (layer is not None and lo <= layer < hi) or (name.startswith("embedding.") and s == 0) \
+            if layer is not None and lo <= layer < hi and counts.ep > 1 and is_expert_param(name):
+                experts[layer] = experts.get(layer, 0) + math.prod(mapping.megatron_shape(name)) * dtype_bytes
+            elif (layer is not None and lo <= layer < hi) or (name.startswith("embedding.") and s == 0) \
                     or (layer is None and not name.startswith("embedding.") and s == pp - 1):
                 mine.append(name)
+        for x in experts.values():
+            peak = max(peak, 2 * x + (x if pp > 1 else 0))
+            buckets += 1
         full = [math.prod(mapping.megatron_shape(n)) * dtype_bytes for n in mine]
         hf = [sum(aligned(t.numel() * dtype_bytes) for _, t in mapping.megatron_to_hf(
             n, torch.empty(mapping.megatron_shape(n), dtype=dtype, device="meta"))) for n in mine]
@@ -318,21 +365,33 @@ def plan_memory(cfg, counts: ModelCounts, *, world: int, gpu_bytes: int, wake: s
                 gpus_per_node: int = 8) -> Plan:
     """Every phase's bytes on one GPU (the pipeline stage with the largest update peak) for `cfg`."""
     m, p, r, a, o, d = cfg.model, cfg.parallel, cfg.rollout, cfg.algo, cfg.optim, cfg.data
-    dims, tp, pp = counts.dims, counts.tp, counts.pp
+    dims, tp, pp, ep = counts.dims, counts.tp, counts.pp, counts.ep
     dp = world // (tp * pp)
+    edp = world // (tp * pp * ep)  # expert-DP: the ranks holding the same experts (expert-TP = tp)
     wb = DTYPE_BYTES[m.dtype]
     eb = DTYPE_BYTES[m.dtype if r.dtype == "auto" else r.dtype]
-    shard = dp if p.use_distributed_optimizer else 1
-    opt_per = optimizer_bytes_per_param(m.dtype) / shard
-    master_per = (0 if m.dtype == "float32" else 4) / shard  # allocated at start-up; Adam's m, v at the first step
+    shard, e_shard = (dp, edp) if p.use_distributed_optimizer else (1, 1)
+
+    def sharded(per_param: float, n: int, n_experts: int) -> int:
+        """Optimizer bytes of n params (n_experts of them routed experts, sharded over expert-DP only)."""
+        return int((n - n_experts) * per_param / shard + n_experts * per_param / e_shard)
+
+    opt_bytes = optimizer_bytes_per_param(m.dtype)
+    master_bytes = 0 if m.dtype == "float32" else 4  # allocated at start-up; Adam's m, v at the first step
     has_ref = a.use_kl_loss or a.use_kl_in_reward
     tokens = o.max_tokens_per_micro_batch
     notes = []
+    if dims.moe is not None:
+        notes.append(f"MoE: {dims.moe.num_experts} experts over EP {ep} x expert-TP {tp}; their optimizer state is "
+                     f"sharded over expert-DP {edp}, the rest over DP {dp}; vLLM (no expert parallelism in our "
+                     f"engine config) holds every expert at 1/{r.engine_tp} of its width on each engine rank")
 
     # vLLM: one engine per engine_tp GPUs, its share of the GPU = weights + activations + KV cache
     etp = r.engine_tp
     vllm_weights = ((counts.hf_params - counts.hf_replicated) // etp + counts.hf_replicated) * eb
-    vllm_act = (VLLM_BATCHED_TOKENS * (3 * dims.ffn_hidden_size // etp + 4 * dims.hidden_size) * eb
+    mlp_width = dims.ffn_hidden_size if dims.moe is None else max(
+        dims.ffn_hidden_size, dims.moe.topk * dims.moe.ffn_hidden_size + dims.moe.shared_expert_size)
+    vllm_act = (VLLM_BATCHED_TOKENS * (3 * mlp_width // etp + 4 * dims.hidden_size) * eb
                 + VLLM_MAX_SEQS * dims.vocab_size * 4 * 2)
     vllm_share = int(r.gpu_memory_utilization * gpu_bytes)
     kv = vllm_share - vllm_weights - vllm_act - VLLM_OUTSIDE_POOLS
@@ -344,9 +403,10 @@ def plan_memory(cfg, counts: ModelCounts, *, world: int, gpu_bytes: int, wake: s
 
     best = None
     for s, st in enumerate(counts.stages):
-        weights, grads, opt = st.actor * wb, st.actor * 4, int(st.actor * opt_per)
+        weights, grads, opt = st.actor * wb, st.actor * 4, sharded(opt_bytes, st.actor, st.actor_experts)
         ref = st.actor * wb if has_ref else 0
-        c_w, c_g, c_o = (st.critic * wb, st.critic * 4, int(st.critic * opt_per)) if a.uses_critic else (0, 0, 0)
+        c_w, c_g, c_o = ((st.critic * wb, st.critic * 4, sharded(opt_bytes, st.critic, st.critic_experts))
+                         if a.uses_critic else (0, 0, 0))
         in_flight = (pp - s) * st.layers  # 1F1B: stage s holds up to pp - s micro-batches
         per_layer = activation_bytes_per_token_layer(dims, tp, sequence_parallel=p.sequence_parallel,
                                                      recompute=m.recompute, a_bytes=wb)
@@ -357,8 +417,9 @@ def plan_memory(cfg, counts: ModelCounts, *, world: int, gpu_bytes: int, wake: s
         head = tokens * head_bytes_per_token(dims, tp, a.entropy_coeff > 0) if st.last else 0
         states = {"actor weights": weights, "gradient buffer (fp32)": grads, "optimizer shard": opt,
                   "reference model": ref, "critic (weights+grads+optimizer)": c_w + c_g + c_o}
-        start = Phase("start-up", {**states, "optimizer shard": int(st.actor * master_per),
-                                   "critic (weights+grads+optimizer)": (c_w + c_g + int(st.critic * master_per))
+        start = Phase("start-up", {**states, "optimizer shard": sharded(master_bytes, st.actor, st.actor_experts),
+                                   "critic (weights+grads+optimizer)": (c_w + c_g + sharded(master_bytes, st.critic,
+                                                                                            st.critic_experts))
                                    if a.uses_critic else 0, **ctx, "vLLM share (must be free)": vllm_share})
         update = Phase("update peak", {**states, "reference model": 0 if m.ref_offload else ref,
                                        "activations": acts, "log-prob head": head, "vLLM asleep": asleep, **ctx})
@@ -386,7 +447,8 @@ def plan_memory(cfg, counts: ModelCounts, *, world: int, gpu_bytes: int, wake: s
     host = vllm_weights if (r.sleep_level == 1 and r.sleep_between_steps) else 0  # pinned copy of vLLM's weights
     if wake == "staged":
         host += (st.actor + st.critic * a.uses_critic) * (wb * m.param_offload + 4 * m.grad_offload) \
-            + int((st.actor + st.critic * a.uses_critic) * opt_per) * m.optimizer_offload \
+            + (sharded(opt_bytes, st.actor, st.actor_experts)
+               + sharded(opt_bytes, st.critic, st.critic_experts) * a.uses_critic) * m.optimizer_offload \
             + (st.actor * wb if has_ref and m.ref_offload else 0)
     if kv <= 0:
         notes.append(f"vLLM has no room for a KV cache: its share {vllm_share / GiB:.1f} GiB holds weights "
@@ -459,7 +521,8 @@ def _gib(n: int) -> str:
 def summary_row(plan: Plan, cfg, counts: ModelCounts, config_path: str, nodes: int) -> str:
     """One markdown table row (the README's table of the shipped recipes)."""
     phase = {p.name: p.total for p in plan.phases}
-    return (f"| {os.path.basename(config_path)} | {nodes} | {counts.tp}x{counts.pp}x{plan.dp} | "
+    ep = f" (EP {counts.ep})" if counts.ep > 1 else ""
+    return (f"| {os.path.basename(config_path)} | {nodes} | {counts.tp}x{counts.pp}x{plan.dp}{ep} | "
             + " | ".join(f"{phase[n] / GiB:.1f}" for n in ("start-up", "update peak", "weight sync", "rollout"))
             + f" | {plan.kv_tokens // 1000}k | {plan.kv_tokens // plan.full_length} of "
             f"{plan.trajectories_per_engine} | {plan.host_bytes_per_node / GiB:.0f} | "
@@ -480,7 +543,7 @@ def render(plan: Plan, cfg, counts: ModelCounts, fix: Optional[dict], wake: str)
     width = max(len(k) for k in rows) + 2
     head = "GiB per GPU".ljust(width) + "".join(ph.name.rjust(13) for ph in plan.phases)
     out = [f"{cfg.model.path or 'model'}: {counts.hf_params / 1e9:.2f}B params; world {plan.world} = TP {counts.tp} x "
-           f"PP {counts.pp} x DP {plan.dp}; pipeline stage {plan.stage} shown ({_gib(plan.gpu_bytes)} GiB GPUs, "
+           f"PP {counts.pp} x DP {plan.dp}{f' (EP {counts.ep})' if counts.ep > 1 else ''}; pipeline stage {plan.stage} shown ({_gib(plan.gpu_bytes)} GiB GPUs, "
            f"wake {wake})", head, "-" * len(head)]
     for k in rows:
         out.append(k.ljust(width) + "".join(_gib(ph.items.get(k, 0)).rjust(13) for ph in plan.phases))
@@ -556,10 +619,11 @@ def plan_config(cfg, hf: dict, *, nodes: int = 1, gpus_per_node: int = 8, gpu_me
 
     try:
         dims = read_dims(hf)
-        check_parallel_sizes(dims, cfg.parallel.tp, cfg.parallel.pp)
+        check_parallel_sizes(dims, cfg.parallel.tp, cfg.parallel.pp, ep=cfg.parallel.ep,
+                             world_size=nodes * gpus_per_node)
     except ValueError as e:
-        raise UsageError(f"{e} (parallel.tp / parallel.pp)") from None
-    counts = count_params(dims, cfg.parallel.tp, cfg.parallel.pp)
+        raise UsageError(f"{e} (parallel.tp / parallel.pp / parallel.ep)") from None
+    counts = count_params(dims, cfg.parallel.tp, cfg.parallel.pp, ep=cfg.parallel.ep)
     kw = dict(world=nodes * gpus_per_node, gpu_bytes=int(gpu_memory_gib * GiB), wake=wake, gpus_per_node=gpus_per_node)
     plan = plan_memory(cfg, counts, **kw)
     return plan, counts, None if plan.fits else find_fix(cfg, counts, **kw)
