@@ -16,6 +16,8 @@ CONFIGS = os.path.join(REPO, "tests", "models", "real_configs")
 TINY = dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", vocab_size=300, hidden_size=32,
             intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             max_position_embeddings=64, tie_word_embeddings=False)
+TINY_MOE = dict(TINY, architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", head_dim=8, num_experts=4,
+                num_experts_per_tok=2, moe_intermediate_size=16, mlp_only_layers=[0], norm_topk_prob=True)
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +30,8 @@ def megatron_world():
 
 
 def recipe(name, overrides=(), nodes=1):
-    model = "Qwen2.5-7B-Instruct" if "7b" in name else "Qwen2.5-3B-Instruct"
+    model = ("Qwen3-30B-A3B" if "30b-a3b" in name else "Qwen2.5-7B-Instruct" if "7b" in name
+             else "Qwen2.5-3B-Instruct")
     return plan.load_plan_inputs(os.path.join(REPO, "examples", f"{name}.yaml"), list(overrides), nodes * 8,
                                  os.path.join(CONFIGS, f"{model}.json"))
 
@@ -50,11 +53,11 @@ def _allocated(hf, dtype, distributed):
     weights = sum(p.numel() * p.element_size() for p in bare.parameters())
     grads = sum(p.main_grad.numel() * p.main_grad.element_size() for p in bare.parameters())
     buffer = sum(b.grad_data.numel() * b.grad_data.element_size() for b in actor.buffers)
-    inner = opt.optimizer
-    states = sum(t.numel() * t.element_size() for s in inner.state.values() for t in s.values()
+    inners = [o.optimizer for o in getattr(opt, "chained_optimizers", [opt])]  # EP > 1: dense + experts
+    states = sum(t.numel() * t.element_size() for inner in inners for s in inner.state.values() for t in s.values()
                  if torch.is_tensor(t) and t.dim() > 0)  # exp_avg, exp_avg_sq (not the step counter)
     model_storage = {p.untyped_storage().data_ptr() for p in bare.parameters()}
-    masters = sum(p.numel() * p.element_size() for g in inner.param_groups for p in g["params"]
+    masters = sum(p.numel() * p.element_size() for inner in inners for g in inner.param_groups for p in g["params"]
                   if p.untyped_storage().data_ptr() not in model_storage)  # fp32 copies, not views of the model
     return weights, grads, buffer, states + masters
 
@@ -71,6 +74,43 @@ def test_weights_grads_and_optimizer_bytes_equal_torch(megatron_world, dtype, di
     assert grads == n * 4  # fp32 main grads (grad_reduce_in_fp32)
     assert n * 4 <= buffer < n * 4 + 4096  # the buffer adds Megatron's bucket padding only
     assert optimizer == n * plan.optimizer_bytes_per_param(dtype)  # DP = 1: the shard is everything
+
+
+def test_moe_bytes_equal_torch_at_ep1(megatron_world):
+    """A tiny Qwen3-MoE (one dense layer, one MoE layer of 4 experts) at EP = 1: every expert on the rank."""
+    dims = plan.read_dims_of(TINY_MOE)
+    counts = plan.count_params(dims, tp=1, pp=1)
+    st = counts.stages[0]
+    assert st.actor_experts == 4 * 3 * 16 * 32  # fc1 (2 x 16, 32) + fc2 (32, 16) per expert
+    weights, grads, buffer, optimizer = _allocated(TINY_MOE, torch.bfloat16, True)
+    assert weights == st.actor * 2 and grads == st.actor * 4
+    assert st.actor * 4 <= buffer < st.actor * 4 + 2 * 4096  # two buffers (dense, experts), padding only
+    assert optimizer == st.actor * plan.optimizer_bytes_per_param("bfloat16")
+
+
+@pytest.mark.slow
+def test_moe_bytes_equal_torch_at_ep2(megatron_world):
+    """Two ranks at EP = 2 (torchrun, gloo), this file as the worker: each holds 2 of the 4 experts and the whole
+    dense part; with the distributed optimizer the dense state is sharded over DP = 2 and the experts' over
+    expert-DP = 1, which is the plan's optimizer shard summed over the two ranks."""
+    import json
+
+    from tests.dist_utils import run_torchrun
+
+    out = run_torchrun(__file__, 2, timeout=600)
+    ranks = [json.loads(line.split(" ", 1)[1]) for line in out.splitlines() if line.startswith("PLAN_BYTES ")]
+    assert len(ranks) == 2, out[-3000:]
+    counts = plan.count_params(plan.read_dims_of(TINY_MOE), tp=1, pp=1, ep=2)
+    st = counts.stages[0]
+    assert st.actor_experts == plan.count_params(plan.read_dims_of(TINY_MOE), tp=1, pp=1).stages[0].actor_experts // 2
+    for r in ranks:
+        assert r["params"] == st.actor and r["weights"] == st.actor * 2 and r["grads"] == st.actor * 4
+        assert r["experts"] == st.actor_experts
+    cfg, _ = recipe("grpo_qwen2.5-3b", ["parallel.tp=1", "parallel.ep=2", "parallel.sequence_parallel=false",
+                                        "rollout.engine_tp=1", "model.dtype=bfloat16"], nodes=1)
+    result = plan.plan_memory(cfg, counts, world=2, gpu_bytes=80 * plan.GiB, gpus_per_node=2)
+    planned = next(p for p in result.phases if p.name == "update peak").items["optimizer shard"]
+    assert sum(r["optimizer"] for r in ranks) == 2 * planned
 
 
 def test_critic_count_equals_the_built_critic(megatron_world):
@@ -108,6 +148,17 @@ def test_activation_and_head_bytes_by_hand():
     assert plan.head_bytes_per_token(dims, 4, entropy=True) == 152064 // 4 * 24
 
 
+def test_moe_activation_bytes_by_hand():
+    import json
+
+    with open(os.path.join(CONFIGS, "Qwen3-30B-A3B.json")) as f:
+        dims = plan.read_dims_of(json.load(f))
+    # h 2048, 32 heads of 128, 4 KV heads, TP 4 with SP: 4h/4 + (8 + 2) 128 + 8 128, then per routed copy (top-8)
+    # the permuted input and the expert output (2h) and 3 fm / 4 of the 768-wide expert; fp32 router logits + probs
+    assert plan.activation_bytes_per_token_layer(dims, 4, sequence_parallel=True, recompute="selective",
+                                                 a_bytes=2) == 2 * (2048 + 1280 + 1024 + 8 * (4096 + 576)) + 8 * 128
+
+
 # ---- the shipped recipes -------------------------------------------------------------------------------------
 # What examples/grpo_qwen2.5-7b.yaml said before issue 19's memory settings.
 BEFORE = ["parallel.sequence_parallel=false", "model.recompute=none", "model.grad_offload=false",
@@ -138,6 +189,25 @@ def test_shipped_recipes_fit_on_80gb(megatron_world, name, nodes):
     assert result.fits, [(p.name, p.total / plan.GiB) for p in result.phases]
     assert all(p.total <= 76 * plan.GiB for p in result.phases)  # >= 4 GiB margin for what the estimate misses
     assert result.host_bytes_per_node == 0 or cfg.model.grad_offload  # sleep level 2: no pinned vLLM copy
+
+
+@pytest.mark.slow
+def test_30b_a3b_recipe_fits_and_tp2_ep8_does_not(megatron_world):
+    """The MoE recipe at its TP 4 x EP 4 layout fits two 8 x 80 GiB nodes; TP 2 x EP 8 (engine_tp <= 2) is over at
+    the update peak (top-8 routed activations at TP 2) and the planner names full recomputation."""
+    cfg, hf = recipe("grpo_qwen3-30b-a3b", nodes=2)
+    assert cfg.parallel.sequence_parallel and cfg.model.recompute == "selective" and cfg.rollout.sleep_level == 2
+    assert (cfg.parallel.tp, cfg.parallel.ep) == (4, 4)
+    result, counts, _ = plan.plan_config(cfg, hf, nodes=2)
+    assert result.fits and all(p.total <= 76 * plan.GiB for p in result.phases), \
+        [(p.name, p.total / plan.GiB) for p in result.phases]
+    st = counts.stages[0]
+    assert 29e9 / 16 * 0.99 < st.actor_experts < 29e9 / 16 * 1.01  # 128 x 48 experts of 3 x 2048 x 768, over 16
+    update = next(p for p in result.phases if p.name == "update peak")
+    assert update.items["optimizer shard"] > st.actor_experts * 12  # expert-DP 1: the experts' state unsharded
+    cfg2, _ = recipe("grpo_qwen3-30b-a3b", ["parallel.tp=2", "parallel.ep=8", "rollout.engine_tp=2"], nodes=2)
+    result2, _, fix = plan.plan_config(cfg2, hf, nodes=2)
+    assert not result2.fits and result2.worst.name == "update peak" and fix == {"model.recompute": "full"}
 
 
 def test_ppo_3b_before_did_not_fit_and_the_planner_names_a_knob(megatron_world):
@@ -225,3 +295,25 @@ def test_help_shows_defaults():
     text = " ".join(proc.stdout.split())  # argparse wraps long lines
     for part in ("--gpus-per-node", "(default: 8)", "(default: 80.0)", "(default: staged)"):
         assert part in text
+
+
+if __name__ == "__main__":  # the EP = 2 worker of test_moe_bytes_equal_torch_at_ep2 (torchrun, 2 ranks, gloo)
+    import json
+
+    # run as a script, tests/ heads sys.path and its megatron/ test package would shadow megatron-core
+    sys.path.remove(os.path.dirname(os.path.abspath(__file__)))
+    import torch.distributed as dist
+
+    from megatron_searchr1.megatron.initialize import initialize_megatron
+    from megatron_searchr1.models.families import is_expert_param
+
+    initialize_megatron(tp=1, pp=1, ep=2, device="cpu")
+    weights, grads, _, optimizer = _allocated(TINY_MOE, torch.bfloat16, True)
+    from megatron_searchr1.workers.actor import build_actor
+
+    bare = build_actor(TINY_MOE, params_dtype=torch.bfloat16).module
+    params = sum(p.numel() for p in bare.parameters())
+    experts = sum(p.numel() for n, p in bare.named_parameters() if is_expert_param(n))
+    print("PLAN_BYTES " + json.dumps(dict(weights=weights, grads=grads, optimizer=optimizer, params=params,
+                                          experts=experts)), flush=True)
+    dist.barrier()
