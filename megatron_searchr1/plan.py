@@ -542,8 +542,9 @@ def render(plan: Plan, cfg, counts: ModelCounts, fix: Optional[dict], wake: str)
         rows += [k for k, v in ph.items.items() if k not in rows and any(p.items.get(k) for p in plan.phases)]
     width = max(len(k) for k in rows) + 2
     head = "GiB per GPU".ljust(width) + "".join(ph.name.rjust(13) for ph in plan.phases)
+    ep = f" (EP {counts.ep})" if counts.ep > 1 else ""
     out = [f"{cfg.model.path or 'model'}: {counts.hf_params / 1e9:.2f}B params; world {plan.world} = TP {counts.tp} x "
-           f"PP {counts.pp} x DP {plan.dp}{f' (EP {counts.ep})' if counts.ep > 1 else ''}; pipeline stage {plan.stage} shown ({_gib(plan.gpu_bytes)} GiB GPUs, "
+           f"PP {counts.pp} x DP {plan.dp}{ep}; pipeline stage {plan.stage} shown ({_gib(plan.gpu_bytes)} GiB GPUs, "
            f"wake {wake})", head, "-" * len(head)]
     for k in rows:
         out.append(k.ljust(width) + "".join(_gib(ph.items.get(k, 0)).rjust(13) for ph in plan.phases))
@@ -600,7 +601,7 @@ def load_plan_inputs(config_path: str, overrides: Sequence[str], world: int, mod
     if not os.path.isfile(path):
         raise UsageError(f"model config {path!r} does not exist: download model.path={cfg.model.path!r}, or pass "
                          "--model-config FILE (a config.json; tests/models/real_configs/ holds Qwen2.5-3B/7B, "
-                         "Qwen3-4B/8B and Llama-3.1-8B)")
+                         "Qwen3-4B/8B, Qwen3-30B-A3B and Llama-3.1-8B)")
     try:
         with open(path) as f:
             hf = json.load(f)
