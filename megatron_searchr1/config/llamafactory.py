@@ -47,7 +47,8 @@ from megatron_searchr1.config.loader import ConfigError
 
 SECTIONS = ("data", "model", "parallel", "optim", "trainer", "logging")
 KEYS = ("model_name_or_path", "stage", "do_train", "finetuning_type", "lora_rank", "lora_alpha", "lora_dropout",
-        "lora_target", "freeze_trainable_layers", "freeze_trainable_modules", "freeze_extra_modules", "dataset", "dataset_dir", "template", "cutoff_len", "max_samples",
+        "lora_target", "freeze_trainable_layers", "freeze_trainable_modules", "freeze_extra_modules", "dataset",
+        "dataset_dir", "template", "cutoff_len", "max_samples",
         "per_device_train_batch_size", "gradient_accumulation_steps", "learning_rate", "weight_decay", "adam_beta1",
         "adam_beta2", "max_grad_norm", "num_train_epochs", "max_steps", "lr_scheduler_type", "warmup_ratio", "bf16",
         "fp16", "output_dir", "logging_steps", "save_steps", "save_total_limit", "seed", "plot_loss", "report_to",

@@ -81,8 +81,8 @@ class FreezeSettings:
         """Whether the HF parameter `hf_name` trains.
 
         >>> s = FreezeSettings(1, ("mlp",), ("norm",))
-        >>> [s.trains(n, 2) for n in ("model.layers.1.mlp.up_proj.weight", "model.layers.0.mlp.up_proj.weight",
-        ...                           "model.layers.1.self_attn.q_proj.weight", "model.layers.0.input_layernorm.weight")]
+        >>> [s.trains(f"model.layers.{n}.weight", 2) for n in ("1.mlp.up_proj", "0.mlp.up_proj", "1.self_attn.q_proj",
+        ...                                                   "0.input_layernorm")]
         [True, False, False, True]
         """
         return any(p in hf_name for p in self.patterns(num_layers))
