@@ -309,6 +309,34 @@ def _optimizer_model_state(model: torch.nn.Module) -> dict:
     return unwrap(model).sharded_state_dict(metadata=metadata)
 
 
+def _torch_optimizer_dicts(sd: Any) -> list[dict]:
+    """The torch optimizer state dicts ({"state", "param_groups"}) inside a Megatron optimizer's state dict."""
+    if not isinstance(sd, dict):
+        return []
+    if isinstance(sd.get("state"), dict) and "param_groups" in sd:
+        return [sd]
+    return [d for v in sd.values() for d in _torch_optimizer_dicts(v)]
+
+
+def _share_adam_step(opt_sd: dict) -> None:
+    """Every rank's optimizer state dict gets the Adam step (in place; every rank calls it).
+
+    Megatron saves Adam's per-parameter step once, as `state.common_step`, a non-sharded value that only rank 0
+    writes (common.pt) and every rank reads back. A freeze run's rank 0 may train nothing (PP stage 0 when the last
+    layers train) and so has no step: the checkpoint would lose it and the other ranks' load fail (torch's Adam:
+    KeyError 'step'). The step is the same wherever there is one; take it from a rank that has it."""
+    states = [d["state"] for d in _torch_optimizer_dicts(opt_sd)]
+    mine = [s.get("common_step") for s in states]
+    every = [mine]
+    if _world() > 1:
+        every = [None] * _world()
+        dist.all_gather_object(every, mine)
+    for i, state in enumerate(states):
+        steps = [m[i] for m in every if i < len(m) and m[i] is not None]
+        if steps and "common_step" not in state:
+            state["common_step"] = steps[0]
+
+
 def _freeze_marker(model: torch.nn.Module) -> Optional[dict]:
     """What checkpoint.json records of a freeze run's trainable set (its optimizer state has those keys only)."""
     if not is_frozen_subset(model):
@@ -389,6 +417,8 @@ def save_checkpoint(ckpt_root: str, step: int, models: dict[str, torch.nn.Module
             # fresh model sharded state dict, since save() rewrites the one it is given in place.
             opt_sd = optimizers[name].sharded_state_dict(_optimizer_model_state(model),
                                                          metadata=dict(OPTIMIZER_METADATA))
+            if is_frozen_subset(model):
+                _share_adam_step(opt_sd)
             dist_checkpointing.save(opt_sd, os.path.join(tmp, "optimizer", name))
     torch.save(rng_state(), os.path.join(tmp, "rng", f"rank_{rank:05d}.pt"))
     _barrier()  # every rank's files are on disk

@@ -66,9 +66,11 @@ def losses(out_dir) -> dict[int, float]:
 
 
 def weights(hf_dir) -> dict[str, torch.Tensor]:
+    """Every tensor of an HF directory (a PP=2 export writes one file per stage)."""
     from safetensors.torch import load_file
 
-    return load_file(os.path.join(hf_dir, "model.safetensors"))
+    return {k: v for f in sorted(os.listdir(hf_dir)) if f.endswith(".safetensors")
+            for k, v in load_file(os.path.join(hf_dir, f)).items()}
 
 
 def trained_layers(base: dict, tuned: dict) -> set[str]:
