@@ -304,7 +304,8 @@ def _optimizer_model_state(model: torch.nn.Module) -> dict:
     shape (num_layers, ...)) and refuses to save one whose shards do not cover every layer ("Invalid access
     pattern"): a freeze run (models/freeze.py) has Adam state for a few layers only, so its optimizer state is keyed
     per layer instead (Megatron's `non_homogeneous_layers`: `decoder.layers.<global i>.<suffix>`), which any subset
-    covers and which still reshards over TP and PP. Every stage of such a run is marked, so all ranks agree."""
+    covers (global layer numbers: the keys do not depend on the PP split). Every stage of such a run is marked
+    (`model.freeze_settings`), so all ranks agree even where a stage trains nothing or everything."""
     metadata = {"non_homogeneous_layers": True} if is_frozen_subset(model) else None
     return unwrap(model).sharded_state_dict(metadata=metadata)
 
