@@ -20,7 +20,8 @@ Layout of one checkpoint (`<root>/step_000010/`):
     critic/                 the same for every other model
     optimizer/actor/        `optimizer.sharded_state_dict(model_sharded_state_dict)`: Adam moments keyed by the
                             model's tensor names (Megatron's own format, so it reshards with TP/PP too; the
-                            distributed optimizer uses its reshardable `fully_sharded_model_space` layout)
+                            distributed optimizer uses its reshardable `fully_sharded_model_space` layout;
+                            a freeze run's keys are per layer, `_optimizer_model_state`)
     rng/rank_00000.pt       each rank's python / numpy / torch / CUDA RNG and Megatron's RNG-tracker states
     trainer_state.pt        scheduler state dicts and `extra` (anything picklable: data cursor, KL controller, ...)
     checkpoint.json         written LAST by rank 0: step, world layout, what the checkpoint holds
@@ -55,7 +56,7 @@ import socket
 import time
 import uuid
 import warnings
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, Optional, Union
 
 import numpy as np
@@ -63,6 +64,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_searchr1.models.forward import unwrap
+from megatron_searchr1.models.freeze import is_frozen_subset
 from megatron_searchr1.models.lora import adapter_sharded_state_dict, has_lora
 
 FORMAT = "megatron_searchr1.training_checkpoint"
@@ -295,6 +297,54 @@ def _model_state(model: torch.nn.Module) -> dict:
     return adapter_sharded_state_dict(model) if has_lora(model) else unwrap(model).sharded_state_dict()
 
 
+def _optimizer_model_state(model: torch.nn.Module) -> dict:
+    """The model sharded state dict an optimizer's state is keyed by (matched by parameter identity).
+
+    Megatron stacks a weight of all decoder layers into one checkpoint tensor (`decoder.layers.<suffix>`, global
+    shape (num_layers, ...)) and refuses to save one whose shards do not cover every layer ("Invalid access
+    pattern"): a freeze run (models/freeze.py) has Adam state for a few layers only, so its optimizer state is keyed
+    per layer instead (Megatron's `non_homogeneous_layers`: `decoder.layers.<global i>.<suffix>`), which any subset
+    covers (global layer numbers: the keys do not depend on the PP split). Every stage of such a run is marked
+    (`model.freeze_settings`), so all ranks agree even where a stage trains nothing or everything."""
+    metadata = {"non_homogeneous_layers": True} if is_frozen_subset(model) else None
+    return unwrap(model).sharded_state_dict(metadata=metadata)
+
+
+def _torch_optimizer_dicts(sd: Any) -> list[dict]:
+    """The torch optimizer state dicts ({"state", "param_groups"}) inside a Megatron optimizer's state dict."""
+    if not isinstance(sd, dict):
+        return []
+    if isinstance(sd.get("state"), dict) and "param_groups" in sd:
+        return [sd]
+    return [d for v in sd.values() for d in _torch_optimizer_dicts(v)]
+
+
+def _share_adam_step(opt_sd: dict) -> None:
+    """Every rank's optimizer state dict gets the Adam step (in place; every rank calls it).
+
+    Megatron saves Adam's per-parameter step once, as `state.common_step`, a non-sharded value that only rank 0
+    writes (common.pt) and every rank reads back. A freeze run's rank 0 may train nothing (PP stage 0 when the last
+    layers train) and so has no step: the checkpoint would lose it and the other ranks' load fail (torch's Adam:
+    KeyError 'step'). The step is the same wherever there is one; take it from a rank that has it."""
+    states = [d["state"] for d in _torch_optimizer_dicts(opt_sd)]
+    mine = [s.get("common_step") for s in states]
+    every = [mine]
+    if _world() > 1:
+        every = [None] * _world()
+        dist.all_gather_object(every, mine)
+    for i, state in enumerate(states):
+        steps = [m[i] for m in every if i < len(m) and m[i] is not None]
+        if steps and "common_step" not in state:
+            state["common_step"] = steps[0]
+
+
+def _freeze_marker(model: torch.nn.Module) -> Optional[dict]:
+    """What checkpoint.json records of a freeze run's trainable set (its optimizer state has those keys only)."""
+    if not is_frozen_subset(model):
+        return None
+    return json.loads(json.dumps(asdict(unwrap(model).freeze_settings)))  # as it reads back from the JSON
+
+
 def _load_adapters(model: torch.nn.Module, model_dir: str) -> None:
     """Load a LoRA model's adapters (saved by `_model_state`) into it; the base is left as built."""
     from megatron.core import dist_checkpointing
@@ -366,8 +416,10 @@ def save_checkpoint(ckpt_root: str, step: int, models: dict[str, torch.nn.Module
         if name in optimizers:
             # The optimizer's state is keyed by the model's sharded tensors (matched by parameter identity); a
             # fresh model sharded state dict, since save() rewrites the one it is given in place.
-            opt_sd = optimizers[name].sharded_state_dict(unwrap(model).sharded_state_dict(),
+            opt_sd = optimizers[name].sharded_state_dict(_optimizer_model_state(model),
                                                          metadata=dict(OPTIMIZER_METADATA))
+            if is_frozen_subset(model):
+                _share_adam_step(opt_sd)
             dist_checkpointing.save(opt_sd, os.path.join(tmp, "optimizer", name))
     torch.save(rng_state(), os.path.join(tmp, "rng", f"rank_{rank:05d}.pt"))
     _barrier()  # every rank's files are on disk
@@ -381,7 +433,9 @@ def save_checkpoint(ckpt_root: str, step: int, models: dict[str, torch.nn.Module
                     "extra": extra or {}}, os.path.join(tmp, STATE_FILE))
         marker = {"format": FORMAT, "version": 1, "step": step, "world_size": _world(), **layout,
                   "models": sorted(models), "optimizers": sorted(optimizers), "schedulers": sorted(schedulers),
-                  "lora_models": sorted(n for n in models if has_lora(models[n])), "time": time.time()}
+                  "lora_models": sorted(n for n in models if has_lora(models[n])),
+                  "freeze": {n: _freeze_marker(models[n]) for n in optimizers if is_frozen_subset(models[n])},
+                  "time": time.time()}
         with open(os.path.join(tmp, MARKER_FILE), "w") as f:
             json.dump(marker, f, indent=2)
         if os.path.exists(final):  # the same step saved again: move the old one aside first
@@ -439,6 +493,12 @@ def load_checkpoint(ckpt_root: str, step: Union[str, int], models: dict[str, tor
         missing = sorted(set(have) - set(marker[kind]))
         if missing:
             raise CheckpointError(f"{path} has no {kind} {missing} (it holds {marker[kind]})")
+    for name in optimizers:  # a freeze run's optimizer state covers its trainable set only
+        saved, live = marker.get("freeze", {}).get(name), _freeze_marker(models[name])
+        if saved != live:
+            raise CheckpointError(f"{path}: the optimizer state of {name!r} was saved for the trainable set "
+                                  f"{saved or 'all parameters'} (freeze settings), this model trains "
+                                  f"{live or 'all parameters'}: resume with the same model.freeze")
 
     for name, model in models.items():
         try:
@@ -449,7 +509,7 @@ def load_checkpoint(ckpt_root: str, step: Union[str, int], models: dict[str, tor
         except ConversionError as e:
             raise CheckpointError(f"model {name!r}: {e}") from None
     for name, opt in optimizers.items():
-        model_sd = unwrap(models[name]).sharded_state_dict()
+        model_sd = _optimizer_model_state(models[name])
         opt_sd = opt.sharded_state_dict(model_sd, is_loading=True, metadata=dict(OPTIMIZER_METADATA))
         opt.load_state_dict(dist_checkpointing.load(opt_sd, os.path.join(path, "optimizer", name)))
 

@@ -13,7 +13,10 @@ What each key becomes (LLaMA-Factory's defaults when absent, so the same YAML tr
     stage / do_train            must be sft / true (this is the SFT trainer)
     finetuning_type             lora: model.lora.rank = lora_rank (default 8), lora_alpha, lora_dropout,
                                 lora_target -> model.lora.alpha / dropout / targets; full: model.lora.rank = 0;
-                                freeze is refused (the message says why)
+                                freeze: model.freeze.trainable_layers = freeze_trainable_layers (default 2: the
+                                last 2 layers; -N the first N), freeze_trainable_modules (default all; or self_attn,
+                                mlp, input_layernorm, post_attention_layernorm), freeze_extra_modules (embed_tokens,
+                                norm, lm_head) -> model.freeze.trainable_modules / extra_modules (models/freeze.py)
     dataset, dataset_dir        data.datasets (comma-separated), data.dataset_dir (default `data`, as there)
     template                    data.template
     cutoff_len                  data.max_length (default 2048); longer examples are DROPPED and counted, not cut
@@ -44,7 +47,8 @@ from megatron_searchr1.config.loader import ConfigError
 
 SECTIONS = ("data", "model", "parallel", "optim", "trainer", "logging")
 KEYS = ("model_name_or_path", "stage", "do_train", "finetuning_type", "lora_rank", "lora_alpha", "lora_dropout",
-        "lora_target", "dataset", "dataset_dir", "template", "cutoff_len", "max_samples",
+        "lora_target", "freeze_trainable_layers", "freeze_trainable_modules", "freeze_extra_modules", "dataset",
+        "dataset_dir", "template", "cutoff_len", "max_samples",
         "per_device_train_batch_size", "gradient_accumulation_steps", "learning_rate", "weight_decay", "adam_beta1",
         "adam_beta2", "max_grad_norm", "num_train_epochs", "max_steps", "lr_scheduler_type", "warmup_ratio", "bf16",
         "fp16", "output_dir", "logging_steps", "save_steps", "save_total_limit", "seed", "plot_loss", "report_to",
@@ -53,8 +57,7 @@ KEYS = ("model_name_or_path", "stage", "do_train", "finetuning_type", "lora_rank
 # parallel.timeout_minutes), what a checkpoint holds (ours always resume exactly), logging destinations
 IGNORED = ("trust_remote_code", "preprocessing_num_workers", "dataloader_num_workers", "ddp_timeout", "save_only_model",
            "overwrite_cache", "logging_dir", "run_name", "flash_attn", "disable_tqdm", "use_fast_tokenizer",
-           "dataloader_pin_memory", "gradient_checkpointing", "ddp_find_unused_parameters", "freeze_trainable_layers",
-           "freeze_trainable_modules")
+           "dataloader_pin_memory", "gradient_checkpointing", "ddp_find_unused_parameters")
 SCHEDULERS = {"cosine": ("cosine", True), "linear": ("linear", True), "constant": ("constant", False),
               "constant_with_warmup": ("constant", True)}
 
@@ -126,12 +129,8 @@ def translate(raw: dict, world_size: int | None = None, say=print) -> dict:
                               f"{os.path.basename(path)}`, and pass that directory")
         put("model.path", path)
     ft = str(lf.get("finetuning_type", "lora"))  # LLaMA-Factory's default
-    if ft == "freeze":
-        raise ConfigError("finetuning_type: freeze (only the last decoder layers train) is not supported: Megatron's "
-                          "checkpoints hold each weight of all layers as one tensor, and a few layers' optimizer state "
-                          "cannot be saved as a part of it, so the run could not resume; use lora or full")
-    if ft not in ("lora", "full"):
-        raise ConfigError(f"finetuning_type: {ft!r} is not supported here: choose lora or full")
+    if ft not in ("lora", "full", "freeze"):
+        raise ConfigError(f"finetuning_type: {ft!r} is not supported here: choose lora, full or freeze")
     if ft == "lora":
         put("model.lora.rank", lf.get("lora_rank", 8))
         put("model.use_te", False)  # the adapters need Megatron's local layers (models/lora.py)
@@ -140,7 +139,12 @@ def translate(raw: dict, world_size: int | None = None, say=print) -> dict:
                 put(f"model.lora.{field}", lf[key])
         put("model.lora.targets", _names(lf.get("lora_target", "all")))
     else:
-        put("model.lora.rank", 0)  # full: LLaMA-Factory ignores the lora_* keys too
+        put("model.lora.rank", 0)  # full / freeze: LLaMA-Factory ignores the lora_* keys too
+    if ft == "freeze":  # LLaMA-Factory's defaults: the last 2 layers, all of each, nothing else
+        put("model.freeze.trainable_layers", _num("freeze_trainable_layers", lf.get("freeze_trainable_layers", 2),
+                                                  int))
+        put("model.freeze.trainable_modules", _names(lf.get("freeze_trainable_modules", "all")))
+        put("model.freeze.extra_modules", _names(lf.get("freeze_extra_modules") or []))
 
     if "dataset" in lf:
         put("data.datasets", _names(lf["dataset"]))

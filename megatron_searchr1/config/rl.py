@@ -84,6 +84,40 @@ class LoraConfig:
 
 
 @dataclass
+class FreezeConfig:
+    trainable_layers: Optional[int] = None
+    """Freeze fine-tuning (LLaMA-Factory's freeze_trainable_layers): N > 0 trains the last N decoder layers, N < 0
+    the first |N|, 0 only the extra modules; None = off. SFT only (models/freeze.py says which parameters train)."""
+    trainable_modules: list[str] = field(default_factory=lambda: ["all"])
+    """Within the trainable layers: all, or some of self_attn, mlp, input_layernorm, post_attention_layernorm."""
+    extra_modules: list[str] = field(default_factory=list)
+    """Non-layer modules that train too: some of embed_tokens, norm, lm_head (freeze_extra_modules)."""
+
+    def __post_init__(self):
+        for name in ("trainable_modules", "extra_modules"):  # "mlp,self_attn" as LLaMA-Factory writes them
+            value = getattr(self, name)
+            if isinstance(value, str):
+                setattr(self, name, [t.strip() for t in value.split(",") if t.strip()])
+        if self.enabled:
+            try:
+                self.settings()
+            except ValueError as e:
+                raise ConfigError(f"model.{e}: change model.freeze.trainable_layers / trainable_modules / "
+                                  "extra_modules") from None
+
+    @property
+    def enabled(self) -> bool:
+        return self.trainable_layers is not None
+
+    def settings(self):
+        """The models/freeze.py FreezeSettings of an enabled config."""
+        from megatron_searchr1.models.freeze import FreezeSettings
+
+        return FreezeSettings(trainable_layers=self.trainable_layers, trainable_modules=tuple(self.trainable_modules),
+                              extra_modules=tuple(self.extra_modules))
+
+
+@dataclass
 class ModelConfig:
     path: str = ""
     """Hugging Face model dir of the actor (config, tokenizer; weights unless megatron_ckpt is given)."""
@@ -108,6 +142,8 @@ class ModelConfig:
     """Move the reference model to host memory while vLLM generates, back before its forward pass (GPU only)."""
     lora: LoraConfig = field(default_factory=LoraConfig)
     """LoRA RL: adapters on the actor (rank > 0); the reference is the same model with its adapters off."""
+    freeze: FreezeConfig = field(default_factory=FreezeConfig)
+    """Freeze fine-tuning (SFT): only some decoder layers' (and extra modules') real weights train."""
 
     def __post_init__(self):
         _check(self.dtype in ("float32", "bfloat16", "float16"),
@@ -121,6 +157,9 @@ class ModelConfig:
             _check(not self.ref_offload,
                    "model.ref_offload has nothing to move with model.lora: the reference is the actor with its "
                    "adapters off, not a second model; set model.ref_offload=false")
+        _check(not (self.lora.enabled and self.freeze.enabled),
+               "model.lora and model.freeze are two fine-tuning types (LLaMA-Factory's finetuning_type lora / "
+               "freeze): set model.lora.rank=0 or model.freeze.trainable_layers=null")
 
 
 @dataclass
@@ -404,6 +443,9 @@ class Config:
     def validate(self, world_size: Optional[int] = None, check_files: bool = True) -> None:
         """Cross-section rules and the files the run reads; cheap (no model is built)."""
         a, r, p, d = self.algo, self.rollout, self.parallel, self.data
+        _check(not self.model.freeze.enabled,
+               "model.freeze (freeze fine-tuning) is for SFT (python -m megatron_searchr1.sft); RL trains every weight "
+               "or LoRA adapters (model.lora): set model.freeze.trainable_layers=null")
         if a.adv_estimator in ("grpo", "rloo"):
             _check(r.n >= 2, f"algo.adv_estimator={a.adv_estimator} compares samples of one prompt: set rollout.n "
                              f">= 2 (got {r.n})")

@@ -1,4 +1,4 @@
-"""Supervised warm-up on Megatron: full-parameter or LoRA SFT at any TP/PP, loss on the assistant's tokens only.
+"""Supervised warm-up on Megatron: full-parameter, LoRA or freeze SFT at any TP/PP, loss on the assistant's tokens only.
 
     metrics = train_sft(cfg)    # every rank; the entry point is megatron_searchr1/sft.py
 
@@ -17,6 +17,11 @@ it, so only the adapters get gradient buffers and Adam state. Checkpoints hold o
 state, the scheduler, RNG and data cursor: resume is exact; the base is reloaded from model.path, checkpoint.py);
 the export is the merged model (`<output_dir>/hf`, what `llamafactory-cli export` writes and what the RL config's
 model.path takes) and the PEFT adapter (`<output_dir>/hf_adapter`, for PeftModel.from_pretrained).
+
+Freeze (`model.freeze.trainable_layers` set, LLaMA-Factory's `finetuning_type: freeze`): the same hook marks only
+LLaMA-Factory's trainable set (models/freeze.py: the last / first N layers, some of their modules, extra modules)
+as trainable; the real weights train, so checkpoints and the export hold the full model (the Adam state of the
+trained layers only, keyed per layer: checkpoint.py).
 """
 from __future__ import annotations
 
@@ -39,6 +44,7 @@ from megatron_searchr1.megatron.initialize import initialize_megatron
 from megatron_searchr1.metrics import RunLogger, mean_over_ranks, timer
 from megatron_searchr1.models.convert import DTYPES, bind_mapping, load_hf_config
 from megatron_searchr1.models.forward import unwrap
+from megatron_searchr1.models.freeze import apply_freeze
 from megatron_searchr1.models.lora import apply_lora
 from megatron_searchr1.trainer.build import actor_settings, build_optimizer_from_config
 from megatron_searchr1.trainer.roles import Policy
@@ -48,7 +54,7 @@ from megatron_searchr1.workers.actor import build_actor, masked_nll_loss, sft_se
 
 def train_sft(cfg: SFTConfig) -> dict:
     """Run SFT; returns the last step's metrics. Every rank calls it."""
-    t, o, d, lora = cfg.trainer, cfg.optim, cfg.data, cfg.model.lora
+    t, o, d, lora, freeze = cfg.trainer, cfg.optim, cfg.data, cfg.model.lora, cfg.model.freeze
     initialize_megatron(tp=cfg.parallel.tp, pp=cfg.parallel.pp, seed=t.seed,
                         timeout_minutes=cfg.parallel.timeout_minutes, sequence_parallel=cfg.parallel.sequence_parallel,
                         ep=cfg.parallel.ep)
@@ -88,6 +94,11 @@ def train_sft(cfg: SFTConfig) -> dict:
         load_base(bare)
         if lora.enabled:
             apply_lora(bare, lora.settings())
+        elif freeze.enabled:
+            try:
+                apply_freeze(bare, freeze.settings(), bind_mapping(hf_config, bare))
+            except ValueError as e:  # lm_head of a tied model
+                raise UsageError(f"model.{e}") from None
 
     model = build_actor(hf_config, **settings, load_weights=load_and_choose_trainable,
                         use_distributed_optimizer=cfg.parallel.use_distributed_optimizer)
@@ -97,7 +108,8 @@ def train_sft(cfg: SFTConfig) -> dict:
     if rank == 0:
         n_train = sum(p.numel() for p in unwrap(model).parameters() if p.requires_grad)
         n_all = sum(p.numel() for p in unwrap(model).parameters())
-        kind = f"LoRA rank {lora.rank}" if lora.enabled else "full fine-tuning"
+        kind = (f"LoRA rank {lora.rank}" if lora.enabled else f"freeze ({freeze.settings()})" if freeze.enabled
+                else "full fine-tuning")
         print(f"{kind}: {n_train:,} of {n_all:,} parameters of this rank's shard train "
               f"({100 * n_train / n_all:.2f}%), {total_steps} steps", flush=True)
     ckpt_root = os.path.join(t.output_dir, "checkpoints")

@@ -64,8 +64,7 @@ def test_batch_size_counts_the_dp_ranks_and_our_dotted_keys_win(seed_yaml):
     ("stage=dpo", "stage: sft"),
     ("model_name_or_path=Qwen/Qwen3-4B-Instruct-2507", "huggingface-cli download"),
     ("lora_target=q_proj,qkv", "qkv"),
-    ("finetuning_type=oft", "choose lora or full"),
-    ("finetuning_type=freeze", "freeze (only the last decoder layers train) is not supported"),
+    ("finetuning_type=oft", "choose lora, full or freeze"),
 ])
 def test_mistakes_are_refused_naming_the_key(seed_yaml, override, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
@@ -82,6 +81,35 @@ def test_scheduler_kinds_and_our_own_yaml_passes_through(seed_yaml):
     ours = lf_config(os.path.join(REPO, "examples", "sft_tiny_cpu.yaml"))
     plain = load_config(os.path.join(REPO, "examples", "sft_tiny_cpu.yaml"), cls=SFTConfig)
     assert ours == plain and plain.model.lora.rank == 0 and plain.data.template == ""
+
+
+def test_freeze_takes_llamafactorys_keys_and_defaults(seed_yaml):
+    """finetuning_type: freeze (once refused) sets model.freeze: LLaMA-Factory's defaults (the last 2 layers, all
+    modules, no extras), its three keys as written, and its mistakes refused naming the choices."""
+    m = lf_config(seed_yaml, ["finetuning_type=freeze"]).model
+    assert (m.lora.rank, m.freeze.trainable_layers, m.freeze.trainable_modules, m.freeze.extra_modules) == (
+        0, 2, ["all"], [])
+    m = lf_config(seed_yaml, ["finetuning_type=freeze", "freeze_trainable_layers=-1",
+                              "freeze_trainable_modules=mlp,self_attn", "freeze_extra_modules=embed_tokens,norm"]).model
+    assert (m.freeze.trainable_layers, m.freeze.trainable_modules, m.freeze.extra_modules) == (
+        -1, ["mlp", "self_attn"], ["embed_tokens", "norm"])
+    assert not lf_config(seed_yaml, ["freeze_trainable_layers=4"]).model.freeze.enabled  # lora: ignored, as there
+    for override, message in (("freeze_trainable_modules=q_proj", "self_attn, mlp, input_layernorm"),
+                              ("freeze_extra_modules=lm_head,vision", "embed_tokens, norm, lm_head"),
+                              ("freeze_trainable_layers=two", "freeze_trainable_layers: expected a number")):
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            lf_config(seed_yaml, ["finetuning_type=freeze", override])
+    with pytest.raises(ConfigError, match="trains nothing"):
+        load_config(None, ["model.freeze.trainable_layers=0"], cls=SFTConfig)
+    with pytest.raises(ConfigError, match="two fine-tuning types"):
+        load_config(None, ["model.freeze.trainable_layers=2", "model.lora.rank=8"], cls=SFTConfig)
+
+
+def test_freeze_is_refused_by_rl():
+    from megatron_searchr1.config import Config
+
+    with pytest.raises(ConfigError, match="model.freeze .* is for SFT"):
+        load_config(None, ["model.freeze.trainable_layers=2"], cls=Config).validate(check_files=False)
 
 
 def test_lora_refuses_transformer_engine():
