@@ -501,8 +501,6 @@ def load_checkpoint(ckpt_root: str, step: Union[str, int], models: dict[str, tor
     Load before training starts; optimizers must be built over the models already (the optimizer state is matched
     to the parameters through the models' sharded state dicts, as Megatron-LM does).
     """
-    from megatron.core import dist_checkpointing
-
     from megatron_searchr1.models.convert import ConversionError, load_megatron_checkpoint
 
     _check_names(models, optimizers)

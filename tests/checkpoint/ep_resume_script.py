@@ -1,9 +1,9 @@
 # torchrun --standalone --nproc_per_node 2 tests/checkpoint/ep_resume_script.py --hf-dir DIR --ep 2 --ckpt ROOT
 """torchrun worker for tests/checkpoint/test_ep_resume.py: an MoE actor trains three Adam steps on one fixed global
 batch at `--ep`; with `--save` it checkpoints after step 1, with `--resume` it loads that step-1 checkpoint (saved
-at another EP) and trains steps 2 and 3 only. Each DP rank takes its share of the same global batch (equal lengths,
-so the DP-averaged gradient is the global token mean at any layout). Prints one `RESULT {json}` line from rank 0:
-the steps' global grad norms."""
+at another EP) and trains steps 2 and 3 only (`--fresh-optimizer`: without the saved Adam state). Each DP rank
+takes its share of the same global batch (equal lengths, so the DP-averaged gradient is the global token mean at
+any layout). Prints one `RESULT {json}` line from rank 0: the steps' global grad norms."""
 import argparse
 import json
 import sys
@@ -24,6 +24,7 @@ def main():
     p.add_argument("--ckpt", required=True)
     p.add_argument("--save", action="store_true")
     p.add_argument("--resume", action="store_true")
+    p.add_argument("--fresh-optimizer", action="store_true", help="--resume loads the model and LR schedule only")
     a = p.parse_args()
 
     import torch.distributed as dist
@@ -48,12 +49,12 @@ def main():
     mine = seqs[dp_rank::dp]
 
     actor = build_actor(hf_config, load_weights=lambda m: load_hf_weights(m, reader, bind_mapping(hf_config, m)))
-    optimizer, scheduler = build_optimizer(actor, lr=1e-2, clip_grad=0.0, warmup_steps=0, decay_steps=10,
+    optimizer, scheduler = build_optimizer(actor, lr=1e-3, clip_grad=0.0, warmup_steps=0, decay_steps=10,
                                            decay_style="linear")
     first = 1
     if a.resume:
-        first = load_checkpoint(a.ckpt, "latest", {"actor": actor}, {"actor": optimizer},
-                                {"actor": scheduler})["step"] + 1
+        optimizers = {} if a.fresh_optimizer else {"actor": optimizer}
+        first = load_checkpoint(a.ckpt, "latest", {"actor": actor}, optimizers, {"actor": scheduler})["step"] + 1
     norms = {}
     for step in range(first, 4):
         m = train_step(actor, optimizer, scheduler, make_micro_batches(mine, 64), ppo_like_loss, with_entropy=True)
