@@ -49,6 +49,8 @@ def main():
     mine = seqs[dp_rank::dp]
 
     actor = build_actor(hf_config, load_weights=lambda m: load_hf_weights(m, reader, bind_mapping(hf_config, m)))
+    # no load-balancing loss: Megatron computes it on each rank's own tokens, so it would differ between layouts
+    actor.module.config.moe_aux_loss_coeff = 0.0
     optimizer, scheduler = build_optimizer(actor, lr=1e-3, clip_grad=0.0, warmup_steps=0, decay_steps=10,
                                            decay_style="linear")
     first = 1
