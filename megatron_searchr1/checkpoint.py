@@ -418,11 +418,9 @@ def _resolve_step(ckpt_root: str, step: Union[str, int]) -> int:
     return step
 
 
-def _sub_dicts(sd):
-    """One state dict per sub-optimizer: a ChainedOptimizer of several saves {0: ..., 1: ...} (a list live), of
-    one its only sub-optimizer's dict."""
-    if isinstance(sd, list):
-        return sd
+def _sub_dicts(sd: dict) -> list:
+    """One state dict per sub-optimizer: a ChainedOptimizer of several has {0: ..., 1: ...}; of one, it is that
+    sub-optimizer's own dict."""
     return [sd[k] for k in sorted(sd)] if sd and all(isinstance(k, int) for k in sd) else [sd]
 
 
@@ -433,6 +431,7 @@ def _torch_state(sub: dict) -> dict:
 
 
 def _group_layout(subs: list) -> list:
+    """Which param groups hold expert-parallel parameters, per sub-optimizer: differs between EP = 1 and EP > 1."""
     return [[bool(g.get("is_expert_parallel")) for g in _torch_state(s)["param_groups"]] for s in subs]
 
 
