@@ -472,6 +472,80 @@ def _resolve_step(ckpt_root: str, step: Union[str, int]) -> int:
     return step
 
 
+def _sub_dicts(sd: dict) -> list:
+    """One state dict per sub-optimizer: a ChainedOptimizer of several has {0: ..., 1: ...}; of one, it is that
+    sub-optimizer's own dict."""
+    return [sd[k] for k in sorted(sd)] if sd and all(isinstance(k, int) for k in sd) else [sd]
+
+
+def _torch_state(sub: dict) -> dict:
+    """The torch optimizer's own state dict (`state`, `param_groups`) in a sub-optimizer's state dict (Megatron's
+    Float16 optimizer nests it under "optimizer")."""
+    return sub["optimizer"] if "optimizer" in sub else sub
+
+
+def _group_layout(subs: list) -> list:
+    """Which param groups hold expert-parallel parameters, per sub-optimizer: differs between EP = 1 and EP > 1."""
+    return [[bool(g.get("is_expert_parallel")) for g in _torch_state(s)["param_groups"]] for s in subs]
+
+
+def _load_optimizer(opt, model: torch.nn.Module, opt_dir: str) -> None:
+    """Load one optimizer's state, also when it was saved under another expert-parallel size.
+
+    Megatron keeps expert parameters in their own sub-optimizer and param group only at EP > 1 (they are DP
+    all-reduced like the rest at EP = 1), so an EP=2 checkpoint's common part holds {0: dense, 1: experts} while an
+    EP=1 optimizer expects one dict. The Adam moments are keyed by parameter name and load at either layout; the
+    param-group hyperparameters and the shared step live in common.pt in the SAVED nesting, and dist_checkpointing
+    merges only the live `params` lists into it: a live group then has no `wd_mult` (KeyError 'pre_wd_mult' in
+    Megatron's _filter_and_reorder_param_groups). Then each live group takes the saved group with the same
+    (wd_mult, lr_mult, is_decoupled_lr) and the live is_expert_parallel, and every sub-optimizer the saved step.
+    The same layout loads as Megatron does (bit-exact resume).
+    """
+    from megatron.core import dist_checkpointing
+
+    model_sd = _optimizer_model_state(model)
+    opt_sd = opt.sharded_state_dict(model_sd, is_loading=True, metadata=dict(OPTIMIZER_METADATA))
+    saved = _sub_dicts(dist_checkpointing.load_common_state_dict(opt_dir))
+    live = _sub_dicts(opt_sd)
+    if any("param_state" in s for s in saved + live):  # the distributed optimizer's own format
+        if len(saved) != len(live):
+            raise CheckpointError(f"{opt_dir} was saved with {len(saved)} distributed sub-optimizer(s), this run has "
+                                  f"{len(live)}: resume the distributed optimizer at the parallel.ep it was saved at")
+        opt.load_state_dict(dist_checkpointing.load(opt_sd, opt_dir))
+        return
+    if _group_layout(saved) == _group_layout(live):
+        opt.load_state_dict(dist_checkpointing.load(opt_sd, opt_dir))
+        return
+
+    def group_key(g):
+        return g["wd_mult"], g["lr_mult"], g["is_decoupled_lr"]
+
+    by_key = {group_key(g): g for s in saved for g in _torch_state(s)["param_groups"]}
+    live_groups = [[{k: v for k, v in g.items() if k != "params"} for g in _torch_state(s)["param_groups"]]
+                   for s in live]  # read before load(), which rewrites opt_sd
+    scaled = ["grad_scaler" in s for s in live]
+    steps = [_torch_state(s)["state"]["common_step"] for s in saved if "common_step" in _torch_state(s)["state"]]
+    loaded = dist_checkpointing.load(opt_sd, opt_dir)  # tensors and `params` at the live paths
+    subs = ([loaded[i] for i in range(len(live))] if len(live) > 1
+            else [{k: v for k, v in loaded.items() if not isinstance(k, int)}])  # less the saved nesting
+    for sub, sub_groups, has_scaler in zip(subs, live_groups, scaled):
+        state = _torch_state(sub)
+        groups = []
+        for g, live_g in zip(state["param_groups"], sub_groups):
+            if group_key(live_g) not in by_key:
+                raise CheckpointError(f"{opt_dir} has no parameter group like {group_key(live_g)} "
+                                      f"(wd_mult, lr_mult, is_decoupled_lr); it holds {sorted(by_key)}")
+            groups.append({**by_key[group_key(live_g)], "is_expert_parallel": live_g["is_expert_parallel"],
+                           "params": g["params"]})
+        state["param_groups"] = groups
+        state["state"] = {k: v for k, v in state["state"].items() if isinstance(k, int)}
+        if steps:
+            state["state"]["common_step"] = steps[0]
+        if has_scaler and "grad_scaler" in saved[0]:
+            sub["grad_scaler"] = saved[0]["grad_scaler"]
+    opt.load_state_dict({i: s for i, s in enumerate(subs)} if len(live) > 1 else subs[0])
+
+
 def load_checkpoint(ckpt_root: str, step: Union[str, int], models: dict[str, torch.nn.Module], optimizers: dict,
                     schedulers: dict) -> dict:
     """Load `step` ("latest" or an int) into the given models, optimizers and schedulers (every rank calls this);
@@ -480,8 +554,6 @@ def load_checkpoint(ckpt_root: str, step: Union[str, int], models: dict[str, tor
     Load before training starts; optimizers must be built over the models already (the optimizer state is matched
     to the parameters through the models' sharded state dicts, as Megatron-LM does).
     """
-    from megatron.core import dist_checkpointing
-
     from megatron_searchr1.models.convert import ConversionError, load_megatron_checkpoint
 
     _check_names(models, optimizers)
@@ -509,9 +581,7 @@ def load_checkpoint(ckpt_root: str, step: Union[str, int], models: dict[str, tor
         except ConversionError as e:
             raise CheckpointError(f"model {name!r}: {e}") from None
     for name, opt in optimizers.items():
-        model_sd = _optimizer_model_state(models[name])
-        opt_sd = opt.sharded_state_dict(model_sd, is_loading=True, metadata=dict(OPTIMIZER_METADATA))
-        opt.load_state_dict(dist_checkpointing.load(opt_sd, os.path.join(path, "optimizer", name)))
+        _load_optimizer(opt, models[name], os.path.join(path, "optimizer", name))
 
     state = torch.load(os.path.join(path, STATE_FILE), weights_only=False)
     for name, sched in schedulers.items():
