@@ -20,7 +20,7 @@ Layout of one checkpoint (`<root>/step_000010/`):
     critic/                 the same for every other model
     optimizer/actor/        `optimizer.sharded_state_dict(model_sharded_state_dict)`: Adam moments keyed by the
                             model's tensor names (Megatron's own format, so it reshards with TP/PP too; the
-                            distributed optimizer uses its reshardable `fully_sharded_model_space` layout;
+                            distributed optimizer's `dp_reshardable` layout reshards over DP only;
                             a freeze run's keys are per layer, `_optimizer_model_state`)
     rng/rank_00000.pt       each rank's python / numpy / torch / CUDA RNG and Megatron's RNG-tracker states
     trainer_state.pt        scheduler state dicts and `extra` (anything picklable: data cursor, KL controller, ...)
@@ -72,8 +72,11 @@ LATEST_FILE = "latest"
 MARKER_FILE = "checkpoint.json"
 STATE_FILE = "trainer_state.pt"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
-# Megatron-LM's choice for the distributed optimizer: reshardable across TP/PP/DP, fully parallel save.
-OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_sharded_model_space", "chained_optim_avoid_prefix": True}
+# The distributed optimizer's layout: `dp_reshardable` (Megatron-LM's default; each rank writes its own buffer slice,
+# no gather). In megatron-core 0.16 `fully_sharded_model_space` fails to save (ShardedTensor.flattened_range is no
+# longer supported) and `fully_reshardable` fails to load ('step'); dp_reshardable reshards over DP only, so a
+# distributed-optimizer checkpoint resumes at the TP/PP it was saved at (load_checkpoint says so).
+OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "dp_reshardable", "chained_optim_avoid_prefix": True}
 
 
 class CheckpointError(Exception):
@@ -489,6 +492,13 @@ def _group_layout(subs: list) -> list:
     return [[bool(g.get("is_expert_parallel")) for g in _torch_state(s)["param_groups"]] for s in subs]
 
 
+def _is_distributed(opt) -> bool:
+    """Whether a Megatron optimizer (or any of a ChainedOptimizer's) is the distributed optimizer."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    return any(isinstance(o, DistributedOptimizer) for o in getattr(opt, "chained_optimizers", [opt]))
+
+
 def _load_optimizer(opt, model: torch.nn.Module, opt_dir: str) -> None:
     """Load one optimizer's state, also when it was saved under another expert-parallel size.
 
@@ -565,6 +575,14 @@ def load_checkpoint(ckpt_root: str, step: Union[str, int], models: dict[str, tor
         missing = sorted(set(have) - set(marker[kind]))
         if missing:
             raise CheckpointError(f"{path} has no {kind} {missing} (it holds {marker[kind]})")
+    here = _parallel_layout()
+    for name, opt in optimizers.items():  # the distributed optimizer's dp_reshardable state reshards over DP only
+        if _is_distributed(opt) and (marker.get("tp"), marker.get("pp")) != (here["tp"], here["pp"]):
+            raise CheckpointError(f"{path}: the distributed optimizer's state of {name!r} was saved at "
+                                  f"tp={marker.get('tp')} pp={marker.get('pp')} and loads at that TP/PP only (any "
+                                  f"DP); this run has tp={here['tp']} pp={here['pp']}: resume at the saved "
+                                  "parallel.tp / parallel.pp, or start a new run from the checkpoint's model "
+                                  "(model.megatron_ckpt)")
     for name in optimizers:  # a freeze run's optimizer state covers its trainable set only
         saved, live = marker.get("freeze", {}).get(name), _freeze_marker(models[name])
         if saved != live:
@@ -572,6 +590,15 @@ def load_checkpoint(ckpt_root: str, step: Union[str, int], models: dict[str, tor
                                   f"{saved or 'all parameters'} (freeze settings), this model trains "
                                   f"{live or 'all parameters'}: resume with the same model.freeze")
 
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    for opt in optimizers.values():
+        for sub in getattr(opt, "chained_optimizers", [opt]):
+            if isinstance(sub, DistributedOptimizer) and not sub.optimizer.state:
+                # its sharded_state_dict reads the step of existing Adam state: a fresh optimizer takes Megatron's
+                # placeholder state (one zero-gradient step, whose weight decay moves the weights: so before the
+                # weights load), which the load then overwrites
+                sub._init_optimizer_states_with_dummy_values()
     for name, model in models.items():
         try:
             if has_lora(model):
@@ -581,7 +608,10 @@ def load_checkpoint(ckpt_root: str, step: Union[str, int], models: dict[str, tor
         except ConversionError as e:
             raise CheckpointError(f"model {name!r}: {e}") from None
     for name, opt in optimizers.items():
-        _load_optimizer(opt, models[name], os.path.join(path, "optimizer", name))
+        # no_grad: the distributed optimizer copies the loaded fp32 shards into views of parameters that require
+        # grad (an in-place error under autograd)
+        with torch.no_grad():
+            _load_optimizer(opt, models[name], os.path.join(path, "optimizer", name))
 
     state = torch.load(os.path.join(path, STATE_FILE), weights_only=False)
     for name, sched in schedulers.items():
