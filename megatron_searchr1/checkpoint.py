@@ -76,7 +76,11 @@ _STEP_DIR = re.compile(r"^step_(\d+)$")
 # no gather). In megatron-core 0.16 `fully_sharded_model_space` fails to save (ShardedTensor.flattened_range is no
 # longer supported) and `fully_reshardable` fails to load ('step'); dp_reshardable reshards over DP only, so a
 # distributed-optimizer checkpoint resumes at the TP/PP it was saved at (load_checkpoint says so).
-OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "dp_reshardable", "chained_optim_avoid_prefix": True}
+# Only a distributed optimizer is given the sharding type: with a non-fully-reshardable type Megatron's ChainedOptimizer
+# prefixes its sub-optimizers' keys (`chained_0.`), which would tie a plain optimizer's state to the number of
+# sub-optimizers (2 at EP > 1, 1 at EP = 1) and break a resume at another EP.
+OPTIMIZER_METADATA = {"chained_optim_avoid_prefix": True}
+DISTRIBUTED_OPTIMIZER_METADATA = {**OPTIMIZER_METADATA, "distrib_optim_sharding_type": "dp_reshardable"}
 
 
 class CheckpointError(Exception):
@@ -420,7 +424,7 @@ def save_checkpoint(ckpt_root: str, step: int, models: dict[str, torch.nn.Module
             # The optimizer's state is keyed by the model's sharded tensors (matched by parameter identity); a
             # fresh model sharded state dict, since save() rewrites the one it is given in place.
             opt_sd = optimizers[name].sharded_state_dict(_optimizer_model_state(model),
-                                                         metadata=dict(OPTIMIZER_METADATA))
+                                                         metadata=_optimizer_metadata(optimizers[name]))
             if is_frozen_subset(model):
                 _share_adam_step(opt_sd)
             dist_checkpointing.save(opt_sd, os.path.join(tmp, "optimizer", name))
@@ -492,6 +496,11 @@ def _group_layout(subs: list) -> list:
     return [[bool(g.get("is_expert_parallel")) for g in _torch_state(s)["param_groups"]] for s in subs]
 
 
+def _optimizer_metadata(opt) -> dict:
+    """The metadata an optimizer's sharded state dict is built with (save and load alike)."""
+    return dict(DISTRIBUTED_OPTIMIZER_METADATA if _is_distributed(opt) else OPTIMIZER_METADATA)
+
+
 def _is_distributed(opt) -> bool:
     """Whether a Megatron optimizer (or any of a ChainedOptimizer's) is the distributed optimizer."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
@@ -514,7 +523,7 @@ def _load_optimizer(opt, model: torch.nn.Module, opt_dir: str) -> None:
     from megatron.core import dist_checkpointing
 
     model_sd = _optimizer_model_state(model)
-    opt_sd = opt.sharded_state_dict(model_sd, is_loading=True, metadata=dict(OPTIMIZER_METADATA))
+    opt_sd = opt.sharded_state_dict(model_sd, is_loading=True, metadata=_optimizer_metadata(opt))
     saved = _sub_dicts(dist_checkpointing.load_common_state_dict(opt_dir))
     live = _sub_dicts(opt_sd)
     if any("param_state" in s for s in saved + live):  # the distributed optimizer's own format
