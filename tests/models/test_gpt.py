@@ -186,7 +186,7 @@ def test_config_translates_qwen2_and_llama():
     assert rope_settings(tiny_config("llama3rope")).llama3_factor == 8.0
     assert model_family(tiny_config("qwen2")) == "qwen2" and model_family(tiny_config("llama")) == "llama"
     assert set(SUPPORTED_ARCHITECTURES) == {"Qwen2ForCausalLM", "Qwen3ForCausalLM", "LlamaForCausalLM",
-                                            "MistralForCausalLM"}
+                                            "MistralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"}
 
 
 @pytest.mark.parametrize("make, kwargs, message", [
