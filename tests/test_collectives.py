@@ -23,10 +23,14 @@ PLACED = {
     ("ppo.py", "dp_sum.reduce", "all_reduce"): "copied to collective_device() and back",
     ("megatron/vocab_parallel.py", "_all_reduce", "all_reduce"): "softmax statistics of the logits (model output)",
     ("models/convert.py", "gather_hf_weights", "all_gather"): "TP shards of model parameters (empty_like them)",
+    ("models/convert.py", "_gather_experts", "all_gather"): "EP shards of expert parameters (empty_like them)",
+    ("megatron/moe_metrics.py", "moe_step_metrics", "all_reduce"): "token counts moved to collective_device()",
     ("models/lora.py", "LoraAdapter.gather", "all_gather"):
         "adapter parameters / their grads, and buffers made with device=b.device (the adapter's)",
     ("rollout/weight_sync.py", "WeightSync._gather_and_map", "all_gather_into_tensor"):
         "packed model parameters; the receive buffer is made on the same device",
+    ("rollout/weight_sync.py", "sync_expert_weights", "broadcast"):
+        "expert parameters on the source stage, torch.empty(device=collective_device()) on the others",
     ("rollout/weight_sync.py", "WeightSync._by_broadcast", "broadcast"):
         "packed model parameters on the source stage, self._device() on the others",
     ("workers/schedule.py", "_broadcast_from_last_stage", "broadcast"):
