@@ -200,8 +200,22 @@ def lora_run(world, tiny_model, server, rl_root):
     args = rl_args(world, tiny_model, server, out, "trainer.total_steps=3", *LORA)
     proc = run_module("tests.trainer.lora_rl_script", args, nproc=2, timeout=1200)
     log = proc.stdout + proc.stderr
-    results = [json.loads(line.split("RESULT ", 1)[1]) for line in log.splitlines() if "RESULT " in line]
-    return out, results, log
+    return out, _results(log), log
+
+
+def _results(log: str) -> list[dict]:
+    """Every `RESULT {json}` the ranks printed, also when two ranks' prints share a line under load."""
+    decoder, found, at = json.JSONDecoder(), [], log.find("RESULT ")
+    while at >= 0:
+        obj, end = decoder.raw_decode(log, at + len("RESULT "))
+        found.append(obj)
+        at = log.find("RESULT ", end)
+    return found
+
+
+def test_results_are_read_from_shared_lines():
+    log = 'x\nRESULT {"rank": 0, "a": 1}RESULT {"rank": 1, "a": 2}\nRESULT {"rank": 2}\n'
+    assert [r["rank"] for r in _results(log)] == [0, 1, 2]
 
 
 @pytest.mark.slow
