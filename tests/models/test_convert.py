@@ -58,7 +58,7 @@ def _run_cases(models, nproc, cases, archs=("qwen2", "llama")):
     args = ["--hf-dirs", *(models[a][0] for a in archs), "--ckpt-dirs", *(models[a][1] for a in archs),
             "--cases", *cases]
     out = run_torchrun(SCRIPT, nproc, *args, timeout=900)
-    results = [json.loads(line.split("RESULT ", 1)[1]) for line in out.splitlines() if "RESULT " in line]
+    results = [json.JSONDecoder().raw_decode(chunk)[0] for chunk in out.split("RESULT ")[1:]]  # prints may share a line
     # families x cases x (right mapping, export round trip, 2 wrong mappings, dist checkpoint)
     assert len(results) == len(archs) * len(cases) * 5, out[-4000:]
     assert all(r["ok"] for r in results), results

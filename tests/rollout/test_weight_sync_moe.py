@@ -22,7 +22,7 @@ def test_sync_moe_at_ep2_into_vllm(tmp_path, arch):
                                              num_experts=4, moe_intermediate_size=32, vocab_size=300, init_std=0.1))
     out = run_torchrun(SCRIPT, 2, "--hf-dirs", hf_dir, "--ep", "2", "--engine", "vllm", timeout=900,
                        env=dict(VLLM_ENABLE_V1_MULTIPROCESSING="0"))
-    results = [json.loads(line.split("RESULT ", 1)[1]) for line in out.splitlines() if "RESULT " in line]
+    results = [json.JSONDecoder().raw_decode(chunk)[0] for chunk in out.split("RESULT ")[1:]]  # prints may share a line
     assert sorted((r["rank"], r["check"]) for r in results) == [(0, "logprobs"), (0, "resync"), (1, "logprobs"),
                                                                (1, "resync")], results
     assert all(r["ok"] for r in results), results
