@@ -1,12 +1,20 @@
 """Launch real multi-process runs from tests: `torchrun --standalone` with gloo on the CPU."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def rank_results(out: str) -> list[dict]:
+    """Every `RESULT {json}` the ranks of a run printed, in order. Ranks share one pipe, so under load two prints
+    may land on one line: each object is decoded from where its marker starts, not line by line."""
+    decoder = json.JSONDecoder()
+    return [decoder.raw_decode(chunk)[0] for chunk in out.split("RESULT ")[1:]]
 
 
 def run_torchrun(script: str | os.PathLike, nproc: int, *args: str, timeout: float = 600, env: dict | None = None) -> str:

