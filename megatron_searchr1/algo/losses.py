@@ -12,7 +12,7 @@ import torch
 
 from megatron_searchr1.algo.masked import masked_mean, masked_sum
 
-AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
 def agg_loss(
@@ -21,27 +21,39 @@ def agg_loss(
     loss_agg_mode: str,
     *,
     denominator: float | torch.Tensor | None = None,
+    loss_scale_factor: float | None = None,
 ) -> torch.Tensor:
     """Reduce a (B, T) loss matrix to a scalar over the mask-1 tokens.
 
     - ``token-mean``: sum over all selected tokens / number of selected tokens (long answers weigh more);
     - ``seq-mean-token-sum``: each row's token sum, averaged over rows that have a selected token;
-    - ``seq-mean-token-mean``: each row's token mean, averaged over rows that have a selected token.
+    - ``seq-mean-token-mean``: each row's token mean, averaged over rows that have a selected token;
+    - ``seq-mean-token-sum-norm`` (Dr. GRPO): each row's token sum divided by a constant, `loss_scale_factor`
+      (the response budget; default the padded width T), averaged over rows that have a selected token. Unlike
+      the token mean of a row, the constant does not shrink the weight of each token of a long response.
 
     `denominator` replaces this batch's own count (tokens for token-mean, rows for the seq-mean modes): pass the
-    count of the whole mini-batch so that the losses of its micro-batches add up to the mini-batch's loss.
+    count of the whole mini-batch so that the losses of its micro-batches add up to the mini-batch's loss. Pass
+    `loss_scale_factor` as a constant of the run (max response length): the padded width changes from batch to
+    batch. (verl's mode of this name sums the rows instead of averaging them: here it is averaged like the other
+    seq-mean modes, so the trainer's per-row micro-batch weighting stays the same for all three.)
 
     >>> L = torch.tensor([[1., 2., 3.], [4., 0., 0.]]); M = torch.tensor([[1, 1, 1], [1, 0, 0]])
-    >>> [round(agg_loss(L, M, mode).item(), 4) for mode in AGG_MODES]  # 10/4, (6+4)/2, (2+4)/2
-    [2.5, 5.0, 3.0]
+    >>> [round(agg_loss(L, M, mode).item(), 4) for mode in AGG_MODES]  # 10/4, (6+4)/2, (2+4)/2, (6/3+4/3)/2
+    [2.5, 5.0, 3.0, 1.6667]
     """
     mask = loss_mask.bool()  # (B, T)
     if loss_agg_mode == "token-mean":
         count = mask.sum() if denominator is None else denominator
         return masked_sum(loss_mat, mask) / torch.as_tensor(count, dtype=loss_mat.dtype).clamp(min=1)
-    if loss_agg_mode in ("seq-mean-token-sum", "seq-mean-token-mean"):
-        reduce_row = masked_sum if loss_agg_mode == "seq-mean-token-sum" else masked_mean
+    if loss_agg_mode in ("seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"):
+        reduce_row = masked_mean if loss_agg_mode == "seq-mean-token-mean" else masked_sum
         per_row = reduce_row(loss_mat, mask, axis=-1)  # (B,)
+        if loss_agg_mode == "seq-mean-token-sum-norm":
+            scale = loss_mat.shape[-1] if loss_scale_factor is None else loss_scale_factor
+            if scale <= 0:
+                raise ValueError(f"loss_scale_factor must be > 0 (the max response length), got {scale}")
+            per_row = per_row / scale
         has_tokens = mask.any(dim=-1)  # (B,) rows made only of retrieved tokens/padding do not count
         count = has_tokens.sum() if denominator is None else denominator
         return masked_sum(per_row, has_tokens) / torch.as_tensor(count, dtype=loss_mat.dtype).clamp(min=1)
@@ -84,27 +96,43 @@ def compute_policy_loss(
         raise ValueError(f"clip_ratio_c must be > 1 (the dual-clip bound on the ratio), got {clip_ratio_c}; "
                          "pass None to turn the dual clip off")
     mask = response_mask.bool()  # (B, T)
+    losses, clipped, dual, log_ratio = ppo_clip_token_losses(old_log_prob, log_prob, advantages, mask, low, high,
+                                                             clip_ratio_c)
+    pg_loss = agg_loss(losses, mask, loss_agg_mode)
+    return pg_loss, masked_mean(clipped.float(), mask), masked_mean(-log_ratio, mask), masked_mean(dual.float(), mask)
+
+
+def ppo_clip_token_losses(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    low: float,
+    high: float,
+    clip_ratio_c: float | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The per-token clipped surrogate of `compute_policy_loss` before aggregation; returns
+    ``(losses, clipped, dual_clipped, log_ratio)``, all (B, T): the loss matrix, where the clipped term was taken,
+    where the dual clip bound, and the clamped ``log_prob - old_log_prob``; all 0 / False at mask-0 tokens."""
+    mask = mask.bool()  # (B, T)
     # select mask-0 entries away *before* the exp, so that not even their gradients can be NaN
     log_ratio = torch.where(mask, torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0), 0.0)  # (B, T)
     advantages = torch.where(mask, advantages, 0.0)  # (B, T)
     ratio = torch.exp(log_ratio)  # (B, T)
-    ppo_kl = masked_mean(-log_ratio, mask)
 
     unclipped = -advantages * ratio  # (B, T)
     clipped = -advantages * torch.clamp(ratio, 1.0 - low, 1.0 + high)  # (B, T)
     losses = torch.maximum(unclipped, clipped)  # (B, T)
-    pg_clipfrac = masked_mean((clipped > unclipped).float(), mask)
+    was_clipped = (clipped > unclipped) & mask  # (B, T)
 
     if clip_ratio_c is None:
-        pg_clipfrac_lower = torch.zeros((), dtype=losses.dtype, device=losses.device)
+        dual = torch.zeros_like(mask)
     else:
         bound = -advantages * clip_ratio_c  # (B, T) only binds where A < 0
         negative = advantages < 0
-        pg_clipfrac_lower = masked_mean(((losses > bound) & negative).float(), mask)
+        dual = (losses > bound) & negative & mask  # (B, T)
         losses = torch.where(negative, torch.minimum(losses, bound), losses)
-
-    pg_loss = agg_loss(losses, mask, loss_agg_mode)
-    return pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower
+    return losses, was_clipped, dual, log_ratio
 
 
 def compute_value_loss(

@@ -139,3 +139,18 @@ def test_entropy_from_logits():
     # the mean over generated tokens only: the third token (mask 0) does not count
     loss = compute_entropy_loss(logits, torch.tensor([[1, 1, 0]]))
     assert loss.item() == pytest.approx((ent[0, 0] + ent[0, 1]).item() / 2)
+
+
+def test_seq_mean_token_sum_norm_divides_each_row_sum_by_a_constant():
+    L = torch.tensor([[1.0, 2.0, 3.0, 0.0], [4.0, NAN, 0.0, 0.0], [5.0, 5.0, 5.0, 5.0]])
+    M = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [0, 0, 0, 0]])
+    # rows with tokens: 0 (sum 6) and 1 (sum 4; the NaN is masked); row 2 has none and does not count
+    assert agg_loss(L, M, "seq-mean-token-sum-norm", loss_scale_factor=8).item() == pytest.approx((6 / 8 + 4 / 8) / 2)
+    # default constant: the padded width T = 4
+    assert agg_loss(L, M, "seq-mean-token-sum-norm").item() == pytest.approx((6 / 4 + 4 / 4) / 2)
+    # unlike seq-mean-token-mean, a short row is not up-weighted: row 1's token weighs 1/8 as each of row 0's
+    assert agg_loss(L, M, "seq-mean-token-mean").item() == pytest.approx((2 + 4) / 2)
+    assert agg_loss(L, M, "seq-mean-token-sum-norm", loss_scale_factor=8, denominator=4).item() == \
+        pytest.approx((6 / 8 + 4 / 8) / 4)
+    with pytest.raises(ValueError, match="loss_scale_factor must be > 0"):
+        agg_loss(L, M, "seq-mean-token-sum-norm", loss_scale_factor=0)
