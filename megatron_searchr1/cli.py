@@ -164,3 +164,17 @@ def check_retrieval(cfg) -> None:
         raise UsageError(f"the retrieval server at {cfg.retrieval.url} does not answer ({type(e).__name__}: {e}): "
                          "start it (python -m megatron_searchr1.search.server --index-dir DIR --port 8000) or set "
                          "retrieval.launch=true retrieval.server_args=[--index-dir,DIR]") from None
+
+
+def check_data(cfg) -> None:
+    """Fail fast (before torch loads) when an RL config's parquet files are missing, unreadable, schema-less or
+    empty: only their footers are read. Token lengths need the tokenizer: trainer/build.py checks them before it
+    builds a model."""
+    from megatron_searchr1.data.rl_data import DataError, check_schema
+
+    try:
+        if not cfg.trainer.val_only:
+            check_schema(list(cfg.data.train_files), "data.train_files")
+        check_schema(list(cfg.data.val_files), "data.val_files")
+    except DataError as e:
+        raise UsageError(str(e)) from None

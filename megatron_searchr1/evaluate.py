@@ -15,7 +15,7 @@ import os
 import sys
 from typing import Optional, Sequence
 
-from megatron_searchr1.cli import UsageError, check_retrieval, parse, run_main
+from megatron_searchr1.cli import UsageError, check_data, check_retrieval, parse, run_main
 from megatron_searchr1.console import quiet_third_party_warnings
 
 
@@ -32,6 +32,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     cfg = parse([*argv, "trainer.val_only=true"], prog_doc=__doc__)
     if json_path and os.path.isdir(json_path):
         raise UsageError(f"--json {json_path!r} is a directory: give a file path")
+    check_data(cfg)  # footers only: a second, before the retriever and torch
     check_retrieval(cfg)
     from megatron_searchr1.trainer.rl import Trainer  # after the arguments: torch, Megatron and vLLM load here
 

@@ -21,13 +21,14 @@ from __future__ import annotations
 import sys
 from typing import Optional, Sequence
 
-from megatron_searchr1.cli import check_retrieval, parse, run_main
+from megatron_searchr1.cli import check_data, check_retrieval, parse, run_main
 from megatron_searchr1.console import quiet_third_party_warnings
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     quiet_third_party_warnings()  # torch / Megatron / vLLM deprecation noise; ours still shows
     cfg = parse(argv, prog_doc=__doc__)
+    check_data(cfg)  # footers only: a second, before the retriever and torch
     check_retrieval(cfg)
     from megatron_searchr1.trainer.rl import Trainer  # after the arguments: torch, Megatron and vLLM load here
 

@@ -47,8 +47,10 @@ def fake_run(tmp_path_factory):
     d = tmp_path_factory.mktemp("badcfg")
     (d / "model").mkdir()
     (d / "model" / "config.json").write_text(json.dumps({"num_attention_heads": 3, "num_hidden_layers": 2}))
-    for name in ("train.parquet", "val.parquet"):
-        (d / name).write_text("")
+    from megatron_searchr1.data.qa import make_row, write_rows
+
+    for name in ("train.parquet", "val.parquet"):  # real one-row files: the data check reads their footers
+        write_rows([make_row("who founded acme", ["Bo"], "nq", "train", 0, uid="nq-train-0")], str(d / name))
     return d
 
 

@@ -10,6 +10,10 @@ A row keeps what the reward and the logs need: `data_source`, `ground_truth` (`{
 rendered with `data.prompts.render_prompt` (the same call the SFT data makes) and tokenized once here; a prompt
 longer than `max_prompt_length` is dropped and counted, never cut (Search-R1 keeps only the rightmost tokens,
 which can drop the question).
+
+`check_schema` reads only the parquet footers (no rows, no torch), so a run can refuse a missing, unreadable,
+empty or schema-less file in a second, before any model is built; `load_prompts(..., reports=[])` says per file
+how many rows it read, how many it dropped and why.
 """
 from __future__ import annotations
 
@@ -18,6 +22,64 @@ from dataclasses import dataclass, field
 
 from megatron_searchr1.data.prompts import render_prompt
 from megatron_searchr1.data.qa import plain
+
+
+class DataError(ValueError):
+    """A data file that cannot feed a run (missing, not a parquet, wrong schema, no usable row); the message names
+    the file and what to change."""
+
+
+REQUIRED_COLUMNS = ("prompt", "data_source", "reward_model")
+
+
+def check_schema(paths: list[str], what: str = "data file") -> dict[str, int]:
+    """{path: number of rows} of Search-R1-style parquet files, from their footers only; a DataError names the
+    first file that is missing, unreadable, lacks a required column (or `reward_model.ground_truth`) or has no row.
+    `what` names the config field in the message (e.g. "data.train_files")."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    hint = "tools/prepare_qa_data.py or tools/make_synthetic_world.py write Search-R1's parquet schema"
+    counts = {}
+    for path in paths:
+        try:
+            meta = pq.ParquetFile(path)
+        except FileNotFoundError:
+            raise DataError(f"{what}: {path} does not exist") from None
+        except (OSError, pa.ArrowException) as e:
+            raise DataError(f"{what}: {path} is not a readable parquet file ({e}): {hint}") from None
+        schema = meta.schema_arrow
+        missing = [c for c in REQUIRED_COLUMNS if c not in schema.names]
+        if missing:
+            raise DataError(f"{what}: {path} lacks column(s) {missing}: {hint}")
+        reward = schema.field("reward_model").type
+        if not pa.types.is_struct(reward) or reward.get_field_index("ground_truth") < 0:
+            raise DataError(f"{what}: {path}: column reward_model must be a struct with a ground_truth field "
+                            f"({{'ground_truth': {{'target': [answers]}}}}), got {reward}: {hint}")
+        if meta.metadata.num_rows == 0:
+            raise DataError(f"{what}: {path} has no rows")
+        counts[path] = meta.metadata.num_rows
+    return counts
+
+
+@dataclass
+class FileReport:
+    """What `load_prompts` made of one file: rows read, dropped for length (and the longest prompt), used."""
+
+    path: str
+    rows: int
+    dropped: int
+    longest: int
+    max_prompt_length: int
+
+    @property
+    def used(self) -> int:
+        return self.rows - self.dropped
+
+    def line(self) -> str:
+        why = (f" ({self.dropped} longer than data.max_prompt_length={self.max_prompt_length}; longest "
+               f"{self.longest} tokens)" if self.dropped else "")
+        return f"data: {self.path}: {self.rows} rows, {self.dropped} dropped{why}, {self.used} used"
 
 
 @dataclass
@@ -40,35 +102,39 @@ def read_rows(paths: list[str]) -> list[dict]:
 
     rows = []
     for path in paths:
-        table = pq.read_table(path)
-        missing = [c for c in ("prompt", "data_source", "reward_model") if c not in table.column_names]
-        if missing:
-            raise ValueError(f"{path} lacks column(s) {missing}: expected Search-R1's parquet schema "
-                             "(tools/prepare_qa_data.py or tools/make_synthetic_world.py write it)")
-        rows += [plain(r) for r in table.to_pylist()]
+        check_schema([path])
+        rows += [plain(r) for r in pq.read_table(path).to_pylist()]
     return rows
 
 
 def load_prompts(paths: list[str], tokenizer, max_prompt_length: int, chat_template: str = "auto",
-                 limit: int | None = None) -> tuple[list[PromptRow], int]:
+                 limit: int | None = None, reports: list | None = None) -> tuple[list[PromptRow], int]:
     """(prompt rows, number dropped for being longer than max_prompt_length); `limit`: the first N rows of EACH file
-    (validation on a sample of every split)."""
+    (validation on a sample of every split); `reports`: a list that receives one FileReport per file."""
     out, dropped = [], 0
     seen: set[str] = set()
-    rows = [r for path in paths for r in read_rows([path])[:limit]] if limit is not None else read_rows(paths)
-    for i, row in enumerate(rows):
-        extra = dict(row.get("extra_info") or {})
-        uid = str(extra.pop("uid", "") or f"{row['data_source']}-{extra.get('split', '')}-{extra.get('index', i)}")
-        if uid in seen:  # merged datasets with restarting indexes (Search-R1's bug): make the group id unique
-            uid = f"{uid}#{i}"
-        seen.add(uid)
-        ids = tokenizer.encode(render_prompt(row["prompt"], tokenizer, chat_template), add_special_tokens=False)
-        if len(ids) > max_prompt_length:
-            dropped += 1
-            continue
-        out.append(PromptRow(prompt_ids=ids, uid=uid, data_source=row["data_source"],
-                             ground_truth=row["reward_model"]["ground_truth"], question=extra.pop("question", ""),
-                             extra=extra))
+    i = 0
+    for path in paths:
+        rows = read_rows([path])[:limit] if limit is not None else read_rows([path])
+        report = FileReport(path, rows=len(rows), dropped=0, longest=0, max_prompt_length=max_prompt_length)
+        for row in rows:
+            extra = dict(row.get("extra_info") or {})
+            uid = str(extra.pop("uid", "") or f"{row['data_source']}-{extra.get('split', '')}-{extra.get('index', i)}")
+            if uid in seen:  # merged datasets with restarting indexes (Search-R1's bug): make the group id unique
+                uid = f"{uid}#{i}"
+            seen.add(uid)
+            i += 1
+            ids = tokenizer.encode(render_prompt(row["prompt"], tokenizer, chat_template), add_special_tokens=False)
+            report.longest = max(report.longest, len(ids))
+            if len(ids) > max_prompt_length:
+                report.dropped += 1
+                continue
+            out.append(PromptRow(prompt_ids=ids, uid=uid, data_source=row["data_source"],
+                                 ground_truth=row["reward_model"]["ground_truth"], question=extra.pop("question", ""),
+                                 extra=extra))
+        dropped += report.dropped
+        if reports is not None:
+            reports.append(report)
     return out, dropped
 
 

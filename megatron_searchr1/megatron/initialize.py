@@ -87,12 +87,16 @@ def process_group_kwargs(device: str, local_rank: int, timeout_minutes: int) -> 
 
     CUDA: NCCL for CUDA tensors and gloo beside it for CPU tensors (`cpu:gloo,cuda:nccl`): an NCCL-only group refuses
     a CPU tensor ("No backend type associated with device type cpu"), and metrics, counts and pickled objects are
-    CPU tensors. Megatron's TP/PP/DP groups are made with `backend=None`, so they inherit both. `device_id` binds
-    NCCL to this rank's GPU (it connects eagerly and never guesses the device). CPU: gloo alone.
+    CPU tensors. Megatron's TP/PP/DP groups are made with `backend=None`, so they inherit both. CPU: gloo alone.
+
+    No `device_id`: a bound default group makes torch connect every later `new_group` eagerly (an ncclCommSplit per
+    group at creation), so each of Megatron's ~20 groups this rank is in, used or not, holds NCCL buffers from
+    start-up. Unbound, a communicator is created at a group's first collective (verl binds no device either);
+    `_init_process_group` calls `torch.cuda.set_device(local_rank)` first, so NCCL picks this rank's GPU.
     """
     timeout = timedelta(minutes=timeout_minutes)
     if device == "cuda":
-        return dict(backend="cpu:gloo,cuda:nccl", device_id=torch.device("cuda", local_rank), timeout=timeout)
+        return dict(backend="cpu:gloo,cuda:nccl", timeout=timeout)
     return dict(backend="gloo", timeout=timeout)
 
 

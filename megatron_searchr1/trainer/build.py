@@ -124,8 +124,71 @@ def launch_server(cfg: Config):
     return server, mine[0]
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+
+
+def load_tokenizer(path: str, hf_config, chat_template: str = "auto"):
+    """The model directory's tokenizer, refused as a UsageError when it cannot drive the model: a directory without
+    tokenizer files (transformers then builds a one-token tokenizer and every prompt encodes to nothing), one whose
+    ids do not fit the model's vocabulary, or `data.chat_template=always` without a chat template."""
+    if os.path.isdir(path) and not any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES):
+        raise UsageError(f"model.path={path} has no tokenizer files ({', '.join(TOKENIZER_FILES)}): copy the model's "
+                         "tokenizer into it (tokenizer.save_pretrained(path))")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise UsageError(f"the tokenizer in model.path={path} does not load ({type(e).__name__}: "
+                         f"{str(e).splitlines()[0] if str(e) else ''}): save the model's tokenizer there again") from None
+    vocab = getattr(hf_config, "vocab_size", None)
+    if len(tokenizer) < 2:
+        raise UsageError(f"the tokenizer in model.path={path} has {len(tokenizer)} token(s): its files are broken or "
+                         "incomplete; save the model's tokenizer there again")
+    if vocab is not None and len(tokenizer) > vocab:
+        raise UsageError(f"the tokenizer in model.path={path} has {len(tokenizer)} tokens but the model's "
+                         f"vocab_size is {vocab}: token ids past {vocab - 1} have no embedding row; use the model's own "
+                         "tokenizer")
+    if chat_template == "always" and not getattr(tokenizer, "chat_template", None):
+        raise UsageError(f"data.chat_template=always but the tokenizer in model.path={path} has no chat template: "
+                         "set data.chat_template=auto (or never)")
+    return tokenizer
+
+
+def load_data(cfg: Config, tokenizer, log: bool = True) -> Data:
+    """The run's prompts, tokenized, with one line per file (rows, dropped for length, used) when `log`; a run left
+    with no usable training prompt, or too few for one batch, is a UsageError naming the field to change."""
+    d, t = cfg.data, cfg.trainer
+    train_data, val_data, reports = [], [], {"data.train_files": [], "data.val_files": []}
+    if d.train_files and not t.val_only:
+        train_data, _ = load_prompts(d.train_files, tokenizer, d.max_prompt_length, d.chat_template,
+                                     reports=reports["data.train_files"])
+    if d.val_files:
+        val_data, _ = load_prompts(d.val_files, tokenizer, d.max_prompt_length, d.chat_template,
+                                   limit=d.val_max_samples, reports=reports["data.val_files"])
+    for (what, files), rows in zip(reports.items(), (train_data, val_data)):
+        if log:
+            for report in files:
+                print(report.line(), flush=True)
+        if files and not rows:
+            longest = max(report.longest for report in files)
+            raise UsageError(f"{what}: no usable prompt: all are longer than data.max_prompt_length="
+                             f"{d.max_prompt_length} tokens (the longest has {longest}); raise data.max_prompt_length")
+    sampler = None
+    if train_data:
+        try:
+            sampler = PromptSampler(len(train_data), d.train_batch_size, t.seed, d.shuffle)
+        except ValueError as e:
+            raise UsageError(f"data.train_files: {e}") from None
+    return Data(train_data, val_data, sampler)
+
+
 def build_roles(cfg: Config) -> Roles:
     p, o, a, r, t = cfg.parallel, cfg.optim, cfg.algo, cfg.rollout, cfg.trainer
+    # tokenizer and data first: a tokenizer-less model directory or prompts that all exceed the budget are one
+    # `error:` line in seconds, not a crash after the process groups, the models and the engine are up
+    hf_dir = cfg.model.path
+    hf_config = load_hf_config(hf_dir)
+    tokenizer = load_tokenizer(hf_dir, hf_config, cfg.data.chat_template)
+    data = load_data(cfg, tokenizer, log=int(os.environ.get("RANK", "0")) == 0)
     initialize_megatron(tp=p.tp, pp=p.pp, seed=t.seed, timeout_minutes=p.timeout_minutes,
                         sequence_parallel=p.sequence_parallel, ep=p.ep)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -135,9 +198,6 @@ def build_roles(cfg: Config) -> Roles:
     except CheckpointError as e:
         raise UsageError(str(e)) from None
 
-    hf_dir = cfg.model.path
-    tokenizer = AutoTokenizer.from_pretrained(hf_dir)
-    hf_config = load_hf_config(hf_dir)
     dtype = DTYPES[cfg.model.dtype]
 
     # -- models ---------------------------------------------------------------------------------------------
@@ -170,17 +230,6 @@ def build_roles(cfg: Config) -> Roles:
                                     use_distributed_optimizer=p.use_distributed_optimizer)
         critic = Critic(critic_model, *build_optimizer_from_config(critic_model, o, t.total_steps, o.critic_lr))
 
-    # -- data ------------------------------------------------------------------------------------------------
-    d = cfg.data
-    train_data = []
-    if d.train_files and not t.val_only:
-        train_data, _ = load_prompts(d.train_files, tokenizer, d.max_prompt_length, d.chat_template)
-    val_data = []
-    if d.val_files:
-        val_data, _ = load_prompts(d.val_files, tokenizer, d.max_prompt_length, d.chat_template,
-                                   limit=d.val_max_samples)
-    sampler = PromptSampler(len(train_data), d.train_batch_size, t.seed, d.shuffle) if train_data else None
-
     # -- retrieval and engine ----------------------------------------------------------------------------------
     server, url = None, cfg.retrieval.url
     if cfg.retrieval.launch:
@@ -205,5 +254,5 @@ def build_roles(cfg: Config) -> Roles:
                else FixedKLController(a.kl_coef))
     logger = RunLogger(t.output_dir, enabled=rank == 0, tensorboard=cfg.logging.tensorboard)
     return Roles(cfg=cfg, tokenizer=tokenizer, policy=policy, reference=reference, critic=critic, worker=worker,
-                 data=Data(train_data, val_data, sampler), logger=logger, kl_ctrl=kl_ctrl, rank=rank,
+                 data=data, logger=logger, kl_ctrl=kl_ctrl, rank=rank,
                  dp_rank=dp_rank, dp_size=dp_size)

@@ -31,7 +31,6 @@ import os
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as mpu
-from transformers import AutoTokenizer
 
 from megatron_searchr1.checkpoint import CheckpointError, agreed_resume_target, load_roles, save_roles
 from megatron_searchr1.cli import UsageError
@@ -46,7 +45,7 @@ from megatron_searchr1.models.convert import DTYPES, bind_mapping, load_hf_confi
 from megatron_searchr1.models.forward import unwrap
 from megatron_searchr1.models.freeze import apply_freeze
 from megatron_searchr1.models.lora import apply_lora
-from megatron_searchr1.trainer.build import actor_settings, build_optimizer_from_config
+from megatron_searchr1.trainer.build import actor_settings, build_optimizer_from_config, load_tokenizer
 from megatron_searchr1.trainer.roles import Policy
 from megatron_searchr1.trainer.sources import weights_loader
 from megatron_searchr1.workers.actor import build_actor, masked_nll_loss, sft_sequence
@@ -60,8 +59,8 @@ def train_sft(cfg: SFTConfig) -> dict:
                         ep=cfg.parallel.ep)
     rank = dist.get_rank()
     dp_rank, dp_size = mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size()
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     hf_config = load_hf_config(cfg.model.path)
+    tokenizer = load_tokenizer(cfg.model.path, hf_config)
     dtype = DTYPES[cfg.model.dtype]
     if dtype != torch.float32 and not torch.cuda.is_available():
         if rank == 0:

@@ -66,3 +66,43 @@ def test_dp_shard():
     import doctest
 
     assert doctest.testmod(rl_data).failed == 0
+
+
+def test_reports_count_rows_drops_and_the_longest_prompt_per_file(tmp_path, tok):
+    a, b = tmp_path / "a.parquet", tmp_path / "b.parquet"
+    write_rows([make_row("who founded acme", ["Bo"], "nq", "train", i, uid=f"a-{i}") for i in range(3)]
+               + [make_row("what is " + "very " * 200 + "long", ["x"], "nq", "train", 3, uid="a-3")], str(a))
+    write_rows([make_row("when was bo born", ["1901"], "nq", "train", 0, uid="b-0")], str(b))
+    lengths = {r.uid: len(r.prompt_ids) for r in load_prompts([str(a), str(b)], tok, 100_000)[0]}
+    budget = lengths["a-0"] + 5
+    reports = []
+    data, dropped = load_prompts([str(a), str(b)], tok, budget, reports=reports)
+    assert dropped == 1 and [r.uid for r in data] == ["a-0", "a-1", "a-2", "b-0"]
+    ra, rb = reports
+    assert (ra.path, ra.rows, ra.dropped, ra.used, ra.longest) == (str(a), 4, 1, 3, lengths["a-3"])
+    assert (rb.rows, rb.dropped, rb.longest) == (1, 0, lengths["b-0"])
+    assert ra.line() == (f"data: {a}: 4 rows, 1 dropped (1 longer than data.max_prompt_length={budget}; longest "
+                         f"{lengths['a-3']} tokens), 3 used")
+    assert rb.line() == f"data: {b}: 1 rows, 0 dropped, 1 used"
+    limited = []
+    load_prompts([str(a), str(b)], tok, budget, limit=2, reports=limited)
+    assert [r.rows for r in limited] == [2, 1]  # validation samples: the first N rows of each file
+
+
+def test_check_schema_reads_footers_and_names_the_field(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    good = tmp_path / "good.parquet"
+    write_rows([make_row("q", ["a"], "nq", "train", i, uid=f"u{i}") for i in range(5)], str(good))
+    assert rl_data.check_schema([str(good)]) == {str(good): 5}
+    with pytest.raises(rl_data.DataError, match=r"data.val_files: .*/nope.parquet does not exist"):
+        rl_data.check_schema([str(tmp_path / "nope.parquet")], "data.val_files")
+    text = tmp_path / "text.parquet"
+    text.write_text("not parquet")
+    with pytest.raises(rl_data.DataError, match="is not a readable parquet file"):
+        rl_data.check_schema([str(good), str(text)])
+    no_gt = tmp_path / "no_gt.parquet"
+    pq.write_table(pa.table({"prompt": ["p"], "data_source": ["nq"], "reward_model": [{"style": "rule"}]}), str(no_gt))
+    with pytest.raises(rl_data.DataError, match="must be a struct with a ground_truth field"):
+        rl_data.check_schema([str(no_gt)])

@@ -117,17 +117,29 @@ def test_initialize_refuses_a_gpu_launch_without_cuda(monkeypatch):
     assert not dist.is_initialized()
 
 
-def test_cuda_process_group_carries_gloo_for_cpu_tensors_and_is_bound_to_the_local_gpu():
+def test_cuda_process_group_carries_gloo_for_cpu_tensors_and_connects_lazily_on_the_local_gpu(monkeypatch):
     """On CUDA the default group has a CPU backend beside NCCL (an NCCL-only group refuses the CPU tensors of
-    metrics and counts), bound to this rank's GPU; on the CPU gloo alone. The timeout is the one asked for."""
-    from megatron_searchr1.megatron.initialize import process_group_kwargs
+    metrics and counts); on the CPU gloo alone. No device is bound (a bound default group connects every Megatron
+    group eagerly, each with its NCCL buffers), so the rank's GPU must be selected before the group starts: the
+    recorded calls of a CUDA start-up are set_device(LOCAL_RANK), then init_process_group without device_id."""
+    import megatron_searchr1.megatron.initialize as init
 
-    nccl = process_group_kwargs("cuda", 3, 5)
-    assert nccl["backend"] == "cpu:gloo,cuda:nccl" and nccl["device_id"] == torch.device("cuda", 3)
+    nccl = init.process_group_kwargs("cuda", 3, 5)
+    assert nccl["backend"] == "cpu:gloo,cuda:nccl" and "device_id" not in nccl
     assert nccl["timeout"].total_seconds() == 300
-    gloo = process_group_kwargs("cpu", 3, 7)
+    gloo = init.process_group_kwargs("cpu", 3, 7)
     assert gloo["backend"] == "gloo" and "device_id" not in gloo
     assert gloo["timeout"].total_seconds() == 420
+
+    calls = []
+    monkeypatch.setattr(init.dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(init.torch.cuda, "set_device", lambda d: calls.append(("set_device", d)))
+    monkeypatch.setattr(init.dist, "init_process_group", lambda **kw: calls.append(("init_process_group", kw)))
+    for key, value in dict(RANK="5", LOCAL_RANK="1", WORLD_SIZE="8", MASTER_ADDR="h", MASTER_PORT="1").items():
+        monkeypatch.setenv(key, value)
+    init._init_process_group(5, "cuda")
+    assert [c[0] for c in calls] == ["set_device", "init_process_group"] and calls[0][1] == 1
+    assert "device_id" not in calls[1][1] and calls[1][1]["backend"] == "cpu:gloo,cuda:nccl"
 
 
 def test_the_backend_string_gives_every_megatron_subgroup_a_cpu_backend():

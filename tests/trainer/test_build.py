@@ -60,3 +60,55 @@ def test_actor_settings_refuse_what_an_moe_model_cannot_do(cls):
         build.actor_settings(tp2, moe, torch.float32)
     plain = load_config(None, ["model.path=/m"], cls=cls)
     assert build.actor_settings(plain, moe, torch.float32)["config"].num_moe_experts == 4
+
+
+def test_load_data_reports_and_refuses_what_cannot_fill_a_batch(tmp_path, capsys):
+    """build.load_data: one line per file on the console; a training set that cannot fill one batch is a
+    UsageError naming data.train_files and the batch size (not a None sampler that crashes later)."""
+    from megatron_searchr1.cli import UsageError
+    from megatron_searchr1.data.qa import make_row, write_rows
+    from megatron_searchr1.models.tiny import TinyModelConfig, train_tokenizer
+
+    tok = train_tokenizer(TinyModelConfig(output_dir=str(tmp_path / "tok"), vocab_size=300))
+    train, val = str(tmp_path / "train.parquet"), str(tmp_path / "val.parquet")
+    write_rows([make_row(f"who founded acme {i}", ["Bo"], "nq", "train", i, uid=f"t{i}") for i in range(3)], train)
+    write_rows([make_row("who founded acme", ["Bo"], "nq", "test", 0, uid="v0")], val)
+    cfg = load_config(None, [f"data.train_files=[{train}]", f"data.val_files=[{val}]", "data.train_batch_size=2",
+                             "data.max_prompt_length=4096"])
+    data = build.load_data(cfg, tok, log=True)
+    assert len(data.train) == 3 and len(data.val) == 1 and data.sampler.next_batch()
+    assert capsys.readouterr().out.splitlines() == [f"data: {train}: 3 rows, 0 dropped, 3 used",
+                                                    f"data: {val}: 1 rows, 0 dropped, 1 used"]
+    cfg.data.train_batch_size = 4
+    with pytest.raises(UsageError, match=r"data.train_files: 3 prompts cannot fill one batch of "
+                                         r"data.train_batch_size=4"):
+        build.load_data(cfg, tok, log=False)
+    cfg.data.train_batch_size, cfg.data.max_prompt_length = 2, 8
+    with pytest.raises(UsageError, match=r"data.train_files: no usable prompt: all are longer than "
+                                         r"data.max_prompt_length=8 tokens \(the longest has \d+\)"):
+        build.load_data(cfg, tok, log=False)
+
+
+def test_load_tokenizer_refuses_what_cannot_drive_the_model(tmp_path):
+    from transformers import Qwen2Config
+
+    from megatron_searchr1.cli import UsageError
+    from megatron_searchr1.models.tiny import TinyModelConfig, train_tokenizer
+
+    path = str(tmp_path / "tok")
+    tok = train_tokenizer(TinyModelConfig(output_dir=path, vocab_size=300))
+    tok.chat_template = None
+    tok.save_pretrained(path)
+    fits = Qwen2Config(vocab_size=len(tok) + 64)
+    assert len(build.load_tokenizer(path, fits)) == len(tok)
+    with pytest.raises(UsageError, match=rf"has {len(tok)} tokens but the model's vocab_size is {len(tok) - 1}"):
+        build.load_tokenizer(path, Qwen2Config(vocab_size=len(tok) - 1))
+    with pytest.raises(UsageError, match="data.chat_template=always but the tokenizer"):
+        build.load_tokenizer(path, fits, chat_template="always")
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    tok.save_pretrained(path)
+    assert build.load_tokenizer(path, fits, chat_template="always").chat_template == tok.chat_template
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(UsageError, match="has no tokenizer files"):
+        build.load_tokenizer(str(empty), fits)

@@ -1,0 +1,120 @@
+"""Bad data and bad model directories are one `error:` line and exit 2 before a model is built (never a traceback
+after the heavy start-up): schema problems from the parquet footers before torch loads, token lengths and the
+tokenizer right after the tokenizer loads."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from megatron_searchr1.data.qa import make_row, write_rows
+from tests.dist_utils import REPO
+from tests.rl_fixtures import child_env
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from megatron_searchr1.models.tiny import TinyModelConfig, make_tiny_model
+
+    out = str(tmp_path_factory.mktemp("badmodel") / "tiny")
+    make_tiny_model(TinyModelConfig(output_dir=out, vocab_size=300, hidden_size=64, intermediate_size=64,
+                                    num_layers=2, num_heads=2, num_kv_heads=2))
+    return out
+
+
+def _good(path, question="who founded acme"):
+    write_rows([make_row(question, ["Bo"], "nq", "train", 0, uid="nq-train-0")], str(path))
+    return str(path)
+
+
+def _run_train(model: str, train: str, val: str, out, *extra: str, timeout: float = 120):
+    args = [f"model.path={model}", f"data.train_files=[{train}]", f"data.val_files=[{val}]",
+            "data.train_batch_size=1", "algo.ppo_mini_batch_size=1", "rollout.engine=hf",
+            "retrieval.launch=true", "retrieval.server_args=[--index-dir,/nonexistent]", f"trainer.output_dir={out}",
+            *extra]
+    start = time.time()
+    proc = subprocess.run([sys.executable, "-m", "megatron_searchr1.train", *args], cwd=REPO, capture_output=True,
+                          text=True, env=child_env(), timeout=timeout)
+    return proc, time.time() - start
+
+
+def _one_error_line(proc) -> str:
+    assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr[-3000:]
+    return lines[0]
+
+
+def _write_bad(kind: str, path) -> None:
+    if kind == "empty":  # the right schema, no row
+        write_rows([], str(path))
+    elif kind == "not_parquet":
+        path.write_text("question,answer\nwho,bo\n")
+    elif kind == "no_reward_model":
+        pq.write_table(pa.table({"prompt": [[{"role": "user", "content": "q"}]], "data_source": ["nq"]}), str(path))
+    elif kind == "reward_model_not_struct":
+        pq.write_table(pa.table({"prompt": [[{"role": "user", "content": "q"}]], "data_source": ["nq"],
+                                 "reward_model": ["Bo"]}), str(path))
+
+
+SCHEMA_CASES = {"empty": "has no rows", "not_parquet": "is not a readable parquet file",
+                "no_reward_model": "lacks column(s) ['reward_model']",
+                "reward_model_not_struct": "reward_model must be a struct with a ground_truth field"}
+
+
+@pytest.mark.parametrize("kind", sorted(SCHEMA_CASES))
+def test_bad_parquet_is_one_line_before_torch(tmp_path, kind):
+    """Footer checks run before the retriever and torch: a config whose model dir is only a config.json is enough
+    (no model is ever loaded), and the answer comes in seconds."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"num_attention_heads": 2, "num_hidden_layers": 2}))
+    bad = tmp_path / "train.parquet"
+    _write_bad(kind, bad)
+    proc, elapsed = _run_train(str(model), str(bad), _good(tmp_path / "val.parquet"), tmp_path / "out",
+                               timeout=60)
+    line = _one_error_line(proc)
+    assert f"data.train_files: {bad}" in line and SCHEMA_CASES[kind] in line, line
+    assert elapsed < 15, f"{elapsed:.1f}s: the data must be checked before torch loads"
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_bad_validation_file_is_named_too(tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"num_attention_heads": 2, "num_hidden_layers": 2}))
+    bad = tmp_path / "val.parquet"
+    _write_bad("no_reward_model", bad)
+    proc, _ = _run_train(str(model), _good(tmp_path / "train.parquet"), str(bad), tmp_path / "out", timeout=60)
+    assert f"data.val_files: {bad} lacks column(s) ['reward_model']" in _one_error_line(proc)
+
+
+def test_prompts_all_over_the_budget_stop_before_the_models(tmp_path, model_dir):
+    """Every prompt longer than data.max_prompt_length: the error names the longest prompt and the field, and comes
+    from the data step (no process group, no model, no server was started: the server args point nowhere)."""
+    long_q = "what is " + "very " * 60 + "long"
+    train = _good(tmp_path / "train.parquet", long_q)
+    proc, _ = _run_train(model_dir, train, _good(tmp_path / "val.parquet"), tmp_path / "out",
+                         "data.max_prompt_length=40")
+    line = _one_error_line(proc)
+    assert "data.train_files: no usable prompt" in line and "data.max_prompt_length=40" in line, line
+    assert "the longest has" in line and "raise data.max_prompt_length" in line
+    assert f"data: {train}: 1 rows, 1 dropped (1 longer than data.max_prompt_length=40" in proc.stdout
+
+
+def test_a_model_dir_without_tokenizer_files_is_refused(tmp_path, model_dir):
+    import shutil
+
+    bare = tmp_path / "no_tokenizer"
+    bare.mkdir()
+    for name in ("config.json", "model.safetensors", "generation_config.json"):
+        shutil.copy(f"{model_dir}/{name}", bare / name)
+    proc, _ = _run_train(str(bare), _good(tmp_path / "train.parquet"), _good(tmp_path / "val.parquet"),
+                         tmp_path / "out")
+    line = _one_error_line(proc)
+    assert f"model.path={bare} has no tokenizer files" in line, line
