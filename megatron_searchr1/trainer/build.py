@@ -238,7 +238,7 @@ def build_roles(cfg: Config) -> Roles:
     engine_kw: dict = dict(dtype=cfg.model.dtype if r.dtype == "auto" else r.dtype)
     if r.engine == "vllm":
         # one seed per vLLM TP group: its ranks must sample alike (requests carry their own seeds anyway)
-        engine_kw.update(tensor_parallel_size=r.engine_tp, max_model_len=d.max_prompt_length + r.max_response_length,
+        engine_kw.update(tensor_parallel_size=r.engine_tp, max_model_len=cfg.data.max_prompt_length + r.max_response_length,
                          seed=t.seed + rank // r.engine_tp, gpu_memory_utilization=r.gpu_memory_utilization,
                          enforce_eager=r.enforce_eager, kv_sessions=None if r.kv_sessions else False)
         if not torch.cuda.is_available():
