@@ -44,7 +44,7 @@ def test_models_map_exactly_the_lora_targets_the_config_accepts():
 
 
 def test_the_model_code_applies_the_config_records():
-    from megatron_searchr1.models import freeze, lora_settings  # torch-free modules
+    from megatron_searchr1.models import freeze
     from megatron_searchr1.rollout import engine_groups
 
     assert freeze.FreezeSettings is finetune.FreezeSettings
@@ -53,7 +53,6 @@ def test_the_model_code_applies_the_config_records():
     settings = cfg.model.lora.settings()
     assert type(settings) is finetune.LoraSettings
     assert (settings.rank, settings.alpha, settings.projections) == (4, 8.0, ("q_proj", "v_proj"))
-    assert lora_settings.PROJECTIONS["v_proj"][0] == "self_attention.linear_qkv"
 
 
 def test_a_layout_no_engine_can_serve_is_a_config_error():

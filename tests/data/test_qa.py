@@ -131,3 +131,14 @@ def test_bad_files_and_sources(flashrag, tmp_path):
     (tmp_path / "bad.parquet").write_text("not parquet")
     with pytest.raises(UsageError, match=r"bad\.parquet: not a readable parquet file"):
         qa_cli.main(["--test", f"nq={tmp_path}/bad.parquet", "--out-dir", str(tmp_path / "out")])
+
+
+def test_the_libraries_import_no_command_line():
+    """data/qa.py (and what builds on it: rl_data, oracle, synthetic) and models/tiny.py are libraries; their
+    command lines are data/qa_cli.py and models/tiny_cli.py."""
+    code = ("import sys\nimport megatron_searchr1.data.qa, megatron_searchr1.data.rl_data\n"
+            "import megatron_searchr1.data.oracle, megatron_searchr1.data.synthetic, megatron_searchr1.models.tiny\n"
+            "print(sorted(m for m in sys.modules if m == 'megatron_searchr1.cli' or m.endswith('_cli')))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
