@@ -66,12 +66,12 @@ EXTRAS = {
 # Every entry is a zero-argument `cli` (megatron_searchr1.cli.console / run_main): a user mistake is one `error:`
 # line and exit code 2, never a traceback (tests/test_cli.py runs each one so).
 CONSOLE = [
-    "searchr1-make-tiny-model=megatron_searchr1.models.tiny:cli",
+    "searchr1-make-tiny-model=megatron_searchr1.models.tiny_cli:cli",
     "searchr1-hf-to-megatron=megatron_searchr1.models.convert_cli:hf_to_megatron_cli",
     "searchr1-megatron-to-hf=megatron_searchr1.models.convert_cli:megatron_to_hf_cli",
     "searchr1-build-index=megatron_searchr1.search.build_index:cli",
     "searchr1-retrieval-server=megatron_searchr1.search.server:cli",
-    "searchr1-prepare-qa=megatron_searchr1.data.qa:cli",
+    "searchr1-prepare-qa=megatron_searchr1.data.qa_cli:cli",
     "searchr1-synthetic-world=megatron_searchr1.data.make_world:cli",
     "searchr1-train=megatron_searchr1.train:cli",
     "searchr1-sft=megatron_searchr1.sft:cli",

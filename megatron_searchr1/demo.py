@@ -133,7 +133,7 @@ def _sft_dataset_dir(worlds: list[str], out_dir: str) -> tuple[str, list[str]]:
     return out_dir, list(info)
 
 
-def _world_text(world_dir: str, out_path: str, sft_worlds: Sequence[str] = ()) -> None:
+def world_text(world_dir: str, out_path: str, sft_worlds: Sequence[str] = ()) -> None:
     """The tokenizer's training text: every passage and question of the RL world, and the gold trajectories of
     the SFT worlds."""
     import pyarrow.parquet as pq
@@ -203,7 +203,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from megatron_searchr1.models.tiny import TinyModelConfig, make_tiny_model
 
         text = os.path.join(work, "world_text.txt")
-        _world_text(world, text, sft_worlds)
+        world_text(world, text, sft_worlds)
         _log("training the tokenizer on the world's text and writing a random tiny Qwen2")
         make_tiny_model(TinyModelConfig(output_dir=model, text_files=[text], **MODEL_ARGS))
     timings["model"] = time.time() - start

@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megatron_searchr1.megatron import initialize  # initialize.collective_device: tests replace it
+from megatron_searchr1 import collectives  # collectives.collective_device: tests replace it
 
 # Shown on the console line, in this order, when present (everything goes to TensorBoard).
 CONSOLE_KEYS = ("reward/mean", "rollout/finish_answer", "rollout/searches_mean", "rollout/response_length_mean",
@@ -38,7 +38,7 @@ def mean_over_ranks(metrics: dict[str, float], group=None) -> dict[str, float]:
     dist.all_gather_object(key_lists, keys, group=group)
     if any(k != keys for k in key_lists):
         raise RuntimeError(f"ranks log different metric keys: {sorted(set(map(tuple, key_lists)))[:2]}")
-    t = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64, device=initialize.collective_device())
+    t = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64, device=collectives.collective_device())
     dist.all_reduce(t, group=group)
     t /= dist.get_world_size(group)
     return dict(zip(keys, t.cpu().tolist()))

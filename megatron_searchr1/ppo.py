@@ -76,7 +76,7 @@ def dp_sum(group=None):
     the CPU it stays there (gloo). With one rank (or no process group) it is returned as is."""
     import torch.distributed as dist
 
-    from megatron_searchr1.megatron.initialize import collective_device
+    from megatron_searchr1.collectives import collective_device
 
     def reduce(t: torch.Tensor) -> torch.Tensor:
         if not dist.is_initialized() or dist.get_world_size(group) == 1:

@@ -3,8 +3,16 @@
     torchrun --nproc_per_node 2 -m megatron_searchr1.train examples/grpo_tiny_cpu.yaml parallel.tp=2
     python -m megatron_searchr1.train --help-config          # every field, its default and what it means
 
-Every rank runs this same program (SPMD): the trainer is megatron_searchr1/trainer/rl.py. One step (`Trainer.step`),
-as DESIGN.md lays it out:
+Every rank runs this same program (SPMD): the trainer is megatron_searchr1/trainer/rl.py. The package, from the
+bottom up:
+  config/             the run's dataclass sections (YAML + dotted overrides), checked before anything heavy loads;
+  data/ reward/ search/   prompts and parquet rows, the rule rewards, the retrieval client and server;
+  models/ megatron/   Megatron GPT models from HF configs, the HF <-> Megatron name mapping, start-up on CPU or GPU;
+  algo/               pure tensor functions: advantages, policy / value losses, KL;
+  rollout/            the multi-turn search loop over a generation engine (vLLM or HF) and the weight sync into it;
+  workers/            log-probs, values and updates over token-budget micro-batches (Megatron's schedules);
+  trainer/            the roles (actor, reference, critic, rollout) and the step that drives them.
+One step (`Trainer.step`):
   1. this DP rank's prompts, each repeated `rollout.n` times under its group id (`extra_info.uid`);
   2. weight sync actor -> rollout engine (weight_sync.py: TP gather, PP broadcast, HF names, buckets);
   3. rollout: the multi-turn search loop (rollout/loop.py); the ranks of one DP rank split its trajectories

@@ -46,7 +46,7 @@ def run_module(module: str, args: list[str], nproc: int = 1, timeout: float = 60
 
 
 def _world_text(world_dir: str, out_path: str) -> None:
-    from megatron_searchr1.demo import _world_text as demo_world_text
+    from megatron_searchr1.demo import world_text as demo_world_text
 
     demo_world_text(world_dir, out_path)
 

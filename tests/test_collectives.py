@@ -90,7 +90,7 @@ def test_mean_over_ranks_packs_its_tensor_on_the_collective_device(monkeypatch):
     import torch.distributed as dist
 
     from megatron_searchr1 import metrics
-    from megatron_searchr1.megatron import initialize
+    from megatron_searchr1 import collectives as initialize
 
     seen = []
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
@@ -106,7 +106,7 @@ def test_mean_over_ranks_packs_its_tensor_on_the_collective_device(monkeypatch):
 
 @pytest.mark.parametrize("cuda", [False, True])
 def test_collective_device_is_the_current_gpu_when_there_is_one(monkeypatch, cuda):
-    from megatron_searchr1.megatron.initialize import collective_device
+    from megatron_searchr1.collectives import collective_device
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 5)

@@ -53,3 +53,18 @@ def test_mean_over_ranks_averages_over_two_gloo_ranks(tmp_path):
         got = json.loads((tmp_path / f"result.{rank}.json").read_text())
         assert got["out"] == {"a": 1.5, "b": 5.0}
         assert "ranks log different metric keys" in got["mismatch"]
+
+
+def test_metrics_is_a_leaf_without_megatron():
+    """metrics.py follows the collectives rule through the torch-only megatron_searchr1.collectives: importing it
+    loads neither megatron-core nor our Megatron glue."""
+    import subprocess
+    import sys
+
+    from tests.dist_utils import REPO
+
+    code = ("import sys, megatron_searchr1.metrics\n"
+            "print(sorted(m for m in sys.modules if m.startswith(('megatron.', 'megatron_searchr1.megatron'))))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"

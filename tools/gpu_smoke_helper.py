@@ -190,10 +190,10 @@ def prepare(work: str, url: str) -> int:
     world = os.path.join(work, "world")
     subprocess.run([sys.executable, "-m", "megatron_searchr1.data.make_world", "--out-dir", world, *WORLD_ARGS,
                     "--oracle-url", url], check=True)
-    from megatron_searchr1.demo import _world_text
+    from megatron_searchr1.demo import world_text
 
     text = os.path.join(work, "world_text.txt")
-    _world_text(world, text)
+    world_text(world, text)
     subprocess.run([sys.executable, os.path.join(REPO, "tools", "make_tiny_model.py"), "--output-dir",
                     os.path.join(work, "tiny_model"), "--overwrite", "--text", text, *TINY_MODEL], check=True)
     return 0

@@ -5,7 +5,7 @@ checkpoint with a locally trained BPE chat tokenizer (no hub).
 Thin wrapper over `megatron_searchr1.models.tiny.main`; `python tools/make_tiny_model.py --help` lists the options.
 """
 from megatron_searchr1.cli import run_main
-from megatron_searchr1.models.tiny import main
+from megatron_searchr1.models.tiny_cli import main
 
 if __name__ == "__main__":
     raise SystemExit(run_main(main))

@@ -5,7 +5,7 @@
 #     --test-sources nq,triviaqa,popqa,hotpotqa,2wikimultihopqa,musique,bamboogle --out-dir data/nq_hotpotqa
 """Convert FlashRAG QA files into Search-R1-schema parquet (see megatron_searchr1/data/qa.py)."""
 from megatron_searchr1.cli import run_main
-from megatron_searchr1.data.qa import main
+from megatron_searchr1.data.qa_cli import main
 
 if __name__ == "__main__":
     raise SystemExit(run_main(main))

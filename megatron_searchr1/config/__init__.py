@@ -7,7 +7,11 @@
   logging) and the checks that span them.
 - `sft.py`: the SFT warm-up's `SFTConfig` (its own data and trainer sections, the RL run's others).
 - `loader.py`: the schema-free engine: YAML + `key=value` overrides into the dataclasses, `save_config`,
-  `describe` (the `--help-config` lines), `ConfigError`.
+  `describe` (the `--help-config` lines), `ConfigError`, `check`.
+- `finetune.py`: the LoRA and freeze settings records `model.lora` / `model.freeze` turn into (models/ applies them).
+- `layout.py`: the rank arithmetic behind the check that every vLLM engine serves one Megatron replica.
+
+Nothing here imports the code it configures (models/, rollout/, ...): those import from here.
 
 Every name callers import stays importable from `megatron_searchr1.config`.
 """

@@ -21,7 +21,15 @@ class ConfigError(ValueError):
     """A configuration mistake; the message names the field and what to change."""
 
 
-def _check(ok: bool, message: str) -> None:
+def check(ok: bool, message: str) -> None:
+    """Raise ConfigError(message) unless `ok`: the one form of every section's checks (rl.py, sft.py).
+
+    >>> check(True, "never shown")
+    >>> check(1 > 2, "trainer.total_steps must be >= 0")
+    Traceback (most recent call last):
+    ...
+    megatron_searchr1.config.loader.ConfigError: trainer.total_steps must be >= 0
+    """
     if not ok:
         raise ConfigError(message)
 

@@ -16,7 +16,9 @@ import os
 from dataclasses import dataclass, field
 from typing import Optional
 
-from megatron_searchr1.config.loader import ConfigError, _check
+from megatron_searchr1.config.finetune import FreezeSettings, LoraSettings
+from megatron_searchr1.config.layout import LayoutError, check_engine_layout
+from megatron_searchr1.config.loader import ConfigError, check
 
 ESTIMATORS = ("grpo", "gae", "rloo", "reinforce_plus_plus")
 KL_KINDS = ("kl", "abs", "mse", "low_var_kl")
@@ -43,11 +45,11 @@ class DataConfig:
     """Shuffle the training rows every epoch (seeded by trainer.seed and the epoch)."""
 
     def __post_init__(self):
-        _check(self.train_batch_size >= 1, f"data.train_batch_size must be >= 1, got {self.train_batch_size}")
-        _check(self.val_batch_size >= 1, f"data.val_batch_size must be >= 1, got {self.val_batch_size}")
-        _check(self.max_prompt_length >= 8, f"data.max_prompt_length must be >= 8, got {self.max_prompt_length}")
-        _check(self.chat_template in ("auto", "always", "never"),
-               f"data.chat_template must be auto, always or never, got {self.chat_template!r}")
+        check(self.train_batch_size >= 1, f"data.train_batch_size must be >= 1, got {self.train_batch_size}")
+        check(self.val_batch_size >= 1, f"data.val_batch_size must be >= 1, got {self.val_batch_size}")
+        check(self.max_prompt_length >= 8, f"data.max_prompt_length must be >= 8, got {self.max_prompt_length}")
+        check(self.chat_template in ("auto", "always", "never"),
+              f"data.chat_template must be auto, always or never, got {self.chat_template!r}")
 
 
 @dataclass
@@ -65,7 +67,7 @@ class LoraConfig:
     def __post_init__(self):
         if isinstance(self.targets, str):  # "q_proj,v_proj" as LLaMA-Factory writes lora_target
             self.targets = [t.strip() for t in self.targets.split(",") if t.strip()]
-        _check(self.rank >= 0, f"model.lora.rank must be >= 0 (0 = no LoRA), got {self.rank}")
+        check(self.rank >= 0, f"model.lora.rank must be >= 0 (0 = no LoRA), got {self.rank}")
         if self.enabled:
             try:
                 self.settings()
@@ -76,10 +78,8 @@ class LoraConfig:
     def enabled(self) -> bool:
         return self.rank > 0
 
-    def settings(self):
-        """The models/lora.py LoraSettings of an enabled config."""
-        from megatron_searchr1.models.lora_settings import LoraSettings
-
+    def settings(self) -> LoraSettings:
+        """The LoraSettings (config/finetune.py) of an enabled config: what models/lora.py applies."""
         return LoraSettings(rank=self.rank, alpha=self.alpha, dropout=self.dropout, targets=tuple(self.targets))
 
 
@@ -87,7 +87,7 @@ class LoraConfig:
 class FreezeConfig:
     trainable_layers: Optional[int] = None
     """Freeze fine-tuning (LLaMA-Factory's freeze_trainable_layers): N > 0 trains the last N decoder layers, N < 0
-    the first |N|, 0 only the extra modules; None = off. SFT only (models/freeze.py says which parameters train)."""
+    the first |N|, 0 only the extra modules; None = off. SFT only (config/finetune.py says which parameters train)."""
     trainable_modules: list[str] = field(default_factory=lambda: ["all"])
     """Within the trainable layers: all, or some of self_attn, mlp, input_layernorm, post_attention_layernorm."""
     extra_modules: list[str] = field(default_factory=list)
@@ -109,10 +109,8 @@ class FreezeConfig:
     def enabled(self) -> bool:
         return self.trainable_layers is not None
 
-    def settings(self):
-        """The models/freeze.py FreezeSettings of an enabled config."""
-        from megatron_searchr1.models.freeze import FreezeSettings
-
+    def settings(self) -> FreezeSettings:
+        """The FreezeSettings (config/finetune.py) of an enabled config: what models/freeze.py applies."""
         return FreezeSettings(trainable_layers=self.trainable_layers, trainable_modules=tuple(self.trainable_modules),
                               extra_modules=tuple(self.extra_modules))
 
@@ -146,20 +144,20 @@ class ModelConfig:
     """Freeze fine-tuning (SFT): only some decoder layers' (and extra modules') real weights train."""
 
     def __post_init__(self):
-        _check(self.dtype in ("float32", "bfloat16", "float16"),
-               f"model.dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
-        _check(self.recompute in ("none", "selective", "full"),
-               f"model.recompute must be none, selective or full, got {self.recompute!r}")
+        check(self.dtype in ("float32", "bfloat16", "float16"),
+              f"model.dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        check(self.recompute in ("none", "selective", "full"),
+              f"model.recompute must be none, selective or full, got {self.recompute!r}")
         if self.lora.enabled:
-            _check(self.use_te is not True,
-                   "model.lora needs Megatron's local layers (Transformer Engine fuses the norm into the linears the "
-                   "adapters wrap): set model.use_te=false (or leave it null) or model.lora.rank=0")
-            _check(not self.ref_offload,
-                   "model.ref_offload has nothing to move with model.lora: the reference is the actor with its "
-                   "adapters off, not a second model; set model.ref_offload=false")
-        _check(not (self.lora.enabled and self.freeze.enabled),
-               "model.lora and model.freeze are two fine-tuning types (LLaMA-Factory's finetuning_type lora / "
-               "freeze): set model.lora.rank=0 or model.freeze.trainable_layers=null")
+            check(self.use_te is not True,
+                  "model.lora needs Megatron's local layers (Transformer Engine fuses the norm into the linears the "
+                  "adapters wrap): set model.use_te=false (or leave it null) or model.lora.rank=0")
+            check(not self.ref_offload,
+                  "model.ref_offload has nothing to move with model.lora: the reference is the actor with its "
+                  "adapters off, not a second model; set model.ref_offload=false")
+        check(not (self.lora.enabled and self.freeze.enabled),
+              "model.lora and model.freeze are two fine-tuning types (LLaMA-Factory's finetuning_type lora / "
+              "freeze): set model.lora.rank=0 or model.freeze.trainable_layers=null")
 
 
 @dataclass
@@ -179,23 +177,23 @@ class ParallelConfig:
     must divide the number of experts and the world size / (tp * pp)."""
 
     def __post_init__(self):
-        _check(self.tp >= 1 and self.pp >= 1, f"parallel.tp and parallel.pp must be >= 1, got {self.tp}, {self.pp}")
-        _check(self.ep >= 1, f"parallel.ep must be >= 1, got {self.ep}")
-        _check(self.timeout_minutes >= 1, f"parallel.timeout_minutes must be >= 1, got {self.timeout_minutes}")
-        _check(not self.sequence_parallel or self.tp > 1,
-               f"parallel.sequence_parallel needs parallel.tp > 1 (it splits activations over TP ranks), got "
-               f"tp={self.tp}: set parallel.sequence_parallel=false or raise parallel.tp")
+        check(self.tp >= 1 and self.pp >= 1, f"parallel.tp and parallel.pp must be >= 1, got {self.tp}, {self.pp}")
+        check(self.ep >= 1, f"parallel.ep must be >= 1, got {self.ep}")
+        check(self.timeout_minutes >= 1, f"parallel.timeout_minutes must be >= 1, got {self.timeout_minutes}")
+        check(not self.sequence_parallel or self.tp > 1,
+              f"parallel.sequence_parallel needs parallel.tp > 1 (it splits activations over TP ranks), got "
+              f"tp={self.tp}: set parallel.sequence_parallel=false or raise parallel.tp")
 
     def data_parallel_size(self, world_size: int) -> int:
         """DP = world size / (tp * pp); a ConfigError with the torchrun line to use when it does not divide."""
         mp = self.tp * self.pp
-        _check(world_size % mp == 0,
-               f"world size {world_size} is not a multiple of parallel.tp * parallel.pp = {mp}: launch "
-               f"`torchrun --nproc_per_node {mp}` (or a multiple), or change parallel.tp / parallel.pp")
-        _check(world_size % (mp * self.ep) == 0,
-               f"world size {world_size} is not a multiple of parallel.tp * parallel.pp * parallel.ep = "
-               f"{mp * self.ep}: launch `torchrun --nproc_per_node {mp * self.ep}` (or a multiple), or lower "
-               f"parallel.ep")
+        check(world_size % mp == 0,
+              f"world size {world_size} is not a multiple of parallel.tp * parallel.pp = {mp}: launch "
+              f"`torchrun --nproc_per_node {mp}` (or a multiple), or change parallel.tp / parallel.pp")
+        check(world_size % (mp * self.ep) == 0,
+              f"world size {world_size} is not a multiple of parallel.tp * parallel.pp * parallel.ep = "
+              f"{mp * self.ep}: launch `torchrun --nproc_per_node {mp * self.ep}` (or a multiple), or lower "
+              f"parallel.ep")
         return world_size // mp
 
 
@@ -244,19 +242,19 @@ class RolloutConfig:
     """Leave trajectories that ended in a failed search out of the loss (their reward says nothing)."""
 
     def __post_init__(self):
-        _check(self.engine in ("vllm", "hf"), f"rollout.engine must be vllm or hf, got {self.engine!r}")
-        _check(self.n >= 1, f"rollout.n must be >= 1, got {self.n}")
-        _check(self.max_turns >= 0, f"rollout.max_turns must be >= 0, got {self.max_turns}")
-        _check(self.max_tokens_per_turn >= 1, "rollout.max_tokens_per_turn must be >= 1")
-        _check(self.max_response_length >= self.max_tokens_per_turn,
-               f"rollout.max_response_length ({self.max_response_length}) must be >= rollout.max_tokens_per_turn "
-               f"({self.max_tokens_per_turn})")
-        _check(self.max_obs_length >= 8, "rollout.max_obs_length must be >= 8 (room for the <information> tags)")
-        _check(self.temperature >= 0 and self.val_temperature >= 0, "rollout temperatures must be >= 0")
-        _check(0 < self.top_p <= 1, f"rollout.top_p must be in (0, 1], got {self.top_p}")
-        _check(self.engine_tp >= 1, "rollout.engine_tp must be >= 1")
-        _check(self.sync_bucket_mb >= 1, "rollout.sync_bucket_mb must be >= 1")
-        _check(self.sleep_level in (1, 2), f"rollout.sleep_level must be 1 or 2, got {self.sleep_level}")
+        check(self.engine in ("vllm", "hf"), f"rollout.engine must be vllm or hf, got {self.engine!r}")
+        check(self.n >= 1, f"rollout.n must be >= 1, got {self.n}")
+        check(self.max_turns >= 0, f"rollout.max_turns must be >= 0, got {self.max_turns}")
+        check(self.max_tokens_per_turn >= 1, "rollout.max_tokens_per_turn must be >= 1")
+        check(self.max_response_length >= self.max_tokens_per_turn,
+              f"rollout.max_response_length ({self.max_response_length}) must be >= rollout.max_tokens_per_turn "
+              f"({self.max_tokens_per_turn})")
+        check(self.max_obs_length >= 8, "rollout.max_obs_length must be >= 8 (room for the <information> tags)")
+        check(self.temperature >= 0 and self.val_temperature >= 0, "rollout temperatures must be >= 0")
+        check(0 < self.top_p <= 1, f"rollout.top_p must be in (0, 1], got {self.top_p}")
+        check(self.engine_tp >= 1, "rollout.engine_tp must be >= 1")
+        check(self.sync_bucket_mb >= 1, "rollout.sync_bucket_mb must be >= 1")
+        check(self.sleep_level in (1, 2), f"rollout.sleep_level must be 1 or 2, got {self.sleep_level}")
 
 
 @dataclass
@@ -275,11 +273,11 @@ class RetrievalConfig:
     """Seconds the launched server may take to load its index (wiki-18's 65 GB e5_Flat.index takes minutes)."""
 
     def __post_init__(self):
-        _check(self.topk >= 1, f"retrieval.topk must be >= 1, got {self.topk}")
-        _check(self.timeout > 0, "retrieval.timeout must be > 0")
-        _check(self.launch_timeout > 0, f"retrieval.launch_timeout must be > 0, got {self.launch_timeout}")
-        _check(not self.launch or bool(self.server_args),
-               "retrieval.launch=true needs retrieval.server_args (e.g. ['--index-dir', 'DIR'])")
+        check(self.topk >= 1, f"retrieval.topk must be >= 1, got {self.topk}")
+        check(self.timeout > 0, "retrieval.timeout must be > 0")
+        check(self.launch_timeout > 0, f"retrieval.launch_timeout must be > 0, got {self.launch_timeout}")
+        check(not self.launch or bool(self.server_args),
+              "retrieval.launch=true needs retrieval.server_args (e.g. ['--index-dir', 'DIR'])")
 
 
 @dataclass
@@ -334,20 +332,20 @@ class AlgoConfig:
     """Reward for a well-formed response with a wrong answer (Search-R1's format_score)."""
 
     def __post_init__(self):
-        _check(self.adv_estimator in ESTIMATORS,
-               f"algo.adv_estimator must be one of {', '.join(ESTIMATORS)}, got {self.adv_estimator!r}")
-        _check(self.kl_loss_type in KL_KINDS and self.kl_penalty in KL_KINDS,
-               f"algo.kl_loss_type / algo.kl_penalty must be one of {', '.join(KL_KINDS)}")
-        _check(self.kl_ctrl in ("fixed", "adaptive"), f"algo.kl_ctrl must be fixed or adaptive, got {self.kl_ctrl!r}")
-        _check(self.loss_agg_mode in LOSS_AGG_MODES, f"algo.loss_agg_mode must be one of {', '.join(LOSS_AGG_MODES)}")
-        _check(0 < self.clip_ratio < 1, f"algo.clip_ratio must be in (0, 1), got {self.clip_ratio}")
-        _check(self.clip_ratio_c is None or self.clip_ratio_c > 1, "algo.clip_ratio_c must be > 1 (or null)")
-        _check(self.ppo_epochs >= 1 and self.ppo_mini_batch_size >= 1,
-               "algo.ppo_epochs and algo.ppo_mini_batch_size must be >= 1")
-        _check(0 <= self.gamma <= 1 and 0 <= self.lam <= 1, "algo.gamma and algo.lam must be in [0, 1]")
-        _check(self.reward in ("em", "subem", "f1"), f"algo.reward must be em, subem or f1, got {self.reward!r}")
-        _check(not (self.use_kl_loss and self.use_kl_in_reward),
-               "choose one of algo.use_kl_loss and algo.use_kl_in_reward, not both")
+        check(self.adv_estimator in ESTIMATORS,
+              f"algo.adv_estimator must be one of {', '.join(ESTIMATORS)}, got {self.adv_estimator!r}")
+        check(self.kl_loss_type in KL_KINDS and self.kl_penalty in KL_KINDS,
+              f"algo.kl_loss_type / algo.kl_penalty must be one of {', '.join(KL_KINDS)}")
+        check(self.kl_ctrl in ("fixed", "adaptive"), f"algo.kl_ctrl must be fixed or adaptive, got {self.kl_ctrl!r}")
+        check(self.loss_agg_mode in LOSS_AGG_MODES, f"algo.loss_agg_mode must be one of {', '.join(LOSS_AGG_MODES)}")
+        check(0 < self.clip_ratio < 1, f"algo.clip_ratio must be in (0, 1), got {self.clip_ratio}")
+        check(self.clip_ratio_c is None or self.clip_ratio_c > 1, "algo.clip_ratio_c must be > 1 (or null)")
+        check(self.ppo_epochs >= 1 and self.ppo_mini_batch_size >= 1,
+              "algo.ppo_epochs and algo.ppo_mini_batch_size must be >= 1")
+        check(0 <= self.gamma <= 1 and 0 <= self.lam <= 1, "algo.gamma and algo.lam must be in [0, 1]")
+        check(self.reward in ("em", "subem", "f1"), f"algo.reward must be em, subem or f1, got {self.reward!r}")
+        check(not (self.use_kl_loss and self.use_kl_in_reward),
+              "choose one of algo.use_kl_loss and algo.use_kl_in_reward, not both")
 
     @property
     def uses_critic(self) -> bool:
@@ -379,10 +377,10 @@ class OptimConfig:
 
     def __post_init__(self):
         self.betas = tuple(float(b) for b in self.betas)
-        _check(self.lr > 0 and self.critic_lr > 0, "optim.lr and optim.critic_lr must be > 0")
-        _check(self.lr_decay in ("constant", "linear", "cosine"), "optim.lr_decay must be constant, linear or cosine")
-        _check(0 <= self.warmup_steps_ratio < 1, "optim.warmup_steps_ratio must be in [0, 1)")
-        _check(self.max_tokens_per_micro_batch >= 64, "optim.max_tokens_per_micro_batch must be >= 64")
+        check(self.lr > 0 and self.critic_lr > 0, "optim.lr and optim.critic_lr must be > 0")
+        check(self.lr_decay in ("constant", "linear", "cosine"), "optim.lr_decay must be constant, linear or cosine")
+        check(0 <= self.warmup_steps_ratio < 1, "optim.warmup_steps_ratio must be in [0, 1)")
+        check(self.max_tokens_per_micro_batch >= 64, "optim.max_tokens_per_micro_batch must be >= 64")
 
 
 @dataclass
@@ -409,11 +407,11 @@ class TrainerConfig:
     """Seed of data order, sampling and init."""
 
     def __post_init__(self):
-        _check(self.total_steps >= 0, "trainer.total_steps must be >= 0")
-        _check(self.save_freq >= 0 and self.test_freq >= 0, "trainer.save_freq / test_freq must be >= 0")
-        _check(self.keep_last >= 1, "trainer.keep_last must be >= 1")
-        _check(self.resume in ("auto", "disable") or os.path.isdir(self.resume),
-               f"trainer.resume must be auto, disable or an existing checkpoint dir, got {self.resume!r}")
+        check(self.total_steps >= 0, "trainer.total_steps must be >= 0")
+        check(self.save_freq >= 0 and self.test_freq >= 0, "trainer.save_freq / test_freq must be >= 0")
+        check(self.keep_last >= 1, "trainer.keep_last must be >= 1")
+        check(self.resume in ("auto", "disable") or os.path.isdir(self.resume),
+              f"trainer.resume must be auto, disable or an existing checkpoint dir, got {self.resume!r}")
 
 
 @dataclass
@@ -443,60 +441,58 @@ class Config:
     def validate(self, world_size: Optional[int] = None, check_files: bool = True) -> None:
         """Cross-section rules and the files the run reads; cheap (no model is built)."""
         a, r, p, d = self.algo, self.rollout, self.parallel, self.data
-        _check(not self.model.freeze.enabled,
-               "model.freeze (freeze fine-tuning) is for SFT (python -m megatron_searchr1.sft); RL trains every weight "
-               "or LoRA adapters (model.lora): set model.freeze.trainable_layers=null")
+        check(not self.model.freeze.enabled,
+              "model.freeze (freeze fine-tuning) is for SFT (python -m megatron_searchr1.sft); RL trains every weight "
+              "or LoRA adapters (model.lora): set model.freeze.trainable_layers=null")
         if a.adv_estimator in ("grpo", "rloo"):
-            _check(r.n >= 2, f"algo.adv_estimator={a.adv_estimator} compares samples of one prompt: set rollout.n "
-                             f">= 2 (got {r.n})")
+            check(r.n >= 2, f"algo.adv_estimator={a.adv_estimator} compares samples of one prompt: set rollout.n "
+                            f">= 2 (got {r.n})")
         if world_size is not None:
             dp = p.data_parallel_size(world_size)
             # a vLLM TP group must hold one DP rank's trajectories: its ranks lie inside one model-parallel group
-            from megatron_searchr1.rollout.engine_groups import EngineLayout, LayoutError
-
             try:
-                EngineLayout(world_size, p.tp, p.pp, r.engine_tp)
+                check_engine_layout(world_size, p.tp, p.pp, r.engine_tp)
             except LayoutError as e:
                 raise ConfigError(str(e)) from None
-            _check(d.train_batch_size % dp == 0,
-                   f"data.train_batch_size={d.train_batch_size} must be a multiple of the DP size {dp}")
-            _check(a.ppo_mini_batch_size % dp == 0,
-                   f"algo.ppo_mini_batch_size={a.ppo_mini_batch_size} must be a multiple of the DP size {dp}")
+            check(d.train_batch_size % dp == 0,
+                  f"data.train_batch_size={d.train_batch_size} must be a multiple of the DP size {dp}")
+            check(a.ppo_mini_batch_size % dp == 0,
+                  f"algo.ppo_mini_batch_size={a.ppo_mini_batch_size} must be a multiple of the DP size {dp}")
         # every trajectory (prompt + response) must fit one micro-batch, or plan_micro_batches raises on one
         # rank hours into a run while the others wait in the next collective
-        _check(d.max_prompt_length + r.max_response_length <= self.optim.max_tokens_per_micro_batch,
-               f"data.max_prompt_length ({d.max_prompt_length}) + rollout.max_response_length "
-               f"({r.max_response_length}) = {d.max_prompt_length + r.max_response_length} tokens must fit in "
-               f"optim.max_tokens_per_micro_batch ({self.optim.max_tokens_per_micro_batch}): raise the budget or "
-               "lower the lengths")
+        check(d.max_prompt_length + r.max_response_length <= self.optim.max_tokens_per_micro_batch,
+              f"data.max_prompt_length ({d.max_prompt_length}) + rollout.max_response_length "
+              f"({r.max_response_length}) = {d.max_prompt_length + r.max_response_length} tokens must fit in "
+              f"optim.max_tokens_per_micro_batch ({self.optim.max_tokens_per_micro_batch}): raise the budget or "
+              "lower the lengths")
         if self.retrieval.launch:  # the other ranks wait for the server's URL in a collective bounded by this
-            _check(self.retrieval.launch_timeout < p.timeout_minutes * 60,
-                   f"retrieval.launch_timeout ({self.retrieval.launch_timeout:g}s) must be shorter than "
-                   f"parallel.timeout_minutes ({p.timeout_minutes} min), which the other ranks wait for the "
-                   "server's URL under: raise parallel.timeout_minutes")
-        _check(d.train_batch_size % a.ppo_mini_batch_size == 0,
-               f"data.train_batch_size={d.train_batch_size} must be a multiple of algo.ppo_mini_batch_size="
-               f"{a.ppo_mini_batch_size}")
+            check(self.retrieval.launch_timeout < p.timeout_minutes * 60,
+                  f"retrieval.launch_timeout ({self.retrieval.launch_timeout:g}s) must be shorter than "
+                  f"parallel.timeout_minutes ({p.timeout_minutes} min), which the other ranks wait for the "
+                  "server's URL under: raise parallel.timeout_minutes")
+        check(d.train_batch_size % a.ppo_mini_batch_size == 0,
+              f"data.train_batch_size={d.train_batch_size} must be a multiple of algo.ppo_mini_batch_size="
+              f"{a.ppo_mini_batch_size}")
         if not check_files:
             return
-        _check(bool(self.model.path), "model.path is required (a Hugging Face model dir with config.json)")
+        check(bool(self.model.path), "model.path is required (a Hugging Face model dir with config.json)")
         hf_json = os.path.join(self.model.path, "config.json")
-        _check(os.path.isfile(hf_json), f"model.path={self.model.path!r} has no config.json: pass a Hugging Face "
-                                        "model dir (tools/make_tiny_model.py writes one)")
+        check(os.path.isfile(hf_json), f"model.path={self.model.path!r} has no config.json: pass a Hugging Face "
+                                       "model dir (tools/make_tiny_model.py writes one)")
         with open(hf_json) as f:
             hf = json.load(f)
         heads, layers = hf.get("num_attention_heads", 1), hf.get("num_hidden_layers", 1)
-        _check(heads % p.tp == 0, f"parallel.tp={p.tp} does not divide the model's num_attention_heads={heads}: "
-                                  "choose a TP that divides it")
-        _check(layers % p.pp == 0, f"parallel.pp={p.pp} does not divide the model's num_hidden_layers={layers}")
+        check(heads % p.tp == 0, f"parallel.tp={p.tp} does not divide the model's num_attention_heads={heads}: "
+                                 "choose a TP that divides it")
+        check(layers % p.pp == 0, f"parallel.pp={p.pp} does not divide the model's num_hidden_layers={layers}")
         if self.model.megatron_ckpt:
-            _check(os.path.isdir(self.model.megatron_ckpt),
-                   f"model.megatron_ckpt={self.model.megatron_ckpt!r} does not exist")
+            check(os.path.isdir(self.model.megatron_ckpt),
+                  f"model.megatron_ckpt={self.model.megatron_ckpt!r} does not exist")
         if not self.trainer.val_only:
-            _check(bool(d.train_files), "data.train_files is empty: pass data.train_files=[path/train.parquet]")
+            check(bool(d.train_files), "data.train_files is empty: pass data.train_files=[path/train.parquet]")
         for path in list(d.train_files) + list(d.val_files):
-            _check(os.path.isfile(path), f"data file {path!r} does not exist")
+            check(os.path.isfile(path), f"data file {path!r} does not exist")
         if self.trainer.val_only or self.trainer.test_freq or self.trainer.val_before_train:
-            _check(bool(d.val_files) or not (self.trainer.val_only),
-                   "trainer.val_only=true needs data.val_files")
+            check(bool(d.val_files) or not (self.trainer.val_only),
+                  "trainer.val_only=true needs data.val_files")
 

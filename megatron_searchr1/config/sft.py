@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Optional
 
-from megatron_searchr1.config.loader import _check
+from megatron_searchr1.config.loader import check
 from megatron_searchr1.config.rl import LoggingConfig, ModelConfig, OptimConfig, ParallelConfig
 
 TEMPLATES = ("qwen3_nothink", "qwen", "default", "alpaca")
@@ -37,12 +37,12 @@ class SFTDataConfig:
     """Read at most this many records of each dataset, the first ones (LLaMA-Factory's max_samples)."""
 
     def __post_init__(self):
-        _check(self.max_length >= 16, f"data.max_length must be >= 16, got {self.max_length}")
-        _check(self.batch_size >= 1, f"data.batch_size must be >= 1, got {self.batch_size}")
-        _check(self.template in ("",) + TEMPLATES,
-               f"data.template={self.template!r} is not known: choose one of {', '.join(TEMPLATES)} (or leave it "
-               "empty for the rollout layout)")
-        _check(self.max_samples is None or self.max_samples >= 1, "data.max_samples must be >= 1 (or null)")
+        check(self.max_length >= 16, f"data.max_length must be >= 16, got {self.max_length}")
+        check(self.batch_size >= 1, f"data.batch_size must be >= 1, got {self.batch_size}")
+        check(self.template in ("",) + TEMPLATES,
+              f"data.template={self.template!r} is not known: choose one of {', '.join(TEMPLATES)} (or leave it "
+              "empty for the rollout layout)")
+        check(self.max_samples is None or self.max_samples >= 1, "data.max_samples must be >= 1 (or null)")
 
 
 @dataclass
@@ -67,12 +67,12 @@ class SFTTrainerConfig:
     """Print `step k: loss ...` on rank 0 every k steps (0 = the progress bar only)."""
 
     def __post_init__(self):
-        _check(self.total_steps >= 1, "trainer.total_steps must be >= 1")
-        _check(self.num_epochs is None or self.num_epochs > 0, "trainer.num_epochs must be > 0 (or null)")
-        _check(self.log_every >= 0, "trainer.log_every must be >= 0")
-        _check(self.save_freq >= 0 and self.keep_last >= 1, "trainer.save_freq >= 0 and trainer.keep_last >= 1")
-        _check(self.resume in ("auto", "disable") or os.path.isdir(self.resume),
-               f"trainer.resume must be auto, disable or an existing checkpoint dir, got {self.resume!r}")
+        check(self.total_steps >= 1, "trainer.total_steps must be >= 1")
+        check(self.num_epochs is None or self.num_epochs > 0, "trainer.num_epochs must be > 0 (or null)")
+        check(self.log_every >= 0, "trainer.log_every must be >= 0")
+        check(self.save_freq >= 0 and self.keep_last >= 1, "trainer.save_freq >= 0 and trainer.keep_last >= 1")
+        check(self.resume in ("auto", "disable") or os.path.isdir(self.resume),
+              f"trainer.resume must be auto, disable or an existing checkpoint dir, got {self.resume!r}")
 
 
 @dataclass
@@ -89,13 +89,13 @@ class SFTConfig:
         p, d = self.parallel, self.data
         if world_size is not None:
             dp = p.data_parallel_size(world_size)
-            _check(d.batch_size % dp == 0, f"data.batch_size={d.batch_size} must be a multiple of the DP size {dp}")
+            check(d.batch_size % dp == 0, f"data.batch_size={d.batch_size} must be a multiple of the DP size {dp}")
 
         if not check_files:
             return
-        _check(bool(self.model.path) and os.path.isfile(os.path.join(self.model.path, "config.json")),
-               f"model.path={self.model.path!r} is not a Hugging Face model dir with config.json")
-        _check(os.path.isfile(os.path.join(d.dataset_dir, "dataset_info.json")),
-               f"data.dataset_dir={d.dataset_dir!r} has no dataset_info.json (tools/make_synthetic_world.py writes "
-               "one under <out-dir>/sft)")
-        _check(bool(d.datasets), "data.datasets is empty: name the datasets of dataset_info.json to train on")
+        check(bool(self.model.path) and os.path.isfile(os.path.join(self.model.path, "config.json")),
+              f"model.path={self.model.path!r} is not a Hugging Face model dir with config.json")
+        check(os.path.isfile(os.path.join(d.dataset_dir, "dataset_info.json")),
+              f"data.dataset_dir={d.dataset_dir!r} has no dataset_info.json (tools/make_synthetic_world.py writes "
+              "one under <out-dir>/sft)")
+        check(bool(d.datasets), "data.datasets is empty: name the datasets of dataset_info.json to train on")

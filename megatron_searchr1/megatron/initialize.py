@@ -145,15 +145,6 @@ def _init_process_group(timeout_minutes: int, device: str) -> None:
     dist.init_process_group(**process_group_kwargs(device, local_rank, timeout_minutes))
 
 
-def collective_device() -> torch.device:
-    """Where a tensor made for a collective lives: the current GPU when there is one, else the CPU.
-
-    The rule for every all_reduce / broadcast / all_gather in the package: its tensor is on this device (or is a
-    model tensor, on it already). The default group also carries gloo for CPU tensors (process_group_kwargs), but a
-    group made with an explicit NCCL backend would not; tests/test_collectives.py lists every call site."""
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-
-
 def seed_everything(seed: int) -> int:
     """Seed python, numpy, torch and Megatron's model-parallel RNG tracker (needs parallel state); returns the seed
     used on this rank.

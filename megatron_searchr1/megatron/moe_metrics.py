@@ -82,7 +82,7 @@ def moe_step_metrics(model: torch.nn.Module, num_micro_batches: int) -> dict[str
         if c is not None:
             counts[i] = c
             router._searchr1_tokens = None
-    from megatron_searchr1.megatron.initialize import collective_device
+    from megatron_searchr1.collectives import collective_device
 
     counts = counts.to(collective_device())
     groups = [mpu.get_data_parallel_group()] + ([mpu.get_tensor_model_parallel_group()]

@@ -45,7 +45,8 @@ import torch.nn.functional as F
 
 from megatron_searchr1.models.families import interleave_qkv, stack_gate_up, tp_split
 from megatron_searchr1.models.forward import unwrap
-from megatron_searchr1.models.lora_settings import HF_MODULE, PROJECTIONS, LoraSettings  # noqa: F401 (re-exported)
+from megatron_searchr1.config.finetune import LoraSettings  # noqa: F401 (re-exported)
+from megatron_searchr1.models.lora_settings import HF_MODULE, PROJECTIONS  # noqa: F401 (re-exported)
 
 # ----------------------------------------------------------------------------------------------------------------
 # Layouts: where each HF projection's rows sit in this rank's shard of a fused column linear

@@ -45,8 +45,12 @@ def normalize_answer(s: str) -> str:
     return " ".join(text.split())
 
 
-def _goldens(golden_answers) -> list[str]:
-    """A str (one golden), or any iterable of them (list, tuple, numpy array) -> list of str."""
+def golden_list(golden_answers) -> list[str]:
+    """A str (one golden), or any iterable of them (list, tuple, numpy array) -> list of str.
+
+    >>> import numpy as np; golden_list("Paris"), golden_list(np.array(["a", "b"])), golden_list(("x",))
+    (['Paris'], ['a', 'b'], ['x'])
+    """
     if isinstance(golden_answers, str):  # numpy.str_ is a str too
         return [golden_answers]
     if hasattr(golden_answers, "tolist"):  # numpy array: .tolist() gives plain Python str
@@ -67,7 +71,7 @@ def em_check(prediction: str, golden_answers) -> int:
     0
     """
     pred = normalize_answer(prediction)
-    return int(any(normalize_answer(g) == pred for g in _goldens(golden_answers)))
+    return int(any(normalize_answer(g) == pred for g in golden_list(golden_answers)))
 
 
 def subem_check(prediction: str, golden_answers) -> int:
@@ -79,7 +83,7 @@ def subem_check(prediction: str, golden_answers) -> int:
     0
     """
     pred = normalize_answer(prediction)
-    return int(any(normalize_answer(g) in pred for g in _goldens(golden_answers)))
+    return int(any(normalize_answer(g) in pred for g in golden_list(golden_answers)))
 
 
 def _token_f1(prediction: str, golden: str) -> float:
@@ -103,7 +107,7 @@ def f1_score(prediction: str, golden_answers) -> float:
     >>> f1_score("Lyon", "Paris")
     0.0
     """
-    return max((_token_f1(prediction, g) for g in _goldens(golden_answers)), default=0.0)
+    return max((_token_f1(prediction, g) for g in golden_list(golden_answers)), default=0.0)
 
 
 def extract_solution(response: str) -> str | None:
@@ -126,13 +130,18 @@ def extract_solution(response: str) -> str | None:
     return matches[-1].strip() if matches else None
 
 
-def _targets(ground_truth: Mapping) -> list[str]:
+def ground_truth_targets(ground_truth: Mapping) -> list[str]:
+    """The golden answers of a row's ``reward_model.ground_truth`` (``{"target": [...]}``); a ValueError otherwise.
+
+    >>> ground_truth_targets({"target": "Paris"})
+    ['Paris']
+    """
     if not isinstance(ground_truth, Mapping) or "target" not in ground_truth:
         raise ValueError(
             f"ground_truth must be a dict with a 'target' key (Search-R1's reward_model.ground_truth), "
             f"got {ground_truth!r}"
         )
-    return _goldens(ground_truth["target"])
+    return golden_list(ground_truth["target"])
 
 
 def compute_score_em(response: str, ground_truth: Mapping, format_score: float = 0.0, score: float = 1.0) -> float:
@@ -149,7 +158,7 @@ def compute_score_em(response: str, ground_truth: Mapping, format_score: float =
     answer = extract_solution(response)
     if answer is None:
         return 0.0
-    return float(score) if em_check(answer, _targets(ground_truth)) else float(format_score)
+    return float(score) if em_check(answer, ground_truth_targets(ground_truth)) else float(format_score)
 
 
 def compute_score_subem(response: str, ground_truth: Mapping, format_score: float = 0.0, score: float = 1.0) -> float:
@@ -161,7 +170,7 @@ def compute_score_subem(response: str, ground_truth: Mapping, format_score: floa
     answer = extract_solution(response)
     if answer is None:
         return 0.0
-    return float(score) if subem_check(answer, _targets(ground_truth)) else float(format_score)
+    return float(score) if subem_check(answer, ground_truth_targets(ground_truth)) else float(format_score)
 
 
 def compute_score_f1(response: str, ground_truth: Mapping) -> float:
@@ -172,10 +181,10 @@ def compute_score_f1(response: str, ground_truth: Mapping) -> float:
     0.6666666666666666
     """
     answer = extract_solution(response)
-    return 0.0 if answer is None else f1_score(answer, _targets(ground_truth))
+    return 0.0 if answer is None else f1_score(answer, ground_truth_targets(ground_truth))
 
 
 __all__ = [
     "normalize_answer", "em_check", "subem_check", "f1_score", "extract_solution",
-    "compute_score_em", "compute_score_subem", "compute_score_f1",
+    "compute_score_em", "compute_score_subem", "compute_score_f1", "golden_list", "ground_truth_targets",
 ]

@@ -25,7 +25,9 @@ from typing import Mapping
 from megatron_searchr1.data.prompts import (
     ANSWER_END, ANSWER_START, INFO_END, INFO_START, SEARCH_END, SEARCH_START, THINK_END, THINK_START,
 )
-from megatron_searchr1.reward.qa_em import _goldens, _targets, em_check, extract_solution, normalize_answer
+from megatron_searchr1.reward.qa_em import (
+    em_check, extract_solution, golden_list, ground_truth_targets, normalize_answer,
+)
 
 _TAGS = (THINK_START, THINK_END, SEARCH_START, SEARCH_END, INFO_START, INFO_END, ANSWER_START, ANSWER_END)
 _TAG_SPLIT = re.compile("(" + "|".join(re.escape(t) for t in _TAGS) + ")")
@@ -99,7 +101,7 @@ def is_retrieval_correct(text: str, golden_answers) -> bool:
     >>> is_retrieval_correct("<information> Lyon </information>", "Paris")
     False
     """
-    goldens = [normalize_answer(g) for g in _goldens(golden_answers)]
+    goldens = [normalize_answer(g) for g in golden_list(golden_answers)]
     return any(g in normalize_answer(block) for block in extract_information_blocks(text) for g in goldens)
 
 
@@ -137,7 +139,7 @@ def compute_score_em(
     0.1
     """
     del format_score
-    targets = _targets(ground_truth)
+    targets = ground_truth_targets(ground_truth)
     valid, _ = is_valid_sequence(response)
     answer = extract_solution(response)
     if answer is not None and em_check(answer, targets):

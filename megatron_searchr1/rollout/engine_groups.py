@@ -13,16 +13,9 @@ scope differs: a training batch is one replica's (its tp*pp ranks hold the same 
 exchanged inside the model-parallel group), the validation rows are everybody's (split over every engine; the
 results are gathered over all ranks).
 
-Two facts meet here. vLLM's `external_launcher` builds its TP groups from *consecutive* global ranks
-(``arange(world).reshape(-1, engine_tp)``). Megatron orders ranks tp-cp-ep-dp-pp (tp varies fastest; cp = ep = 1
-here), so a model replica (model-parallel group, one DP rank) is *not* contiguous once PP > 1 and DP > 1: with
-tp=2, pp=2, dp=2 the replicas are [0, 1, 4, 5] and [2, 3, 6, 7]. An engine must hold one replica's trajectories
-(all its ranks send the same prompts), so an engine group that straddles two replicas would receive two
-different prompt lists: a hang or garbage. With DP > 1 every step from one rank to the next that leaves a
-tensor-parallel group also leaves the replica, so the rule is: ``engine_tp`` divides ``parallel.tp``, or DP = 1.
-
-Pure arithmetic, no torch or megatron import: `Config.validate` runs it before anything heavy is loaded; the tests
-check it against megatron.core's own RankGenerator for every layout up to 64 ranks.
+Which layouts can work at all (an engine group must lie inside one model replica) is config/layout.py's rule,
+checked by `Config.validate` before anything heavy loads and again when an EngineLayout is built; the replica and
+engine-group arithmetic is imported from there. Pure arithmetic, no torch or megatron import.
 """
 from __future__ import annotations
 
@@ -30,34 +23,14 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Sequence, TypeVar
 
+from megatron_searchr1.config.layout import LayoutError  # noqa: F401 (what EngineLayout raises; callers catch it)
+from megatron_searchr1.config.layout import check_engine_layout, engine_groups, replica_of
+
 T = TypeVar("T")
 
 SHARE_SEED_STRIDE = 104_729
 """Seeds of two engines lie this far apart; the loop adds the turn number to a seed, so engines must be further
 apart than any rollout has turns."""
-
-
-class LayoutError(ValueError):
-    """An engine layout that cannot serve Megatron's replicas; the message names the fields to change."""
-
-
-def replicas(world: int, tp: int, pp: int) -> list[list[int]]:
-    """Megatron's model-parallel groups (one per DP rank), ranks ascending: rank = t + tp * d + tp * dp * p.
-
-    >>> replicas(8, tp=2, pp=2)
-    [[0, 1, 4, 5], [2, 3, 6, 7]]
-    """
-    dp = world // (tp * pp)
-    return [sorted(t + tp * d + tp * dp * p for p in range(pp) for t in range(tp)) for d in range(dp)]
-
-
-def engine_groups(world: int, engine_tp: int) -> list[list[int]]:
-    """vLLM's TP groups under `external_launcher`: consecutive blocks of `engine_tp` global ranks.
-
-    >>> engine_groups(4, 2)
-    [[0, 1], [2, 3]]
-    """
-    return [list(range(start, start + engine_tp)) for start in range(0, world, engine_tp)]
 
 
 @dataclass(frozen=True)
@@ -103,22 +76,7 @@ class EngineLayout:
     engine_tp: int
 
     def __post_init__(self):
-        w, tp, pp, e = self.world, self.tp, self.pp, self.engine_tp
-        if w % (tp * pp):
-            raise LayoutError(f"world size {w} is not a multiple of parallel.tp * parallel.pp = {tp * pp}")
-        if e < 1 or w % e:
-            raise LayoutError(f"rollout.engine_tp={e} must divide the world size {w}")
-        replica_of = self.replica_of
-        for group in self.groups:
-            spanned = sorted({replica_of[r] for r in group})
-            if len(spanned) > 1:
-                first = replicas(w, tp, pp)[spanned[0]]
-                raise LayoutError(
-                    f"rollout.engine_tp={e} puts ranks {group} in one vLLM engine (vLLM groups consecutive ranks), "
-                    f"but with parallel.tp={tp}, parallel.pp={pp} and DP={self.dp} Megatron places them in "
-                    f"{len(spanned)} model replicas (rank order tp-dp-pp; replica {spanned[0]} = ranks {first}). "
-                    f"With DP > 1 an engine must fit in one tensor-parallel group: set rollout.engine_tp to a divisor "
-                    f"of parallel.tp={tp}, or raise parallel.tp / parallel.pp until DP = 1")
+        check_engine_layout(self.world, self.tp, self.pp, self.engine_tp)
 
     @property
     def dp(self) -> int:
@@ -131,11 +89,7 @@ class EngineLayout:
     @cached_property
     def replica_of(self) -> list[int]:
         """DP rank (replica) of every global rank."""
-        out = [0] * self.world
-        for d, ranks in enumerate(replicas(self.world, self.tp, self.pp)):
-            for r in ranks:
-                out[r] = d
-        return out
+        return replica_of(self.world, self.tp, self.pp)
 
     def group_of(self, rank: int) -> int:
         """Index of `rank`'s engine in `groups` (the same on every rank of that engine)."""

@@ -30,9 +30,10 @@ from __future__ import annotations
 import re
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Callable, Optional, Sequence
 
+from megatron_searchr1.config.rl import RolloutConfig
 from megatron_searchr1.data.prompts import (
     ANSWER_END, ANSWER_START, INFO_END, INVALID_ACTION_FEEDBACK, SEARCH_END, SEARCH_START, STOP_STRINGS,
     format_observation,
@@ -118,21 +119,25 @@ class Trajectory:
         self.finish_reason = reason
 
 
+_ROLLOUT = {f.name: f.default for f in fields(RolloutConfig)}  # config.rollout's defaults: the one place they live
+
+
 @dataclass(frozen=True)
 class LoopSettings:
-    """What one rollout does (the trainer fills it from config.rollout)."""
+    """What one rollout does (the trainer fills it from config.rollout). The fields named as RolloutConfig's mean
+    what they mean there and take their defaults from it."""
 
-    max_turns: int = 4
+    max_turns: int = _ROLLOUT["max_turns"]
     """Search turns before the final answer turn."""
-    max_tokens_per_turn: int = 500
+    max_tokens_per_turn: int = _ROLLOUT["max_tokens_per_turn"]
     """Most tokens generated in one turn."""
-    max_response_length: int = 2048
+    max_response_length: int = _ROLLOUT["max_response_length"]
     """Token budget of a whole response; the prompt is never cut."""
-    max_obs_length: int = 500
+    max_obs_length: int = _ROLLOUT["max_obs_length"]
     """Most tokens of one observation."""
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
+    temperature: float = _ROLLOUT["temperature"]
+    top_p: float = _ROLLOUT["top_p"]
+    top_k: int = _ROLLOUT["top_k"]
     stop_token_ids: tuple[int, ...] = ()
     """Token ids that end a turn besides the stop strings (eos); such a turn is an invalid action."""
     seed: Optional[int] = None

@@ -55,7 +55,7 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_searchr1.megatron.initialize import collective_device
+from megatron_searchr1.collectives import collective_device
 from megatron_searchr1.models.convert import expert_weights, gather_hf_weights, global_names
 from megatron_searchr1.models.families.base import (
     OUTPUT_LAYER, ModelFamily, is_expert_param, split_layer_name, te_to_local_name, tp_kind, tp_merge, tp_place,

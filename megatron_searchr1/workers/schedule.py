@@ -42,8 +42,8 @@ import torch.distributed as dist
 from megatron.core import parallel_state as mpu
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
+from megatron_searchr1.collectives import collective_device
 from megatron_searchr1.megatron.batching import MicroBatch, restore_order
-from megatron_searchr1.megatron.initialize import collective_device
 from megatron_searchr1.megatron.moe_metrics import moe_step_metrics, start_moe_step
 from megatron_searchr1.megatron.optimizer import current_lr
 from megatron_searchr1.workers.outputs import is_critic, model_outputs, unwrap

@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from megatron_searchr1.cli import UsageError
-from megatron_searchr1.data import qa
+from megatron_searchr1.data import qa, qa_cli
 from megatron_searchr1.data.prompts import make_prefix
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -44,7 +44,7 @@ def flashrag(tmp_path):
 
 def test_round_trip_two_sources_merged(flashrag, tmp_path):
     out = tmp_path / "out"
-    qa.main(["--train", f"nq={flashrag}/nq/train.jsonl", str(flashrag / "hotpotqa" / "train.parquet"),
+    qa_cli.main(["--train", f"nq={flashrag}/nq/train.jsonl", str(flashrag / "hotpotqa" / "train.parquet"),
              "--out-dir", str(out)])
     table = pq.read_table(out / "train.parquet")
     assert table.schema.equals(qa.row_schema()), table.schema
@@ -87,7 +87,7 @@ def test_flashrag_dir_cli_and_chat_template(flashrag, tmp_path):
 def test_missing_id_column_is_allowed(tmp_path):
     path = tmp_path / "bamboogle.jsonl"
     _write_jsonl(str(path), [{"question": "q", "golden_answers": ["a"]}])
-    qa.main(["--test", str(path), "--out-dir", str(tmp_path / "out")])
+    qa_cli.main(["--test", str(path), "--out-dir", str(tmp_path / "out")])
     (row,) = pq.read_table(tmp_path / "out" / "test.parquet").to_pylist()
     assert row["data_source"] == "bamboogle" and row["extra_info"]["id"] is None
 
@@ -106,7 +106,7 @@ def test_bad_jsonl_inputs_name_file_and_column(tmp_path, case, content, match):
     else:
         _write_jsonl(str(path), content)
     with pytest.raises(UsageError, match=match):  # the CLI: one `error:` line, exit 2
-        qa.main(["--train", f"nq={path}", "--out-dir", str(tmp_path / "out")])
+        qa_cli.main(["--train", f"nq={path}", "--out-dir", str(tmp_path / "out")])
     with pytest.raises(qa.QADataError, match=match):  # the library: a ValueError naming file and line
         qa.read_flashrag(str(path))
     assert not (tmp_path / "out" / "train.parquet").exists()
@@ -117,17 +117,28 @@ def test_bad_files_and_sources(flashrag, tmp_path):
     with pytest.raises(ValueError, match=r"x\.parquet: missing column\(s\) \['question', 'golden_answers'\]"):
         qa.read_flashrag(str(tmp_path / "x.parquet"))
     with pytest.raises(UsageError, match=r"--train: QA file '.*nope\.jsonl' \(source 'nq'\) does not exist"):
-        qa.main(["--train", f"nq={tmp_path}/nope.jsonl", "--out-dir", str(tmp_path / "out")])
+        qa_cli.main(["--train", f"nq={tmp_path}/nope.jsonl", "--out-dir", str(tmp_path / "out")])
     (tmp_path / "a.csv").write_text("question,golden_answers\n")
     with pytest.raises(ValueError, match="unsupported file type"):
         qa.read_flashrag(str(tmp_path / "a.csv"))
     with pytest.raises(UsageError, match=r"data source\(s\) \['nq'\] given twice"):
-        qa.main(["--train", f"nq={flashrag}/nq/train.jsonl", f"nq={flashrag}/nq/test.jsonl",
+        qa_cli.main(["--train", f"nq={flashrag}/nq/train.jsonl", f"nq={flashrag}/nq/test.jsonl",
                  "--out-dir", str(tmp_path / "out")])
     with pytest.raises(UsageError, match="no FlashRAG file for source 'musique'"):
-        qa.main(["--flashrag-dir", str(flashrag), "--test-sources", "musique", "--out-dir", str(tmp_path / "out")])
+        qa_cli.main(["--flashrag-dir", str(flashrag), "--test-sources", "musique", "--out-dir", str(tmp_path / "out")])
     with pytest.raises(UsageError, match="nothing to do"):
-        qa.main(["--out-dir", str(tmp_path / "out")])
+        qa_cli.main(["--out-dir", str(tmp_path / "out")])
     (tmp_path / "bad.parquet").write_text("not parquet")
     with pytest.raises(UsageError, match=r"bad\.parquet: not a readable parquet file"):
-        qa.main(["--test", f"nq={tmp_path}/bad.parquet", "--out-dir", str(tmp_path / "out")])
+        qa_cli.main(["--test", f"nq={tmp_path}/bad.parquet", "--out-dir", str(tmp_path / "out")])
+
+
+def test_the_libraries_import_no_command_line():
+    """data/qa.py (and what builds on it: rl_data, oracle, synthetic) and models/tiny.py are libraries; their
+    command lines are data/qa_cli.py and models/tiny_cli.py."""
+    code = ("import sys\nimport megatron_searchr1.data.qa, megatron_searchr1.data.rl_data\n"
+            "import megatron_searchr1.data.oracle, megatron_searchr1.data.synthetic, megatron_searchr1.models.tiny\n"
+            "print(sorted(m for m in sys.modules if m == 'megatron_searchr1.cli' or m.endswith('_cli')))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"

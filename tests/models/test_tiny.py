@@ -110,7 +110,7 @@ def test_bad_config_is_rejected(tmp_path):
 
 def test_cli_refuses_a_non_empty_output_dir_without_overwrite(tmp_path):
     from megatron_searchr1.cli import UsageError
-    from megatron_searchr1.models.tiny import parse_args
+    from megatron_searchr1.models.tiny_cli import parse_args
 
     (tmp_path / "old.txt").write_text("an earlier model")
     with pytest.raises(UsageError, match="is not empty: pass --overwrite"):

@@ -105,3 +105,13 @@ def test_ground_truth_without_target_is_a_clear_error():
         compute_score_em("<answer> a </answer>", ["a"])
     with pytest.raises(ValueError, match="'target'"):
         qa_em.compute_score_subem("<answer> a </answer>", {"answers": ["a"]})
+
+
+def test_doctests_of_the_reward_modules():
+    import doctest
+
+    from megatron_searchr1.reward import qa_em_format
+
+    for module in (qa_em, qa_em_format):
+        result = doctest.testmod(module)
+        assert result.failed == 0 and result.attempted > 0, (module.__name__, result)

@@ -2,7 +2,8 @@
 import pytest
 
 from megatron_searchr1.config import ConfigError, load_config
-from megatron_searchr1.rollout.engine_groups import EngineLayout, LayoutError, replicas
+from megatron_searchr1.config.layout import replicas
+from megatron_searchr1.rollout.engine_groups import EngineLayout, LayoutError
 
 
 def _megatron_replicas(tp, pp, dp):

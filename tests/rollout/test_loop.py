@@ -165,3 +165,16 @@ def test_doctests():
     import doctest
 
     assert doctest.testmod(loop).failed == 0
+
+
+def test_loop_settings_take_their_defaults_from_the_rollout_config():
+    """One source for the defaults: LoopSettings' fields named as RolloutConfig's default to config.rollout's."""
+    import dataclasses
+
+    from megatron_searchr1.config.rl import RolloutConfig
+
+    shared = {f.name for f in dataclasses.fields(LoopSettings)} & {f.name for f in dataclasses.fields(RolloutConfig)}
+    assert shared == {"max_turns", "max_tokens_per_turn", "max_response_length", "max_obs_length", "temperature",
+                      "top_p", "top_k"}
+    config, settings = RolloutConfig(), LoopSettings()
+    assert {n: getattr(settings, n) for n in shared} == {n: getattr(config, n) for n in shared}

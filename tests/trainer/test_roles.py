@@ -10,7 +10,8 @@ import pytest
 import megatron_searchr1.trainer.roles as roles
 from megatron_searchr1.config import load_config
 from megatron_searchr1.rollout import loop
-from megatron_searchr1.rollout.engine_groups import EngineLayout, replicas
+from megatron_searchr1.config.layout import replicas
+from megatron_searchr1.rollout.engine_groups import EngineLayout
 from megatron_searchr1.rollout.loop import RolloutStats
 
 WORLD, TP, PP = 8, 2, 2  # replicas [0, 1, 4, 5] and [2, 3, 6, 7]: not contiguous, the case that needs the rule

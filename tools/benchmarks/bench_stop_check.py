@@ -1,14 +1,15 @@
-# python tools/benchmarks/bench_stop_check.py                    (150k byte-level BPE trained here, ~30 s)
+# python tools/benchmarks/bench_stop_check.py                    (a 150k byte-level BPE, trained here)
 # python tools/benchmarks/bench_stop_check.py --vocab 30000 --batch 512
-"""The cost of vLLM's stop check on KV-session requests, before and after issue 19 (item 6).
+"""The cost of vLLM's stop check on KV-session requests, for two choices of the stop candidates.
 
 A session request cannot carry stop strings, so the vllm engine stops it on every token that could complete one
 (vllm_sessions.stop_candidates). vLLM checks `last_token in sampling_params.stop_token_ids` after every generated
 token of every running request, on the engine thread, and keeps that field as a list: a linear scan of every
-candidate for each token that is not one (nearly all of them). Before: candidates = tokens holding '>' or U+FFFD,
-as a list. After: tokens holding '>' only (the stops end in ASCII), as a frozenset.
+candidate for each token that is not one (nearly all of them). Compared: candidates = tokens holding '>' or U+FFFD,
+as a list ("before"), and tokens holding '>' only (the stops end in ASCII), as a frozenset ("after": what
+stop_candidates returns).
 
-Measured on a byte-level BPE trained here on a synthetic corpus (Latin words, 8000 CJK characters with Zipf
+The tokenizer is a byte-level BPE trained here on a synthetic corpus (Latin words, 8000 CJK characters with Zipf
 frequencies, HTML-like punctuation runs), the same tokenizer family and size as Qwen2.5's (151k); the counts of
 a real tokenizer differ, the per-check cost grows with them. Prints the candidate counts, the time per check and
 per decode step of `--batch` running requests, and the ratio before / after.
@@ -26,7 +27,7 @@ STOPS = ("</search>", "</answer>")
 
 def train_byte_level_bpe(vocab_size: int, seed: int = 0, lines: int = 4000):
     """A byte-level BPE (GPT-2/Qwen pre-tokenizer and decoder) of `vocab_size` ids trained on a synthetic corpus
-    (module doc). ~25 s for 150k ids on one core."""
+    (module doc)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     rng = random.Random(seed)
