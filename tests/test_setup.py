@@ -71,6 +71,9 @@ def test_omegaconf_is_neither_used_nor_required(setup_kwargs):
     reqs = _reqs(setup_kwargs["install_requires"]) + [r for v in setup_kwargs["extras_require"].values()
                                                       for r in _reqs(v)]
     assert "omegaconf" not in {r.name for r in reqs}
-    used = subprocess.run(["git", "grep", "-il", "omegaconf", "--", "*.py", ":!setup.py", ":!tests/test_setup.py"],
+    # make_verl_reference.py runs verl's own functions in a side environment and stands a dummy module in for the
+    # omegaconf that verl imports: it names omegaconf without using it.
+    used = subprocess.run(["git", "grep", "-il", "omegaconf", "--", "*.py", ":!setup.py", ":!tests/test_setup.py",
+                           ":!tests/algo/data/make_verl_reference.py"],
                           cwd=REPO, capture_output=True, text=True).stdout
     assert used == ""
