@@ -7,11 +7,12 @@ Every rank runs this same program (SPMD): the trainer is megatron_searchr1/train
 bottom up:
   config/             the run's dataclass sections (YAML + dotted overrides), checked before anything heavy loads;
   data/ reward/ search/   prompts and parquet rows, the rule rewards, the retrieval client and server;
-  models/ megatron/   Megatron GPT models from HF configs, the HF <-> Megatron name mapping, start-up on CPU or GPU;
+  models/             Megatron GPT models from HF configs, the HF <-> Megatron name mapping, conversion;
+  megatron/           start-up on CPU or GPU, token-budget micro-batches and the forward/backward schedule;
   algo/               pure tensor functions: advantages, policy / value losses, KL;
   rollout/            the multi-turn search loop over a generation engine (vLLM or HF) and the weight sync into it;
-  workers/            log-probs, values and updates over token-budget micro-batches (Megatron's schedules);
-  trainer/            the roles (actor, reference, critic, rollout) and the step that drives them.
+  trainer/            the roles (policy, reference, critic, rollout worker), every loss callback (losses.py) and
+                      the step that drives them.
 One step (`Trainer.step`):
   1. this DP rank's prompts, each repeated `rollout.n` times under its group id (`extra_info.uid`);
   2. weight sync actor -> rollout engine (weight_sync.py: TP gather, PP broadcast, HF names, buckets);

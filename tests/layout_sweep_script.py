@@ -22,8 +22,8 @@ import zlib
 
 import torch.distributed as dist
 
-import megatron_searchr1.ppo as ppo
 import megatron_searchr1.rollout.loop as loop
+import megatron_searchr1.trainer.losses as losses
 from megatron_searchr1.config import load_config
 from megatron_searchr1.rollout.loop import RolloutStats
 from megatron_searchr1.trainer.rl import Trainer
@@ -45,7 +45,7 @@ def one_by_one(engine, tokenizer, search, trajs, settings, progress=None) -> Rol
     return total
 
 
-_score_trajectories = ppo.score_trajectories
+_score_trajectories = losses.score_trajectories
 
 
 def even_token_share(trajs, tokenizer, algo) -> list[dict]:
@@ -67,7 +67,7 @@ def main() -> None:
     p.add_argument("overrides", nargs="*")
     args = p.parse_args()
     loop.run_rollout = one_by_one
-    ppo.score_trajectories = even_token_share
+    losses.score_trajectories = even_token_share
     dist.init_process_group("gloo")
     world = dist.get_world_size()
     for layout in args.layout:

@@ -20,7 +20,7 @@ TENSOR_COLLECTIVES = {"all_reduce", "broadcast", "all_gather", "all_gather_into_
 # (file, enclosing function, collective) -> why its tensor is on the collective device
 PLACED = {
     ("metrics.py", "mean_over_ranks", "all_reduce"): "packed with device=collective_device()",
-    ("ppo.py", "dp_sum.reduce", "all_reduce"): "copied to collective_device() and back",
+    ("trainer/losses.py", "dp_sum.reduce", "all_reduce"): "copied to collective_device() and back",
     ("megatron/vocab_parallel.py", "_all_reduce", "all_reduce"): "softmax statistics of the logits (model output)",
     ("models/convert.py", "gather_hf_weights", "all_gather"): "TP shards of model parameters (empty_like them)",
     ("models/convert.py", "_gather_experts", "all_gather"): "EP shards of expert parameters (empty_like them)",
@@ -33,10 +33,10 @@ PLACED = {
         "expert parameters on the source stage, torch.empty(device=collective_device()) on the others",
     ("rollout/weight_sync.py", "WeightSync._by_broadcast", "broadcast"):
         "packed model parameters on the source stage, self._device() on the others",
-    ("workers/schedule.py", "_broadcast_from_last_stage", "broadcast"):
+    ("megatron/schedule.py", "_broadcast_from_last_stage", "broadcast"):
         "model outputs on the last stage, torch.empty(device=collective_device()) on the others",
-    ("workers/schedule.py", "_set_global_counts", "all_reduce"): "made with device=collective_device()",
-    ("workers/schedule.py", "forward_backward", "all_reduce"): "made with device=collective_device()",
+    ("megatron/schedule.py", "_set_global_counts", "all_reduce"): "made with device=collective_device()",
+    ("megatron/schedule.py", "forward_backward", "all_reduce"): "made with device=collective_device()",
 }
 
 

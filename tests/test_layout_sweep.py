@@ -7,7 +7,7 @@ trajectory with a seed of its own, so every layout trains on the same data. Chec
     sync of every shard is checked too);
   - step 1 (same weights, same trajectories, a score that differs between samples: the share of even token ids,
     since a random model earns no EM) gives the (1,1,1) run's loss, grad norm, entropy and KL: the loss is
-    the whole batch's at any layout (workers/schedule.py), so TP/PP/DP change only rounding.
+    the whole batch's at any layout (megatron/schedule.py), so TP/PP/DP change only rounding.
 """
 from __future__ import annotations
 

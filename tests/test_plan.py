@@ -40,7 +40,7 @@ def recipe(name, overrides=(), nodes=1):
 def _allocated(hf, dtype, distributed):
     """(weights, main grads, grad buffer, optimizer state) bytes of a tiny actor after one real optimizer step."""
     from megatron_searchr1.megatron.optimizer import build_optimizer
-    from megatron_searchr1.workers.actor import build_actor
+    from megatron_searchr1.trainer.roles import build_actor
 
     actor = build_actor(hf, params_dtype=dtype, use_distributed_optimizer=distributed)
     opt, _ = build_optimizer(actor, lr=1e-3)
@@ -309,7 +309,7 @@ if __name__ == "__main__":  # the EP = 2 worker of test_moe_bytes_equal_torch_at
 
     initialize_megatron(tp=1, pp=1, ep=2, device="cpu")
     weights, grads, _, optimizer = _allocated(TINY_MOE, torch.bfloat16, True)
-    from megatron_searchr1.workers.actor import build_actor
+    from megatron_searchr1.trainer.roles import build_actor
 
     bare = build_actor(TINY_MOE, params_dtype=torch.bfloat16).module
     params = sum(p.numel() for p in bare.parameters())

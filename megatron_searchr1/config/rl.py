@@ -271,9 +271,18 @@ class RetrievalConfig:
     """Arguments for the launched server, e.g. ["--index-dir", "data/synthetic/index_bm25"]."""
     launch_timeout: float = 900.0
     """Seconds the launched server may take to load its index (wiki-18's 65 GB e5_Flat.index takes minutes)."""
+    max_error_rate: float = 0.2
+    """Share of a step's (or a validation's) searches that may fail before the run saves a checkpoint and stops
+    with a non-zero exit naming the server; a validation above it is reported invalid, not as EM."""
+    max_failed_rounds: int = 3
+    """Circuit breaker: after this many consecutive search rounds in which every request failed, stop without
+    waiting out more timeouts."""
 
     def __post_init__(self):
         check(self.topk >= 1, f"retrieval.topk must be >= 1, got {self.topk}")
+        check(0.0 <= self.max_error_rate <= 1.0,
+              f"retrieval.max_error_rate must be in [0, 1] (1 = never stop), got {self.max_error_rate}")
+        check(self.max_failed_rounds >= 1, f"retrieval.max_failed_rounds must be >= 1, got {self.max_failed_rounds}")
         check(self.timeout > 0, "retrieval.timeout must be > 0")
         check(self.launch_timeout > 0, f"retrieval.launch_timeout must be > 0, got {self.launch_timeout}")
         check(not self.launch or bool(self.server_args),

@@ -23,10 +23,10 @@ Layout of one micro-batch (`MicroBatch`), right-padded because Megatron's RoPE u
     fields[k]      (b, R)        the sequences' per-response-token fields that are set, zero-padded to R
     prompt_lens, response_lens (b,)
 
-Under sequence parallelism the workers pad input_ids to a multiple of TP columns (`MicroBatch.padded_to`).
+Under sequence parallelism schedule.py pads input_ids to a multiple of TP columns (`MicroBatch.padded_to`).
 
 Response token j of row i sits at position prompt_lens[i] + j of input_ids and is predicted from position
-prompt_lens[i] + j - 1: `response_positions` gives those positions (the workers gather log-probs and values
+prompt_lens[i] + j - 1: `response_positions` gives those positions (outputs.py gathers log-probs and values
 there, verl's `[:, prompt_len - 1 : -1]`).
 
 Data parallelism: every DP rank packs its own share. Only the pipeline stages of one DP rank share a
@@ -45,8 +45,8 @@ import torch
 
 @dataclasses.dataclass(slots=True, eq=False)
 class TrainSequence:
-    """One sequence on its way to the model: a rollout's trajectory (ppo.to_sequences) or an SFT example
-    (workers/actor.sft_sequence). Every tensor field is per response token, shape (R,), R = len(response_ids);
+    """One sequence on its way to the model: a rollout's trajectory (trainer/losses.to_sequences) or an SFT example
+    (trainer/losses.sft_sequence). Every tensor field is per response token, shape (R,), R = len(response_ids);
     the optional ones are None until the step that computes them (trainer/rl.py) sets them."""
 
     prompt_ids: list
@@ -178,7 +178,7 @@ class MicroBatch:
     response_mask: torch.Tensor   # (b, R) float32
     fields: dict[str, torch.Tensor]
     """The sequences' TOKEN_FIELDS that are set, (b, R) each, 0 past a row's response."""
-    # Set by the workers' train step for the mini-batch this micro-batch belongs to (see workers/train_step.py):
+    # Set by train_step for the mini-batch this micro-batch belongs to (see schedule.py):
     num_loss_tokens: float = 0.0
     """loss-mask tokens in this micro-batch."""
     global_num_loss_tokens: float = 0.0

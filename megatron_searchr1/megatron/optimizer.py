@@ -13,7 +13,7 @@ writes them back into the bf16 parameters. fp32 models (the CPU) train their par
 gradients over DP (nor the tied-embedding gradients over the first and last pipeline stages).
 `build_optimizer` installs `config.grad_scale_func` (loss scaling; a no-op factor for bf16/fp32).
 
-Gradient arithmetic (the workers' train step relies on it): DDP scales each gradient by 1/DP before the
+Gradient arithmetic (schedule.py's train step relies on it): DDP scales each gradient by 1/DP before the
 all-reduce (Megatron's default, `average_in_collective=False`), i.e. the DP ranks' gradients are *averaged*.
 """
 from __future__ import annotations
@@ -71,7 +71,7 @@ def build_optimizer(
     distributed optimizer's fp32 shards when wrap_ddp(use_distributed_optimizer=True)); fp32 trains directly.
     clip_grad: max global grad norm (0 disables). The schedule is linear warmup from 0 to `lr` over
     `warmup_steps` scheduler steps, then `constant`, or `linear`/`cosine` decay to `min_lr` at `decay_steps`.
-    A scheduler step is whatever the caller counts: the workers' train_step steps it once per optimizer step
+    A scheduler step is whatever the caller counts: schedule.train_step steps it once per optimizer step
     when given it; pass scheduler=None there and call `scheduler.step(1)` once per RL step to count RL steps.
     """
     if decay_style not in DECAY_STYLES:

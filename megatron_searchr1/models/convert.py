@@ -472,7 +472,8 @@ def megatron_to_hf(ckpt_dir: str, out_dir: str, *, tp: int = 1, pp: int = 1, dty
 def write_hf_dir(model: torch.nn.Module, mapping: ModelFamily, hf_src_dir: str, out_dir: str, dtype: torch.dtype, *,
                  overwrite: bool = False, progress: bool = False) -> None:
     """Write a loaded (bare) Megatron model as an HF safetensors dir; every rank calls it. The one gather path of
-    megatron_to_hf and of the trainers' end-of-run export (export.py): config and tokenizer files from `hf_src_dir`.
+    megatron_to_hf and of the trainers' end-of-run export (trainer/roles.py Policy.export_hf): config and tokenizer
+    files from `hf_src_dir`.
 
     One safetensors file per pipeline stage, written by the stage's first TP rank of DP replica 0; only it keeps the
     stage's tensors on the host, and other DP replicas (the same weights) do not gather. Rank 0 adds the index."""

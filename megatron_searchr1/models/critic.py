@@ -28,7 +28,7 @@ from megatron.core import tensor_parallel
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_searchr1.models.gpt import _build_stage
+from megatron_searchr1.models.gpt import build_stage
 
 VALUE_HEAD_WEIGHT = "value_head.weight"
 VALUE_HEAD_BIAS = "value_head.bias"
@@ -82,5 +82,5 @@ def build_critic_model(
 ) -> CriticModel:
     """This rank's critic stage for `hf_config` (randomly initialised trunk, zero value head); arguments as
     build_gpt_model's. Load the actor's weights with models/convert.py's loaders (the value head stays zero)."""
-    return _build_stage(CriticModel, hf_config, params_dtype=params_dtype, use_te=use_te, pre_process=pre_process,
-                        post_process=post_process, config=config)
+    return build_stage(CriticModel, hf_config, params_dtype=params_dtype, use_te=use_te, pre_process=pre_process,
+                       post_process=post_process, config=config)

@@ -158,13 +158,13 @@ def build_gpt_model(
     (e.g. from `transformer_config_from_hf(..., recompute_granularity="full")`). `model.hf_vocab_size`
     holds the unpadded vocabulary size.
     """
-    return _build_stage(BatchFirstGPTModel, hf_config, params_dtype=params_dtype, use_te=use_te,
-                        pre_process=pre_process, post_process=post_process, config=config)
+    return build_stage(BatchFirstGPTModel, hf_config, params_dtype=params_dtype, use_te=use_te,
+                       pre_process=pre_process, post_process=post_process, config=config)
 
 
-def _build_stage(model_cls: type[GPTModel], hf_config: Any, *, params_dtype: torch.dtype, use_te: Optional[bool],
-                 pre_process: Optional[bool], post_process: Optional[bool],
-                 config: Optional[TransformerConfig]) -> GPTModel:
+def build_stage(model_cls: type[GPTModel], hf_config: Any, *, params_dtype: torch.dtype, use_te: Optional[bool],
+                pre_process: Optional[bool], post_process: Optional[bool],
+                config: Optional[TransformerConfig]) -> GPTModel:
     """The builder behind build_gpt_model and critic.build_critic_model: `model_cls(**GPTModel kwargs)`, faster
     modules swapped in, parameters in the config's dtype, `hf_vocab_size` set, moved to the GPU when there is one."""
     dims = read_dims(hf_config)

@@ -40,10 +40,9 @@ from megatron_searchr1.models.lora import apply_lora
 from megatron_searchr1.rollout.engines import make_engine
 from megatron_searchr1.search.client import RetrievalClient
 from megatron_searchr1.search.launch import ServerProcess
-from megatron_searchr1.trainer.roles import AdaptersOffReference, Critic, Policy, RolloutWorker
+from megatron_searchr1.trainer.roles import (AdaptersOffReference, Critic, Policy, RolloutWorker, build_actor,
+                                             build_critic, build_reference)
 from megatron_searchr1.trainer.sources import pin_model_source, stop_token_ids, weights_loader
-from megatron_searchr1.workers.actor import build_actor, build_reference
-from megatron_searchr1.workers.critic import build_critic
 
 
 @dataclass

@@ -3,7 +3,13 @@
     trainer = Trainer(cfg)      # every rank (SPMD): builds the roles, resumes from the latest checkpoint
     trainer.fit()               # steps, checkpoints, validation, HF export; trainer.close()
 
-One step (`Trainer.step`), as DESIGN.md lays it out:
+Every rank runs this same program (SPMD) and holds every role (trainer/roles.py, built by trainer/build.py): the
+Policy (the actor, and the frozen reference when a KL term is used), the Critic (GAE only) and the RolloutWorker
+(this rank's engine and retrieval client). Every forward and update goes through megatron/schedule.py (Megatron's
+pipeline schedule, any TP/PP/DP); rewards, advantages and the loss callbacks are trainer/losses.py over algo/'s
+pure tensor functions.
+
+One step (`Trainer.step`):
   1. this DP rank's prompts, each repeated `rollout.n` times under its group id;
   2. weight sync policy -> rollout engine (rollout/weight_sync.py: TP gather, PP broadcast, HF names, buckets);
   3. rollout: the multi-turn search loop (rollout/loop.py), a share of the replica's trajectories per engine;
@@ -21,13 +27,13 @@ import os
 import torch.distributed as dist
 from megatron.core import parallel_state as mpu
 
-from megatron_searchr1 import ppo
 from megatron_searchr1.checkpoint import RoleState, agreed_resume_target, load_roles, save_roles
 from megatron_searchr1.config import Config, save_config
 from megatron_searchr1.console import progress
 from megatron_searchr1.data.rl_data import dp_shard
 from megatron_searchr1.megatron.batching import TrainSequence, make_micro_batches, split_mini_batches
 from megatron_searchr1.metrics import mean_over_ranks, timer
+from megatron_searchr1.trainer import losses
 from megatron_searchr1.trainer.build import Roles, build_roles
 from megatron_searchr1.trainer.reports import format_eval_table, reward_table, sample_records, summarize_eval
 
@@ -77,7 +83,7 @@ class Trainer:
         return final
 
     def step(self) -> dict:
-        """One RL step: DESIGN.md's seven steps."""
+        """One RL step: the seven steps of the module docstring."""
         cfg, roles, worker = self.cfg, self.roles, self.worker
         a, r, budget = cfg.algo, cfg.rollout, cfg.optim.max_tokens_per_micro_batch
         with timer() as t_step:
@@ -88,10 +94,10 @@ class Trainer:
             with timer() as t_gen:
                 trajs, roll_metrics = worker.generate(trajs, seed=self.step_seed())                   # 3. generate
             worker.sleep()                                                                            # 4.
-            scores = ppo.score_trajectories(trajs, roles.tokenizer, a)                                # 5. score
-            seqs = ppo.to_sequences(trajs, r.drop_search_errors)
+            scores = losses.score_trajectories(trajs, roles.tokenizer, a)                             # 5. score
+            seqs = losses.to_sequences(trajs, r.drop_search_errors)
             with timer() as t_old:                                                                    # forwards
-                if not self.on_policy():  # else the update's own forward gives them (ppo.actor_loss_fn)
+                if not self.on_policy():  # else the update's own forward gives them (losses.actor_loss_fn)
                     for s, lp in zip(seqs, self.policy.log_probs(seqs, budget, r.temperature)):
                         s.old_log_probs = lp
                 if self.reference is not None:
@@ -102,8 +108,8 @@ class Trainer:
                         s.values = v
             # 6. advantages: whitening and the advantage metrics over the whole batch (a sum over DP; every rank
             # takes part, also one whose trajectories were all dropped)
-            adv_metrics = ppo.add_advantages(seqs, [x["score"] for x in scores], [tr.uid for tr in trajs], a,
-                                             roles.kl_ctrl, reduce=ppo.dp_sum(mpu.get_data_parallel_group()))
+            adv_metrics = losses.add_advantages(seqs, [x["score"] for x in scores], [tr.uid for tr in trajs], a,
+                                                roles.kl_ctrl, reduce=losses.dp_sum(mpu.get_data_parallel_group()))
             if a.use_kl_in_reward:  # one coefficient for all ranks: the KL is the whole batch's already
                 roles.kl_ctrl.update(adv_metrics["actor/reward_kl_penalty"], n_steps=cfg.data.train_batch_size * r.n)
             lr_used = self.policy.lr  # before update() steps the schedule
@@ -115,7 +121,7 @@ class Trainer:
                        **{f"sync/{k}": v for k, v in sync_stats.items()}}
             if r.temperature == 1.0:  # engine log-probs are of the untempered model (vllm: raw_logprobs)
                 metrics["train/logprob_gap_engine"] = (metrics.pop("actor/logprob_gap_engine", float("nan"))
-                                                       if self.on_policy() else ppo.logprob_gap(seqs))
+                                                       if self.on_policy() else losses.logprob_gap(seqs))
         gen_tokens = sum(len(tr.response_ids) for tr in trajs)
         metrics.update({"time/step": t_step.seconds, "time/sync": t_sync.seconds, "time/rollout": t_gen.seconds,
                         "time/old_log_probs": t_old.seconds, "time/update": t_train.seconds,
@@ -128,8 +134,8 @@ class Trainer:
     def on_policy(self) -> bool:
         """Whether a step makes exactly one optimizer update from its rollouts (one epoch, one mini-batch) and
         nothing else reads the old log-probs: then they equal the update's own log-probs before its single
-        step, and the actor loss takes those (detached) instead of a separate forward pass over every sequence
-        (~18 % of a CPU demo step)."""
+        step, and the actor loss takes those (detached) instead of a separate forward pass over every
+        sequence."""
         a = self.cfg.algo
         return (a.ppo_epochs == 1 and a.ppo_mini_batch_size == self.cfg.data.train_batch_size
                 and not a.use_kl_in_reward)
@@ -149,12 +155,12 @@ class Trainer:
                         sums[f"{prefix}/{k}"] = sums.get(f"{prefix}/{k}", 0.0) + float(v)
 
         if self.critic is not None:
-            run(self.critic, ppo.critic_loss_fn(a), "critic")
+            run(self.critic, losses.critic_loss_fn(a), "critic")
             self.critic.step_schedule()
         if self.step_no >= o.critic_warmup:  # verl: the actor updates once critic_warmup <= step (steps from 1)
             t = self.cfg.rollout.temperature
-            run(self.policy, ppo.actor_loss_fn(a, engine_gap=t == 1.0), "actor", temperature=t, with_entropy=True,
-                entropy_grad=a.entropy_coeff != 0)
+            run(self.policy, losses.actor_loss_fn(a, engine_gap=t == 1.0), "actor", temperature=t,
+                with_entropy=True, entropy_grad=a.entropy_coeff != 0)
             self.policy.step_schedule()
         n_updates = a.ppo_epochs * n_mini
         return {k: v / n_updates for k, v in sums.items()}

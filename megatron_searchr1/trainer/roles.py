@@ -1,7 +1,14 @@
-"""The three roles of an RL step, each owning its model and the memory it holds.
+"""The roles of an RL step, each owning its model and the memory it holds: the policy (actor, frozen reference, SFT
+model), the critic and the rollout worker, and the builders of their models. Every forward and update goes through
+megatron/schedule.py, the one boundary with Megatron's pipeline schedule.
 
-    policy.log_probs(seqs, budget, temperature)      # actor or, frozen, the reference (no optimizer)
-    policy.update(micro_batches, loss_fn, ...)       # one optimizer step (workers/schedule.py)
+    actor = build_actor(hf_config, load_weights=lambda m: load_hf_weights(m, reader, bind_mapping(hf_config, m)),
+                        **model_settings(hf_config, tp=1, pp=1, params_dtype=torch.float32))   # models/gpt.py
+    policy = Policy(actor, *build_optimizer(actor, lr=1e-6, clip_grad=1.0), mapping=..., hf_config=hf_config)
+    policy.log_probs(seqs, budget, temperature)      # the actor's, or a frozen reference's (build_reference)
+    policy.update(micro_batches, loss_fn, ...)       # one optimizer step (loss callbacks: trainer/losses.py)
+    policy.export_hf(out_dir)                        # the end of a run: a Hugging Face directory
+    critic = Critic(build_critic(hf_config, load_weights=...), *build_optimizer(...))
     critic.values(seqs, budget); critic.update(...)
     policy.state(), critic.state()                   # what a checkpoint keeps (checkpoint.save_roles / load_roles)
     worker.sync(policy); worker.generate(trajs, seed); worker.sleep(); worker.validate(rows, batch_size, n_samples)
@@ -9,35 +16,72 @@
 `Policy` is also the SFT model. Every rank holds every role (SPMD): the models are Megatron stages, the
 `RolloutWorker` drives this rank's engine, which serves a share of its model replica's trajectories
 (rollout/engine_groups.py is the rule for which ranks form an engine and which slice of a list each engine runs).
+Log-probs are over the real vocabulary (megatron/vocab_parallel.py) and divided by `temperature` first, as the
+rollout sampled: pass the rollout's temperature so old log-probs match the engine's.
 """
 from __future__ import annotations
 
 import dataclasses
 import os
 from collections import Counter
-from typing import Any
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as mpu
+from megatron.core.distributed import DistributedDataParallel
 
-from megatron_searchr1 import ppo
 from megatron_searchr1.checkpoint import CheckpointError, RoleState
-from megatron_searchr1.export import export_hf
-from megatron_searchr1.models.convert import DTYPES
+from megatron_searchr1.megatron import schedule
+from megatron_searchr1.megatron.batching import make_micro_batches
+from megatron_searchr1.megatron.optimizer import wrap_ddp
+from megatron_searchr1.models.convert import DTYPES, write_hf_dir
 from megatron_searchr1.models import lora, lora_export
+from megatron_searchr1.models.critic import build_critic_model
 from megatron_searchr1.models.forward import unwrap
+from megatron_searchr1.models.gpt import build_gpt_model
 from megatron_searchr1.rollout import loop, weight_sync
 from megatron_searchr1.rollout.engine import sleep_engine, wake_and_sync
 from megatron_searchr1.rollout.engine_groups import EngineLayout
 from megatron_searchr1.rollout.loop import LoopSettings, RolloutStats, Trajectory
-from megatron_searchr1.trainer import reports, sources
-from megatron_searchr1.workers import schedule
-from megatron_searchr1.workers.actor import compute_log_probs
-from megatron_searchr1.workers.critic import compute_values
+from megatron_searchr1.trainer import losses, reports, sources
 
 # Calls go through module attributes (schedule.train_step, weight_sync.sync_weights, loop.run_rollout,
-# ppo.score_trajectories, sources.weights_loader): the tests and the layout sweep replace those functions.
+# losses.score_trajectories, sources.weights_loader): the tests and the layout sweep replace those functions.
+
+LoadWeights = Optional[Callable[[torch.nn.Module], None]]
+
+
+def build_actor(hf_config, *, params_dtype: torch.dtype = torch.float32, load_weights: LoadWeights = None,
+                use_distributed_optimizer: bool = False, config=None, use_te: Optional[bool] = None
+                ) -> DistributedDataParallel:
+    """This rank's actor stage, weights loaded by `load_weights(bare_model)` (before DDP and the optimizer copy
+    them), wrapped in Megatron DDP. bf16 on GPU: params_dtype=torch.bfloat16 (the optimizer keeps fp32 masters).
+    `config`, `use_te`: as models.gpt.model_settings makes them (None: build_gpt_model's defaults)."""
+    model = build_gpt_model(hf_config, params_dtype=params_dtype, config=config, use_te=use_te)
+    if load_weights is not None:
+        load_weights(model)
+    return wrap_ddp(model, use_distributed_optimizer=use_distributed_optimizer)
+
+
+def build_reference(hf_config, *, params_dtype: torch.dtype = torch.float32, load_weights: LoadWeights = None,
+                    config=None, use_te: Optional[bool] = None) -> torch.nn.Module:
+    """This rank's frozen reference stage: no DDP, no optimizer, no gradients, eval mode."""
+    model = build_gpt_model(hf_config, params_dtype=params_dtype, config=config, use_te=use_te)
+    if load_weights is not None:
+        load_weights(model)
+    model.requires_grad_(False)
+    return model.eval()
+
+
+def build_critic(hf_config, *, params_dtype: torch.dtype = torch.float32, load_weights: LoadWeights = None,
+                 use_distributed_optimizer: bool = False, config=None, use_te=None) -> DistributedDataParallel:
+    """This rank's critic stage (models/critic.py: the actor's trunk, a zero value head), trunk weights loaded by
+    `load_weights(bare_model)`, wrapped in Megatron DDP."""
+    model = build_critic_model(hf_config, params_dtype=params_dtype, config=config, use_te=use_te)
+    if load_weights is not None:
+        load_weights(model)
+    return wrap_ddp(model, use_distributed_optimizer=use_distributed_optimizer)
 
 
 @dataclasses.dataclass(eq=False)
@@ -59,12 +103,18 @@ class Policy:
     def frozen(self) -> bool:
         return self.optimizer is None
 
-    def log_probs(self, seqs: list, max_tokens_per_micro_batch: int, temperature: float) -> list:
-        return compute_log_probs(self.model, seqs, max_tokens_per_micro_batch=max_tokens_per_micro_batch,
-                                 temperature=temperature)
+    def log_probs(self, seqs: list, max_tokens_per_micro_batch: int, temperature: float = 1.0, *,
+                  with_entropy: bool = False, pad_id: int = 0):
+        """Log-probs of each sequence's response tokens: list[Tensor(len(response_ids))] fp32 on the CPU, in input
+        order, the same on every rank of the model-parallel group; (log_probs, entropies) with `with_entropy`.
+
+        Every rank of the model-parallel group must pass the same `seqs` (its DP rank's share)."""
+        mbs = make_micro_batches(seqs, max_tokens_per_micro_batch, pad_id=pad_id)
+        out = schedule.forward_per_sequence(self.model, mbs, temperature=temperature, with_entropy=with_entropy)
+        return (out["log_probs"], out["entropy"]) if with_entropy else out["log_probs"]
 
     def update(self, micro_batches: list, loss_fn, *, step_scheduler: bool = False, **kw) -> dict:
-        """One optimizer step over `micro_batches` (workers/schedule.py). The RL trainer counts its LR schedule in
+        """One optimizer step over `micro_batches` (megatron/schedule.py). The RL trainer counts its LR schedule in
         RL steps (`step_schedule`); SFT steps it with every optimizer step (`step_scheduler=True`)."""
         return schedule.train_step(self.model, self.optimizer, self.scheduler if step_scheduler else None,
                                    micro_batches, loss_fn, **kw)
@@ -90,14 +140,17 @@ class Policy:
         self.source = source
 
     def export_hf(self, out_dir: str) -> None:
-        """Every rank calls it: the model as a Hugging Face directory (export.py). A LoRA actor is written merged
-        (W + scale * B A, what vLLM and transformers load), its PEFT adapter alongside in `<out_dir>_adapter`."""
+        """Every rank calls it: the model as a Hugging Face directory that `transformers` and vLLM load. The gather
+        path is the checkpoint converter's (models/convert.py `write_hf_dir`: TP shards all-gathered, names mapped
+        by the family, padded vocabulary trimmed, one file per pipeline stage; the writing ranks fill `out_dir`),
+        with the config and tokenizer files of `hf_dir`. A LoRA actor is written merged (W + scale * B A), its
+        PEFT adapter alongside in `<out_dir>_adapter`."""
         if lora.has_lora(self.model):
             lora_export.export_merged_hf(self.model, self.hf_config, self.hf_dir, out_dir, dtype=self.dtype)
             lora_export.write_peft_adapter(self.model, out_dir.rstrip("/") + "_adapter",
                                            base_model_name_or_path=self.source)
             return
-        export_hf(self.model, self.mapping, self.hf_dir, out_dir, dtype=self.dtype)
+        write_hf_dir(unwrap(self.model), self.mapping, self.hf_dir, out_dir, self.dtype)
 
 
 @dataclasses.dataclass(eq=False)
@@ -112,9 +165,9 @@ class AdaptersOffReference:
     def source(self) -> str:
         return self.policy.source
 
-    def log_probs(self, seqs: list, max_tokens_per_micro_batch: int, temperature: float) -> list:
+    def log_probs(self, seqs: list, max_tokens_per_micro_batch: int, temperature: float = 1.0, **kw):
         with lora.disable_adapters(self.policy.model):
-            return self.policy.log_probs(seqs, max_tokens_per_micro_batch, temperature)
+            return self.policy.log_probs(seqs, max_tokens_per_micro_batch, temperature, **kw)
 
     def load_weights(self, source: str) -> None:
         """The base is the actor's start, read again from `model.megatron_ckpt` / `model.path` when a run resumes;
@@ -126,14 +179,21 @@ class AdaptersOffReference:
 
 @dataclasses.dataclass(eq=False)
 class Critic:
-    """The value model (GAE): a causal-LM trunk with a scalar head, its optimizer and LR schedule."""
+    """The value model (GAE): a causal-LM trunk with a scalar head (build_critic), its optimizer and LR schedule.
+
+    The value of response token j is the critic's output at position prompt_len + j - 1, the state just before
+    token j is generated (verl's values[:, prompt_len - 1 : -1], megatron/outputs.py); GAE then uses values[j + 1]
+    as the next state's value."""
 
     model: Any
     optimizer: Any = None
     scheduler: Any = None
 
-    def values(self, seqs: list, max_tokens_per_micro_batch: int) -> list:
-        return compute_values(self.model, seqs, max_tokens_per_micro_batch=max_tokens_per_micro_batch)
+    def values(self, seqs: list, max_tokens_per_micro_batch: int, *, pad_id: int = 0) -> list:
+        """Values per response token: list[Tensor(len(response_ids))] fp32 on the CPU, in input order, the same on
+        every rank of the model-parallel group (which must all pass the same `seqs`)."""
+        mbs = make_micro_batches(seqs, max_tokens_per_micro_batch, pad_id=pad_id)
+        return schedule.forward_per_sequence(self.model, mbs)["values"]
 
     def update(self, micro_batches: list, loss_fn, **kw) -> dict:
         return schedule.train_step(self.model, self.optimizer, None, micro_batches, loss_fn, **kw)
@@ -241,7 +301,7 @@ class RolloutWorker:
         for start in range(0, len(mine), batch_size):
             trajs = self.make_trajectories(mine[start:start + batch_size], 1)
             loop.run_rollout(self.engine, self.tokenizer, self.client.search, trajs, self.val_settings)
-            for tr, sc in zip(trajs, ppo.score_trajectories(trajs, self.tokenizer, self.cfg.algo)):
+            for tr, sc in zip(trajs, losses.score_trajectories(trajs, self.tokenizer, self.cfg.algo)):
                 if len(samples) < n_samples:
                     samples.append(reports.eval_sample(self.tokenizer, tr, sc))
                 records.append(reports.eval_record(tr, sc))

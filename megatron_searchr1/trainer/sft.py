@@ -6,7 +6,7 @@ Data: a LLaMA-Factory-style `dataset_info.json` naming alpaca or sharegpt files 
 tokenized segment by segment exactly as the rollout produces it (prompt, assistant turns, observations inline), so
 SFT trains on the token sequences RL later samples; the loss mask is 1 on assistant tokens only (the prompt and the
 `<information>` blocks are masked, as Search-R1's SFT does).
-Training: token-budget micro-batches through Megatron's pipeline schedule (workers/schedule.py), token-mean NLL
+Training: token-budget micro-batches through Megatron's pipeline schedule (megatron/schedule.py), token-mean NLL
 over each global batch, Adam with warmup/decay (the RL trainer's setup, trainer/build.py), checkpoints like the RL
 trainer's (its actor subdir is what `model.megatron_ckpt` of the RL config points at), TensorBoard, and an HF
 export at the end.
@@ -46,9 +46,9 @@ from megatron_searchr1.models.forward import unwrap
 from megatron_searchr1.models.freeze import apply_freeze
 from megatron_searchr1.models.lora import apply_lora
 from megatron_searchr1.trainer.build import actor_settings, build_optimizer_from_config, load_tokenizer
-from megatron_searchr1.trainer.roles import Policy
+from megatron_searchr1.trainer.losses import masked_nll_loss, sft_sequence
+from megatron_searchr1.trainer.roles import Policy, build_actor
 from megatron_searchr1.trainer.sources import weights_loader
-from megatron_searchr1.workers.actor import build_actor, masked_nll_loss, sft_sequence
 
 
 def train_sft(cfg: SFTConfig) -> dict:

@@ -57,7 +57,7 @@ def test_whitening_over_shards_equals_whitening_the_whole_batch():
 
 @pytest.mark.slow
 def test_gae_whitening_over_two_gloo_ranks_equals_one_rank():
-    """The same check with a real all-reduce (ppo.dp_sum over gloo) through GAE (issue 20, bug 3)."""
+    """The same check with a real all-reduce (trainer/losses.dp_sum over gloo) through GAE (issue 20, bug 3)."""
     import os
 
     from tests.dist_utils import run_torchrun

@@ -1,11 +1,12 @@
-"""Two gloo ranks whiten halves of one batch with ppo.dp_sum; rank 0 checks the result against the whole batch.
+"""Two gloo ranks whiten halves of one batch with trainer.losses.dp_sum; rank 0 checks against the whole batch.
 
     torchrun --nproc_per_node 2 tests/algo/whiten_dp_script.py
 """
 import torch
 import torch.distributed as dist
 
-from megatron_searchr1 import algo, ppo
+from megatron_searchr1 import algo
+from megatron_searchr1.trainer import losses
 
 
 def main() -> None:
@@ -18,7 +19,7 @@ def main() -> None:
     whole, _ = algo.compute_gae_advantage_return(rewards, values, mask, 0.9, 0.8)
     rows = slice(0, 3) if rank == 0 else slice(3, 6)
     mine, _ = algo.compute_gae_advantage_return(rewards[rows], values[rows], mask[rows], 0.9, 0.8,
-                                                reduce=ppo.dp_sum())
+                                                reduce=losses.dp_sum())
     parts = [None, None]
     dist.all_gather_object(parts, mine)
     if rank == 0:

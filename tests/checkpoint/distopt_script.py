@@ -21,7 +21,7 @@ def build(seed: int, tp: int):
     from megatron_searchr1.megatron.initialize import initialize_megatron
     from megatron_searchr1.megatron.optimizer import build_optimizer
     from megatron_searchr1.models.tiny import TinyModelConfig, build_hf_config
-    from megatron_searchr1.workers.actor import build_actor
+    from megatron_searchr1.trainer.roles import build_actor
 
     initialize_megatron(tp=tp, pp=1, seed=seed)
     cfg = build_hf_config(TinyModelConfig(output_dir="unused", hidden_size=64, intermediate_size=96, num_layers=2,

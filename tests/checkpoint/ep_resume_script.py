@@ -14,7 +14,7 @@ import torch
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from tests.workers.workers_script import ppo_like_loss  # noqa: E402
+from tests.megatron.schedule_script import ppo_like_loss  # noqa: E402
 
 
 def main():
@@ -35,8 +35,8 @@ def main():
     from megatron_searchr1.megatron.initialize import initialize_megatron
     from megatron_searchr1.megatron.optimizer import build_optimizer
     from megatron_searchr1.models.convert import SafetensorsReader, bind_mapping, load_hf_config, load_hf_weights
-    from megatron_searchr1.workers.actor import build_actor
-    from megatron_searchr1.workers.schedule import train_step
+    from megatron_searchr1.trainer.roles import build_actor
+    from megatron_searchr1.megatron.schedule import train_step
 
     initialize_megatron(ep=a.ep, seed=11)
     hf_config = load_hf_config(a.hf_dir)

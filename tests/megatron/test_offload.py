@@ -40,7 +40,7 @@ def _hf_config():
 
 def _actor(dtype, dist_opt, state=None):
     from megatron_searchr1.megatron.optimizer import build_optimizer
-    from megatron_searchr1.workers.actor import build_actor
+    from megatron_searchr1.trainer.roles import build_actor
 
     load = None if state is None else (lambda bare: bare.load_state_dict(state))
     model = build_actor(_hf_config(), params_dtype=dtype, use_distributed_optimizer=dist_opt, load_weights=load)
@@ -99,7 +99,7 @@ def _expected_bytes(model, opt, ref):
 
 @pytest.mark.parametrize("dtype, dist_opt", COMBOS)
 def test_offload_reload_is_bit_identical_and_training_continues_identically(megatron_world, dtype, dist_opt):
-    from megatron_searchr1.workers.actor import build_reference
+    from megatron_searchr1.trainer.roles import build_reference
 
     model, opt = _actor(dtype, dist_opt)
     twin, twin_opt = _actor(dtype, dist_opt, state=model.module.state_dict())
@@ -145,7 +145,7 @@ FLAGS = {"param_offload": {"params"}, "grad_offload": {"grads"}, "optimizer_offl
 @pytest.mark.parametrize("dtype, dist_opt", [(torch.float32, False), (torch.bfloat16, True)])
 def test_each_flag_moves_exactly_its_own_buffers(megatron_world, flag, dtype, dist_opt):
     """One flag on: only its storages are emptied (their exact byte count), every other one keeps its size."""
-    from megatron_searchr1.workers.actor import build_reference
+    from megatron_searchr1.trainer.roles import build_reference
 
     model, opt = _actor(dtype, dist_opt)
     _step(model, opt, seed=1)

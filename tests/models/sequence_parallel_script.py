@@ -33,8 +33,8 @@ def run(cfg, kind: str, result: dict) -> None:
     from megatron_searchr1.megatron.optimizer import build_optimizer
     from megatron_searchr1.models.forward import forward_logits
     from megatron_searchr1.models.gpt import model_settings
-    from megatron_searchr1.workers.actor import build_actor
-    from megatron_searchr1.workers.schedule import train_step
+    from megatron_searchr1.trainer.roles import build_actor
+    from megatron_searchr1.megatron.schedule import train_step
 
     gen = torch.Generator().manual_seed(3)
     ids = torch.randint(0, cfg.vocab_size, (2, 13), generator=gen)  # 13: odd, so SP must pad

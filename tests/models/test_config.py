@@ -142,8 +142,8 @@ def test_models_built_from_one_settings_dict_do_not_share_their_config(megatron_
     """runtime builds the actor, the reference and the critic from one model_settings dict; wrap_ddp writes each
     model's DDP hooks into its config, so a shared config would give the actor the critic's no_sync (on GPUs, where
     gradient reduction overlaps backward, its micro-batches would reduce early)."""
-    from megatron_searchr1.workers.actor import build_actor, build_reference
-    from megatron_searchr1.workers.critic import build_critic
+    from megatron_searchr1.trainer.roles import build_actor, build_reference
+    from megatron_searchr1.trainer.roles import build_critic
 
     cfg = tiny_config("qwen2")
     settings = model_settings(cfg, tp=1, pp=1, params_dtype=torch.float32)

@@ -24,7 +24,7 @@ def main(argv):
     from megatron_searchr1.models.forward import unwrap
     from megatron_searchr1.trainer.rl import Trainer
     from megatron_searchr1.trainer.sources import weights_loader
-    from megatron_searchr1.workers.actor import build_reference, compute_log_probs
+    from megatron_searchr1.trainer.roles import Policy, build_reference
 
     cfg = parse(argv)
     check_retrieval(cfg)
@@ -49,7 +49,7 @@ def main(argv):
         seqs = [TrainSequence(prompt_ids=torch.randint(0, vocab, (6,), generator=g).tolist(),
                               response_ids=torch.randint(0, vocab, (10,), generator=g).tolist(),
                               loss_mask=torch.ones(10)) for _ in range(4)]
-        base_lp = compute_log_probs(base, seqs, max_tokens_per_micro_batch=1024)
+        base_lp = Policy(base).log_probs(seqs, max_tokens_per_micro_batch=1024)
         ref_lp = reference.log_probs(seqs, 1024, 1.0)
         actor_lp = policy.log_probs(seqs, 1024, 1.0)
         gap = lambda xs: max((x - b).abs().max().item() for x, b in zip(xs, base_lp))  # noqa: E731

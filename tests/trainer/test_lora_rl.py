@@ -88,7 +88,7 @@ def _lora_policy(cfg, hf_dir, seed=0):
     from megatron_searchr1.trainer.build import build_optimizer_from_config
     from megatron_searchr1.trainer.roles import Policy
     from megatron_searchr1.trainer.sources import weights_loader
-    from megatron_searchr1.workers.actor import build_actor
+    from megatron_searchr1.trainer.roles import build_actor
 
     load = weights_loader(cfg, hf_dir)
 
@@ -117,7 +117,7 @@ def _seqs(cfg, n=3):
 def test_reference_is_the_base_model_without_a_second_copy(tmp_path, megatron_tp1):
     from megatron_searchr1.models.lora import lora_parameters
     from megatron_searchr1.trainer.roles import AdaptersOffReference
-    from megatron_searchr1.workers.actor import build_reference, compute_log_probs
+    from megatron_searchr1.trainer.roles import Policy, build_reference
 
     cfg, _, hf_dir = save_hf(tmp_path)
     policy, settings, load = _lora_policy(cfg, hf_dir)
@@ -125,7 +125,7 @@ def test_reference_is_the_base_model_without_a_second_copy(tmp_path, megatron_tp
     base = build_reference(cfg, **settings, load_weights=load)  # what the reference was before LoRA RL
     seqs = _seqs(cfg)
     ref_lp = reference.log_probs(seqs, 512, 1.0)
-    base_lp = compute_log_probs(base, seqs, max_tokens_per_micro_batch=512)
+    base_lp = Policy(base).log_probs(seqs, max_tokens_per_micro_batch=512)
     actor_lp = policy.log_probs(seqs, 512, 1.0)
     assert all(torch.equal(r, b) for r, b in zip(ref_lp, base_lp))
     assert max((a - b).abs().max().item() for a, b in zip(actor_lp, base_lp)) > 1e-3  # the adapters matter
@@ -154,7 +154,7 @@ def test_lora_checkpoint_holds_the_adapters_and_their_optimizer_state(tmp_path, 
     next step equals the saved actor's next step. The checkpoint has no base tensors and no converter metadata."""
     from megatron_searchr1.checkpoint import load_checkpoint, save_checkpoint
     from megatron_searchr1.models.lora import gather_adapter_state
-    from megatron_searchr1.workers.actor import masked_nll_loss, sft_sequence
+    from megatron_searchr1.trainer.losses import masked_nll_loss, sft_sequence
     from megatron_searchr1.megatron.batching import make_micro_batches
 
     cfg, _, hf_dir = save_hf(tmp_path)

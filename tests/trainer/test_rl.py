@@ -21,7 +21,7 @@ class _Sched:
 def test_critic_warmup_matches_verl(monkeypatch, warmup, actor_steps):
     """verl (ray_trainer.fit, global_steps from 1) updates the actor when critic_warmup <= global_steps: warmup k
     gives k - 1 critic-only steps; the critic trains every step (issue 20, bug 8)."""
-    import megatron_searchr1.workers.schedule as schedule
+    import megatron_searchr1.megatron.schedule as schedule
 
     calls = []
     monkeypatch.setattr(schedule, "train_step", lambda model, *a, **kw: calls.append(model) or {"loss": 0.0})
@@ -46,7 +46,7 @@ def test_critic_warmup_matches_verl(monkeypatch, warmup, actor_steps):
 def test_the_actor_update_computes_a_differentiable_entropy_only_for_an_entropy_bonus(monkeypatch, coeff):
     """At entropy_coeff 0 the actor's update asks for the entropy as a detached metric (no second vocabulary-sized
     tensor kept for backward, issue 19); with a bonus, for the entropy with its gradient."""
-    import megatron_searchr1.workers.schedule as schedule
+    import megatron_searchr1.megatron.schedule as schedule
 
     seen = {}
     monkeypatch.setattr(schedule, "train_step", lambda model, *a, **kw: seen.update({model: kw}) or {"loss": 0.0})

@@ -56,7 +56,7 @@ def _run_ranks(engine_tp, monkeypatch, body):
         return RolloutStats()
 
     monkeypatch.setattr(loop, "run_rollout", run_rollout)
-    monkeypatch.setattr(roles.ppo, "score_trajectories",
+    monkeypatch.setattr(roles.losses, "score_trajectories",
                         lambda trajs, tok, cfg: [{"score": 1.0, "em": 1.0, "subem": 1.0, "f1": 1.0} for _ in trajs])
     cfg = load_config(None, [f"parallel.tp={TP}", f"parallel.pp={PP}", f"rollout.engine_tp={engine_tp}"])
     out, errors = {}, []

@@ -201,7 +201,7 @@ def test_megatron_refuses_a_stacked_subset_and_resume_needs_the_same_set(freeze_
     from megatron_searchr1.models.convert import bind_mapping, load_hf_config
     from megatron_searchr1.models.forward import unwrap
     from megatron_searchr1.models.freeze import FreezeSettings, apply_freeze
-    from megatron_searchr1.workers.actor import build_actor
+    from megatron_searchr1.trainer.roles import build_actor
 
     hf_dir = str(root / "Qwen3-tiny")
     cfg = load_hf_config(hf_dir)

@@ -3,7 +3,7 @@
 """LoRA vs full fine-tuning on Megatron, side by side in one process: gradient + optimizer bytes and step time.
 
 Both runs build the same random Qwen3-shaped model (models/gpt.py, local spec, TP=1) and train it on the same
-random token batches through the trainers' step (workers/schedule.py, Megatron DDP + Adam): `full` with every weight
+random token batches through the trainers' step (megatron/schedule.py, Megatron DDP + Adam): `full` with every weight
 trainable, `lora` after models/lora.py's apply_lora (base frozen, adapters on every decoder linear). Measured:
   * gradient bytes: Megatron DDP's gradient buffers (fp32, only trainable parameters get one);
   * optimizer bytes: every tensor of Adam's state (exp_avg, exp_avg_sq) plus the fp32 master copies of a bf16 model;
@@ -61,8 +61,8 @@ def measure(kind: str, args, batches) -> dict:
     from megatron_searchr1.megatron.optimizer import build_optimizer, wrap_ddp
     from megatron_searchr1.models.gpt import build_gpt_model
     from megatron_searchr1.models.lora import LoraSettings, apply_lora
-    from megatron_searchr1.workers import schedule
-    from megatron_searchr1.workers.actor import masked_nll_loss, sft_sequence
+    from megatron_searchr1.megatron import schedule
+    from megatron_searchr1.trainer.losses import masked_nll_loss, sft_sequence
 
     torch.manual_seed(0)
     hf = Qwen3Config(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=2 * args.hidden,

@@ -1,6 +1,6 @@
-"""torchrun worker for tests/workers/test_workers.py: log-probs, entropy, values, gradients and a few steps.
+"""torchrun worker for tests/megatron/test_schedule.py: log-probs, entropy, values, gradients and a few steps.
 
-    torchrun --standalone --nproc_per_node 2 tests/workers/workers_script.py --hf-dir DIR --tp 2 --out OUT.pt
+    torchrun --standalone --nproc_per_node 2 tests/megatron/schedule_script.py --hf-dir DIR --tp 2 --out OUT.pt
 
 Every layout (TP, PP, DP from the world size) computes, on the same fixed sequences:
   * log-probs + entropy (temperature 0.7) per response token and critic values (value head set to fixed numbers);
@@ -93,10 +93,9 @@ def main():
     from megatron_searchr1.megatron.batching import make_micro_batches
     from megatron_searchr1.megatron.optimizer import build_optimizer
     from megatron_searchr1.models.convert import SafetensorsReader, bind_mapping, load_hf_config, load_hf_weights
-    from megatron_searchr1.workers.actor import (build_actor, build_reference, compute_log_probs, masked_nll_loss,
-                                                 sft_sequence)
-    from megatron_searchr1.workers.critic import build_critic, compute_values
-    from megatron_searchr1.workers.schedule import forward_backward, train_step
+    from megatron_searchr1.trainer.losses import masked_nll_loss, sft_sequence
+    from megatron_searchr1.trainer.roles import Critic, Policy, build_actor, build_critic, build_reference
+    from megatron_searchr1.megatron.schedule import forward_backward, train_step
 
     hf_config = load_hf_config(args.hf_dir)
     reader = SafetensorsReader(args.hf_dir)
@@ -109,7 +108,7 @@ def main():
 
     # Forward-only: the frozen reference path (no DDP) and the critic.
     ref = build_reference(hf_config, load_weights=load)
-    lp, ent = compute_log_probs(ref, seqs, max_tokens_per_micro_batch=40, temperature=0.7, with_entropy=True)
+    lp, ent = Policy(ref).log_probs(seqs, max_tokens_per_micro_batch=40, temperature=0.7, with_entropy=True)
     result["log_probs"], result["entropy"] = lp, ent
     critic = build_critic(hf_config, load_weights=load)
     head = getattr(critic.module, "value_head", None)
@@ -118,7 +117,7 @@ def main():
             g = torch.Generator().manual_seed(3)
             head.weight.copy_(torch.randn(head.weight.shape, generator=g))
             head.bias.fill_(0.5)
-    result["values"] = compute_values(critic, seqs, max_tokens_per_micro_batch=40)
+    result["values"] = Critic(critic).values(seqs, max_tokens_per_micro_batch=40)
     del critic, ref
 
     # Gradients: one micro-batch vs three, on this DP rank's share.

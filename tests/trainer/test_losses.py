@@ -1,13 +1,15 @@
-"""ppo.py: trajectories -> sequences -> advantages, and the loss callbacks' share of the mini-batch loss."""
+"""trainer/losses.py: trajectories -> sequences -> advantages, and the loss callbacks' share of the mini-batch loss."""
 import dataclasses
+import doctest
 
 import pytest
 import torch
 
-from megatron_searchr1 import algo, ppo
+from megatron_searchr1 import algo
 from megatron_searchr1.config import AlgoConfig
 from megatron_searchr1.megatron.batching import make_micro_batches
 from megatron_searchr1.rollout.loop import Trajectory
+from megatron_searchr1.trainer import losses
 from tests.fake_dp import run_ranks
 
 
@@ -22,18 +24,18 @@ def _traj(uid, gen, obs, finish="answer"):
 
 def test_sequences_mask_failed_searches_and_keep_engine_logprobs():
     ok, bad = _traj("a", [5, 6], [7, 8, 9]), _traj("a", [5], [7], finish="search_error")
-    seqs = ppo.to_sequences([ok, bad])
+    seqs = losses.to_sequences([ok, bad])
     assert seqs[0].loss_mask.tolist() == [1, 1, 0, 0, 0, 1, 1]
     assert seqs[0].engine_log_probs.tolist() == [-0.5, -0.5, 0, 0, 0, -0.25, -0.25]
     assert seqs[1].loss_mask.sum() == 0  # a failed search teaches nothing
-    assert ppo.to_sequences([bad], drop_search_errors=False)[0].loss_mask.sum() == 2
+    assert losses.to_sequences([bad], drop_search_errors=False)[0].loss_mask.sum() == 2
 
 
 def test_grpo_advantages_per_group_and_masked_rows_out_of_the_baseline():
     trajs = [_traj("g1", [5, 6], [7]), _traj("g1", [5, 6], [7]), _traj("g2", [5], [7]), _traj("g2", [5], [7]),
              _traj("g1", [5], [7], finish="search_error")]
-    seqs = ppo.to_sequences(trajs)
-    metrics = ppo.add_advantages(seqs, [1.0, 0.0, 1.0, 1.0, 0.0], [t.uid for t in trajs], AlgoConfig())
+    seqs = losses.to_sequences(trajs)
+    metrics = losses.add_advantages(seqs, [1.0, 0.0, 1.0, 1.0, 0.0], [t.uid for t in trajs], AlgoConfig())
     a0, a1 = seqs[0].advantages, seqs[1].advantages
     # group g1 = {1, 0}: mean 0.5, unbiased std 0.7071 -> +-0.7071 on generated tokens, 0 on the observation
     assert torch.allclose(a0, torch.tensor([0.7071, 0.7071, 0, 0.7071, 0.7071]), atol=1e-3)
@@ -56,13 +58,13 @@ def _micro_batches(seqs, budget=10_000):
 def test_actor_loss_shares_add_up_to_the_mini_batch_token_mean():
     torch.manual_seed(0)
     trajs = [_traj("g", [5, 6, 7][: k + 1], [8] * (k + 1)) for k in range(3)]
-    seqs = ppo.to_sequences(trajs)
+    seqs = losses.to_sequences(trajs)
     for s in seqs:
         R = len(s.response_ids)
         s.old_log_probs, s.ref_log_probs, s.advantages = -torch.rand(R), -torch.rand(R), torch.randn(R)
     new = [-torch.rand(len(s.response_ids)) for s in seqs]
     cfg = AlgoConfig(kl_loss_coef=0.1)
-    loss_fn = ppo.actor_loss_fn(cfg)
+    loss_fn = losses.actor_loss_fn(cfg)
 
     def total(budget):
         out = 0.0
@@ -74,9 +76,9 @@ def test_actor_loss_shares_add_up_to_the_mini_batch_token_mean():
         return out
 
     # the whole batch's token-mean, computed directly
-    mask = ppo.pad_rows([s.loss_mask for s in seqs])
-    old, ref = ppo.pad_rows([s.old_log_probs for s in seqs]), ppo.pad_rows([s.ref_log_probs for s in seqs])
-    adv, lp = ppo.pad_rows([s.advantages for s in seqs]), ppo.pad_rows(new)
+    mask = losses.pad_rows([s.loss_mask for s in seqs])
+    old, ref = losses.pad_rows([s.old_log_probs for s in seqs]), losses.pad_rows([s.ref_log_probs for s in seqs])
+    adv, lp = losses.pad_rows([s.advantages for s in seqs]), losses.pad_rows(new)
     expected = float(algo.compute_policy_loss(old, lp, adv, mask, 0.2)[0]
                      + 0.1 * algo.agg_loss(algo.kl_penalty(lp, ref, "low_var_kl"), mask, "token-mean"))
     assert total(10_000) == pytest.approx(expected, abs=1e-6)  # one micro-batch
@@ -84,16 +86,16 @@ def test_actor_loss_shares_add_up_to_the_mini_batch_token_mean():
 
 
 def test_logprob_gap_counts_generated_tokens_only():
-    seqs = ppo.to_sequences([_traj("a", [5, 6], [7, 8])])
+    seqs = losses.to_sequences([_traj("a", [5, 6], [7, 8])])
     seqs[0].old_log_probs = seqs[0].engine_log_probs + torch.tensor([0.1, 0.1, 9, 9, 0.1, 0.1])
-    assert ppo.logprob_gap(seqs) == pytest.approx(0.1)
+    assert losses.logprob_gap(seqs) == pytest.approx(0.1)
 
 
 def test_on_policy_loss_takes_its_own_log_probs_as_old_with_the_same_gradient():
     """Without `old_log_probs` (Trainer.on_policy) the loss and its gradient equal those of a separate old-log-prob
     pass on the same weights, and the pass reports the engine gap from its own forward."""
     torch.manual_seed(0)
-    seqs = ppo.to_sequences([_traj("g", [5, 6, 7][: k + 1], [8] * (k + 1)) for k in range(3)])
+    seqs = losses.to_sequences([_traj("g", [5, 6, 7][: k + 1], [8] * (k + 1)) for k in range(3)])
     for s in seqs:
         s.advantages = torch.randn(len(s.response_ids))
     new = [-torch.rand(len(s.response_ids)) for s in seqs]
@@ -106,7 +108,7 @@ def test_on_policy_loss_takes_its_own_log_probs_as_old_with_the_same_gradient():
         for row, i in enumerate(mb.indices):
             lp[row, : len(new[i])] = new[i]
         lp.requires_grad_(True)
-        loss, metrics = ppo.actor_loss_fn(AlgoConfig(use_kl_loss=False), engine_gap=True)({"log_probs": lp}, mb)
+        loss, metrics = losses.actor_loss_fn(AlgoConfig(use_kl_loss=False), engine_gap=True)({"log_probs": lp}, mb)
         loss.backward()
         return float(loss.detach()), lp.grad, metrics
 
@@ -117,7 +119,7 @@ def test_on_policy_loss_takes_its_own_log_probs_as_old_with_the_same_gradient():
     assert "logprob_gap_engine" not in m_old
     for s, lp in zip(seqs, new):
         s.old_log_probs = lp
-    assert float(m_on["logprob_gap_engine"]) == pytest.approx(ppo.logprob_gap(seqs), abs=1e-6)
+    assert float(m_on["logprob_gap_engine"]) == pytest.approx(losses.logprob_gap(seqs), abs=1e-6)
 
 
 # ---------------------------------------------------------------------------------------- issue 20: DP and failures
@@ -125,7 +127,7 @@ def _batch(seed=0, n=8):
     """n trajectories in groups of 2, random scores, values and old/ref log-probs."""
     g = torch.Generator().manual_seed(seed)
     trajs = [_traj(f"g{i // 2}", [5, 6, 7][: 1 + i % 3], [8] * (1 + i % 2)) for i in range(n)]
-    seqs = ppo.to_sequences(trajs)
+    seqs = losses.to_sequences(trajs)
     for s in seqs:
         R = len(s.response_ids)
         s.values, s.old_log_probs = torch.randn(R, generator=g), -torch.rand(R, generator=g)
@@ -147,9 +149,9 @@ def test_dp2_whitened_advantages_equal_dp1_on_the_same_batch(estimator):
     cfg = AlgoConfig(adv_estimator=estimator, use_kl_loss=False, use_kl_in_reward=True, gamma=0.9, lam=0.8)
     kl = algo.FixedKLController(0.1)
     whole = _clone(seqs)
-    m1 = ppo.add_advantages(whole, scores, [t.uid for t in trajs], cfg, kl)
+    m1 = losses.add_advantages(whole, scores, [t.uid for t in trajs], cfg, kl)
     halves = [_clone(seqs[:4]), _clone(seqs[4:])]
-    ms = run_ranks([lambda reduce, k=k: ppo.add_advantages(halves[k], scores[4 * k: 4 * k + 4],
+    ms = run_ranks([lambda reduce, k=k: losses.add_advantages(halves[k], scores[4 * k: 4 * k + 4],
                                                           [t.uid for t in trajs[4 * k: 4 * k + 4]], cfg, kl,
                                                           reduce=reduce) for k in range(2)])
     for a, b in zip(whole, halves[0] + halves[1]):
@@ -159,7 +161,7 @@ def test_dp2_whitened_advantages_equal_dp1_on_the_same_batch(estimator):
         assert ms[0][key] == pytest.approx(m1[key], abs=1e-6), key
     # per-rank whitening (what main did) differs
     alone = _clone(seqs[:4])
-    ppo.add_advantages(alone, scores[:4], [t.uid for t in trajs[:4]], cfg, kl)
+    losses.add_advantages(alone, scores[:4], [t.uid for t in trajs[:4]], cfg, kl)
     assert not all(torch.allclose(x.advantages, y.advantages, atol=1e-3) for x, y in zip(alone, whole[:4]))
 
 
@@ -170,12 +172,12 @@ def test_a_rank_whose_searches_all_failed_logs_the_same_keys_and_takes_part(esti
     trajs, seqs, scores = _batch()
     for t in trajs[4:]:
         t.finish_reason = "search_error"
-    seqs = ppo.to_sequences(trajs)
+    seqs = losses.to_sequences(trajs)
     for s, src in zip(seqs, _batch()[1]):
         s.values, s.old_log_probs, s.ref_log_probs = src.values, src.old_log_probs, src.ref_log_probs
     cfg = AlgoConfig(adv_estimator=estimator)
     halves = [seqs[:4], seqs[4:]]
-    ms = run_ranks([lambda reduce, k=k: ppo.add_advantages(halves[k], scores[4 * k: 4 * k + 4],
+    ms = run_ranks([lambda reduce, k=k: losses.add_advantages(halves[k], scores[4 * k: 4 * k + 4],
                                                           [t.uid for t in trajs[4 * k: 4 * k + 4]], cfg,
                                                           reduce=reduce) for k in range(2)], timeout=10)
     assert sorted(ms[0]) == sorted(ms[1]) and ms[0] == ms[1]
@@ -190,8 +192,8 @@ def test_a_sample_left_alone_in_its_group_gets_no_advantage():
     trajs = [_traj("a", [5, 6], [7]), _traj("a", [5, 6], [7], finish="search_error"),
              _traj("b", [5], [7]), _traj("b", [5], [7])]
     for est in ("grpo", "rloo"):
-        seqs = ppo.to_sequences(trajs)
-        m = ppo.add_advantages(seqs, [1.0, 0.0, 1.0, 0.0], [t.uid for t in trajs], AlgoConfig(adv_estimator=est))
+        seqs = losses.to_sequences(trajs)
+        m = losses.add_advantages(seqs, [1.0, 0.0, 1.0, 0.0], [t.uid for t in trajs], AlgoConfig(adv_estimator=est))
         assert seqs[0].advantages.abs().sum() == 0 and seqs[0].returns.abs().sum() == 0
         assert seqs[2].advantages.abs().sum() > 0  # a full group still learns
         assert m["train/lone_samples"] == 1 and m["train/dropped_trajectories"] == 1
@@ -207,7 +209,7 @@ def test_seq_mean_losses_do_not_depend_on_packing_with_fully_masked_rows(mode):
     torch.manual_seed(0)
     trajs = [_traj("g", [5, 6, 7][: k % 3 + 1], [8] * (k + 1)) for k in range(4)]
     trajs[1].finish_reason = "search_error"
-    seqs = ppo.to_sequences(trajs)
+    seqs = losses.to_sequences(trajs)
     for s in seqs:
         R = len(s.response_ids)
         s.old_log_probs, s.ref_log_probs, s.advantages = -torch.rand(R), -torch.rand(R), torch.randn(R)
@@ -224,17 +226,18 @@ def test_seq_mean_losses_do_not_depend_on_packing_with_fully_masked_rows(mode):
             out += float(loss_fn({key: x}, mb)[0])
         return out
 
-    for loss_fn, key in ((ppo.actor_loss_fn(cfg), "log_probs"), (ppo.critic_loss_fn(cfg), "values")):
+    for loss_fn, key in ((losses.actor_loss_fn(cfg), "log_probs"), (losses.critic_loss_fn(cfg), "values")):
         packed, one_each = total(loss_fn, key, 10_000), total(loss_fn, key, 16)
         assert one_each == pytest.approx(packed, abs=1e-6), key
     # and it is sum(per-row loss) / all 4 rows (verl's seq-mean over the mini-batch size): agg_loss over the 3 rows
     # with tokens, times 3/4
-    mask = ppo.pad_rows([s.loss_mask for s in seqs])
-    old, ref, adv = (ppo.pad_rows([getattr(s, k) for s in seqs]) for k in ("old_log_probs", "ref_log_probs", "advantages"))
-    lp = ppo.pad_rows(new)
+    mask = losses.pad_rows([s.loss_mask for s in seqs])
+    old, ref, adv = (losses.pad_rows([getattr(s, k) for s in seqs])
+                     for k in ("old_log_probs", "ref_log_probs", "advantages"))
+    lp = losses.pad_rows(new)
     expected = float(algo.compute_policy_loss(old, lp, adv, mask, 0.2, loss_agg_mode=mode)[0]
                      + 0.1 * algo.agg_loss(algo.kl_penalty(lp, ref, "low_var_kl"), mask, mode)) * 3 / 4
-    assert total(ppo.actor_loss_fn(cfg), "log_probs", 10_000) == pytest.approx(expected, abs=1e-6)
+    assert total(losses.actor_loss_fn(cfg), "log_probs", 10_000) == pytest.approx(expected, abs=1e-6)
 
 
 class _CharTok:
@@ -266,7 +269,7 @@ def test_the_reward_reads_only_what_the_model_generated():
     answered.finish("answer")
     assert "<answer>" not in generated_text(tok, never)
     assert generated_text(tok, answered) == "<think> x </think><answer> Lyon </answer>"
-    scores = ppo.score_trajectories([never, answered], tok, AlgoConfig(format_score=0.2))
+    scores = losses.score_trajectories([never, answered], tok, AlgoConfig(format_score=0.2))
     assert scores[0]["score"] == 0.0  # no answer: not even the format score
     assert scores[1]["score"] == pytest.approx(0.2)  # answered, wrongly: the format score
 
@@ -279,7 +282,7 @@ def test_entropy_at_coefficient_zero_is_a_metric_and_the_loss_and_gradient_are_u
     from megatron_searchr1.megatron.vocab_parallel import vocab_parallel_log_probs
 
     torch.manual_seed(0)
-    seqs = ppo.to_sequences([_traj("g", [5, 6, 7][: k + 1], [8] * (k + 1)) for k in range(3)])
+    seqs = losses.to_sequences([_traj("g", [5, 6, 7][: k + 1], [8] * (k + 1)) for k in range(3)])
     for s in seqs:
         s.advantages = torch.randn(len(s.response_ids))
     (mb,) = _micro_batches(seqs)
@@ -291,7 +294,7 @@ def test_entropy_at_coefficient_zero_is_a_metric_and_the_loss_and_gradient_are_u
         x = logits.clone().requires_grad_(True)
         lp, ent = vocab_parallel_log_probs(x, targets, real_vocab_size=40, with_entropy=True,
                                            entropy_grad=entropy_grad)
-        loss, metrics = ppo.actor_loss_fn(cfg)({"log_probs": lp, "entropy": ent}, mb)
+        loss, metrics = losses.actor_loss_fn(cfg)({"log_probs": lp, "entropy": ent}, mb)
         loss.backward()
         return loss.detach(), x.grad, metrics
 
@@ -303,3 +306,7 @@ def test_entropy_at_coefficient_zero_is_a_metric_and_the_loss_and_gradient_are_u
     else:
         expected = float(m_full["pg_loss"] - coeff * m_full["entropy"]) * mb.loss_token_weight
         assert float(loss_full) == pytest.approx(expected, abs=1e-7)
+
+
+def test_doctests():
+    assert doctest.testmod(losses).failed == 0

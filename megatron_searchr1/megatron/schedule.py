@@ -46,7 +46,7 @@ from megatron_searchr1.collectives import collective_device
 from megatron_searchr1.megatron.batching import MicroBatch, restore_order
 from megatron_searchr1.megatron.moe_metrics import moe_step_metrics, start_moe_step
 from megatron_searchr1.megatron.optimizer import current_lr
-from megatron_searchr1.workers.outputs import is_critic, model_outputs, unwrap
+from megatron_searchr1.megatron.outputs import is_critic, model_outputs, unwrap
 
 LossFn = Callable[[dict, MicroBatch], tuple[torch.Tensor, dict]]
 

@@ -1,6 +1,7 @@
-"""Megatron workers end to end on a tiny Qwen2 (vocab 300: padded to 384 at TP=1, 512 at TP=2), real torchrun runs.
+"""megatron/schedule.py and the roles' forwards (trainer/roles.py) end to end on a tiny Qwen2 (vocab 300: padded
+to 384 at TP=1, 512 at TP=2), real torchrun runs.
 
-One launch per layout (workers_script.py computes everything), results compared here:
+One launch per layout (schedule_script.py computes everything), results compared here:
   * log-probs and entropy (temperature 0.7) at TP=1 equal HF's log_softmax; TP=2, PP=2 and DP=2 equal TP=1;
     critic values too (PP=2: results broadcast from the last stage, rank 0 is the first stage);
   * the gradient of a token-mean loss is the same from 1 micro-batch and from 3, and DP=2 (each rank half the
@@ -13,9 +14,9 @@ import pytest
 import torch
 
 from tests.dist_utils import run_torchrun
-from tests.workers.workers_script import VOCAB, make_sequences
+from tests.megatron.schedule_script import VOCAB, make_sequences
 
-SCRIPT = Path(__file__).with_name("workers_script.py")
+SCRIPT = Path(__file__).with_name("schedule_script.py")
 LAYOUTS = {"tp1": (1, ["--train"]), "tp2": (2, ["--tp", "2", "--train"]), "pp2": (2, ["--pp", "2"]), "dp2": (2, [])}
 
 pytestmark = pytest.mark.slow  # each launch takes 15-45 s on a shared 2-core machine

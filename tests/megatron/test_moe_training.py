@@ -1,4 +1,4 @@
-"""An MoE actor trains at expert parallelism (tests/workers/moe_train_script.py under torchrun, gloo): the router
+"""An MoE actor trains at expert parallelism (tests/megatron/moe_train_script.py under torchrun, gloo): the router
 aux loss is part of the actor's gradient and train_step logs the load-balancing metrics (megatron/moe_metrics.py);
 the reference and the critic run MoE trunks."""
 import json

@@ -1,5 +1,5 @@
-# torchrun --standalone --nproc_per_node 2 tests/workers/moe_train_script.py --hf-dir DIR --ep 2
-"""torchrun worker for tests/workers/test_moe_training.py: an MoE actor's training step at EP (gloo).
+# torchrun --standalone --nproc_per_node 2 tests/megatron/moe_train_script.py --hf-dir DIR --ep 2
+"""torchrun worker for tests/megatron/test_moe_training.py: an MoE actor's training step at EP (gloo).
 
 * the router aux loss is in the actor's gradient: with a loss that ignores the outputs (0 * log-probs) the routers
   still get a gradient, and doubling moe_aux_loss_coeff doubles it;
@@ -17,7 +17,7 @@ import torch
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from tests.workers.workers_script import ppo_like_loss  # noqa: E402
+from tests.megatron.schedule_script import ppo_like_loss  # noqa: E402
 
 
 def main():
@@ -33,9 +33,8 @@ def main():
     from megatron_searchr1.megatron.initialize import destroy_megatron, initialize_megatron
     from megatron_searchr1.megatron.optimizer import build_optimizer
     from megatron_searchr1.models.convert import SafetensorsReader, bind_mapping, load_hf_config, load_hf_weights
-    from megatron_searchr1.workers.actor import build_actor, build_reference, compute_log_probs
-    from megatron_searchr1.workers.critic import build_critic, compute_values
-    from megatron_searchr1.workers.schedule import forward_backward, train_step
+    from megatron_searchr1.trainer.roles import Critic, Policy, build_actor, build_critic, build_reference
+    from megatron_searchr1.megatron.schedule import forward_backward, train_step
 
     initialize_megatron(ep=a.ep, seed=11)
     hf_config = load_hf_config(a.hf_dir)
@@ -73,9 +72,9 @@ def main():
     result["metrics"] = {k: v for k, v in metrics.items() if k.startswith("moe/")}
     ref = build_reference(hf_config, load_weights=load)
     result["ref_log_probs_finite"] = all(bool(torch.isfinite(t).all()) for t in
-                                         compute_log_probs(ref, seqs, max_tokens_per_micro_batch=24))
+                                         Policy(ref).log_probs(seqs, max_tokens_per_micro_batch=24))
     critic = build_critic(hf_config, load_weights=load)
-    result["critic_values"] = len(compute_values(critic, seqs, max_tokens_per_micro_batch=24))
+    result["critic_values"] = len(Critic(critic).values(seqs, max_tokens_per_micro_batch=24))
     if dist.get_rank() == 0:
         print("RESULT " + json.dumps(result), flush=True)
     destroy_megatron()

@@ -1,14 +1,21 @@
-"""From finished trajectories to PPO/GRPO training data: rewards, advantages, and the actor/critic loss callbacks.
+"""The trainers' data and losses: trajectories and SFT examples as sequences, rewards, advantages, and every loss
+callback (PPO actor, clipped value, SFT NLL).
 
     seqs = to_sequences(trajs)                                      # TrainSequence records (megatron/batching.py)
     scores = score_trajectories(trajs, tokenizer, cfg.algo)         # EM on the response, routed by data_source
     add_advantages(seqs, scores, cfg.algo, kl_ctrl)                 # advantages/returns (+ token rewards)
-    train_step(actor, opt, None, mbs, actor_loss_fn(cfg.algo), ...) # workers/schedule.py
+    policy.update(mbs, actor_loss_fn(cfg.algo), ...)                # trainer/roles.py -> megatron/schedule.py
+    critic.update(mbs, critic_loss_fn(cfg.algo))
+    policy.update(mbs, masked_nll_loss, step_scheduler=True)        # SFT, on [sft_sequence(ids, mask), ...]
 
 The per-token arithmetic is algo/'s pure functions; this module lays trajectories out as (B, T) tensors for them and
-back, and writes the loss callbacks in the workers' contract (a micro-batch's contribution to the mini-batch
-loss, see workers/schedule.py). Masks: `loss_mask` is 1 on generated tokens, 0 on observations; every
+back, and writes the loss callbacks in the schedule's contract (a micro-batch's contribution to the mini-batch
+loss, see megatron/schedule.py). Masks: `loss_mask` is 1 on generated tokens, 0 on observations; every
 token-level quantity uses it (algo/__init__.py).
+
+SFT uses the same step. Each example becomes a sequence whose "prompt" is its first token and whose "response" is
+the rest (`sft_sequence`), so log-probs cover every token after the first and masked_nll_loss is the token-mean NLL
+over the loss-mask tokens. (Keeping the real prompt as the prompt works the same way and skips its log-probs.)
 """
 from __future__ import annotations
 
@@ -19,7 +26,7 @@ import torch
 
 from megatron_searchr1 import algo
 from megatron_searchr1.config import AlgoConfig
-from megatron_searchr1.megatron.batching import TrainSequence
+from megatron_searchr1.megatron.batching import MicroBatch, TrainSequence
 from megatron_searchr1.rollout.loop import Trajectory, generated_text
 
 
@@ -37,7 +44,7 @@ def unpad_rows(mat: torch.Tensor, lengths: Sequence[int]) -> list[torch.Tensor]:
 
 
 def to_sequences(trajs: Sequence[Trajectory], drop_search_errors: bool = True) -> list[TrainSequence]:
-    """Worker sequences; a trajectory that ended in a failed search gets an all-zero loss mask (when asked), since
+    """Training sequences; a trajectory that ended in a failed search gets an all-zero loss mask (when asked), since
     its reward says nothing about the policy."""
     seqs = []
     for t in trajs:
@@ -156,7 +163,7 @@ def add_advantages(seqs: list[TrainSequence], scores: Sequence[float], group_ids
 
 
 def _weight(mb, mode: str) -> float:
-    """This micro-batch's share of the mini-batch loss (workers/schedule.py's contract).
+    """This micro-batch's share of the mini-batch loss (megatron/schedule.py's contract).
 
     token-mean: its share of the mini-batch's loss tokens. seq-mean-*: `agg_loss` averages over the rows of this
     micro-batch that have a loss token, so the share is that row count over the mini-batch's rows (all DP ranks):
@@ -170,11 +177,11 @@ def _weight(mb, mode: str) -> float:
 
 
 def actor_loss_fn(cfg: AlgoConfig, engine_gap: bool = False):
-    """PPO clipped policy loss (+ KL to the reference, - entropy bonus) for workers.train_step.
+    """PPO clipped policy loss (+ KL to the reference, - entropy bonus) for Policy.update (schedule.train_step).
 
     Micro-batches without `old_log_probs` are on-policy (the step's only update, see Trainer.on_policy): the
     model has not moved since the rollout, so the old log-probs are this forward's own, detached. With
-    `engine_gap` such a pass also reports `logprob_gap_engine` (ppo.logprob_gap, from this forward)."""
+    `engine_gap` such a pass also reports `logprob_gap_engine` (logprob_gap, from this forward)."""
 
     def loss_fn(outputs: dict, mb):
         mask = mb["loss_mask"]                                                   # (b, R)
@@ -206,7 +213,7 @@ def actor_loss_fn(cfg: AlgoConfig, engine_gap: bool = False):
 
 
 def critic_loss_fn(cfg: AlgoConfig):
-    """Clipped value loss for workers.train_step (outputs["values"]: (b, R))."""
+    """Clipped value loss for Critic.update (outputs["values"]: (b, R))."""
 
     def loss_fn(outputs: dict, mb):
         vf_loss, vf_clipfrac = algo.compute_value_loss(outputs["values"], mb["returns"], mb["values"],
@@ -232,3 +239,24 @@ def _gap_sums(engine_log_probs: torch.Tensor, log_probs: torch.Tensor, mask: tor
     on-policy update's own report."""
     m = mask.to(log_probs.dtype)
     return ((engine_log_probs - log_probs).abs() * m).sum(), m.sum()
+
+
+def sft_sequence(token_ids, loss_mask) -> TrainSequence:
+    """One SFT example as a training sequence: prompt = the first token, response = the rest (with its mask).
+
+    >>> s = sft_sequence([5, 6, 7], [0, 1, 1]); s.prompt_ids, s.response_ids, s.loss_mask.tolist()
+    ([5], [6, 7], [1.0, 1.0])
+    """
+    ids = [int(t) for t in token_ids]
+    mask = torch.as_tensor(loss_mask, dtype=torch.float32).reshape(-1)
+    if len(ids) < 2 or mask.numel() != len(ids):
+        raise ValueError(f"an SFT example needs >= 2 tokens and one mask value per token (got {len(ids)} tokens, "
+                         f"{mask.numel()} mask values)")
+    return TrainSequence(prompt_ids=ids[:1], response_ids=ids[1:], loss_mask=mask[1:])
+
+
+def masked_nll_loss(outputs: dict, mb: MicroBatch) -> tuple[torch.Tensor, dict]:
+    """SFT loss_fn: -log p over the loss-mask tokens, this micro-batch's share of the mini-batch token-mean."""
+    mask = mb["loss_mask"]  # (b, R)
+    nll = -(outputs["log_probs"] * mask).sum()
+    return nll / max(mb.global_num_loss_tokens, 1.0), {"nll": nll.detach() / mask.sum().clamp(min=1)}
