@@ -1,6 +1,6 @@
 """Supervised warm-up on Megatron: full-parameter, LoRA or freeze SFT at any TP/PP, loss on the assistant's tokens only.
 
-    metrics = train_sft(cfg)    # every rank; the entry point is megatron_searchr1/sft.py
+    metrics = train_sft(cfg)    # every rank; = SFTTrainer(cfg).fit(); the entry point is megatron_searchr1/sft.py
 
 Data: a LLaMA-Factory-style `dataset_info.json` naming alpaca or sharegpt files (data/sft_data.py). Each example is
 tokenized segment by segment exactly as the rollout produces it (prompt, assistant turns, observations inline), so
@@ -53,118 +53,147 @@ from megatron_searchr1.trainer.sources import weights_loader
 
 def train_sft(cfg: SFTConfig) -> dict:
     """Run SFT; returns the last step's metrics. Every rank calls it."""
-    t, o, d, lora, freeze = cfg.trainer, cfg.optim, cfg.data, cfg.model.lora, cfg.model.freeze
-    initialize_megatron(tp=cfg.parallel.tp, pp=cfg.parallel.pp, seed=t.seed,
-                        timeout_minutes=cfg.parallel.timeout_minutes, sequence_parallel=cfg.parallel.sequence_parallel,
-                        ep=cfg.parallel.ep)
-    rank = dist.get_rank()
-    dp_rank, dp_size = mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size()
-    hf_config = load_hf_config(cfg.model.path)
-    tokenizer = load_tokenizer(cfg.model.path, hf_config)
-    dtype = DTYPES[cfg.model.dtype]
-    if dtype != torch.float32 and not torch.cuda.is_available():
-        if rank == 0:
-            print(f"model.dtype={cfg.model.dtype} (bf16/fp16) needs a GPU: this machine has none, training runs in "
-                  "float32", flush=True)
-        dtype = torch.float32
-    if rank == 0:
-        save_config(cfg, os.path.join(t.output_dir, "config.yaml"))
+    return SFTTrainer(cfg).fit()
 
-    data = load_sft_dataset(d.dataset_dir, list(d.datasets), tokenizer, d.max_length, template=d.template,
-                            max_samples=d.max_samples)
-    if rank == 0:
+
+class SFTTrainer:
+    """The SFT loop in the RL `Trainer`'s shape (trainer/rl.py): build and resume in __init__, then `fit()` runs
+    `step()`s with logging and periodic `save()`s, and ends with a checkpoint, the HF export and the plots."""
+
+    def __init__(self, cfg: SFTConfig):
+        self.cfg = cfg
+        t, d = cfg.trainer, cfg.data
+        initialize_megatron(tp=cfg.parallel.tp, pp=cfg.parallel.pp, seed=t.seed,
+                            timeout_minutes=cfg.parallel.timeout_minutes,
+                            sequence_parallel=cfg.parallel.sequence_parallel, ep=cfg.parallel.ep)
+        self.rank = dist.get_rank()
+        self.dp_rank, self.dp_size = mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size()
+        hf_config = load_hf_config(cfg.model.path)
+        self.tokenizer = load_tokenizer(cfg.model.path, hf_config)
+        dtype = DTYPES[cfg.model.dtype]
+        if dtype != torch.float32 and not torch.cuda.is_available():
+            self.say(f"model.dtype={cfg.model.dtype} (bf16/fp16) needs a GPU: this machine has none, training runs "
+                     "in float32")
+            dtype = torch.float32
+        if self.rank == 0:
+            save_config(cfg, os.path.join(t.output_dir, "config.yaml"))
+
+        data = load_sft_dataset(d.dataset_dir, list(d.datasets), self.tokenizer, d.max_length, template=d.template,
+                                max_samples=d.max_samples)
         dropped = sum(data.dropped_too_long.values())
-        print(f"SFT data: {len(data)} examples from {', '.join(d.datasets)}"
-              + (f" ({dropped} longer than data.max_length={d.max_length} dropped)" if dropped else ""), flush=True)
-    if len(data) < d.batch_size:
-        raise UsageError(f"{len(data)} SFT examples cannot fill one batch of data.batch_size={d.batch_size} (LLaMA-"
-                         "Factory: per_device_train_batch_size * gradient_accumulation_steps * DP size): lower it")
-    seqs = [sft_sequence(ex.input_ids, ex.loss_mask) for ex in data]
-    sampler = PromptSampler(len(seqs), d.batch_size, t.seed, d.shuffle)
-    # epochs: whole batches per pass (the sampler skips an epoch's tail that does not fill one, as drop_last does)
-    total_steps = t.total_steps if t.num_epochs is None else max(1, math.ceil(t.num_epochs * (len(seqs) //
-                                                                                                d.batch_size)))
+        self.say(f"SFT data: {len(data)} examples from {', '.join(d.datasets)}"
+                 + (f" ({dropped} longer than data.max_length={d.max_length} dropped)" if dropped else ""))
+        if len(data) < d.batch_size:
+            raise UsageError(f"{len(data)} SFT examples cannot fill one batch of data.batch_size={d.batch_size} "
+                             "(LLaMA-Factory: per_device_train_batch_size * gradient_accumulation_steps * DP size): "
+                             "lower it")
+        self.seqs = [sft_sequence(ex.input_ids, ex.loss_mask) for ex in data]
+        self.sampler = PromptSampler(len(self.seqs), d.batch_size, t.seed, d.shuffle)
+        # epochs: whole batches per pass (the sampler skips an epoch's tail that does not fill one, as drop_last does)
+        self.total_steps = (t.total_steps if t.num_epochs is None
+                            else max(1, math.ceil(t.num_epochs * (len(self.seqs) // d.batch_size))))
+        self.policy = self._build_policy(hf_config, dtype)
+        self.ckpt_root = os.path.join(t.output_dir, "checkpoints")
+        self.step_no = 0
+        self._resume()
 
-    settings = actor_settings(cfg, hf_config, dtype)
-    source = cfg.model.megatron_ckpt or cfg.model.path
-    load_base = weights_loader(hf_config, source)
+    def say(self, line: str) -> None:
+        if self.rank == 0:
+            print(line, flush=True)
 
-    def load_and_choose_trainable(bare):  # before DDP and the optimizer: they see only what trains
-        load_base(bare)
-        if lora.enabled:
-            apply_lora(bare, lora.settings())
-        elif freeze.enabled:
-            try:
-                apply_freeze(bare, freeze.settings(), bind_mapping(hf_config, bare))
-            except ValueError as e:  # lm_head of a tied model
-                raise UsageError(f"model.{e}") from None
+    def _build_policy(self, hf_config, dtype) -> Policy:
+        cfg = self.cfg
+        lora, freeze = cfg.model.lora, cfg.model.freeze
+        source = cfg.model.megatron_ckpt or cfg.model.path
+        load_base = weights_loader(hf_config, source)
 
-    model = build_actor(hf_config, **settings, load_weights=load_and_choose_trainable,
-                        use_distributed_optimizer=cfg.parallel.use_distributed_optimizer)
-    policy = Policy(model, *build_optimizer_from_config(model, o, total_steps, o.lr),
-                    mapping=bind_mapping(hf_config, unwrap(model)), hf_config=hf_config, hf_dir=cfg.model.path,
-                    dtype=dtype, source=source)
-    if rank == 0:
+        def load_and_choose_trainable(bare):  # before DDP and the optimizer: they see only what trains
+            load_base(bare)
+            if lora.enabled:
+                apply_lora(bare, lora.settings())
+            elif freeze.enabled:
+                try:
+                    apply_freeze(bare, freeze.settings(), bind_mapping(hf_config, bare))
+                except ValueError as e:  # lm_head of a tied model
+                    raise UsageError(f"model.{e}") from None
+
+        model = build_actor(hf_config, **actor_settings(cfg, hf_config, dtype), load_weights=load_and_choose_trainable,
+                            use_distributed_optimizer=cfg.parallel.use_distributed_optimizer)
+        policy = Policy(model, *build_optimizer_from_config(model, cfg.optim, self.total_steps, cfg.optim.lr),
+                        mapping=bind_mapping(hf_config, unwrap(model)), hf_config=hf_config, hf_dir=cfg.model.path,
+                        dtype=dtype, source=source)
         n_train = sum(p.numel() for p in unwrap(model).parameters() if p.requires_grad)
         n_all = sum(p.numel() for p in unwrap(model).parameters())
         kind = (f"LoRA rank {lora.rank}" if lora.enabled else f"freeze ({freeze.settings()})" if freeze.enabled
                 else "full fine-tuning")
-        print(f"{kind}: {n_train:,} of {n_all:,} parameters of this rank's shard train "
-              f"({100 * n_train / n_all:.2f}%), {total_steps} steps", flush=True)
-    ckpt_root = os.path.join(t.output_dir, "checkpoints")
-    step = 0
-    target = agreed_resume_target(t.resume, ckpt_root)  # rank 0 decides for every node
-    if target is not None:
+        self.say(f"{kind}: {n_train:,} of {n_all:,} parameters of this rank's shard train "
+                 f"({100 * n_train / n_all:.2f}%), {self.total_steps} steps")
+        return policy
+
+    # -- the loop -----------------------------------------------------------------------------------------------
+    def fit(self) -> dict:
+        cfg, t = self.cfg, self.cfg.trainer
+        logger = RunLogger(t.output_dir, enabled=self.rank == 0, tensorboard=cfg.logging.tensorboard)
+        bar = progress(total=self.total_steps, initial=self.step_no, desc="SFT steps", unit="step",
+                       disable=self.rank != 0 or not cfg.logging.progress_bar)
+        metrics: dict = {}
+        while self.step_no < self.total_steps:
+            self.step_no += 1
+            metrics = self.step()
+            logger.log(self.step_no, metrics)
+            bar.update(1)
+            bar.set_postfix(loss=f"{metrics['sft/loss']:.4f}")
+            if t.log_every and self.step_no % t.log_every == 0 and self.rank == 0:
+                bar.write(f"step {self.step_no}/{self.total_steps} loss={metrics['sft/loss']:.4f} grad_norm="
+                          f"{metrics['sft/grad_norm']:.3g} lr={metrics['sft/lr']:.3g}")
+            if t.save_freq and self.step_no % t.save_freq == 0 and self.step_no < self.total_steps:
+                self.save()
+        bar.close()
+        self.save()
+        if t.export_hf:
+            self.export(os.path.join(t.output_dir, "hf"))
+        logger.close()
+        if self.rank == 0 and cfg.logging.plot:
+            from megatron_searchr1.plots import plot_sft_loss
+
+            plot_sft_loss(t.output_dir)
+        self.say(f"SFT done: step {self.step_no}, loss {metrics.get('sft/loss', float('nan')):.4f}; checkpoint "
+                 f"{os.path.join(self.ckpt_root, 'latest')}")
+        return metrics
+
+    def step(self) -> dict:
+        """One optimizer step over this DP rank's share of the next batch: token-mean NLL on the loss-mask tokens."""
+        with timer() as t_step:
+            batch = dp_shard(self.sampler.next_batch(), self.dp_rank, self.dp_size)
+            mbs = make_micro_batches([self.seqs[i] for i in batch], self.cfg.optim.max_tokens_per_micro_batch,
+                                     pad_id=self.tokenizer.pad_token_id or 0)
+            m = self.policy.update(mbs, masked_nll_loss, step_scheduler=True)
+        tokens = sum(mb.num_real_tokens for mb in mbs)
+        return mean_over_ranks({"sft/loss": m["loss"], "sft/grad_norm": m["grad_norm"], "sft/lr": m["lr"],
+                                "sft/padding_share": padding_share(mbs), "time/step": t_step.seconds,
+                                "perf/tokens_per_s": tokens / max(t_step.seconds, 1e-9)})
+
+    # -- checkpoints and export --------------------------------------------------------------------------------
+    def save(self) -> None:
+        save_roles(self.ckpt_root, self.step_no, {"actor": self.policy.state()},
+                   {"step": self.step_no, "sampler": self.sampler.state_dict()},
+                   hf_dirs={"actor": self.cfg.model.path}, keep_last=self.cfg.trainer.keep_last)
+
+    def _resume(self) -> None:
+        target = agreed_resume_target(self.cfg.trainer.resume, self.ckpt_root)  # rank 0 decides for every node
+        if target is None:
+            return
         try:
-            extra = load_roles(*target, {"actor": policy.state()})
+            extra = load_roles(*target, {"actor": self.policy.state()})
         except CheckpointError as e:
             raise UsageError(f"resuming from {target[0]} (step {target[1]}) failed: {e} (a checkpoint of another "
                              "model or model.lora setting? trainer.resume=disable, or overwrite_output_dir: true, "
                              "starts fresh)") from None
-        step = int(extra["step"])
-        sampler.load_state_dict(extra["sampler"])
+        self.step_no = int(extra["step"])
+        self.sampler.load_state_dict(extra["sampler"])
 
-    def save():
-        save_roles(ckpt_root, step, {"actor": policy.state()}, {"step": step, "sampler": sampler.state_dict()},
-                        hf_dirs={"actor": cfg.model.path}, keep_last=t.keep_last)
-
-    logger = RunLogger(t.output_dir, enabled=rank == 0, tensorboard=cfg.logging.tensorboard)
-    bar = progress(total=total_steps, initial=step, desc="SFT steps", unit="step",
-                   disable=rank != 0 or not cfg.logging.progress_bar)
-    metrics: dict = {}
-    while step < total_steps:
-        step += 1
-        with timer() as t_step:
-            batch = dp_shard(sampler.next_batch(), dp_rank, dp_size)
-            mbs = make_micro_batches([seqs[i] for i in batch], o.max_tokens_per_micro_batch,
-                                     pad_id=tokenizer.pad_token_id or 0)
-            m = policy.update(mbs, masked_nll_loss, step_scheduler=True)
-        tokens = sum(mb.num_real_tokens for mb in mbs)
-        metrics = mean_over_ranks({"sft/loss": m["loss"], "sft/grad_norm": m["grad_norm"], "sft/lr": m["lr"],
-                                   "sft/padding_share": padding_share(mbs), "time/step": t_step.seconds,
-                                   "perf/tokens_per_s": tokens / max(t_step.seconds, 1e-9)})
-        logger.log(step, metrics)
-        bar.update(1)
-        bar.set_postfix(loss=f"{metrics['sft/loss']:.4f}")
-        if t.log_every and step % t.log_every == 0 and rank == 0:
-            bar.write(f"step {step}/{total_steps} loss={metrics['sft/loss']:.4f} grad_norm="
-                      f"{metrics['sft/grad_norm']:.3g} lr={metrics['sft/lr']:.3g}")
-        if t.save_freq and step % t.save_freq == 0 and step < total_steps:
-            save()
-    bar.close()
-    save()
-    if t.export_hf:
-        out = os.path.join(t.output_dir, "hf")
-        policy.export_hf(out)  # LoRA: the merged model there, the PEFT adapter in <out>_adapter
-        if rank == 0:
-            print(f"exported the SFT model as a Hugging Face model to {out}"
-                  + (f" (LoRA merged) and its PEFT adapter to {out}_adapter" if lora.enabled else ""), flush=True)
-    logger.close()
-    if rank == 0 and cfg.logging.plot:
-        from megatron_searchr1.plots import plot_sft_loss
-
-        plot_sft_loss(t.output_dir)
-    if rank == 0:
-        print(f"SFT done: step {step}, loss {metrics.get('sft/loss', float('nan')):.4f}; checkpoint "
-              f"{os.path.join(ckpt_root, 'latest')}", flush=True)
-    return metrics
+    def export(self, out_dir: str) -> None:
+        self.policy.export_hf(out_dir)  # LoRA: the merged model there, the PEFT adapter in <out>_adapter
+        lora = self.cfg.model.lora.enabled
+        self.say(f"exported the SFT model as a Hugging Face model to {out_dir}"
+                 + (f" (LoRA merged) and its PEFT adapter to {out_dir}_adapter" if lora else ""))
