@@ -3,6 +3,7 @@
     logger = RunLogger(output_dir, enabled=rank == 0, tensorboard=True)
     logger.log(step, metrics)                      # scalars + console line
     logger.trajectories(step, records)             # appended to <output_dir>/trajectories.jsonl
+    logger.resume_at(step)                         # after a resume: rows of later (lost) steps are dropped
 
 Metrics are reduced over ranks with `mean_over_ranks` before logging: every rank passes the same keys.
 """
@@ -82,10 +83,46 @@ class RunLogger:
             for r in records:
                 f.write(json.dumps({"step": step, **r}, ensure_ascii=False) + "\n")
 
+    def resume_at(self, step: int) -> None:
+        """The run resumed from its checkpoint of `step`: rows a killed run logged after that step (it died after
+        its last complete checkpoint, perhaps during the next save) are dropped from every JSONL log of the run,
+        and TensorBoard hides their events (purge_step), so the steps that are run again appear once."""
+        if not self.enabled:
+            return
+        for name in sorted(os.listdir(self.output_dir)):
+            if name.endswith(".jsonl"):
+                truncate_jsonl_after(os.path.join(self.output_dir, name), step)
+        if self._writer is not None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._writer.close()
+            self._writer = SummaryWriter(self.tb_dir, purge_step=step + 1)
+
     def close(self) -> None:
         if self._writer is not None:
             self._writer.close()
             self._writer = None
+
+
+def truncate_jsonl_after(path: str, step: int) -> int:
+    """Keep the rows of a JSONL log whose "step" is <= `step` (and rows without one); returns how many went.
+    The file is rewritten through a temporary file and a rename, so a crash leaves the old or the new one."""
+    with open(path, encoding="utf-8") as f:
+        lines = f.readlines()
+    kept = []
+    for line in lines:
+        try:
+            row_step = json.loads(line).get("step")
+        except (ValueError, AttributeError):  # a torn last line of a killed run
+            continue
+        if not isinstance(row_step, (int, float)) or row_step <= step:
+            kept.append(line if line.endswith("\n") else line + "\n")
+    if len(kept) != len(lines):
+        tmp = path + ".tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.writelines(kept)
+        os.replace(tmp, path)
+    return len(lines) - len(kept)
 
 
 def _label(key: str) -> str:

@@ -23,6 +23,27 @@ def test_logger_round_trip(tmp_path):
     assert mean_over_ranks({"a": 1.0}) == {"a": 1.0}  # a world of one (no process group)
 
 
+def test_resume_drops_the_rows_a_killed_run_logged_after_its_checkpoint(tmp_path):
+    """A run killed during step 3's save resumes from step 2: its step-3 rows must not appear twice."""
+    first = RunLogger(str(tmp_path), enabled=True)
+    for step in (1, 2, 3):
+        first.log(step, {"reward/mean": float(step)})
+        first.trajectories(step, [{"uid": f"u{step}"}])
+    with open(tmp_path / "trajectories.jsonl", "a") as f:
+        f.write('{"step": 3, "uid": "torn')  # the kill cut the last line
+    first.close()
+    again = RunLogger(str(tmp_path), enabled=True)
+    again.resume_at(2)
+    again.log(3, {"reward/mean": 30.0})
+    again.trajectories(3, [{"uid": "again"}])
+    again.close()
+    metrics = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(m["step"], m["reward/mean"]) for m in metrics] == [(1, 1.0), (2, 2.0), (3, 30.0)]
+    trajs = [json.loads(x) for x in (tmp_path / "trajectories.jsonl").read_text().splitlines()]
+    assert [t["uid"] for t in trajs] == ["u1", "u2", "again"]
+    assert read_scalars(again.tb_dir)["reward/mean"] == [(1, 1.0), (2, 2.0), (3, 30.0)]
+
+
 MEAN_SCRIPT = '''
 import json, sys
 import torch.distributed as dist

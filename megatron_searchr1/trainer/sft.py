@@ -134,6 +134,8 @@ class SFTTrainer:
     def fit(self) -> dict:
         cfg, t = self.cfg, self.cfg.trainer
         logger = RunLogger(t.output_dir, enabled=self.rank == 0, tensorboard=cfg.logging.tensorboard)
+        if self.step_no:
+            logger.resume_at(self.step_no)
         bar = progress(total=self.total_steps, initial=self.step_no, desc="SFT steps", unit="step",
                        disable=self.rank != 0 or not cfg.logging.progress_bar)
         metrics: dict = {}
