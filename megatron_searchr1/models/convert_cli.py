@@ -4,8 +4,9 @@ searchr1-hf-to-megatron / searchr1-megatron-to-hf (the conversion itself: models
     python checkpoints_convert/hf_to_megatron.py --hf-dir HF --out-dir CKPT [--tp 2 --pp 2 under torchrun]
     python checkpoints_convert/megatron_to_hf.py --ckpt-dir CKPT --out-dir HF2 [--dtype bfloat16]
 
-This module imports neither torch nor megatron: the flags, the input directory and the output directory are checked
-before convert.py loads (a mistake is one `error:` line in about a second, not after ten seconds of imports).
+This module imports neither torch nor megatron: the flags, the input and output directories and the HF files
+(config.json parses, tokenizer files present, safetensors whole: models/hf_files.py) are checked before convert.py
+loads (a mistake is one `error:` line in about a second, not after ten seconds of imports).
 What needs the model (its architecture, whether TP/PP fit it and the world size, the tensors) convert.py checks
 next, and reports the same way: one `error:` line naming the flag to change, exit code 2.
 """
@@ -15,6 +16,7 @@ import os
 from typing import Optional, Sequence
 
 from megatron_searchr1.cli import ArgumentParser, UsageError, at_least, console
+from megatron_searchr1.models.hf_files import check_hf_files
 
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")  # convert.DTYPES, plus auto (a test keeps them equal)
 
@@ -78,6 +80,7 @@ def hf_to_megatron_main(argv: Optional[Sequence[str]] = None) -> int:
     _common_args(p)
     a = p.parse_args(argv)
     check_dirs("--hf-dir", a.hf_dir, a.out_dir, a.overwrite, need_file="config.json")
+    check_hf_files(a.hf_dir)
     return _convert("hf_to_megatron", dict(hf_dir=a.hf_dir, out_dir=a.out_dir, tp=a.tp, pp=a.pp, ep=a.ep, dtype=a.dtype,
                                            overwrite=a.overwrite))
 

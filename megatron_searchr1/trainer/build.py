@@ -33,6 +33,7 @@ from megatron_searchr1.megatron.offload import GenerationOffload
 from megatron_searchr1.megatron.optimizer import build_optimizer
 from megatron_searchr1.metrics import RunLogger
 from megatron_searchr1.models.convert import DTYPES, bind_mapping, load_hf_config
+from megatron_searchr1.models.hf_files import TOKENIZER_FILES
 from megatron_searchr1.models.forward import unwrap
 from megatron_searchr1.models.families import read_dims
 from megatron_searchr1.models.gpt import model_settings
@@ -123,7 +124,6 @@ def launch_server(cfg: Config):
     return server, mine[0]
 
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 
 
 def load_tokenizer(path: str, hf_config, chat_template: str = "auto"):
