@@ -25,6 +25,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron_searchr1.megatron.child_processes import tie_checkpoint_writer_to_rank
 from megatron_searchr1.megatron.compat import install_cpu_compat
 
 
@@ -212,6 +213,7 @@ def initialize_megatron(tp: int = 1, pp: int = 1, seed: int = 1234, timeout_minu
             distributed_timeout_minutes=timeout_minutes,
         )
     install_cpu_compat()  # again: initialize_model_parallel may import more megatron modules
+    tie_checkpoint_writer_to_rank()  # a SIGKILLed rank must not leave the writer's manager process behind
     seed_everything(seed)
 
 
