@@ -28,6 +28,20 @@ if [[ -z "${MASTER_ADDR:-}" && "$NODE_RANK" != 0 ]]; then
     echo "error: NODE_RANK=$NODE_RANK needs MASTER_ADDR=<node 0's address> (the same on every node)" >&2
     exit 2
 fi
+# The config and the data files' footers, checked once here in a second, before torch loads: under torchrun a
+# mistake would come back from every rank with torchrun's exit code 1 and its failure report around it.
+python - "$config" "$@" <<'PY'
+import sys
+
+from megatron_searchr1.cli import check_data, parse, run_main
+
+
+def preflight(argv):
+    check_data(parse(argv))
+
+
+sys.exit(run_main(preflight, sys.argv[1:]))
+PY
 MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
 MASTER_PORT=${MASTER_PORT:-29500}
 NPROC=${NPROC_PER_NODE:-$(python -c "import torch; print(max(torch.cuda.device_count(), 1))")}

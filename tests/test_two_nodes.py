@@ -38,6 +38,17 @@ def test_run_node_without_master_addr_fails_at_once():
     assert time.time() - start < 5  # no torch import, no rendezvous wait
 
 
+def test_run_node_refuses_a_config_mistake_before_torchrun():
+    """Under torchrun a rank's exit 2 comes back as torchrun's 1 inside its failure report: the launcher checks the
+    config first, and the mistake is one line with exit code 2."""
+    env = child_env(NNODES="1", NODE_RANK="0", NPROC_PER_NODE="2")
+    proc = subprocess.run(["bash", RUN_NODE, "examples/grpo_tiny_cpu.yaml", "rollout.n=0"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = [ln for ln in (proc.stdout + proc.stderr).splitlines() if ln.strip()]
+    assert lines == ["error: rollout.n must be >= 1, got 0"], lines
+
+
 def run_two_nodes(args: list[str], timeout: float = 400) -> str:
     """Both nodes' run_node.sh; returns their combined output, raises with it when either fails."""
     port = str(_free_port())
