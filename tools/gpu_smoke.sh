@@ -9,8 +9,16 @@
 # (peak = GPU 0's used memory, sampled every 0.2 s by NVML, CUDA contexts included; n/a in a dry run):
 #   prepare  the synthetic world, a retrieval server over it, gold SFT trajectories, a random tiny Qwen2;
 #   sft      3 SFT steps (torchrun, 1 process) -> Megatron checkpoint + HF export;
+#   init     free device memory before Megatron's start-up, after it, and after the first collective on each of
+#            its groups (what the NCCL communicators cost);
 #   grpo     2 GRPO steps from that checkpoint: rollouts (vLLM if it imports, else the hf engine), weight sync,
-#            log-probs, the update;
+#            log-probs, the update; with the distributed optimizer, every offload flag (real CUDA bytes freed and
+#            restored around generation), selective recompute and a checkpoint after every step;
+#   resume   the same run resumed from its step-1 checkpoint: step 2 must come out as it did (the distributed
+#            optimizer's checkpoint and the offload round trip on CUDA; equal on the CPU, within 1e-3 on a GPU,
+#            whose kernels need not be deterministic);
+#   width    one update at Qwen2.5-7B's width (2 layers, 12,288 tokens, vocabulary 152,064, entropy on): peak
+#            allocated / reserved memory beside the planner's per-layer and head figures (a dry run: a narrow model);
 #   convert  HF -> Megatron -> HF of the tiny model; the tensors must come back identical.
 # Exit status: 0 when every phase passed, else 1. Logs: <work-dir>/<phase>.log.
 #
@@ -45,7 +53,7 @@ while [[ $# -gt 0 ]]; do
         --engine) ENGINE="$2"; shift 2 ;;
         --cpu-dry-run) DRY=1; shift ;;
         --timeout-scale) SCALE="$2"; shift 2 ;;
-        -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,28p' "$0"; exit 0 ;;
         *) echo "gpu_smoke.sh: error: unknown argument $1 (see --help)" >&2; exit 2 ;;
     esac
 done
@@ -123,6 +131,8 @@ export WORK SERVER PY
 phase prepare 180 bash -c prepare
 URL="$(cat "$WORK/url" 2>/dev/null || echo http://127.0.0.1:9)"
 
+phase init 180 "${TORCHRUN1[@]}" tools/gpu_smoke_helper.py init
+
 W="$WORK/world" M="$WORK/tiny_model"
 SFT=("${TORCHRUN1[@]}" -m megatron_searchr1.sft examples/sft_tiny_cpu.yaml
     "model.path=$M" "model.dtype=$DTYPE" "model.use_te=$USE_TE" "data.dataset_dir=$W/sft"
@@ -138,9 +148,22 @@ GRPO=("${TORCHRUN1[@]}" -m megatron_searchr1.train examples/grpo_tiny_cpu.yaml
     "data.train_files=[$W/train.parquet]" "data.val_files=[$W/validation.parquet]" "data.val_max_samples=8"
     "data.train_batch_size=2" "algo.ppo_mini_batch_size=2" "rollout.n=2" "rollout.max_turns=2"
     "algo.use_kl_loss=true" "algo.entropy_coeff=0.001"
-    "trainer.total_steps=2" "trainer.val_before_train=false" "trainer.test_freq=0" "trainer.output_dir=$WORK/grpo")
-phase grpo 300 bash -c "$(printf '%q ' "${GRPO[@]}") \
+    "parallel.use_distributed_optimizer=true" "model.recompute=selective" "model.param_offload=true"
+    "model.grad_offload=true" "model.optimizer_offload=true" "model.ref_offload=true"
+    "trainer.total_steps=2" "trainer.save_freq=1" "trainer.keep_last=2" "trainer.val_before_train=false"
+    "trainer.test_freq=0")
+phase grpo 300 bash -c "$(printf '%q ' "${GRPO[@]}" "trainer.output_dir=$WORK/grpo") \
     && '$PY' tools/gpu_smoke_helper.py steps '$WORK/grpo/metrics.jsonl' --steps 2 --prefix actor"
+
+TOL=$([[ $DRY == 1 ]] && echo 0 || echo 1e-3)
+phase resume 300 bash -c "$(printf '%q ' "${GRPO[@]}" "trainer.output_dir=$WORK/grpo_resume" \
+        "trainer.resume=$WORK/grpo/checkpoints/step_000001" "trainer.export_hf=false") \
+    && '$PY' tools/gpu_smoke_helper.py same '$WORK/grpo/metrics.jsonl' '$WORK/grpo_resume/metrics.jsonl' --step 2 \
+        --keys actor/pg_loss,actor/grad_norm,actor/entropy,actor/kl_loss,reward/mean --tol $TOL"
+
+WIDTH=()
+[[ $DRY == 1 ]] && WIDTH=(--hidden 256 --heads 4 --kv-heads 2 --ffn 512 --vocab 8192 --tokens 2048)
+phase width 300 "${TORCHRUN1[@]}" tools/gpu_smoke_helper.py width "${WIDTH[@]}"
 
 phase convert 180 bash -c "'$PY' checkpoints_convert/hf_to_megatron.py --hf-dir '$M' --out-dir '$WORK/mcore' \
     && '$PY' checkpoints_convert/megatron_to_hf.py --ckpt-dir '$WORK/mcore' --out-dir '$WORK/hf_back' \

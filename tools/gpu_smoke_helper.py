@@ -10,7 +10,12 @@
   prepare  the gold SFT trajectories (through the running server) and the random tiny model;
   compare  two Hugging Face directories hold the same tensors (the conversion round trip);
   steps    a run's metrics.jsonl has N steps whose loss is finite and whose gradient norm is finite and > 0 (an
-           exit code of 0 alone would also pass a run whose update silently did nothing).
+           exit code of 0 alone would also pass a run whose update silently did nothing);
+  same     two runs' metrics agree at one step (a resumed run against the run it resumed from);
+  init     (under torchrun) device memory free before Megatron's start-up, after it, and after the first
+           collective on each of its process groups: what the communicators cost;
+  width    (under torchrun) one training step of a real model's width (Qwen2.5-7B's by default, 2 layers), one
+           sequence of N tokens, entropy on: peak allocated / reserved memory beside the planner's figures.
 """
 from __future__ import annotations
 
@@ -242,6 +247,116 @@ def check_steps(metrics: str, steps: int, prefix: str) -> int:
     return 0
 
 
+# ------------------------------------------------------------------------------------------------ same
+def same_step(a: str, b: str, step: int, keys: list[str], tol: float) -> int:
+    """0 when the rows of `step` in two metrics.jsonl files agree on every key in `keys` within a relative `tol`."""
+    def row(path):
+        with open(path) as f:
+            rows = [r for r in map(json.loads, filter(str.strip, f)) if r.get("step") == step and keys[0] in r]
+        return rows[-1] if rows else None
+
+    ra, rb = row(a), row(b)
+    if ra is None or rb is None:
+        print(f"step {step} with {keys[0]} is missing from {a if ra is None else b}")
+        return 1
+    worst = 0.0
+    for k in keys:
+        x, y = float(ra[k]), float(rb[k])
+        worst = max(worst, abs(x - y) / max(abs(x), abs(y), 1e-12))
+        print(f"step {step} {k}: {x!r} vs {y!r}")
+    print(f"largest relative difference {worst:.3g} (allowed {tol:g})")
+    return 0 if worst <= tol else 1
+
+
+# ------------------------------------------------------------------------------------------------ init, width
+def _free_bytes():
+    import torch
+
+    return torch.cuda.mem_get_info()[0] if torch.cuda.is_available() else None
+
+
+def _fmt(n) -> str:
+    return "n/a" if n is None else f"{n / GIB:.2f} GiB"
+
+
+def init_memory() -> int:
+    """Device memory free before initialize_megatron, after it, and after one all_reduce on each of Megatron's
+    groups. NCCL connects a group lazily, at its first collective (megatron/initialize.py binds no device), so the
+    third figure is what a training step's communicators cost, the second what start-up alone costs."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state as mpu
+
+    from megatron_searchr1.collectives import collective_device
+    from megatron_searchr1.megatron.initialize import destroy_megatron, initialize_megatron
+
+    before = _free_bytes()
+    initialize_megatron(tp=1, pp=1)
+    after_init = _free_bytes()
+    getters = ("get_data_parallel_group", "get_tensor_model_parallel_group", "get_pipeline_model_parallel_group",
+               "get_model_parallel_group", "get_expert_model_parallel_group", "get_expert_data_parallel_group")
+    touched = 0
+    for name in getters:
+        group = getattr(mpu, name, lambda **_: None)()
+        if group is not None:
+            dist.all_reduce(torch.ones(1, device=collective_device()), group=group)
+            touched += 1
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    after_groups = _free_bytes()
+    costs = ("" if before is None else
+             f" (start-up {_fmt(before - after_init)}, first collectives {_fmt(after_init - after_groups)})")
+    print(f"free before {_fmt(before)}, after initialize_megatron {_fmt(after_init)}, after the first collective on "
+          f"{touched} groups {_fmt(after_groups)}{costs}")
+    destroy_megatron()
+    return 0 if touched else 1
+
+
+def width_step(hidden: int, heads: int, kv_heads: int, ffn: int, vocab: int, layers: int, tokens: int) -> int:
+    """One update of a Qwen2 model of this width on one sequence of `tokens` tokens (SFT loss, entropy computed as
+    the RL update does at entropy_coeff 0), bf16 on a GPU; peak memory beside the planner's figures for it."""
+    import torch
+    from transformers import Qwen2Config
+
+    from megatron_searchr1.megatron.batching import TrainSequence, make_micro_batches
+    from megatron_searchr1.megatron.initialize import destroy_megatron, initialize_megatron
+    from megatron_searchr1.megatron.optimizer import build_optimizer
+    from megatron_searchr1.models.families import read_dims
+    from megatron_searchr1.models.gpt import model_settings
+    from megatron_searchr1.plan import activation_bytes_per_token_layer, count_params, head_bytes_per_token
+    from megatron_searchr1.trainer.losses import masked_nll_loss
+    from megatron_searchr1.trainer.roles import Policy, build_actor
+
+    gpu = torch.cuda.is_available()
+    dtype = torch.bfloat16 if gpu else torch.float32
+    hf = Qwen2Config(hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                     intermediate_size=ffn, vocab_size=vocab, num_hidden_layers=layers, max_position_embeddings=32768,
+                     tie_word_embeddings=False, architectures=["Qwen2ForCausalLM"], torch_dtype="bfloat16")
+    initialize_megatron(tp=1, pp=1)
+    model = build_actor(hf, **model_settings(hf, tp=1, pp=1, params_dtype=dtype))
+    policy = Policy(model, *build_optimizer(model, lr=1e-6, clip_grad=1.0), mapping=None, hf_config=hf)
+    g = torch.Generator().manual_seed(0)
+    seq = TrainSequence(prompt_ids=[1], response_ids=torch.randint(0, vocab, (tokens - 1,), generator=g).tolist(),
+                        loss_mask=torch.ones(tokens - 1))
+    if gpu:
+        torch.cuda.reset_peak_memory_stats()
+    m = policy.update(make_micro_batches([seq], tokens), masked_nll_loss, with_entropy=True, entropy_grad=False)
+    peak = (torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()) if gpu else (None, None)
+    dims, a_bytes = read_dims(hf), 2 if gpu else 4
+    counts = count_params(dims, tp=1, pp=1)
+    n = counts.stages[0].actor
+    state = n * (a_bytes + 4 + (12 if gpu else 8))  # weights, fp32 grads, Adam (+ fp32 master weights in bf16)
+    act = activation_bytes_per_token_layer(dims, 1, sequence_parallel=False, recompute="none", a_bytes=a_bytes)
+    head = head_bytes_per_token(dims, 1, entropy=True)
+    print(f"step done: loss {m['loss']:.4g}, grad_norm {m['grad_norm']:.3g}; peak allocated {_fmt(peak[0])}, "
+          f"reserved {_fmt(peak[1])}")
+    print(f"planner: weights + grads + Adam {_fmt(state)}, activations {_fmt(act * tokens)} per layer x {layers}, "
+          f"log-prob head {_fmt(head * tokens)}; sum {_fmt(state + act * tokens * layers + head * tokens)}")
+    destroy_megatron()
+    ok = math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"]) and m["grad_norm"] > 0
+    return 0 if ok else 1
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -263,6 +378,21 @@ def main(argv=None) -> int:
     st.add_argument("metrics")
     st.add_argument("--steps", type=int, required=True)
     st.add_argument("--prefix", required=True, help="sft or actor")
+    sm = sub.add_parser("same")
+    sm.add_argument("a")
+    sm.add_argument("b")
+    sm.add_argument("--step", type=int, required=True)
+    sm.add_argument("--keys", required=True, help="comma-separated metric names")
+    sm.add_argument("--tol", type=float, default=0.0, help="largest relative difference allowed")
+    sub.add_parser("init")
+    wd = sub.add_parser("width")
+    wd.add_argument("--hidden", type=int, default=3584)
+    wd.add_argument("--heads", type=int, default=28)
+    wd.add_argument("--kv-heads", type=int, default=4)
+    wd.add_argument("--ffn", type=int, default=18944)
+    wd.add_argument("--vocab", type=int, default=152064)
+    wd.add_argument("--layers", type=int, default=2)
+    wd.add_argument("--tokens", type=int, default=12288)
     argv = list(sys.argv[1:] if argv is None else argv)
     cmd = argv[argv.index("--") + 1:] if "--" in argv else []  # the phase's command, after "--"
     args = p.parse_args(argv[:len(argv) - len(cmd) - (1 if "--" in argv else 0)])
@@ -276,6 +406,12 @@ def main(argv=None) -> int:
         return prepare(args.work_dir, args.url)
     if args.cmd == "steps":
         return check_steps(args.metrics, args.steps, args.prefix)
+    if args.cmd == "same":
+        return same_step(args.a, args.b, args.step, args.keys.split(","), args.tol)
+    if args.cmd == "init":
+        return init_memory()
+    if args.cmd == "width":
+        return width_step(args.hidden, args.heads, args.kv_heads, args.ffn, args.vocab, args.layers, args.tokens)
     return compare(args.a, args.b)
 
 

@@ -47,7 +47,8 @@ def test_the_dry_run_passes_every_phase_and_installs_only_missing_wheels(tmp_pat
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=1500)
     out = proc.stdout + proc.stderr
     phases = {m.group(1): m.group(2) for m in PHASE_LINE.finditer(proc.stdout)}
-    assert phases == {"prepare": "pass", "sft": "pass", "grpo": "pass", "convert": "pass"}, out[-6000:]
+    assert phases == {name: "pass" for name in ("prepare", "init", "sft", "grpo", "resume", "width", "convert")}, \
+        out[-6000:]
     assert proc.returncode == 0 and "all phases passed" in proc.stdout
     assert "CPU dry run (gloo, fp32), engine hf, model.use_te=false" in proc.stdout
     assert f"installing 1 wheels into {work}/site: {probe}" in proc.stdout  # numpy's stays out
@@ -57,6 +58,20 @@ def test_the_dry_run_passes_every_phase_and_installs_only_missing_wheels(tmp_pat
     grpo = [json.loads(x) for x in (work / "grpo" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in grpo if "actor/grad_norm" in r] == [1, 2]
     assert (work / "sft" / "hf" / "model.safetensors").is_file() and (work / "grpo" / "hf").is_dir()
+    # the GRPO run took the GPU-only paths (a config the dry run silently dropped would not be checked on a GPU)
+    cfg = (work / "grpo" / "config.yaml").read_text()
+    for line in ("use_distributed_optimizer: true", "recompute: selective", "param_offload: true",
+                 "optimizer_offload: true", "ref_offload: true"):
+        assert line in cfg, line
+    assert sorted(p.name for p in (work / "grpo" / "checkpoints").glob("step_*")) == ["step_000001", "step_000002"]
+    # the resumed run started at step 2 and reproduced it exactly (the resume phase compares five metrics)
+    resumed = [json.loads(x)["step"] for x in (work / "grpo_resume" / "metrics.jsonl").read_text().splitlines()]
+    assert resumed and set(resumed) == {2}, resumed
+    assert "largest relative difference 0 " in (work / "resume.log").read_text()
+    init = (work / "init.log").read_text()
+    assert "after the first collective on 6 groups" in init
+    width = (work / "width.log").read_text()
+    assert "step done" in width and "planner: weights + grads + Adam" in width
 
 
 def test_a_phase_line_says_pass_or_fail_and_a_failure_shows_its_log(tmp_path, capsys):
