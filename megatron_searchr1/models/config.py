@@ -19,17 +19,26 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron_searchr1.models.families import ModelDims, read_dims, stage_layer_counts
 
 
+def default_expert_tp(dims: ModelDims, tp: int, expert_tp: Optional[int] = None) -> int:
+    """parallel.expert_tp as Megatron gets it: `expert_tp` when given, else 1 for an MoE model (whole experts per
+    rank, spread by EP instead: slime's TP4 x EP8 layout) and TP for a dense one (which has no experts)."""
+    if expert_tp is not None:
+        return expert_tp
+    return 1 if dims.moe is not None else tp
+
+
 def check_parallel_sizes(hf_config_or_dims: Any, tp: int, pp: int, *, first_stage_layers: Optional[int] = None,
                          last_stage_layers: Optional[int] = None, world_size: Optional[int] = None,
-                         ep: int = 1) -> None:
+                         ep: int = 1, expert_tp: Optional[int] = None) -> None:
     """Refuse TP/PP (and a world size) that do not fit the model: a ValueError listing every problem and what to do.
 
     Megatron's rules: TP divides the query heads and the MLP width; the KV heads (query groups) are a multiple of
     TP (each rank holds whole groups) or divide TP (each group is replicated over TP/groups ranks, as Megatron's
     attention does); the layers split over PP stages (evenly, or with `first_stage_layers` / `last_stage_layers`
     on the end stages and the rest evenly); the world size, when given, is a multiple of TP*PP. Expert parallelism
-    (`ep`, MoE models only): EP divides the experts, TP (= expert TP) divides an expert's width, and the world is a
-    multiple of TP*PP*EP as well (the experts' data-parallel groups are world / (TP*PP*EP) ranks).
+    (`ep`, MoE models only): EP divides the experts, expert TP (`expert_tp`, default_expert_tp: 1 for MoE) divides
+    an expert's width, and the world is a multiple of TP*PP*EP as well (the experts' data-parallel groups are
+    world / (expert_tp*PP*EP) ranks).
     """
     dims = read_dims(hf_config_or_dims)
     heads, groups, ffn = dims.num_heads, dims.num_kv_heads, dims.ffn_hidden_size
@@ -51,22 +60,26 @@ def check_parallel_sizes(hf_config_or_dims: Any, tp: int, pp: int, *, first_stag
         if world_size is not None and world_size % (tp * pp):
             problems.append(f"world size {world_size} is not a multiple of tp*pp={tp * pp}: launch with "
                             f"`torchrun --nproc_per_node {tp * pp} ...` (or use TP=1 PP=1 in one process)")
-        problems += _expert_parallel_problems(dims, tp, pp, ep, world_size)
+        problems += _expert_parallel_problems(dims, tp, pp, ep, world_size, default_expert_tp(dims, tp, expert_tp))
     if problems:
         raise ValueError("; ".join(problems))
 
 
-def _expert_parallel_problems(dims: ModelDims, tp: int, pp: int, ep: int, world_size: Optional[int]) -> list[str]:
-    if ep < 1:
-        return [f"EP must be >= 1 (got EP={ep})"]
+def _expert_parallel_problems(dims: ModelDims, tp: int, pp: int, ep: int, world_size: Optional[int],
+                              expert_tp: int) -> list[str]:
+    if ep < 1 or expert_tp < 1:
+        return [f"EP and expert TP must be >= 1 (got EP={ep}, expert TP={expert_tp})"]
     if dims.moe is None:
         return [] if ep == 1 else [f"EP={ep} needs a mixture-of-experts model; this one is dense: set parallel.ep=1"]
     problems = []
     if dims.moe.num_experts % ep:
         problems.append(f"EP={ep} does not divide num_experts={dims.moe.num_experts}: choose an EP that divides it")
-    if dims.moe.ffn_hidden_size % tp:
-        problems.append(f"TP={tp} does not divide moe_intermediate_size={dims.moe.ffn_hidden_size} (experts are "
-                        "split over TP too): choose a TP that divides it")
+    if dims.moe.ffn_hidden_size % expert_tp:
+        problems.append(f"expert TP={expert_tp} does not divide moe_intermediate_size={dims.moe.ffn_hidden_size}: "
+                        "choose a parallel.expert_tp that divides it (1: whole experts per rank)")
+    if world_size is not None and world_size % (expert_tp * pp * ep):
+        problems.append(f"world size {world_size} is not a multiple of expert_tp*pp*ep={expert_tp * pp * ep} (the "
+                        "expert layout): choose a parallel.expert_tp that fits")
     if dims.moe.shared_expert_size % tp:
         problems.append(f"TP={tp} does not divide shared_expert_intermediate_size={dims.moe.shared_expert_size}")
     if world_size is not None and world_size % (tp * pp * ep):
@@ -75,13 +88,17 @@ def _expert_parallel_problems(dims: ModelDims, tp: int, pp: int, ep: int, world_
     return problems
 
 
-def moe_config_fields(dims: ModelDims, ep: int = 1) -> dict[str, Any]:
+def moe_config_fields(dims: ModelDims, ep: int = 1, expert_tp: int = 1, grouped_gemm: bool = False,
+                      permute_fusion: bool = False) -> dict[str, Any]:
     """The TransformerConfig fields of an MoE model ({} for a dense one).
 
     The token dispatcher is alltoall everywhere (allgather refuses variable_seq_lengths, which pipelined RL
-    micro-batches need); on the CPU it runs over gloo thanks to compat._split_sizes_to_host. The experts run as
-    Megatron's SequentialMLP (`moe_grouped_gemm=False`): on GPUs TE's grouped GEMM is faster but names its weights
-    differently (families/moe.py). The router's GEMM and softmax run in fp32 (HF upcasts the router logits too).
+    micro-batches need); on the CPU it runs over gloo thanks to compat._split_sizes_to_host. `grouped_gemm`: the
+    experts of a rank run as one grouped GEMM (TE's TEGroupedMLP; spec.block_spec builds it on the TE spec only),
+    else as Megatron's SequentialMLP (one GEMM pair per expert, what the CPU runs); both name their weights so that
+    families/base.grouped_to_sequential_name maps one onto the other. `permute_fusion`: TE's fused token permute /
+    unpermute (CUDA). `expert_tp`: Megatron's expert_tensor_parallel_size. The router's GEMM and softmax run in
+    fp32 (HF upcasts the router logits too).
     """
     moe = dims.moe
     if moe is None:
@@ -97,9 +114,11 @@ def moe_config_fields(dims: ModelDims, ep: int = 1) -> dict[str, Any]:
         moe_shared_expert_intermediate_size=moe.shared_expert_size or None,
         moe_shared_expert_gate=moe.shared_expert_gate,
         moe_layer_freq=[1 if dims.is_moe_layer(i) else 0 for i in range(dims.num_layers)],
-        moe_grouped_gemm=False,
+        moe_grouped_gemm=grouped_gemm,
+        moe_permute_fusion=permute_fusion,
         moe_router_dtype="fp32",
         expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=expert_tp,
     )
 
 
@@ -169,11 +188,13 @@ def wgrad_fusion_available() -> bool:
 
 def transformer_config_from_hf(
     hf_config: Any, *, tp: int = 1, pp: int = 1, params_dtype: torch.dtype = torch.float32, ep: int = 1,
-    **overrides: Any
+    expert_tp: Optional[int] = None, **overrides: Any
 ) -> TransformerConfig:
     """A Megatron TransformerConfig equivalent to `hf_config` (or its ModelDims) for TP=`tp`, PP=`pp`.
 
-    `ep`: expert-parallel size (MoE models).
+    `ep`: expert-parallel size (MoE models); `expert_tp`: expert tensor-parallel size (default_expert_tp: 1 for
+    MoE). Grouped GEMM and permute fusion come as `overrides` (moe_grouped_gemm, moe_permute_fusion; model_settings
+    sets them on the TE spec).
     `overrides` are TransformerConfig fields applied last (e.g. recompute_granularity="full",
     bias_activation_fusion=True, apply_rope_fusion=True on GPU, num_layers_in_first_pipeline_stage=...).
     """
@@ -183,7 +204,9 @@ def transformer_config_from_hf(
     if unknown:
         raise ValueError(f"Unknown TransformerConfig override(s) {unknown}: they are not TransformerConfig fields.")
     check_parallel_sizes(dims, tp, pp, first_stage_layers=overrides.get("num_layers_in_first_pipeline_stage"),
-                         last_stage_layers=overrides.get("num_layers_in_last_pipeline_stage"), ep=ep)
+                         last_stage_layers=overrides.get("num_layers_in_last_pipeline_stage"), ep=ep,
+                         expert_tp=expert_tp)
+    expert_tp = default_expert_tp(dims, tp, expert_tp)
     if params_dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"params_dtype must be float32, bfloat16 or float16, got {params_dtype}.")
 
@@ -221,7 +244,7 @@ def transformer_config_from_hf(
         # RL micro-batches have different lengths: pipeline stages exchange shapes first.
         variable_seq_lengths=True,
         moe_token_dispatcher_type="alltoall",  # the default (allgather) rejects variable lengths
-        **moe_config_fields(dims, ep),
+        **moe_config_fields(dims, ep, expert_tp),
     )
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)

@@ -25,8 +25,8 @@ import torch
 
 from megatron_searchr1.models.config import check_parallel_sizes, padded_vocab_size
 from megatron_searchr1.models.families import (
-    ModelFamily, expert_index, get_family, is_expert_param, rename_expert, rename_layer, split_layer_name, tp_merge,
-    tp_split,
+    ModelFamily, expert_index, get_family, grouped_to_sequential_name, is_expert_param, rename_expert, rename_layer,
+    split_layer_name, tp_merge, tp_split,
 )
 
 META_FILE = "searchr1_checkpoint.json"
@@ -116,7 +116,9 @@ def _check_sizes(hf_config: Any, tp: int, pp: int, ep: int = 1) -> None:
     """`check_parallel_sizes` for this model, TP/PP/EP and torchrun's world size, as a ConversionError naming the
     flags, before any process group starts."""
     try:
-        check_parallel_sizes(hf_config, tp, pp, world_size=int(os.environ.get("WORLD_SIZE", "1")), ep=ep)
+        # expert_tp=tp: the converter's initialize_megatron keeps Megatron's default expert-TP (= TP)
+        check_parallel_sizes(hf_config, tp, pp, world_size=int(os.environ.get("WORLD_SIZE", "1")), ep=ep,
+                             expert_tp=tp)
     except ValueError as e:
         raise ConversionError(f"{e} (--tp/--pp{'/--ep' if ep > 1 else ''})") from None
 
@@ -160,7 +162,9 @@ def global_names(model: torch.nn.Module) -> list[tuple[str, str, torch.nn.Parame
     Each layer's global index is read off the layer (`layer_number - 1`, Megatron's offset for this stage), so
     uneven splits (num_layers_in_first/last_pipeline_stage) name their layers right.
     An MoE layer's routed experts are numbered globally too: this rank's `local_experts.{j}` is expert
-    `local_expert_indices[0] + j` (Megatron's EP offset, ep_rank * E/ep).
+    `local_expert_indices[0] + j` (Megatron's EP offset, ep_rank * E/ep). Grouped-GEMM experts (TEGroupedMLP's
+    `experts.linear_fc1.weight{j}`) get SequentialMLP's global name: the same tensor under the one naming the
+    family mappings read.
     """
     decoder = getattr(model, "decoder", None)
     layers = list(getattr(decoder, "layers", ()))
@@ -171,7 +175,7 @@ def global_names(model: torch.nn.Module) -> list[tuple[str, str, torch.nn.Parame
         parsed = split_layer_name(n)
         if parsed is not None and parsed[0] >= len(index):
             raise ValueError(f"parameter {n!r} names layer {parsed[0]} but decoder.layers has {len(index)}")
-        g = rename_layer(n, index)
+        g = rename_layer(grouped_to_sequential_name(n), index)
         if parsed is not None and expert_index(n) is not None:
             g = rename_expert(g, expert_offset[parsed[0]])
         out.append((n, g, p))

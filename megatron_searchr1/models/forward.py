@@ -104,8 +104,9 @@ def forward_logits(
 ) -> Optional[torch.Tensor]:
     """Full-vocabulary logits (B, T, V) in the model's dtype on the last PP stage (None on the others).
 
-    V is the HF vocabulary size (`model.hf_vocab_size`, set by build_gpt_model): the rows Megatron adds to
-    pad the vocabulary are cut off unless `trim_vocab=False` (then V is the padded size).
+    V is `model.hf_vocab_size` (set by build_gpt_model: config.json's vocab_size, or the tokenizer's size when the
+    model was built with a smaller `tokenizer_vocab_size`): the rows beyond it (Megatron's padding, and a
+    checkpoint's own padding past its tokenizer) are cut off unless `trim_vocab=False` (then V is the padded size).
     `input_ids` (B, T) must be on the model's device; see the module doc for positions and padding.
     """
     check_positions(input_ids, position_ids, attention_mask)

@@ -99,11 +99,18 @@ def resolve_config(dims: ModelDims, config: Optional[TransformerConfig], params_
     model's hooks to the others."""
     tp, pp = parallel_sizes()
     ep = parallel_state.get_expert_model_parallel_world_size()
+    etp = parallel_state.get_expert_tensor_parallel_world_size()
     if config is None:
-        return transformer_config_from_hf(dims, tp=tp, pp=pp, params_dtype=params_dtype, ep=ep)
+        return transformer_config_from_hf(dims, tp=tp, pp=pp, params_dtype=params_dtype, ep=ep,
+                                          expert_tp=etp if dims.moe is not None else None)
     if config.expert_model_parallel_size != ep:
         raise ValueError(f"config says EP={config.expert_model_parallel_size} but parallel_state is EP={ep}: build "
                          f"the config with transformer_config_from_hf(..., ep={ep}), matching initialize_megatron's ep")
+    if config.num_moe_experts and config.expert_tensor_parallel_size != etp:
+        # the experts' shards follow the process groups, not the config: a mismatch would size them wrongly
+        raise ValueError(f"config says expert TP={config.expert_tensor_parallel_size} but parallel_state is expert "
+                         f"TP={etp}: pass the same parallel.expert_tp to model_settings(expert_tp=...) and to "
+                         "initialize_megatron (Megatron's expert_tensor_parallel_size)")
     if (config.tensor_model_parallel_size, config.pipeline_model_parallel_size) != (tp, pp):
         raise ValueError(f"config says TP={config.tensor_model_parallel_size}, PP={config.pipeline_model_parallel_size} "
                          f"but parallel_state is TP={tp}, PP={pp}: build the config with "
@@ -113,20 +120,42 @@ def resolve_config(dims: ModelDims, config: Optional[TransformerConfig], params_
 
 
 def model_settings(hf_config: Any, *, tp: int, pp: int, params_dtype: torch.dtype, use_te: Optional[bool] = None,
-                   sequence_parallel: bool = False, recompute: str = "none", ep: int = 1) -> dict:
+                   sequence_parallel: bool = False, recompute: str = "none", ep: int = 1,
+                   expert_tp: Optional[int] = None) -> dict:
     """Keyword arguments for build_actor / build_reference / build_critic from the run's model.use_te,
-    model.recompute and parallel.sequence_parallel: `params_dtype`, the resolved `use_te` (None: TE when CUDA is
-    present and transformer_engine imports) and a TransformerConfig with the kernel settings (kernel_overrides:
-    fusions on only with TE on CUDA). On a CPU with the defaults the config equals the one build_gpt_model makes."""
+    model.recompute and parallel.sequence_parallel / ep / expert_tp: `params_dtype`, the resolved `use_te` (None: TE
+    when CUDA is present and transformer_engine imports) and a TransformerConfig with the kernel settings
+    (kernel_overrides: fusions on only with TE on CUDA). `expert_tp` (None: 1 for MoE, config.default_expert_tp).
+    An MoE model on the TE spec runs its experts as TE's grouped GEMM (moe_grouped_gemm) and, on CUDA with TE's
+    fused kernels, permutes its tokens fused (moe_permute_fusion; TE-only: the local spec keeps both off).
+    On a CPU with the defaults the config equals the one build_gpt_model makes."""
     use_te = resolve_use_te(use_te)
-    if read_dims(hf_config).moe is not None and tp > 1 and not sequence_parallel:
+    moe = read_dims(hf_config).moe is not None
+    if moe and tp > 1 and not sequence_parallel:
         # Megatron's MoELayer refuses to train under TP without it (the experts' tokens are split over TP).
         raise ValueError(f"an MoE model at parallel.tp={tp} trains only with parallel.sequence_parallel=true: set "
                          "it, or use parallel.tp=1 and parallel.ep for the experts")
     overrides = kernel_overrides(tp=tp, sequence_parallel=sequence_parallel, recompute=recompute, te=use_te,
                                  cuda=torch.cuda.is_available(), wgrad_fusion=use_te and wgrad_fusion_available())
-    config = transformer_config_from_hf(hf_config, tp=tp, pp=pp, params_dtype=params_dtype, ep=ep, **overrides)
+    if moe and use_te:
+        overrides.update(moe_grouped_gemm=True, moe_permute_fusion=permute_fusion_available())
+    config = transformer_config_from_hf(hf_config, tp=tp, pp=pp, params_dtype=params_dtype, ep=ep,
+                                        expert_tp=expert_tp, **overrides)
     return dict(params_dtype=params_dtype, use_te=use_te, config=config)
+
+
+def permute_fusion_available() -> bool:
+    """Whether Megatron finds TE's fused token permutation (moe_permute_fusion: CUDA kernels of TE >= 2.1);
+    Megatron's TransformerConfig refuses the flag without them."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        from megatron.core.transformer.moe import moe_utils
+    except Exception:
+        return False
+    return all(getattr(moe_utils, n, None) is not None for n in (
+        "fused_permute", "fused_permute_with_probs", "fused_sort_chunks_by_index",
+        "fused_sort_chunks_by_index_with_probs", "fused_unpermute"))
 
 
 def cast_params(model: torch.nn.Module, dtype: torch.dtype) -> None:
@@ -150,23 +179,44 @@ def build_gpt_model(
     pre_process: Optional[bool] = None,
     post_process: Optional[bool] = None,
     config: Optional[TransformerConfig] = None,
+    tokenizer_vocab_size: Optional[int] = None,
 ) -> GPTModel:
     """This rank's GPTModel stage for `hf_config` (or its ModelDims), randomly initialised (load weights with the
     family mapping).
 
     TP/PP come from the initialised `parallel_state`; pass `config` to use your own TransformerConfig
-    (e.g. from `transformer_config_from_hf(..., recompute_granularity="full")`). `model.hf_vocab_size`
-    holds the unpadded vocabulary size.
+    (e.g. from `transformer_config_from_hf(..., recompute_granularity="full")`). `model.hf_vocab_size` holds the
+    vocabulary the log-probs and logits run over (real_vocab_size): config.json's vocab_size, or
+    `tokenizer_vocab_size` (len(tokenizer)) when that is smaller.
     """
     return build_stage(BatchFirstGPTModel, hf_config, params_dtype=params_dtype, use_te=use_te,
-                       pre_process=pre_process, post_process=post_process, config=config)
+                       pre_process=pre_process, post_process=post_process, config=config,
+                       tokenizer_vocab_size=tokenizer_vocab_size)
+
+
+def real_vocab_size(config_vocab_size: int, tokenizer_vocab_size: Optional[int] = None) -> int:
+    """The ids a model can emit: config.json's vocab_size, cut to the tokenizer's size when that is smaller.
+
+    Checkpoints pad their embedding beyond the tokenizer (Qwen2.5: 152,064 rows for 151,665 ids); no text maps to
+    those rows, so they are kept out of every softmax, as vLLM's sampler and verl's log-probs keep them out. (The
+    weights keep all rows: the converters and the weight sync move config.json's vocabulary.)
+
+    >>> real_vocab_size(152064, 151665), real_vocab_size(32000), real_vocab_size(100, 120)
+    (151665, 32000, 100)
+    """
+    if tokenizer_vocab_size is None:
+        return config_vocab_size
+    if tokenizer_vocab_size < 1:
+        raise ValueError(f"tokenizer_vocab_size must be >= 1, got {tokenizer_vocab_size}")
+    return min(config_vocab_size, tokenizer_vocab_size)
 
 
 def build_stage(model_cls: type[GPTModel], hf_config: Any, *, params_dtype: torch.dtype, use_te: Optional[bool],
                 pre_process: Optional[bool], post_process: Optional[bool],
-                config: Optional[TransformerConfig]) -> GPTModel:
+                config: Optional[TransformerConfig], tokenizer_vocab_size: Optional[int] = None) -> GPTModel:
     """The builder behind build_gpt_model and critic.build_critic_model: `model_cls(**GPTModel kwargs)`, faster
-    modules swapped in, parameters in the config's dtype, `hf_vocab_size` set, moved to the GPU when there is one."""
+    modules swapped in, parameters in the config's dtype, `hf_vocab_size` set (real_vocab_size), moved to the GPU
+    when there is one."""
     dims = read_dims(hf_config)
     use_te = resolve_use_te(use_te)
     config = resolve_config(dims, config, params_dtype)
@@ -174,5 +224,5 @@ def build_stage(model_cls: type[GPTModel], hf_config: Any, *, params_dtype: torc
     model = model_cls(**kwargs)
     use_fast_modules(model, use_te=use_te)
     cast_params(model, config.params_dtype)
-    model.hf_vocab_size = dims.vocab_size
+    model.hf_vocab_size = real_vocab_size(dims.vocab_size, tokenizer_vocab_size)
     return to_device(model)

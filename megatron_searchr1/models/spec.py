@@ -95,17 +95,24 @@ def norm_module(use_te: bool) -> type:
     return TorchNorm
 
 
-def layer_spec(use_te: bool, qk_norm: bool = False, num_experts: Optional[int] = None) -> ModuleSpec:
+def layer_spec(use_te: bool, qk_norm: bool = False, num_experts: Optional[int] = None,
+               grouped_gemm: bool = False) -> ModuleSpec:
     """One transformer layer: TE's spec, or Megatron's local spec with SDPAttention and torch norms throughout.
 
-    `num_experts`: an MoE layer (Megatron's MoELayer: router, SequentialMLP experts, shared expert when the config
-    sizes one). Grouped GEMM stays off on GPUs too: TEGroupedMLP would name the expert weights differently from the
-    family mapping (families/moe.py)."""
+    `num_experts`: an MoE layer (Megatron's MoELayer: router, experts, shared expert when the config sizes one).
+    `grouped_gemm` (TE only): the experts as TEGroupedMLP (one grouped GEMM per linear over a rank's experts; its
+    weights `experts.linear_fc1.weight{j}` map to SequentialMLP's names, families/base.grouped_to_sequential_name),
+    else SequentialMLP (a loop over the experts: the local spec, the CPU)."""
     if use_te:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-        return get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts, moe_grouped_gemm=False,
+        return get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts, moe_grouped_gemm=grouped_gemm,
                                                           qk_layernorm=qk_norm)
+    if grouped_gemm:
+        # Megatron's local grouped experts (the legacy GroupedMLP) need the CUDA-only `grouped_gemm` package and are
+        # deprecated in favour of TE's; this project runs grouped GEMM through TE only.
+        raise ValueError("grouped-GEMM experts (moe_grouped_gemm=True) need the Transformer Engine spec: set "
+                         "model.use_te=true on a GPU with TE, or build the config without moe_grouped_gemm")
     spec = copy.deepcopy(get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False,
                                                   normalization="RMSNorm", qk_layernorm=qk_norm))
     layer = spec.submodules
@@ -120,13 +127,14 @@ def layer_spec(use_te: bool, qk_norm: bool = False, num_experts: Optional[int] =
 def block_spec(config: TransformerConfig, use_te: bool, qk_norm: bool = False) -> TransformerBlockSubmodules:
     """This pipeline stage's block: its layers (as many as Megatron builds here, uneven splits included) and a
     final norm of the same kind as the layers' norms. An MoE config's `moe_layer_freq` list (one 0/1 per global
-    layer, models/config.moe_config_fields) picks an MoE or a dense layer for each."""
+    layer, models/config.moe_config_fields) picks an MoE or a dense layer for each; its `moe_grouped_gemm` picks
+    grouped experts (TE spec only)."""
     n = get_num_layers_to_build(config)
     dense = layer_spec(use_te, qk_norm)
     if not config.num_moe_experts:
         layers = [dense] * n
     else:
-        moe = layer_spec(use_te, qk_norm, num_experts=config.num_moe_experts)
+        moe = layer_spec(use_te, qk_norm, num_experts=config.num_moe_experts, grouped_gemm=config.moe_grouped_gemm)
         freq = config.moe_layer_freq
         if not isinstance(freq, list):
             raise ValueError(f"block_spec needs moe_layer_freq as a per-layer 0/1 list, got {freq!r}")

@@ -380,8 +380,8 @@ class WeightSync:
                     continue
                 if te_to_local_name(global_name) == OUTPUT_LAYER and self.mapping.dims.tie_embeddings:
                     continue  # the last stage's copy of a tied embedding: HF has no lm_head then
-                if is_expert_param(global_name) and expert_parallel_size() > 1:
-                    continue  # other EP ranks hold other experts: sync_expert_weights sends them
+                if is_expert_param(global_name) and experts_apart():
+                    continue  # split over other groups than TP: sync_expert_weights sends them
                 gather = self.tp > 1 and tp_kind(global_name) != "replicated"
                 sources.append(_Source(global_name, p, gather, adapted.get(local_name)))
         return sources
@@ -545,23 +545,30 @@ def sync_weights(model: torch.nn.Module | Sequence[torch.nn.Module], engine: Opt
     return cache[key].sync(engine)
 
 
-def expert_parallel_size() -> int:
+def experts_apart() -> bool:
+    """Whether the routed experts are split differently from the TP group WeightSync gathers over: EP > 1 (other
+    ranks hold other experts), or an expert-TP size other than TP (parallel.expert_tp=1 under TP > 1: every TP rank
+    holds whole experts, which a TP all-gather would stack TP times). sync_expert_weights sends them then, over
+    Megatron's expert-TP and EP groups."""
     from megatron.core import parallel_state as ps
 
-    return ps.get_expert_model_parallel_world_size() if ps.model_parallel_is_initialized() else 1
+    if not ps.model_parallel_is_initialized():
+        return False
+    return (ps.get_expert_model_parallel_world_size() > 1
+            or ps.get_expert_tensor_parallel_world_size() != ps.get_tensor_model_parallel_world_size())
 
 
 @torch.no_grad()
 def sync_expert_weights(model: torch.nn.Module | Sequence[torch.nn.Module], engine: Optional[Any],
                         mapping: ModelFamily, *, dtype: Optional[torch.dtype] = None) -> int:
-    """Under expert parallelism (EP > 1; a no-op returning 0 otherwise), send the routed experts that WeightSync
-    leaves out: one MoE layer at a time, every expert all-gathered over expert-TP and EP (convert.gather_hf_weights)
+    """Under expert parallelism or an expert TP other than TP (experts_apart; a no-op returning 0 otherwise), send
+    the routed experts that WeightSync leaves out: one MoE layer at a time, every expert all-gathered over expert-TP and EP (convert.gather_hf_weights)
     on the layer's stage, broadcast over the pipeline group from that stage, handed to `engine.load_weights` under
     the checkpoint's per-expert HF names (what vLLM's MoE loaders read). Every rank calls it; returns the bytes
     handed over. At most one layer's experts (all E of them, cast to `dtype` at the source) are in flight: the
     memory bound, in place of WeightSync's buckets.
     """
-    if expert_parallel_size() == 1:
+    if not experts_apart():
         return 0
     from megatron.core import parallel_state as ps
 

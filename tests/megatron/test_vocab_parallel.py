@@ -7,6 +7,7 @@ import torch
 
 from megatron_searchr1.megatron.vocab_parallel import vocab_parallel_log_probs
 from tests.dist_utils import run_torchrun
+from tests.models.test_gpt import megatron_tp1  # noqa: F401  (fixture)
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
@@ -108,3 +109,37 @@ def test_entropy_for_the_loss_is_computed_only_when_asked(monkeypatch):
     calls.clear()
     vocab_parallel_log_probs(x, t, real_vocab_size=12, with_entropy=True)
     assert calls == ["_expected_logit"]
+
+
+def test_model_log_probs_leave_out_the_rows_beyond_the_tokenizer(megatron_tp1):
+    """A checkpoint whose config.json pads the vocabulary past its tokenizer (Qwen2.5: 152,064 rows, 151,665 ids):
+    the trainer's log-probs (megatron/outputs.model_outputs on a model built with tokenizer_vocab_size) equal a
+    log_softmax over the tokenizer's ids only, and differ from one over config.json's rows."""
+    from megatron_searchr1.megatron.batching import MicroBatch
+    from megatron_searchr1.megatron.outputs import model_outputs
+    from megatron_searchr1.models.gpt import build_gpt_model
+    from tests.models.test_gpt import tiny_config
+
+    cfg = tiny_config("qwen2", vocab_size=250)
+    tok = 230
+    torch.manual_seed(0)
+    model = build_gpt_model(cfg, tokenizer_vocab_size=tok).eval()
+    assert model.hf_vocab_size == tok and model.output_layer.weight.shape[0] == 256
+    with torch.no_grad():
+        model.output_layer.weight[tok:250] += 0.5  # give the padding rows real mass, as trained checkpoints may
+    ids = torch.randint(0, tok, (2, 12))
+    mb = MicroBatch(indices=[0, 1], input_ids=ids, prompt_lens=torch.tensor([4, 4]),
+                    response_lens=torch.tensor([8, 8]), response_mask=torch.ones(2, 8), fields={})
+    with torch.no_grad():
+        logits = model(ids, None, None)  # (b, T, 256): TP=1 holds the whole padded vocabulary
+        got = model_outputs(model, logits, mb, with_entropy=True)
+    pos, targets = mb.response_positions(), mb.response_targets()
+    rows = torch.arange(2).unsqueeze(1)
+    at = logits[rows, pos].double()  # (b, R, 256)
+    masked = torch.log_softmax(at.masked_fill(torch.arange(256) >= tok, float("-inf")), -1)
+    want = masked.gather(-1, targets[..., None])[..., 0]
+    torch.testing.assert_close(got["log_probs"].double(), want, atol=1e-5, rtol=0)
+    torch.testing.assert_close(got["entropy"].double(), -(masked.exp() * masked.nan_to_num(0.0)).sum(-1),
+                               atol=1e-5, rtol=0)
+    unmasked = torch.log_softmax(at[..., :250], -1).gather(-1, targets[..., None])[..., 0]
+    assert float((got["log_probs"].double() - unmasked).abs().max()) > 1e-3

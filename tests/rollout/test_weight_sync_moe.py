@@ -25,3 +25,17 @@ def test_sync_moe_at_ep2_into_vllm(tmp_path, arch):
     assert sorted((r["rank"], r["check"]) for r in results) == [(0, "logprobs"), (0, "resync"), (1, "logprobs"),
                                                                (1, "resync")], results
     assert all(r["ok"] for r in results), results
+
+
+@pytest.mark.slow
+def test_expert_tp1_under_tp2_loads_matches_transformers_and_syncs_exactly(tmp_path):
+    """parallel.expert_tp=1 at TP=2 (tests/rollout/expert_tp_sync_script.py): each TP rank holds whole experts, the
+    model's log-probs equal transformers' (<= 1e-4), and the sync hands over exactly the checkpoint. Sent through
+    WeightSync's TP all-gather, the experts would arrive stacked twice over and the names would not match."""
+    hf_dir = make_tiny_model(TinyModelConfig(output_dir=str(tmp_path / "moe"), arch="qwen3_moe", num_layers=2,
+                                             num_experts=4, moe_intermediate_size=32, vocab_size=300, init_std=0.1))
+    results = rank_results(run_torchrun(Path(__file__).with_name("expert_tp_sync_script.py"), 2, "--hf-dir", hf_dir,
+                                        timeout=600))
+    assert sorted((r["rank"], r["check"]) for r in results) == [
+        (0, "exact"), (0, "expert_shape"), (0, "logprobs"), (1, "exact"), (1, "expert_shape"), (1, "logprobs")]
+    assert all(r["ok"] for r in results), results

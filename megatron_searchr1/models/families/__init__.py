@@ -13,7 +13,7 @@ from typing import Any
 
 from megatron_searchr1.models.families.base import (  # noqa: F401  (re-exported API)
     EMBEDDING, FINAL_NORM, LAYER_TENSORS, MOE_LAYER_TENSORS, OUTPUT_LAYER, ModelFamily, deinterleave_qkv,
-    expert_index, global_to_local_layer, global_to_local_name, interleave_qkv, is_expert_param, rename_expert,
+    expert_index, global_to_local_layer, grouped_to_sequential_name, sequential_to_grouped_name, global_to_local_name, interleave_qkv, is_expert_param, rename_expert,
     local_to_global_name, local_to_te_name, pad_vocab, pp_layer_range, rename_layer, split_layer_name, stack_gate_up,
     stage_layer_counts, te_to_local_name, tp_kind, tp_merge, tp_place, tp_split, trim_vocab, unstack_gate_up,
 )

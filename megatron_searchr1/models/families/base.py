@@ -122,7 +122,7 @@ def expert_index(name: str) -> int | None:
     >>> expert_index("decoder.layers.1.mlp.experts.local_experts.5.linear_fc2.weight"), expert_index("embedding")
     (5, None)
     """
-    m = _EXPERT_RE.search(name)
+    m = _EXPERT_RE.search(grouped_to_sequential_name(name))
     return int(m.group(2)) if m else None
 
 
@@ -156,16 +156,46 @@ def layer_name(index: int, suffix: str) -> str:
     return f"decoder.layers.{index}.{suffix}"
 
 
+# Transformer Engine's grouped-GEMM experts (Megatron's TEGroupedMLP of TE GroupedLinear, `moe_grouped_gemm=True`
+# on the TE spec) hold one weight per local expert, `weight{j}`, in the module that serves all of them:
+# `mlp.experts.linear_fc1.weight{j}` is `mlp.experts.local_experts.{j}.linear_fc1.weight` with the same shape
+# ([gate_r; up_r] rows of expert j on expert-TP rank r), so the grouped naming is a rename, like the fused norms.
+_GROUPED_RE = re.compile(r"(mlp\.experts\.)(linear_fc[12])\.(weight|bias)(\d+)$")
+_SEQUENTIAL_RE = re.compile(r"(mlp\.experts\.)local_experts\.(\d+)\.(linear_fc[12])\.(weight|bias)$")
+
+
+def grouped_to_sequential_name(name: str) -> str:
+    """TEGroupedMLP's expert name -> SequentialMLP's (identity for every other name).
+
+    >>> grouped_to_sequential_name("decoder.layers.2.mlp.experts.linear_fc2.weight7")
+    'decoder.layers.2.mlp.experts.local_experts.7.linear_fc2.weight'
+    """
+    return _GROUPED_RE.sub(lambda m: f"{m.group(1)}local_experts.{m.group(4)}.{m.group(2)}.{m.group(3)}", name)
+
+
+def sequential_to_grouped_name(name: str) -> str:
+    """SequentialMLP's expert name -> TEGroupedMLP's (identity for every other name).
+
+    >>> sequential_to_grouped_name("decoder.layers.2.mlp.experts.local_experts.7.linear_fc1.weight")
+    'decoder.layers.2.mlp.experts.linear_fc1.weight7'
+    """
+    return _SEQUENTIAL_RE.sub(lambda m: f"{m.group(1)}{m.group(3)}.{m.group(4)}{m.group(2)}", name)
+
+
 def te_to_local_name(name: str) -> str:
-    """Transformer Engine spec name -> local spec name (identity for names that do not differ)."""
+    """Transformer Engine spec name (fused norms, grouped experts) -> local spec name (identity for names that do
+    not differ)."""
+    name = grouped_to_sequential_name(name)
     for local, entry in LAYER_TENSORS.items():
         if entry.te_name and name.endswith("." + entry.te_name):
             return name[: -len(entry.te_name)] + local
     return name
 
 
-def local_to_te_name(name: str) -> str:
-    """Local spec name -> Transformer Engine spec name."""
+def local_to_te_name(name: str, grouped_experts: bool = False) -> str:
+    """Local spec name -> Transformer Engine spec name (`grouped_experts`: the TE spec with moe_grouped_gemm)."""
+    if grouped_experts:
+        name = sequential_to_grouped_name(name)
     for local, entry in LAYER_TENSORS.items():
         if entry.te_name and name.endswith("." + local) and name.startswith("decoder.layers."):
             return name[: -len(local)] + entry.te_name

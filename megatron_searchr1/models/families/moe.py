@@ -9,9 +9,11 @@ An MoE layer keeps the dense layer's attention and norms and replaces its MLP by
         model.layers.{i}.mlp.shared_expert.*_proj                  -> mlp.shared_experts.linear_fc1 / linear_fc2
         model.layers.{i}.mlp.shared_expert_gate.weight    (1, h)   -> mlp.shared_experts.gate_weight
 
-Megatron's names hold Megatron's SequentialMLP (the local spec, `moe_grouped_gemm=False`), which is what the CPU
-runs; on GPUs the same SequentialMLP of TE linears keeps these names (TE's grouped GEMM, TEGroupedMLP, would be
-faster but names its weights `experts.linear_fc1.weight{j}`, which this mapping does not read).
+Megatron's names are those of Megatron's SequentialMLP (the local spec, which the CPU runs). TE's grouped-GEMM
+experts (TEGroupedMLP, the TE spec with `moe_grouped_gemm`) hold the same tensors as `mlp.experts.linear_fc1.weight{j}`
+/ `linear_fc2.weight{j}` (local expert j); every name is read through base.te_to_local_name, which renames them, and
+convert.global_names gives them SequentialMLP's global names. Expert linears split over the expert-TP group
+(parallel.expert_tp), not the TP group.
 
 Which layers have experts follows HF: layer i does unless i is in `mlp_only_layers` or (i + 1) is not a multiple of
 `decoder_sparse_step`; the other layers are dense MLPs of `intermediate_size` (spec.block_spec builds both kinds).
