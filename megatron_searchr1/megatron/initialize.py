@@ -166,12 +166,15 @@ def seed_everything(seed: int) -> int:
 
 
 def initialize_megatron(tp: int = 1, pp: int = 1, seed: int = 1234, timeout_minutes: int = 30,
-                        device: Optional[str] = None, sequence_parallel: bool = False, ep: int = 1) -> None:
+                        device: Optional[str] = None, sequence_parallel: bool = False, ep: int = 1,
+                        expert_tp: Optional[int] = None) -> None:
     """Initialise torch.distributed and Megatron's TP/PP/DP groups; DP = world_size / (tp * pp).
 
     `ep`: expert-parallel size (parallel.ep, MoE models): the experts of a layer are split over `ep` ranks of one
-    data-parallel group, so the world must be a multiple of tp * pp * ep; expert-tensor-parallel is Megatron's
-    default (= tp), and expert parameters are all-reduced over world / (tp * pp * ep) ranks.
+    data-parallel group, so the world must be a multiple of tp * pp * ep. `expert_tp`: expert tensor-parallel size
+    (parallel.expert_tp; None = Megatron's default, tp): each expert's linears are split over that many ranks, so
+    the world must also be a multiple of expert_tp * pp * ep; expert parameters are all-reduced over
+    world / (expert_tp * pp * ep) ranks.
 
     `timeout_minutes`: the collective timeout (parallel.timeout_minutes). `sequence_parallel`: with `tp`, decides
     the CUDA environment Megatron needs (`cuda_env`), set before the first CUDA call.
@@ -198,18 +201,23 @@ def initialize_megatron(tp: int = 1, pp: int = 1, seed: int = 1234, timeout_minu
             f"world size {world} is not divisible by tp*pp*ep = {tp}*{pp}*{ep} = {tp * pp * ep}: launch "
             f"`torchrun --nproc_per_node {tp * pp * ep}` (or a multiple of it), or change parallel.ep"
         )
+    etp = tp if expert_tp is None else expert_tp
+    if etp < 1 or world % (etp * pp * ep):
+        raise ValueError(f"world size {world} is not divisible by expert_tp*pp*ep = {etp}*{pp}*{ep}: change "
+                         "parallel.expert_tp (1, or a divisor of the world size over pp*ep)")
     install_cpu_compat()
     if mpu.model_parallel_is_initialized():
         have = (mpu.get_tensor_model_parallel_world_size(), mpu.get_pipeline_model_parallel_world_size(),
-                mpu.get_expert_model_parallel_world_size())
-        if have != (tp, pp, ep):
-            raise RuntimeError(f"Megatron is already initialised with (tp, pp, ep)={have}; call destroy_megatron() "
-                               "first")
+                mpu.get_expert_model_parallel_world_size(), mpu.get_expert_tensor_parallel_world_size())
+        if have != (tp, pp, ep, etp):
+            raise RuntimeError(f"Megatron is already initialised with (tp, pp, ep, expert_tp)={have}; call "
+                               "destroy_megatron() first")
     else:
         mpu.initialize_model_parallel(
             tensor_model_parallel_size=tp,
             pipeline_model_parallel_size=pp,
             expert_model_parallel_size=ep,
+            expert_tensor_parallel_size=expert_tp,
             distributed_timeout_minutes=timeout_minutes,
         )
     install_cpu_compat()  # again: initialize_model_parallel may import more megatron modules

@@ -2,13 +2,8 @@
 """An MoE model at TP=2 with expert-TP 1 (parallel.expert_tp's default: whole experts on every TP rank, attention
 split over TP) on real processes: loaded from the HF checkpoint, its log-probs equal transformers' own, and the
 weight sync hands the engine every tensor of the checkpoint bit for bit (the experts go over the expert groups, not
-stacked by a TP all-gather). Prints one `RESULT {...}` line per check per rank.
-
-Megatron's expert-TP size is set where the process groups are made: initialize_megatron keeps Megatron's default
-(expert-TP = TP) until it takes parallel.expert_tp, so this script hands expert_tensor_parallel_size=1 to
-initialize_model_parallel itself."""
+stacked by a TP all-gather). Prints one `RESULT {...}` line per check per rank."""
 import argparse
-import functools
 import json
 
 import torch
@@ -49,8 +44,7 @@ def main():
     from megatron_searchr1.models.gpt import build_gpt_model, model_settings
     from megatron_searchr1.rollout.weight_sync import sync_weights
 
-    mpu.initialize_model_parallel = functools.partial(mpu.initialize_model_parallel, expert_tensor_parallel_size=1)
-    initialize_megatron(tp=2, sequence_parallel=True, seed=3)
+    initialize_megatron(tp=2, sequence_parallel=True, seed=3, expert_tp=1)
     rank = dist.get_rank()
     hf_config = load_hf_config(a.hf_dir)
     settings = model_settings(hf_config, tp=2, pp=1, params_dtype=torch.float32, use_te=False,
