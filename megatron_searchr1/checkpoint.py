@@ -508,6 +508,23 @@ def _is_distributed(opt) -> bool:
     return any(isinstance(o, DistributedOptimizer) for o in getattr(opt, "chained_optimizers", [opt]))
 
 
+def _untie_adam_steps(opt) -> None:
+    """Give every parameter of a loaded distributed optimizer its own Adam step tensor.
+
+    The cause of a resume that drifted after one step: without Apex/TE, megatron-core 0.16's
+    DistributedOptimizer.load_state_dict puts ONE step tensor into every parameter's torch-Adam state, and torch's
+    Adam increments each parameter's step in place, so after the next step it reads step + (number of shards) and
+    the bias correction is wrong. A copy per parameter restores torch's own layout (with TE's FusedAdam the step
+    lives in the param groups and nothing is shared)."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    for sub in getattr(opt, "chained_optimizers", [opt]):
+        if isinstance(sub, DistributedOptimizer):
+            for state in sub.optimizer.state.values():
+                if isinstance(state.get("step"), torch.Tensor):
+                    state["step"] = state["step"].clone()
+
+
 def _load_optimizer(opt, model: torch.nn.Module, opt_dir: str) -> None:
     """Load one optimizer's state, also when it was saved under another expert-parallel size.
 
@@ -531,6 +548,7 @@ def _load_optimizer(opt, model: torch.nn.Module, opt_dir: str) -> None:
             raise CheckpointError(f"{opt_dir} was saved with {len(saved)} distributed sub-optimizer(s), this run has "
                                   f"{len(live)}: resume the distributed optimizer at the parallel.ep it was saved at")
         opt.load_state_dict(dist_checkpointing.load(opt_sd, opt_dir))
+        _untie_adam_steps(opt)
         return
     if _group_layout(saved) == _group_layout(live):
         opt.load_state_dict(dist_checkpointing.load(opt_sd, opt_dir))

@@ -35,9 +35,6 @@ def test_distributed_optimizer_saves_and_restores_its_state(resumed):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="known, not yet understood: after a distributed-optimizer resume every "
-                   "restored tensor and the gradient norm equal the saved run's, yet the next step's parameters "
-                   "differ by ~3e-3 (the plain optimizer resumes bit-exactly); see the issue note")
 def test_distributed_optimizer_resume_is_bit_exact(resumed):
     _, out = resumed
     for rank in (0, 1):
