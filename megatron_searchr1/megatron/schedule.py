@@ -120,8 +120,8 @@ def _routers_in_eval(model_chunk, on: bool):
 def _scaled_for_real_count(model, factor: float):
     """Multiply what the schedule's `grad_scale_func` returns by `factor` (M / M_d) while it runs: Megatron scales
     the MoE aux loss by grad_scale_func(1) / M and each loss by grad_scale_func, so a rank with M_d real micro-batches
-    padded to M keeps the aux-loss weight 1 / M_d it has without padding (forward_backward gives the loss M_d,
-    not M, for the same reason)."""
+    padded to M keeps the aux-loss weight 1 / M_d it has without padding, and each loss, which forward_backward
+    multiplies by M_d * D, reaches the backward as loss * D."""
     config = unwrap(model).config
     base = config.grad_scale_func
     if factor == 1.0:
@@ -142,8 +142,8 @@ def _run_schedule(model, micro_batches: Sequence[MicroBatch], forward_only: bool
     device = collective_device()
     num_real = len(micro_batches) if num_real is None else num_real
     config = unwrap(model).config  # sequence parallelism splits the sequence over TP: pad it to a multiple
-    micro_batches = [(mb.padded_to(config.tensor_model_parallel_size if config.sequence_parallel else 1), k >= num_real)
-                     for k, mb in enumerate(micro_batches)]
+    multiple = config.tensor_model_parallel_size if config.sequence_parallel else 1
+    micro_batches = [(mb.padded_to(multiple), k >= num_real) for k, mb in enumerate(micro_batches)]
 
     def forward_step(data_iterator, model_chunk):
         mb, padding = next(data_iterator)

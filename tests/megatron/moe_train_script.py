@@ -25,8 +25,8 @@ from tests.megatron.schedule_script import ppo_like_loss  # noqa: E402
 
 def uneven_counts(actor, optimizer, hf_config) -> dict:
     """Rank 0 packs 3 micro-batches, rank 1 one (13-token sequences, 13-token budget); the same sequences in one
-    micro-batch per rank are the reference. The aux loss is off for the gradient comparison: it is computed per
-    micro-batch, so it depends on the packing."""
+    micro-batch per rank are the reference. The aux loss is off for that gradient comparison (it is computed per
+    micro-batch, so it depends on the packing) and checked alone against rank 1's micro-batch repeated 3 times."""
     import torch.distributed as dist
     from megatron.core import parallel_state as mpu
 
@@ -37,7 +37,8 @@ def uneven_counts(actor, optimizer, hf_config) -> dict:
     g = torch.Generator().manual_seed(100 + rank)
     seqs = [{"prompt_ids": torch.randint(0, hf_config.vocab_size, (5,), generator=g).tolist(),
              "response_ids": torch.randint(0, hf_config.vocab_size, (8,), generator=g).tolist(),
-             "loss_mask": torch.ones(8), "advantages": torch.randn(8, generator=g)} for _ in range(3 if rank == 0 else 1)]
+             "loss_mask": torch.ones(8), "advantages": torch.randn(8, generator=g)}
+            for _ in range(3 if rank == 0 else 1)]
     bare = actor.module
     calls = {"all_to_all": 0, "routed_in_training": 0}
     real_a2a = dist.all_to_all_single
@@ -77,6 +78,17 @@ def uneven_counts(actor, optimizer, hf_config) -> dict:
         dist.all_to_all_single = real_a2a
         bare.config.moe_aux_loss_coeff = coeff
         hook.remove()
+    # The aux loss alone (a loss that ignores the outputs): rank 1's one micro-batch padded to 3 must weigh as
+    # much as the same micro-batch 3 times (no padding), i.e. 1/M_d of the real count, and the padding adds none.
+    aux_grads = []
+    for copies in (1, 3):
+        actor.zero_grad_buffer()
+        optimizer.zero_grad()
+        forward_backward(actor, make_micro_batches(seqs if rank == 0 else seqs * copies, 13),
+                         lambda outputs, mb: (0.0 * outputs["log_probs"].sum(), {}))
+        aux_grads.append({n: p.main_grad.detach().clone() for n, p in bare.named_parameters()})
+    out["aux_grad_max_diff"] = max(float((aux_grads[0][n] - aux_grads[1][n]).abs().max()) for n in aux_grads[0])
+    out["aux_grad_max"] = max(float(t.abs().max()) for t in aux_grads[1].values())
     out["grad_max_diff"] = max(float((grads[0][n] - grads[1][n]).abs().max()) for n in grads[0])
     out["grad_max"] = max(float(t.abs().max()) for t in grads[1].values())
     out["log_prob_max_diff"] = max(float((a - b).abs().max()) for a, b in zip(*log_probs))

@@ -42,3 +42,4 @@ def test_moe_actor_step_at_ep2_has_aux_loss_gradient_and_metrics(tmp_path):
         assert u["train_routed"] == u["real_tokens"]
         assert u["grad_max_diff"] <= 1e-5 * u["grad_max"] and u["grad_max"] > 0
         assert u["log_prob_max_diff"] < 1e-4
+        assert u["aux_grad_max_diff"] <= 1e-5 * u["aux_grad_max"] and u["aux_grad_max"] > 0
