@@ -21,7 +21,7 @@ Layout of one checkpoint (`<root>/step_000010/`):
     optimizer/actor/        `optimizer.sharded_state_dict(model_sharded_state_dict)`: Adam moments keyed by the
                             model's tensor names (Megatron's own format, so it reshards with TP/PP too; the
                             distributed optimizer's `dp_reshardable` layout reshards over DP only;
-                            a freeze run's keys are per layer, `_optimizer_model_state`)
+                            a freeze run's keys are per layer; checkpoint_optimizer.py)
     rng/rank_00000.pt       each rank's python / numpy / torch / CUDA RNG and Megatron's RNG-tracker states
     trainer_state.pt        scheduler state dicts and `extra` (anything picklable: data cursor, KL controller, ...)
     checkpoint.json         written LAST by rank 0: step, world layout, what the checkpoint holds
@@ -41,6 +41,9 @@ the step directory, every rank writes its RNG file into it, rank 0 renames it). 
 start (every rank writes a marker, every rank must see them all) and refuses otherwise, and `agreed_resume_target`
 lets rank 0 alone decide which step to resume and tells the others, so ranks never load different steps.
 
+The optimizer's side (the sharding metadata it is saved with, the layouts it loads at, the load across EP sizes)
+is checkpoint_optimizer.py; CheckpointError and the metadata constants are importable from here too.
+
 Resuming a step saved twice (a resumed run saving a step again): the old directory is renamed to a `.tmp` name
 before the new one takes its place, so a crash between the two renames leaves `latest` on a missing directory;
 `latest_step` then falls back to the newest complete checkpoint.
@@ -56,13 +59,17 @@ import socket
 import time
 import uuid
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron_searchr1.checkpoint_optimizer import (  # noqa: F401  (names of this module's API, re-exported)
+    DISTRIBUTED_OPTIMIZER_METADATA, OPTIMIZER_METADATA, CheckpointError, check_optimizer_layouts, freeze_marker,
+    load_optimizer, optimizer_metadata, optimizer_model_state, prepare_for_load, share_adam_step,
+)
 from megatron_searchr1.models.forward import unwrap
 from megatron_searchr1.models.freeze import is_frozen_subset
 from megatron_searchr1.models.lora import adapter_sharded_state_dict, has_lora
@@ -72,21 +79,6 @@ LATEST_FILE = "latest"
 MARKER_FILE = "checkpoint.json"
 STATE_FILE = "trainer_state.pt"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
-# The distributed optimizer's layout: `dp_reshardable` (Megatron-LM's default; each rank writes its own buffer slice,
-# no gather). In megatron-core 0.16 `fully_sharded_model_space` fails to save (ShardedTensor.flattened_range is no
-# longer supported) and `fully_reshardable` fails to load ('step'); dp_reshardable reshards over DP only, so a
-# distributed-optimizer checkpoint resumes at the TP/PP it was saved at (load_checkpoint says so).
-# Only a distributed optimizer is given the sharding type: with a non-fully-reshardable type Megatron's ChainedOptimizer
-# prefixes its sub-optimizers' keys (`chained_0.`), which would tie a plain optimizer's state to the number of
-# sub-optimizers (2 at EP > 1, 1 at EP = 1) and break a resume at another EP.
-OPTIMIZER_METADATA = {"chained_optim_avoid_prefix": True}
-DISTRIBUTED_OPTIMIZER_METADATA = {**OPTIMIZER_METADATA, "distrib_optim_sharding_type": "dp_reshardable"}
-
-
-class CheckpointError(Exception):
-    """A checkpoint that cannot be written or loaded as asked; the message says what to change."""
-
-
 @dataclass(frozen=True)
 class RoleState:
     """What one role (trainer/roles.py: Policy, Critic) keeps in a checkpoint: its model and, when it trains, its
@@ -304,54 +296,6 @@ def _model_state(model: torch.nn.Module) -> dict:
     return adapter_sharded_state_dict(model) if has_lora(model) else unwrap(model).sharded_state_dict()
 
 
-def _optimizer_model_state(model: torch.nn.Module) -> dict:
-    """The model sharded state dict an optimizer's state is keyed by (matched by parameter identity).
-
-    Megatron stacks a weight of all decoder layers into one checkpoint tensor (`decoder.layers.<suffix>`, global
-    shape (num_layers, ...)) and refuses to save one whose shards do not cover every layer ("Invalid access
-    pattern"): a freeze run (models/freeze.py) has Adam state for a few layers only, so its optimizer state is keyed
-    per layer instead (Megatron's `non_homogeneous_layers`: `decoder.layers.<global i>.<suffix>`), which any subset
-    covers (global layer numbers: the keys do not depend on the PP split). Every stage of such a run is marked
-    (`model.freeze_settings`), so all ranks agree even where a stage trains nothing or everything."""
-    metadata = {"non_homogeneous_layers": True} if is_frozen_subset(model) else None
-    return unwrap(model).sharded_state_dict(metadata=metadata)
-
-
-def _torch_optimizer_dicts(sd: Any) -> list[dict]:
-    """The torch optimizer state dicts ({"state", "param_groups"}) inside a Megatron optimizer's state dict."""
-    if not isinstance(sd, dict):
-        return []
-    if isinstance(sd.get("state"), dict) and "param_groups" in sd:
-        return [sd]
-    return [d for v in sd.values() for d in _torch_optimizer_dicts(v)]
-
-
-def _share_adam_step(opt_sd: dict) -> None:
-    """Every rank's optimizer state dict gets the Adam step (in place; every rank calls it).
-
-    Megatron saves Adam's per-parameter step once, as `state.common_step`, a non-sharded value that only rank 0
-    writes (common.pt) and every rank reads back. A freeze run's rank 0 may train nothing (PP stage 0 when the last
-    layers train) and so has no step: the checkpoint would lose it and the other ranks' load fail (torch's Adam:
-    KeyError 'step'). The step is the same wherever there is one; take it from a rank that has it."""
-    states = [d["state"] for d in _torch_optimizer_dicts(opt_sd)]
-    mine = [s.get("common_step") for s in states]
-    every = [mine]
-    if _world() > 1:
-        every = [None] * _world()
-        dist.all_gather_object(every, mine)
-    for i, state in enumerate(states):
-        steps = [m[i] for m in every if i < len(m) and m[i] is not None]
-        if steps and "common_step" not in state:
-            state["common_step"] = steps[0]
-
-
-def _freeze_marker(model: torch.nn.Module) -> Optional[dict]:
-    """What checkpoint.json records of a freeze run's trainable set (its optimizer state has those keys only)."""
-    if not is_frozen_subset(model):
-        return None
-    return json.loads(json.dumps(asdict(unwrap(model).freeze_settings)))  # as it reads back from the JSON
-
-
 def _load_adapters(model: torch.nn.Module, model_dir: str) -> None:
     """Load a LoRA model's adapters (saved by `_model_state`) into it; the base is left as built."""
     from megatron.core import dist_checkpointing
@@ -423,10 +367,10 @@ def save_checkpoint(ckpt_root: str, step: int, models: dict[str, torch.nn.Module
         if name in optimizers:
             # The optimizer's state is keyed by the model's sharded tensors (matched by parameter identity); a
             # fresh model sharded state dict, since save() rewrites the one it is given in place.
-            opt_sd = optimizers[name].sharded_state_dict(_optimizer_model_state(model),
-                                                         metadata=_optimizer_metadata(optimizers[name]))
+            opt_sd = optimizers[name].sharded_state_dict(optimizer_model_state(model),
+                                                         metadata=optimizer_metadata(optimizers[name]))
             if is_frozen_subset(model):
-                _share_adam_step(opt_sd)
+                share_adam_step(opt_sd)
             dist_checkpointing.save(opt_sd, os.path.join(tmp, "optimizer", name))
     torch.save(rng_state(), os.path.join(tmp, "rng", f"rank_{rank:05d}.pt"))
     _barrier()  # every rank's files are on disk
@@ -441,7 +385,7 @@ def save_checkpoint(ckpt_root: str, step: int, models: dict[str, torch.nn.Module
         marker = {"format": FORMAT, "version": 1, "step": step, "world_size": _world(), **layout,
                   "models": sorted(models), "optimizers": sorted(optimizers), "schedulers": sorted(schedulers),
                   "lora_models": sorted(n for n in models if has_lora(models[n])),
-                  "freeze": {n: _freeze_marker(models[n]) for n in optimizers if is_frozen_subset(models[n])},
+                  "freeze": {n: freeze_marker(models[n]) for n in optimizers if is_frozen_subset(models[n])},
                   "time": time.time()}
         with open(os.path.join(tmp, MARKER_FILE), "w") as f:
             json.dump(marker, f, indent=2)
@@ -479,92 +423,6 @@ def _resolve_step(ckpt_root: str, step: Union[str, int]) -> int:
     return step
 
 
-def _sub_dicts(sd: dict) -> list:
-    """One state dict per sub-optimizer: a ChainedOptimizer of several has {0: ..., 1: ...}; of one, it is that
-    sub-optimizer's own dict."""
-    return [sd[k] for k in sorted(sd)] if sd and all(isinstance(k, int) for k in sd) else [sd]
-
-
-def _torch_state(sub: dict) -> dict:
-    """The torch optimizer's own state dict (`state`, `param_groups`) in a sub-optimizer's state dict (Megatron's
-    Float16 optimizer nests it under "optimizer")."""
-    return sub["optimizer"] if "optimizer" in sub else sub
-
-
-def _group_layout(subs: list) -> list:
-    """Which param groups hold expert-parallel parameters, per sub-optimizer: differs between EP = 1 and EP > 1."""
-    return [[bool(g.get("is_expert_parallel")) for g in _torch_state(s)["param_groups"]] for s in subs]
-
-
-def _optimizer_metadata(opt) -> dict:
-    """The metadata an optimizer's sharded state dict is built with (save and load alike)."""
-    return dict(DISTRIBUTED_OPTIMIZER_METADATA if _is_distributed(opt) else OPTIMIZER_METADATA)
-
-
-def _is_distributed(opt) -> bool:
-    """Whether a Megatron optimizer (or any of a ChainedOptimizer's) is the distributed optimizer."""
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
-    return any(isinstance(o, DistributedOptimizer) for o in getattr(opt, "chained_optimizers", [opt]))
-
-
-def _load_optimizer(opt, model: torch.nn.Module, opt_dir: str) -> None:
-    """Load one optimizer's state, also when it was saved under another expert-parallel size.
-
-    Megatron keeps expert parameters in their own sub-optimizer and param group only at EP > 1 (they are DP
-    all-reduced like the rest at EP = 1), so an EP=2 checkpoint's common part holds {0: dense, 1: experts} while an
-    EP=1 optimizer expects one dict. The Adam moments are keyed by parameter name and load at either layout; the
-    param-group hyperparameters and the shared step live in common.pt in the SAVED nesting, and dist_checkpointing
-    merges only the live `params` lists into it: a live group then has no `wd_mult` (KeyError 'pre_wd_mult' in
-    Megatron's _filter_and_reorder_param_groups). Then each live group takes the saved group with the same
-    (wd_mult, lr_mult, is_decoupled_lr) and the live is_expert_parallel, and every sub-optimizer the saved step.
-    The same layout loads as Megatron does (bit-exact resume).
-    """
-    from megatron.core import dist_checkpointing
-
-    model_sd = _optimizer_model_state(model)
-    opt_sd = opt.sharded_state_dict(model_sd, is_loading=True, metadata=_optimizer_metadata(opt))
-    saved = _sub_dicts(dist_checkpointing.load_common_state_dict(opt_dir))
-    live = _sub_dicts(opt_sd)
-    if any("param_state" in s for s in saved + live):  # the distributed optimizer's own format
-        if len(saved) != len(live):
-            raise CheckpointError(f"{opt_dir} was saved with {len(saved)} distributed sub-optimizer(s), this run has "
-                                  f"{len(live)}: resume the distributed optimizer at the parallel.ep it was saved at")
-        opt.load_state_dict(dist_checkpointing.load(opt_sd, opt_dir))
-        return
-    if _group_layout(saved) == _group_layout(live):
-        opt.load_state_dict(dist_checkpointing.load(opt_sd, opt_dir))
-        return
-
-    def group_key(g):
-        return g["wd_mult"], g["lr_mult"], g["is_decoupled_lr"]
-
-    by_key = {group_key(g): g for s in saved for g in _torch_state(s)["param_groups"]}
-    live_groups = [[{k: v for k, v in g.items() if k != "params"} for g in _torch_state(s)["param_groups"]]
-                   for s in live]  # read before load(), which rewrites opt_sd
-    scaled = ["grad_scaler" in s for s in live]
-    steps = [_torch_state(s)["state"]["common_step"] for s in saved if "common_step" in _torch_state(s)["state"]]
-    loaded = dist_checkpointing.load(opt_sd, opt_dir)  # tensors and `params` at the live paths
-    subs = ([loaded[i] for i in range(len(live))] if len(live) > 1
-            else [{k: v for k, v in loaded.items() if not isinstance(k, int)}])  # less the saved nesting
-    for sub, sub_groups, has_scaler in zip(subs, live_groups, scaled):
-        state = _torch_state(sub)
-        groups = []
-        for g, live_g in zip(state["param_groups"], sub_groups):
-            if group_key(live_g) not in by_key:
-                raise CheckpointError(f"{opt_dir} has no parameter group like {group_key(live_g)} "
-                                      f"(wd_mult, lr_mult, is_decoupled_lr); it holds {sorted(by_key)}")
-            groups.append({**by_key[group_key(live_g)], "is_expert_parallel": live_g["is_expert_parallel"],
-                           "params": g["params"]})
-        state["param_groups"] = groups
-        state["state"] = {k: v for k, v in state["state"].items() if isinstance(k, int)}
-        if steps:
-            state["state"]["common_step"] = steps[0]
-        if has_scaler and "grad_scaler" in saved[0]:
-            sub["grad_scaler"] = saved[0]["grad_scaler"]
-    opt.load_state_dict({i: s for i, s in enumerate(subs)} if len(live) > 1 else subs[0])
-
-
 def load_checkpoint(ckpt_root: str, step: Union[str, int], models: dict[str, torch.nn.Module], optimizers: dict,
                     schedulers: dict) -> dict:
     """Load `step` ("latest" or an int) into the given models, optimizers and schedulers (every rank calls this);
@@ -584,30 +442,8 @@ def load_checkpoint(ckpt_root: str, step: Union[str, int], models: dict[str, tor
         missing = sorted(set(have) - set(marker[kind]))
         if missing:
             raise CheckpointError(f"{path} has no {kind} {missing} (it holds {marker[kind]})")
-    here = _parallel_layout()
-    for name, opt in optimizers.items():  # the distributed optimizer's dp_reshardable state reshards over DP only
-        if _is_distributed(opt) and (marker.get("tp"), marker.get("pp")) != (here["tp"], here["pp"]):
-            raise CheckpointError(f"{path}: the distributed optimizer's state of {name!r} was saved at "
-                                  f"tp={marker.get('tp')} pp={marker.get('pp')} and loads at that TP/PP only (any "
-                                  f"DP); this run has tp={here['tp']} pp={here['pp']}: resume at the saved "
-                                  "parallel.tp / parallel.pp, or start a new run from the checkpoint's model "
-                                  "(model.megatron_ckpt)")
-    for name in optimizers:  # a freeze run's optimizer state covers its trainable set only
-        saved, live = marker.get("freeze", {}).get(name), _freeze_marker(models[name])
-        if saved != live:
-            raise CheckpointError(f"{path}: the optimizer state of {name!r} was saved for the trainable set "
-                                  f"{saved or 'all parameters'} (freeze settings), this model trains "
-                                  f"{live or 'all parameters'}: resume with the same model.freeze")
-
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
-    for opt in optimizers.values():
-        for sub in getattr(opt, "chained_optimizers", [opt]):
-            if isinstance(sub, DistributedOptimizer) and not sub.optimizer.state:
-                # its sharded_state_dict reads the step of existing Adam state: a fresh optimizer takes Megatron's
-                # placeholder state (one zero-gradient step, whose weight decay moves the weights: so before the
-                # weights load), which the load then overwrites
-                sub._init_optimizer_states_with_dummy_values()
+    check_optimizer_layouts(path, marker, _parallel_layout(), models, optimizers)
+    prepare_for_load(optimizers)
     for name, model in models.items():
         try:
             if has_lora(model):
@@ -620,7 +456,7 @@ def load_checkpoint(ckpt_root: str, step: Union[str, int], models: dict[str, tor
         # no_grad: the distributed optimizer copies the loaded fp32 shards into views of parameters that require
         # grad (an in-place error under autograd)
         with torch.no_grad():
-            _load_optimizer(opt, models[name], os.path.join(path, "optimizer", name))
+            load_optimizer(opt, models[name], os.path.join(path, "optimizer", name))
 
     state = torch.load(os.path.join(path, STATE_FILE), weights_only=False)
     for name, sched in schedulers.items():

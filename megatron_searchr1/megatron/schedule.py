@@ -28,12 +28,26 @@ l_dk * M_d * D: the gradient after the DP all-reduce is sum_d (1/D) sum_k (1/M_d
 M_d may differ between DP ranks (each rank packs its own share; only the stages of one DP rank share a
 schedule): the factor is per rank. Tested: 1 micro-batch == 3 micro-batches, DP=2 == DP=1 on the union.
 
+Expert parallelism (EP > 1) is the exception: every MoE layer of every micro-batch does an all-to-all over the
+expert group, which spans DP ranks, so those ranks must run the same number of micro-batches (else the rank that
+runs out first waits out the timeout, or pairs its next collective with the other rank's extra micro-batch).
+`equal_micro_batch_count` takes the maximum over DP (one all-reduce) and appends empty micro-batches (one row, one
+token of prompt and of response) that contribute nothing: their outputs are dropped, their loss is 0 x output
+(the backward still runs through every layer, so the backward all-to-alls pair up too), their routers run in eval
+mode (no aux loss, no z-loss, not counted in the load-balancing metrics), and the schedule's 1/M of the padded
+count M is turned back into this rank's 1/M_d for the loss and the aux loss (`_scaled_for_real_count`). verl takes
+the same MAX over DP for its dynamic batch sizes and cuts each rank's sequences into that many micro-batches; here
+the packing stays batching.py's (least padding within the token budget) and the shorter ranks get empty ones.
+Aux-loss-free balancing (`moe_router_enable_expert_bias`) would still count a padding micro-batch's routed tokens:
+Megatron updates that bias whenever gradients are on, in eval mode too (no model here enables it).
+
 Metrics: "loss" is L; each loss_fn metric is averaged with weight mb.loss_token_weight (a token-weighted
 mean over the mini-batch); plus "grad_norm" (before clipping, over the whole model), "lr" (the LR this
 step used) and "update_successful".
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -43,7 +57,7 @@ from megatron.core import parallel_state as mpu
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_searchr1.collectives import collective_device
-from megatron_searchr1.megatron.batching import MicroBatch, restore_order
+from megatron_searchr1.megatron.batching import MicroBatch, make_micro_batches, restore_order
 from megatron_searchr1.megatron.moe_metrics import moe_step_metrics, start_moe_step
 from megatron_searchr1.megatron.optimizer import current_lr
 from megatron_searchr1.megatron.outputs import is_critic, model_outputs, unwrap
@@ -62,17 +76,82 @@ def _check_inputs(model: torch.nn.Module, micro_batches: Sequence[MicroBatch]) -
                              "tokenized with a different tokenizer than the model's")
 
 
+def _needs_equal_counts(model) -> bool:
+    """Whether DP ranks must run the same number of micro-batches: an MoE model at EP > 1 (module doc)."""
+    return (bool(getattr(unwrap(model).config, "num_moe_experts", None))
+            and mpu.get_expert_model_parallel_world_size() > 1 and mpu.get_data_parallel_world_size() > 1)
+
+
+def equal_micro_batch_count(model, micro_batches: Sequence[MicroBatch]) -> list[MicroBatch]:
+    """`micro_batches` followed by empty ones up to the largest count over the DP group when the model's expert
+    all-to-alls span DP ranks (`_needs_equal_counts`); as given otherwise. Padding micro-batches come last, so
+    `micro_batches[:len(given)]` are the real ones. One all-reduce (MAX) of a CPU tensor: the groups carry gloo
+    beside NCCL on a GPU (megatron/initialize.py), so it costs no device sync."""
+    micro_batches = list(micro_batches)
+    if not _needs_equal_counts(model):
+        return micro_batches
+    count = torch.tensor([len(micro_batches)], dtype=torch.int64)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX, group=mpu.get_data_parallel_group())
+    missing = int(count) - len(micro_batches)
+    if missing > 0:
+        # one prompt token and one response token (id 0, in every vocabulary), no loss tokens
+        empty = make_micro_batches([{"prompt_ids": [0], "response_ids": [0], "loss_mask": torch.zeros(1)}], 2)[0]
+        micro_batches += [empty] * missing
+    return micro_batches
+
+
+@contextlib.contextmanager
+def _routers_in_eval(model_chunk, on: bool):
+    """A padding micro-batch's forward with every MoE router in eval mode: Megatron attaches the aux and z losses
+    (and the metrics count routed tokens) in training mode only, so the padding adds nothing to either. The routing
+    itself and its all-to-alls are the same as in training."""
+    routers = [m for name, m in model_chunk.named_modules() if name.endswith("mlp.router")] if on else []
+    modes = [r.training for r in routers]
+    for r in routers:
+        r.training = False
+    try:
+        yield
+    finally:
+        for r, mode in zip(routers, modes):
+            r.training = mode
+
+
+@contextlib.contextmanager
+def _scaled_for_real_count(model, factor: float):
+    """Multiply what the schedule's `grad_scale_func` returns by `factor` (M / M_d) while it runs: Megatron scales
+    the MoE aux loss by grad_scale_func(1) / M and each loss by grad_scale_func, so a rank with M_d real micro-batches
+    padded to M keeps the aux-loss weight 1 / M_d it has without padding, and each loss, which forward_backward
+    multiplies by M_d * D, reaches the backward as loss * D."""
+    config = unwrap(model).config
+    base = config.grad_scale_func
+    if factor == 1.0:
+        yield
+        return
+    config.grad_scale_func = (lambda t: t * factor) if base is None else (lambda t: base(t) * factor)
+    try:
+        yield
+    finally:
+        config.grad_scale_func = base
+
+
 def _run_schedule(model, micro_batches: Sequence[MicroBatch], forward_only: bool,
-                  post: Callable[[torch.Tensor, MicroBatch], object]) -> None:
-    """Run the pipeline schedule over `micro_batches`; on the last stage `post(output, mb)` sees each output."""
+                  post: Callable[[torch.Tensor, MicroBatch], object],
+                  post_padding: Callable[[torch.Tensor], object], num_real: Optional[int] = None) -> None:
+    """Run the pipeline schedule over `micro_batches`; on the last stage `post(output, mb)` sees the output of each
+    of the first `num_real` (default: all) and `post_padding(output)` that of each padding micro-batch after them."""
     device = collective_device()
+    num_real = len(micro_batches) if num_real is None else num_real
     config = unwrap(model).config  # sequence parallelism splits the sequence over TP: pad it to a multiple
-    micro_batches = [mb.padded_to(config.tensor_model_parallel_size if config.sequence_parallel else 1)
-                     for mb in micro_batches]
+    multiple = config.tensor_model_parallel_size if config.sequence_parallel else 1
+    micro_batches = [(mb.padded_to(multiple), k >= num_real) for k, mb in enumerate(micro_batches)]
 
     def forward_step(data_iterator, model_chunk):
-        mb = next(data_iterator).to(device)
-        output = model_chunk(mb.input_ids, None, None)  # right-padded: RoPE positions 0..T-1, causal attention
+        mb, padding = next(data_iterator)
+        mb = mb.to(device)
+        with _routers_in_eval(model_chunk, padding):
+            output = model_chunk(mb.input_ids, None, None)  # right-padded: RoPE positions 0..T-1, causal attention
+        if padding:
+            return output, lambda out, non_loss_data=False: post_padding(out)
         return output, lambda out, non_loss_data=False: post(out, mb)
 
     get_forward_backward_func()(
@@ -80,8 +159,8 @@ def _run_schedule(model, micro_batches: Sequence[MicroBatch], forward_only: bool
         data_iterator=iter(micro_batches),
         model=[model],
         num_microbatches=len(micro_batches),
-        seq_length=max(mb.input_ids.shape[1] for mb in micro_batches),  # shapes travel with variable_seq_lengths
-        micro_batch_size=max(mb.num_rows for mb in micro_batches),
+        seq_length=max(mb.input_ids.shape[1] for mb, _ in micro_batches),  # shapes travel: variable_seq_lengths
+        micro_batch_size=max(mb.num_rows for mb, _ in micro_batches),
         forward_only=forward_only,
         collect_non_loss_data=forward_only,
     )
@@ -114,7 +193,8 @@ def forward_per_sequence(model: torch.nn.Module, micro_batches: Sequence[MicroBa
     model.eval()
     try:
         with torch.no_grad():
-            _run_schedule(model, micro_batches, forward_only=True, post=post)
+            _run_schedule(model, equal_micro_batch_count(model, micro_batches), forward_only=True, post=post,
+                          post_padding=lambda out: None, num_real=len(micro_batches))
     finally:
         model.train(was_training)
 
@@ -167,8 +247,9 @@ def forward_backward(model: torch.nn.Module, micro_batches: Sequence[MicroBatch]
     """
     _check_inputs(model, micro_batches)
     _set_global_counts(micro_batches, mask_key)
-    M = len(micro_batches)
+    M = len(micro_batches)  # this rank's real micro-batches; the schedule may run more (equal_micro_batch_count)
     D = mpu.get_data_parallel_world_size()
+    scheduled = equal_micro_batch_count(model, micro_batches)
     records: list[tuple[float, torch.Tensor, dict]] = []
 
     def post(output, mb):
@@ -176,11 +257,17 @@ def forward_backward(model: torch.nn.Module, micro_batches: Sequence[MicroBatch]
                                               with_entropy=with_entropy, entropy_grad=entropy_grad), mb)
         records.append((mb.loss_token_weight, loss.detach(), {k: torch.as_tensor(v).detach().float()
                                                               for k, v in metrics.items()}))
-        # The schedule divides by M before backward and DDP averages over D: undo both (module doc).
+        # The schedule divides by M before backward and DDP averages over D: undo both (module doc); with
+        # padding the schedule divides by len(scheduled), and _scaled_for_real_count multiplies by len(scheduled)/M.
         return loss * (M * D), {}
 
+    def post_padding(output):
+        # zero loss, zero gradient, but a backward through every layer (its collectives pair with the other ranks')
+        return output.float().sum() * 0.0, {}
+
     model.train()
-    _run_schedule(model, micro_batches, forward_only=False, post=post)
+    with _scaled_for_real_count(model, len(scheduled) / M):
+        _run_schedule(model, scheduled, forward_only=False, post=post, post_padding=post_padding, num_real=M)
 
     # Sum the weighted metrics over micro-batches and DP ranks on the last stage, then share with the others.
     summary: Optional[dict[str, float]] = None

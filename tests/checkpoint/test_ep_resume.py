@@ -1,12 +1,11 @@
 """A checkpoint saved at one expert-parallel size resumes at another (tests/checkpoint/ep_resume_script.py under
 torchrun, gloo): Megatron keeps expert parameters in a separate sub-optimizer only at EP > 1, so the optimizer's
-saved param groups do not nest like the live ones (checkpoint._load_optimizer)."""
-import json
+saved param groups do not nest like the live ones (checkpoint_optimizer.load_optimizer)."""
 import os
 
 import pytest
 
-from tests.dist_utils import run_torchrun
+from tests.dist_utils import rank_results, run_torchrun
 from tests.models.test_moe import write_odd_moe_models
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ep_resume_script.py")
@@ -14,7 +13,7 @@ SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ep_resume_scr
 
 def _grad_norms(nproc, *args):
     out = run_torchrun(SCRIPT, nproc, *args, timeout=900)
-    r = json.loads(next(line for line in out.splitlines() if "RESULT " in line).split("RESULT ", 1)[1])
+    r = rank_results(out)[0]
     return {int(k): v for k, v in r["grad_norms"].items()}
 
 
