@@ -62,9 +62,10 @@ holds ECC and the driver's reservation): PyTorch's "total capacity of 79.15 GiB"
 CUDA_CONTEXT = 1 * GiB
 """Per GPU: the CUDA context and the kernels loaded (0.5-1 GiB with lazy loading); an estimate."""
 NCCL_GROUP_BYTES = 1 * GiB
-"""One NCCL communicator of two or more ranks: NCCL_BUFFSIZE (4 MiB, Simple protocol) + LL (0.5 MiB) + LL128 (~4.7
-MiB) per channel and peer, ring and tree, at up to 32 channels on NVLink; 544-688 MB measured per communicator on
-4 A100s over NVLink (NVIDIA/nccl#964), H100 runs more channels. An estimate, rounded up."""
+"""One NCCL communicator of two or more ranks, connected: NCCL's default buffers per channel and peer are 4 MiB
+(NCCL_BUFFSIZE, Simple) + 0.5 MiB (LL) + 4.7 MiB (LL128), for the ring's and the tree's peers, at up to 32 channels
+on NVLink: ~0.3 GiB per peer direction; 544-688 MB were measured per communicator on 4 A100s over NVLink
+(NVIDIA/nccl#964), and H100s run more channels and NVLink SHARP buffers. An estimate, rounded up."""
 NCCL_SINGLE_RANK_BYTES = GiB // 2
 """A one-rank communicator that runs a collective: NCCL 2.28 still allocates a 512 MiB shared P2P buffer for it
 (NVIDIA/nccl#2363)."""
@@ -117,29 +118,35 @@ def resident_states(phase: str, model_cfg) -> frozenset:
 
 
 def nccl_groups(world: int, tp: int, pp: int, ep: int = 1, etp: Optional[int] = None, *, moe: bool = False,
-                tied: bool = False) -> list[tuple[str, int]]:
-    """(group, size) of the process groups one rank runs NCCL collectives on (CUDA tensors), each one
-    communicator. torch connects a group at its first collective (megatron/initialize.py binds no device), so
-    the groups Megatron creates and never uses (context-parallel, the TP x DP and TP x CP ones, ...) cost
-    nothing; groups of one rank are listed when something runs a collective on them (DDP's gradient reduce)."""
+                tied: bool = False, distributed_optimizer: bool = True) -> list[tuple[str, int]]:
+    """(group, size) of the process groups one rank runs NCCL collectives on (CUDA tensors), each its own
+    communicator (Megatron creates each group with its own `new_group`, so groups over the same ranks do not share
+    one). torch connects a group at its first collective (megatron/initialize.py binds no device), so the groups
+    Megatron creates and this trainer never uses (context-parallel, TP x DP, the expert-TP x EP x PP one, ...) cost
+    nothing. A group of one rank is listed where something still runs a collective on it (DDP's gradient reduce,
+    the gradient norm)."""
     etp = etp or tp
     dp = world // (tp * pp)
     groups = []
-    if tp > 1:
+    if tp > 1:  # Megatron's TP mappings skip a one-rank group
         groups.append(("tensor-parallel: layers, vocab-parallel log-probs, weight-sync gather", tp))
-    groups.append(("data-parallel with CP: DDP gradients, distributed optimizer", dp))
-    if dp > 1:
+    groups.append(("data-parallel with CP: DDP gradients, distributed-optimizer all-gather", dp))
+    if dp > 1:  # the trainer's own reductions skip a one-rank group
         groups.append(("data-parallel: token counts, loss sums, advantages", dp))
-    if tp * pp > 1:
+    if distributed_optimizer:  # Megatron's DistributedOptimizer: grad-norm statistics over its instance, the world
+        groups.append(("distributed-optimizer instance: gradient norm", world))
+    else:
         groups.append(("model-parallel: gradient norm", tp * pp))
     if world > 1:
-        groups.append(("world: metrics", world))
-    if pp > 1:
-        groups += [("pipeline p2p to the previous stage (1F1B)", 2), ("pipeline p2p to the next stage (1F1B)", 2),
+        groups.append(("default (world): metrics", world))
+    if pp > 1:  # torch gives each pair of p2p peers a communicator of its own
+        groups += [("pipeline p2p, previous stage (1F1B)", 2), ("pipeline p2p, next stage (1F1B)", 2),
                    ("pipeline: weight-sync broadcast", pp)]
         if tied:
             groups.append(("embedding: tied-weight gradients", 2))
     if moe:
+        if tp > 1:
+            groups.append(("TP x CP: router aux-loss token counts (sequence parallel)", tp))
         if ep > 1:
             groups.append(("expert-parallel: token all-to-all", ep))
         if etp > 1:
@@ -307,7 +314,8 @@ def plan_memory(cfg, counts: ModelCounts, *, world: int, gpu_bytes: int, gpus_pe
     buckets, sync_extra = sync_plan(counts, r.sync_bucket_mb << 20, eb)
     vllm_nccl = NCCL_GROUP_BYTES if etp_v > 1 else 0  # its TP group, connected before its memory snapshot
     asleep = residue if r.sleep_between_steps else vllm_share
-    groups = nccl_groups(world, tp, pp, ep, etp, moe=dims.moe is not None, tied=dims.tie_embeddings)
+    groups = nccl_groups(world, tp, pp, ep, etp, moe=dims.moe is not None, tied=dims.tie_embeddings,
+                         distributed_optimizer=p.use_distributed_optimizer)
     fixed = {"CUDA context": CUDA_CONTEXT, "NCCL (trainer groups)": nccl_bytes(groups),
              "NCCL (vLLM TP group)": vllm_nccl}
 
