@@ -313,7 +313,8 @@ def plan_memory(cfg, counts: ModelCounts, *, world: int, gpu_bytes: int, gpus_pe
     per_engine = math.ceil(d.train_batch_size * r.n / (world // etp_v))
     buckets, sync_extra = sync_plan(counts, r.sync_bucket_mb << 20, eb)
     vllm_nccl = NCCL_GROUP_BYTES if etp_v > 1 else 0  # its TP group, connected before its memory snapshot
-    asleep = residue if r.sleep_between_steps else vllm_share
+    # the trainer's passes: vLLM asleep leaves its residue; awake (sleep_between_steps off) it keeps its whole share
+    asleep = {"vLLM outside its pools": residue} if r.sleep_between_steps else {"vLLM share (awake)": vllm_share}
     groups = nccl_groups(world, tp, pp, ep, etp, moe=dims.moe is not None, tied=dims.tie_embeddings,
                          distributed_optimizer=p.use_distributed_optimizer)
     fixed = {"CUDA context": CUDA_CONTEXT, "NCCL (trainer groups)": nccl_bytes(groups),
@@ -350,9 +351,9 @@ def plan_memory(cfg, counts: ModelCounts, *, world: int, gpu_bytes: int, gpus_pe
         roll = Phase("rollout", {**held("rollout"), **fixed, "vLLM weights": vllm_weights,
                                  "vLLM outside its pools": residue, "vLLM activations": vllm_act,
                                  "vLLM KV cache": max(kv, 0)})
-        fwd = Phase("log-prob passes", {**held("log-prob passes"), **fixed, "vLLM asleep": asleep,
+        fwd = Phase("log-prob passes", {**held("log-prob passes"), **fixed, **asleep,
                                         "forward (one micro-batch)": one_layer + head_fwd})
-        update = Phase("update peak", {**held("update peak"), **fixed, "vLLM asleep": asleep,
+        update = Phase("update peak", {**held("update peak"), **fixed, **asleep,
                                        "activations": acts, "log-prob head": head})
         if best is None or update.total > best[1][-1].total:
             best = (s, [start, sync, roll, fwd, update], state)
@@ -388,6 +389,8 @@ def candidate_knobs(cfg) -> list[dict]:
     """Config changes that lower the peak, cheapest first (each only where it changes something)."""
     m, p, r, a = cfg.model, cfg.parallel, cfg.rollout, cfg.algo
     knobs: list[dict] = []
+    if not r.sleep_between_steps:
+        knobs.append({"rollout.sleep_between_steps": True})
     if p.tp > 1 and not p.sequence_parallel:
         knobs.append({"parallel.sequence_parallel": True})
     if (a.use_kl_loss or a.use_kl_in_reward) and not m.ref_offload:

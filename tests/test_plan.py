@@ -89,6 +89,16 @@ def test_moe_bytes_equal_torch_at_ep1(megatron_world):
     assert optimizer == st.actor * plan.optimizer_bytes_per_param("bfloat16")
 
 
+def test_expert_tp_shards_the_experts_apart_from_tp(megatron_world):
+    """TP 2 x EP 2: a rank holds 2 of the 4 experts, at half width with expert-TP 2 (Megatron's default, = TP) and
+    whole with expert-TP 1; the attention and the dense layer stay at TP 2 either way."""
+    dims = plan.read_dims_of(TINY_MOE)
+    per_expert = 3 * 16 * 32  # fc1 (2 x 16, 32) + fc2 (32, 16)
+    default, whole = (plan.count_params(dims, tp=2, pp=1, ep=2, etp=etp).stages[0] for etp in (None, 1))
+    assert (default.actor_experts, whole.actor_experts) == (2 * per_expert // 2, 2 * per_expert)
+    assert whole.actor - whole.actor_experts == default.actor - default.actor_experts
+
+
 @pytest.mark.slow
 def test_moe_bytes_equal_torch_at_ep2(megatron_world):
     """Two ranks at EP = 2 (torchrun, gloo), this file as the worker: each holds 2 of the 4 experts and the whole
