@@ -57,8 +57,9 @@ GiB = 1 << 30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 USABLE_FRACTION = 0.989
-"""Of a GPU's nominal memory, the part the driver reports as its total (`torch.cuda.mem_get_info()[1]`; the rest
-holds ECC and the driver's reservation): PyTorch's "total capacity of 79.15 GiB" on an 80 GiB H100."""
+"""Of a GPU's nominal memory, the part CUDA reports as its total (`torch.cuda.mem_get_info()[1]`, what vLLM's
+gpu_memory_utilization multiplies): an "80GB" H100 shows 81,559 MiB (79.6 GiB) in nvidia-smi (vllm-project/vllm#27508)
+and PyTorch about 79.1 GiB of it as its total capacity; the rest holds ECC and the driver's reservation."""
 CUDA_CONTEXT = 1 * GiB
 """Per GPU: the CUDA context and the kernels loaded (0.5-1 GiB with lazy loading); an estimate."""
 NCCL_GROUP_BYTES = 1 * GiB
