@@ -103,7 +103,8 @@ def test_expert_tp_shards_the_experts_apart_from_tp(megatron_world):
 def test_moe_bytes_equal_torch_at_ep2(megatron_world):
     """Two ranks at EP = 2 (torchrun, gloo), this file as the worker: each holds 2 of the 4 experts and the whole
     dense part; with the distributed optimizer the dense state is sharded over DP = 2 and the experts' over
-    expert-DP = 1, which is the plan's optimizer shard summed over the two ranks."""
+    expert-DP = 1, which is the plan's optimizer shard summed over the two ranks. Every process group Megatron
+    runs a collective over in that step is one the planner counts an NCCL communicator for."""
     import json
 
     from tests.dist_utils import run_torchrun
@@ -122,6 +123,58 @@ def test_moe_bytes_equal_torch_at_ep2(megatron_world):
     result = plan.plan_memory(cfg, counts, world=2, gpu_bytes=80 * plan.GiB, gpus_per_node=2)
     planned = result.phase("update peak").items["actor optimizer"]
     assert sum(r["optimizer"] for r in ranks) == 2 * planned
+    # the groups Megatron ran collectives over in that step (fwd/bwd/optimizer step) are among the communicators
+    # the planner counts (named by the part of its description before ":")
+    counted = {name.split(":")[0] for name, _ in result.nccl}
+    for r in ranks:
+        assert {"expert-parallel", "data-parallel with CP"} <= set(r["groups"]) <= counted, (r["groups"], counted)
+
+
+def _record_collective_groups() -> list:
+    """Make the collectives Megatron calls (torch.distributed's, and the references its buffers and TP mappings
+    took at import) record the process group of every call; returns the list they append to."""
+    import megatron.core.distributed.param_and_grad_buffer as buffers
+    import megatron.core.tensor_parallel.mappings as mappings
+    import torch.distributed as dist
+
+    seen: list = []
+
+    def wrap(fn):
+        def recorded(*args, **kw):
+            group = kw.get("group", next((a for a in args if isinstance(a, dist.ProcessGroup)), None))
+            seen.append(group if group is not None else dist.group.WORLD)
+            return fn(*args, **kw)
+        return recorded
+
+    for name in ("all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "all_to_all_single", "broadcast",
+                 "all_gather", "reduce_scatter", "_all_gather_base", "_reduce_scatter_base"):
+        setattr(dist, name, wrap(getattr(dist, name)))
+    for module in (buffers, mappings):
+        for name in ("dist_all_gather_func", "dist_reduce_scatter_func"):
+            if hasattr(module, name):
+                setattr(module, name, wrap(getattr(module, name)))
+    return seen
+
+
+def _group_names(groups: list) -> list:
+    """Megatron's name for each group (the planner's words), or its ranks when it is none of them."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    names: dict = {}
+    for key, group in (("tensor-parallel", ps.get_tensor_model_parallel_group()),
+                       ("data-parallel with CP", ps.get_data_parallel_group(with_context_parallel=True)),
+                       ("data-parallel", ps.get_data_parallel_group()),
+                       ("distributed-optimizer instance", ps.get_intra_distributed_optimizer_instance_group()),
+                       ("model-parallel", ps.get_model_parallel_group()),
+                       ("default (world)", dist.group.WORLD),
+                       ("TP x CP", ps.get_tensor_and_context_parallel_group()),
+                       ("expert-parallel", ps.get_expert_model_parallel_group()),
+                       ("expert-tensor-parallel", ps.get_expert_tensor_parallel_group()),
+                       ("expert-TP x EP", ps.get_expert_tensor_and_model_parallel_group()),
+                       ("expert-data-parallel", ps.get_expert_data_parallel_group())):
+        names.setdefault(id(group), key)
+    return sorted({names.get(id(g), f"unknown {dist.get_process_group_ranks(g)}") for g in groups})
 
 
 def test_critic_count_equals_the_built_critic(megatron_world):
@@ -368,12 +421,14 @@ if __name__ == "__main__":  # the EP = 2 worker of test_moe_bytes_equal_torch_at
     from megatron_searchr1.models.families import is_expert_param
 
     initialize_megatron(tp=1, pp=1, ep=2, device="cpu")
+    seen = _record_collective_groups()
     weights, grads, _, optimizer = _allocated(TINY_MOE, torch.bfloat16, True)
+    groups = _group_names(seen)
     from megatron_searchr1.trainer.roles import build_actor
 
     bare = build_actor(TINY_MOE, params_dtype=torch.bfloat16).module
     params = sum(p.numel() for p in bare.parameters())
     experts = sum(p.numel() for n, p in bare.named_parameters() if is_expert_param(n))
     print("PLAN_BYTES " + json.dumps(dict(weights=weights, grads=grads, optimizer=optimizer, params=params,
-                                          experts=experts)), flush=True)
+                                          experts=experts, groups=groups)), flush=True)
     dist.barrier()
