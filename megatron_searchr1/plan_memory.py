@@ -3,7 +3,8 @@
 Phases, in the trainer's order (trainer/rl.py `Trainer.step`, trainer/roles.py `RolloutWorker.sync / sleep`):
 
 - start-up: the trainer's models exist and vLLM starts; vLLM requires its share (gpu_memory_utilization x the GPU's
-  total) free at that moment, beside its own NCCL communicator.
+  total) free at that moment, beside its own NCCL communicator. The trainer's communicators are counted here too,
+  although which of them have connected by then depends on the first collectives: an upper bound.
 - weight sync: `GenerationOffload.before_wake` has moved what the sync does not read (gradients, optimizer state,
   the reference and the critic, per model.*_offload flag), vLLM's weights are awake, the sync's buckets in flight.
 - rollout: `after_sync` has moved the actor's weights (param_offload), vLLM's KV cache is awake: it generates.
