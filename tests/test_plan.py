@@ -283,6 +283,19 @@ def test_30b_a3b_recipe_fits_with_margin_and_counts_the_reference_in_the_update(
     assert not old.fits and old.worst.name == "update peak" and fix == {"model.recompute": "full"}
 
 
+@pytest.mark.slow
+def test_the_recipe_table_is_the_planners(megatron_world):
+    """examples/planner.md's table of the shipped recipes is what `--summary` prints for each row's recipe."""
+    with open(os.path.join(REPO, "examples", "planner.md")) as f:
+        rows = [line.strip() for line in f if line.startswith("| ") and line.split("|")[1].strip().endswith(".yaml")]
+    assert len(rows) == 9
+    for row in rows:
+        name, nodes = (cell.strip() for cell in row.split("|")[1:3])
+        cfg, hf = recipe(name.removesuffix(".yaml"), nodes=int(nodes))
+        result, counts, _ = plan.plan_config(cfg, hf, nodes=int(nodes))
+        assert plan.summary_row(result, cfg, counts, name, int(nodes)) == row
+
+
 def test_a_config_over_the_limit_gets_a_knob_that_fits(megatron_world):
     cfg, hf = recipe("ppo_qwen2.5-3b", ["optim.max_tokens_per_micro_batch=16384"])
     result, counts, fix = plan.plan_config(cfg, hf, nodes=1)
