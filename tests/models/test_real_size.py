@@ -6,9 +6,10 @@ For each: every HF tensor (from `transformers`' own model class on the meta devi
 tensor of the shape the Megatron stage has, and back (models/families/); the TP shards have the sizes the planner
 counts; the weight sync (rollout/weight_sync.py's WeightSync, planned per stage) delivers every HF name once, and
 with vLLM's stacking rules (`packed_modules_mapping` of vLLM's model class for the architecture: q/k/v into
-qkv_proj, gate/up into gate_up_proj) every vLLM parameter gets each of its shards exactly once; its bucket count and
-peak extra bytes are what megatron_searchr1/plan.py reports. vLLM's parameter names are derived from the HF names by
-those rules (building vLLM's model needs its distributed and config context), not read off a vLLM model.
+qkv_proj, gate/up into gate_up_proj) every vLLM parameter gets each of its shards exactly once; its bucket count is
+what megatron_searchr1/plan.py reports, its peak extra bytes those of a hand count (HAND_PEAK). vLLM's parameter
+names are derived from the HF names by those rules (building vLLM's model needs its distributed and config
+context), not read off a vLLM model.
 """
 import collections
 import json
@@ -33,6 +34,24 @@ CASES = [
     ("Llama-3.1-8B", 4, 1, None), ("Llama-3.1-8B", 2, 3, 10),
 ]
 BUCKET = 64 << 20
+# The weight sync's peak extra bytes on one GPU, by hand: the largest bucket is the embedding (or the output layer,
+# the same size), which travels alone. Its bytes in flight: this rank's bf16 shard (V_pad / tp) x h x 2, the
+# all-gathered TP shards and the merged tensor (2 x V_pad x h x 2), the HF tensor at the real vocabulary V x h x 2,
+# and with PP > 1 the broadcast buffer once more (V x h x 2). V_pad: V up to a multiple of 128 x tp.
+#   Qwen2.5-3B   V 151936, h 2048, V_pad 152064 (tp 2): 311,427,072 + 1,245,708,288 + 622,329,856 (+ 622,329,856)
+#   Qwen2.5-7B   V 152064, h 3584, V_pad 152064 (tp 4): 272,498,688 + 2,179,989,504 + 1,089,994,752 (+ 1,089,994,752)
+#   Qwen3-4B     V 151936, h 2560, V_pad 152064: tp 4: 194,641,920 + 1,557,135,360 + 777,912,320;
+#                tp 2: 389,283,840 + 1,557,135,360 + 777,912,320 + 777,912,320
+#   Qwen3-8B     V 151936, h 4096, V_pad 152064 (tp 4): 311,427,072 + 2,491,416,576 + 1,244,659,712 (+ 1,244,659,712)
+#   Llama-3.1-8B V 128256, h 4096: tp 4, V_pad 128512: 263,192,576 + 2,105,540,608 + 1,050,673,152;
+#                tp 2, V_pad 128256: 525,336,576 + 2,101,346,304 + 1,050,673,152 + 1,050,673,152
+HAND_PEAK = {
+    ("Qwen2.5-3B-Instruct", 2, 1): 2_179_465_216, ("Qwen2.5-3B-Instruct", 2, 3): 2_801_795_072,
+    ("Qwen2.5-7B-Instruct", 4, 1): 3_542_482_944, ("Qwen2.5-7B-Instruct", 4, 3): 4_632_477_696,
+    ("Qwen3-4B-Instruct-2507", 4, 1): 2_529_689_600, ("Qwen3-4B-Instruct-2507", 2, 3): 3_502_243_840,
+    ("Qwen3-8B", 4, 1): 4_047_503_360, ("Qwen3-8B", 4, 3): 5_292_163_072,
+    ("Llama-3.1-8B", 4, 1): 3_419_406_336, ("Llama-3.1-8B", 2, 3): 4_728_029_184,
+}
 
 
 @pytest.fixture(scope="module")
@@ -136,10 +155,12 @@ def test_real_size_mapping_tp_shards_and_weight_sync(megatron_world, monkeypatch
         stacked = next((s for s in packed if f".{s}." in n), None)
         assert sorted(map(str, shards)) == sorted(map(str, packed[stacked] if stacked else [None])), n
 
-    # bucket count and peak extra bytes as the planner reports them
+    # bucket count as the planner reports it; its peak extra bytes against the hand count (HAND_PEAK), whose
+    # bucket is WeightSync's largest: the embedding (or the output layer), alone, its rank's shard V_pad / tp x h
     buckets = sum(len(s._send) for s in syncs)
-    peak = max(b.gather_layout.nbytes * (1 + 2 * tp) + b.hf_layout.nbytes * (2 if pp > 1 else 1)
-               for s in syncs for b in s._send)
-    assert plan.sync_plan(counts, BUCKET, 2) == (buckets, peak)
+    vpad, h = padded_vocab_size(dims.vocab_size, tp), dims.hidden_size
+    largest = max((b for s in syncs for b in s._send), key=lambda b: b.gather_layout.nbytes)
+    assert (largest.gather_layout.nbytes, largest.hf_layout.nbytes) == (vpad // tp * h * 2, dims.vocab_size * h * 2)
+    assert plan.sync_plan(counts, BUCKET, 2) == (buckets, HAND_PEAK[name, tp, pp])
     assert sum(s.nbytes for sy in syncs for b in sy._send for s in b.hf_layout.slots) == \
         sum(t.numel() for t in hf.values()) * 2
