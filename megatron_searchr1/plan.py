@@ -6,9 +6,9 @@
 
 It prints, per GPU, what each phase of a step holds (start-up, weight sync, rollout, log-prob passes, update peak)
 against the GPU's usable memory, and a verdict; when the config does not fit, the first config change that makes it
-fit. The parts: plan_counts.py (parameters per rank from the model built on the meta device; the weight sync's
-buckets), plan_memory.py (the phases and their byte arithmetic, every assumption written down there),
-plan_render.py (the table, the summary row). This module is the command line and re-exports their names.
+fit. The parts live in planner/: counts.py (parameters per rank from the model built on the meta device; the weight
+sync's buckets), memory.py (the phases and their byte arithmetic, every assumption written down there), render.py
+(the table, the summary row). This module is the command line and re-exports their names.
 """
 from __future__ import annotations
 
@@ -17,16 +17,17 @@ import os
 from typing import Optional, Sequence
 
 from megatron_searchr1.cli import ArgumentParser, UsageError, above, at_least, run_main
-from megatron_searchr1.plan_counts import (ModelCounts, StageCounts, build_meta_stage, count_params,  # noqa: F401
-                                           meta_world, read_dims_of, shard_numel, stage_param_numel, sync_plan)
-from megatron_searchr1.plan_memory import (CUDA_CONTEXT, DTYPE_BYTES, GiB, NCCL_GROUP_BYTES, PHASES,  # noqa: F401
-                                           STATE_KINDS, USABLE_FRACTION, VLLM_BUFFERS, VLLM_CUDA_GRAPHS, Phase, Plan,
-                                           activation_bytes_per_token_layer, candidate_knobs, expert_tp_of,
-                                           find_fix, head_bytes_per_token, head_forward_bytes_per_token,
-                                           mlp_bytes_per_token, nccl_bytes, nccl_groups, optimizer_bytes_per_param,
-                                           plan_memory, resident_states, usable_bytes, vllm_batch_defaults,
-                                           vllm_residue, with_overrides)
-from megatron_searchr1.plan_render import SUMMARY_HEADER, render, summary_row  # noqa: F401
+from megatron_searchr1.planner.counts import (ModelCounts, StageCounts, build_meta_stage,  # noqa: F401
+                                              count_params, meta_world, read_dims_of, shard_numel,
+                                              stage_param_numel, sync_plan)
+from megatron_searchr1.planner.memory import (CUDA_CONTEXT, DTYPE_BYTES, GiB, NCCL_GROUP_BYTES, PHASES,  # noqa: F401
+                                              STATE_KINDS, USABLE_FRACTION, VLLM_BUFFERS, VLLM_CUDA_GRAPHS, Phase, Plan,
+                                              activation_bytes_per_token_layer, candidate_knobs, expert_tp_of,
+                                              find_fix, head_bytes_per_token, head_forward_bytes_per_token,
+                                              mlp_bytes_per_token, nccl_bytes, nccl_groups, optimizer_bytes_per_param,
+                                              plan_memory, resident_states, usable_bytes, vllm_batch_defaults,
+                                              vllm_residue, with_overrides)
+from megatron_searchr1.planner.render import SUMMARY_HEADER, render, summary_row  # noqa: F401
 
 
 def load_plan_inputs(config_path: str, overrides: Sequence[str], world: int, model_config: Optional[str]):

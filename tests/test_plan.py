@@ -1,4 +1,4 @@
-"""megatron_searchr1/plan.py (plan_counts, plan_memory, plan_render): byte counts against what torch allocates for
+"""megatron_searchr1/plan.py (planner/counts.py, memory.py, render.py): byte counts against what torch allocates for
 tiny models, the shipped recipes' verdicts, the formulas against hand counts and vLLM's own classes, and the command
 line's one-line errors. Which states each phase holds: tests/test_plan_phases.py."""
 import os

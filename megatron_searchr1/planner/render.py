@@ -4,8 +4,8 @@ from __future__ import annotations
 import os
 from typing import Optional
 
-from megatron_searchr1.plan_counts import ModelCounts
-from megatron_searchr1.plan_memory import GiB, PHASES, Plan
+from megatron_searchr1.planner.counts import ModelCounts
+from megatron_searchr1.planner.memory import GiB, PHASES, Plan
 
 SUMMARY_HEADER = ("| recipe | nodes | TPxPPxDP | " + " | ".join(PHASES) + " | KV tokens per engine "
                   "| full-length trajectories at once, of per engine | host GiB per node | verdict |\n"

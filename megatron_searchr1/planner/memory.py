@@ -1,4 +1,4 @@
-"""GPU memory of every phase of an RL step, per GPU: byte arithmetic over the parameter counts of plan_counts.py.
+"""GPU memory of every phase of an RL step, per GPU: byte arithmetic over the parameter counts of planner/counts.py.
 
 Phases, in the trainer's order (trainer/rl.py `Trainer.step`, trainer/roles.py `RolloutWorker.sync / sleep`):
 
@@ -52,7 +52,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional
 
-from megatron_searchr1.plan_counts import ModelCounts, sync_plan
+from megatron_searchr1.planner.counts import ModelCounts, sync_plan
 
 GiB = 1 << 30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}

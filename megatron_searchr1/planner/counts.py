@@ -1,5 +1,5 @@
 """Parameter counts of the model the trainer builds, per pipeline stage and rank, from the model built on the meta
-device, and the weight sync's buckets: the inputs of the memory planner (plan_memory.py).
+device, and the weight sync's buckets: the inputs of the memory planner (planner/memory.py).
 
 Every stage of the actor and the critic is built by the project's own builder pieces (`gpt_model_kwargs`,
 `CriticModel`) on the meta device: no weights, no GPU, any family models/families/ supports. Tensor-parallel shards
