@@ -7,6 +7,8 @@ raised in masked_var on rank 1 while rank 0 waited in the next collective.
 import json
 import os
 import re
+import signal
+import time
 
 import pytest
 
@@ -34,3 +36,50 @@ def test_one_rank_whose_searches_all_fail_completes_the_step(estimator, world, t
     # the two DP ranks sampled with different seeds (issue 20, bug 6: on main both used the step's seed)
     seeds = dict(re.findall(r"SEEDS dp_rank=(\d) (\[[^]]*\])", log))  # two ranks may share a line
     assert set(seeds) == {"0", "1"} and seeds["0"] != seeds["1"], seeds
+
+
+@pytest.mark.slow
+def test_a_hung_then_a_killed_retrieval_server_stops_the_run_which_resumes_when_it_is_back(world, tiny_model, rl_root):
+    """Issue 33 §1 and issue 30.3 in two launches of the real entry point at tp=2, rollout.engine_tp=2, against a
+    real server: SIGSTOP after step 1 -> the run stops with exit 3 on both ranks within a bounded time; SIGCONT,
+    resume -> step 2 runs from the step-1 checkpoint, SIGKILL after it -> the run stops again. Only the engine's
+    first rank ever asks the server."""
+    from megatron_searchr1.search.launch import ServerProcess
+
+    out = os.path.join(rl_root, "retriever_down")
+    train = os.path.join(world, "train.parquet")
+
+    def launch(url, pid, action):
+        start = time.time()
+        proc = run_module("tests.train_failures_script", ["retriever", tiny_model, train, out, url, str(pid), action,
+                                                          "1" if action == "stop" else "2"],
+                          nproc=2, timeout=600, check=False)
+        log = proc.stdout + proc.stderr
+        signalled = re.findall(r"SIGNALLED \w+ at ([\d.]+)", log)
+        assert proc.returncode != 0 and signalled, log[-6000:]
+        errors = [ln for ln in log.splitlines() if ln.startswith("error: ")]
+        # one line per rank, naming the server, the counts and the cause; no traceback of ours
+        assert len(errors) == 2 and len(set(errors)) == 1, log[-6000:]
+        assert f"the retrieval server at {url} failed 4 of 4 searches during a training step" in errors[0], errors
+        assert "exitcode  : 3" in log and "raise RetrievalDown" not in log, log[-6000:]
+        # the engine's second rank never sent a request
+        clients = re.findall(r"CLIENT rank=(\d) step=(\d) requests=(\d+)", log)
+        assert clients and all(int(n) == 0 for r, _, n in clients if r == "1"), clients
+        assert all(int(n) > 0 for r, _, n in clients if r == "0"), clients
+        return log, errors[0], time.time() - float(signalled[0]), time.time() - start
+
+    with ServerProcess(["--index-dir", os.path.join(world, "index_bm25")]) as server:
+        pid = server.proc.pid
+        try:
+            log, error, after_signal, _ = launch(server.url, pid, "stop")
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        # 1 s timeouts: one round of 4 attempts and backoff, not minutes
+        assert "timeout after 1" in error and after_signal < 60, (error, after_signal)
+        assert os.path.isdir(os.path.join(out, "checkpoints", "step_000001"))
+        # After the trainer saves on RetrievalDown (trainer/rl.py), run this launch with trainer.save_freq=0 and
+        # keep the assertion above: the checkpoint is then the one written on the way out.
+
+        log, error, after_signal, _ = launch(server.url, pid, "kill")
+        assert "at step 1" in log and re.search(r"CLIENT rank=0 step=2 requests=\d+", log), log[-6000:]
+        assert "is the retrieval server" in error and after_signal < 60, (error, after_signal)
