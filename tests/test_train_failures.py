@@ -43,16 +43,16 @@ def test_a_hung_then_a_killed_retrieval_server_stops_the_run_which_resumes_when_
     """Issue 33 §1 and issue 30.3 in two launches of the real entry point at tp=2, rollout.engine_tp=2, against a
     real server: SIGSTOP after step 1 -> the run stops with exit 3 on both ranks within a bounded time; SIGCONT,
     resume -> step 2 runs from the step-1 checkpoint, SIGKILL after it -> the run stops again. Only the engine's
-    first rank ever asks the server."""
+    first rank ever asks the server (the other one's client could only fail), once per search."""
     from megatron_searchr1.search.launch import ServerProcess
 
     out = os.path.join(rl_root, "retriever_down")
     train = os.path.join(world, "train.parquet")
 
-    def launch(url, pid, action):
+    def launch(url, pid, action, *overrides):
         start = time.time()
         proc = run_module("tests.train_failures_script", ["retriever", tiny_model, train, out, url, str(pid), action,
-                                                          "1" if action == "stop" else "2"],
+                                                          "1" if action == "stop" else "2", *overrides],
                           nproc=2, timeout=600, check=False)
         log = proc.stdout + proc.stderr
         signalled = re.findall(r"SIGNALLED \w+ at ([\d.]+)", log)
@@ -62,10 +62,13 @@ def test_a_hung_then_a_killed_retrieval_server_stops_the_run_which_resumes_when_
         assert len(errors) == 2 and len(set(errors)) == 1, log[-6000:]
         assert f"the retrieval server at {url} failed 4 of 4 searches during a training step" in errors[0], errors
         assert "exitcode  : 3" in log and "raise RetrievalDown" not in log, log[-6000:]
-        # the engine's second rank never sent a request
-        clients = re.findall(r"CLIENT rank=(\d) step=(\d) requests=(\d+)", log)
-        assert clients and all(int(n) == 0 for r, _, n in clients if r == "1"), clients
-        assert all(int(n) > 0 for r, _, n in clients if r == "0"), clients
+        # both ranks finished the same steps; the engine's second rank (whose client could only fail) never sent a
+        # request, the first sent each step's 4 searches once (2 prompts x 2 samples, one search each)
+        clients = re.findall(r"CLIENT rank=(\d) step=(\d) requests=(\d+) queries=(\d+)", log)
+        steps = {r: [int(s) for rr, s, _, _ in clients if rr == r] for r in "01"}
+        assert steps["0"] and steps["0"] == steps["1"], clients
+        assert all(int(n) == 0 for r, _, n, _ in clients if r == "1"), clients
+        assert [int(q) for r, _, _, q in clients if r == "0"] == [4 * k for k in range(1, len(steps["0"]) + 1)]
         return log, errors[0], time.time() - float(signalled[0]), time.time() - start
 
     with ServerProcess(["--index-dir", os.path.join(world, "index_bm25")]) as server:
@@ -77,8 +80,8 @@ def test_a_hung_then_a_killed_retrieval_server_stops_the_run_which_resumes_when_
         # 1 s timeouts: one round of 4 attempts and backoff, not minutes
         assert "timeout after 1" in error and after_signal < 60, (error, after_signal)
         assert os.path.isdir(os.path.join(out, "checkpoints", "step_000001"))
-        # After the trainer saves on RetrievalDown (trainer/rl.py), run this launch with trainer.save_freq=0 and
-        # keep the assertion above: the checkpoint is then the one written on the way out.
+        # Once trainer/rl.py saves on RetrievalDown: pass "trainer.save_freq=0" to the "stop" launch above and keep
+        # this assertion (the checkpoint is then the one written on the way out).
 
         log, error, after_signal, _ = launch(server.url, pid, "kill")
         assert "at step 1" in log and re.search(r"CLIENT rank=0 step=2 requests=\d+", log), log[-6000:]

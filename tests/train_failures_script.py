@@ -2,7 +2,7 @@
 
     torchrun --nproc_per_node 2 -m tests.train_failures_script ESTIMATOR MODEL_DIR TRAIN_PARQUET OUT_DIR
     torchrun --nproc_per_node 2 -m tests.train_failures_script retriever MODEL_DIR TRAIN_PARQUET OUT_DIR \
-        URL SERVER_PID stop|kill AFTER_STEP
+        URL SERVER_PID stop|kill AFTER_STEP [KEY=VALUE ...]
 
 ESTIMATOR (grpo, gae): one RL step at DP=2 where every search of DP rank 1 fails; rank 0 prints the metrics.
 
@@ -12,9 +12,10 @@ skipped a collective would leave the other waiting: the process group's timeout 
 also prints the sampling seeds its rollout used (they must differ between DP ranks).
 
 retriever: the real entry point (megatron_searchr1.train through cli.run_main) at tp=2 with one engine over both
-ranks (rollout.engine_tp=2), against a real retrieval server at URL; after step AFTER_STEP rank 0 stops (SIGSTOP:
-hung) or kills (SIGKILL) the server. Every rank prints its client's request count after each step (only the
-engine's first rank may ask the server) and the time of the signal.
+ranks (rollout.engine_tp=2), against a real retrieval server at URL; rank 1's client points at a closed port (a
+searcher that fails on that rank only). After step AFTER_STEP rank 0 stops (SIGSTOP: hung) or kills (SIGKILL) the
+server. Every rank prints its client's request count after each step (only the engine's first rank may ask the
+server, so rank 1's steps still complete) and rank 0 the time of the signal.
 """
 import json
 import os
@@ -25,7 +26,7 @@ import time
 from megatron_searchr1.config import load_config
 from megatron_searchr1.megatron.initialize import initialize_megatron
 from megatron_searchr1.rollout.engine import Generation
-from megatron_searchr1.search.client import SearchFailure
+from megatron_searchr1.search.client import RetrievalClient, SearchFailure
 from megatron_searchr1.trainer.rl import Trainer
 
 
@@ -44,7 +45,8 @@ def scripted_generate(tok, seeds=None):
     return generate
 
 
-def retriever(model_dir: str, train_file: str, out: str, url: str, server_pid: str, action: str, after: str) -> int:
+def retriever(model_dir: str, train_file: str, out: str, url: str, server_pid: str, action: str, after: str,
+              *overrides: str) -> int:
     import megatron_searchr1.trainer.rl as rl
     from megatron_searchr1 import train
     from megatron_searchr1.cli import run_main
@@ -54,6 +56,9 @@ def retriever(model_dir: str, train_file: str, out: str, url: str, server_pid: s
     def scripted_roles(cfg):
         roles = build_roles(cfg)
         roles.worker.engine.generate = scripted_generate(roles.tokenizer)
+        if roles.rank == 1:  # the engine's second rank gets a client that could only fail: it must never be asked
+            roles.worker.client.close()
+            roles.worker.client = RetrievalClient("http://127.0.0.1:9", timeout=1, max_retries=0)
         return roles
 
     step = rl.Trainer.step
@@ -77,6 +82,7 @@ def retriever(model_dir: str, train_file: str, out: str, url: str, server_pid: s
         "rollout.max_obs_length=32", "trainer.total_steps=3", "trainer.val_before_train=false",
         "trainer.test_freq=0", "trainer.save_freq=1", "trainer.export_hf=false", "logging.tensorboard=false",
         "logging.progress_bar=false", "algo.use_kl_loss=false", f"retrieval.url={url}", "retrieval.timeout=1",
+        *overrides,
     ])
 
 
@@ -110,5 +116,5 @@ def main(estimator: str, model_dir: str, train_file: str, out: str) -> None:
 
 if __name__ == "__main__":
     if sys.argv[1] == "retriever":
-        sys.exit(retriever(*sys.argv[2:9]))
+        sys.exit(retriever(*sys.argv[2:]))
     main(*sys.argv[1:5])
