@@ -1,4 +1,5 @@
-"""A DP rank whose searches all fail (issue 20, bug 2): the step completes on both ranks and reports the drop.
+"""A DP rank whose searches all fail (issue 20, bug 2): the step completes on both ranks and reports the drop; above
+retrieval.max_error_rate the run stops on every rank together (issue 33 §1), also when the server dies or hangs.
 
 Slow: two torchrun ranks (DP=2, tiny model, scripted `hf` engine so every trajectory searches), GRPO and PPO
 (GAE with a critic). Before the fix GRPO raised in mean_over_ranks (rank 1 had no advantage keys) and GAE
@@ -36,6 +37,10 @@ def test_one_rank_whose_searches_all_fail_completes_the_step(estimator, world, t
     # the two DP ranks sampled with different seeds (issue 20, bug 6: on main both used the step's seed)
     seeds = dict(re.findall(r"SEEDS dp_rank=(\d) (\[[^]]*\])", log))  # two ranks may share a line
     assert set(seeds) == {"0", "1"} and seeds["0"] != seeds["1"], seeds
+    # a second step at the default max_error_rate: rank 1's failures (2 of the step's 4 searches) stop both ranks
+    stopped = re.findall(r"STOPPED rank=(\d) (.*)", log)
+    assert sorted(r for r, _ in stopped) == ["0", "1"], log[-4000:]
+    assert all("failed 2 of 4 searches during a training step" in msg and "injected" in msg for _, msg in stopped)
 
 
 @pytest.mark.slow

@@ -4,7 +4,9 @@
     torchrun --nproc_per_node 2 -m tests.train_failures_script retriever MODEL_DIR TRAIN_PARQUET OUT_DIR \
         URL SERVER_PID stop|kill AFTER_STEP [KEY=VALUE ...]
 
-ESTIMATOR (grpo, gae): one RL step at DP=2 where every search of DP rank 1 fails; rank 0 prints the metrics.
+ESTIMATOR (grpo, gae): one RL step at DP=2 where every search of DP rank 1 fails (retrieval.max_error_rate=1: the
+step completes); rank 0 prints the metrics. Then a second step at max_error_rate 0.2: both ranks raise RetrievalDown
+together and print it.
 
 The engine is the `hf` one with its generate replaced by a script (search, then answer after the observation)
 so every trajectory searches; the retrieval client is replaced by one that fails on DP rank 1 only. A rank that
@@ -26,7 +28,7 @@ import time
 from megatron_searchr1.config import load_config
 from megatron_searchr1.megatron.initialize import initialize_megatron
 from megatron_searchr1.rollout.engine import Generation
-from megatron_searchr1.search.client import RetrievalClient, SearchFailure
+from megatron_searchr1.search.client import RetrievalClient, RetrievalDown, SearchFailure
 from megatron_searchr1.trainer.rl import Trainer
 
 
@@ -111,6 +113,12 @@ def main(estimator: str, model_dir: str, train_file: str, out: str) -> None:
     print(f"SEEDS dp_rank={rt.dp_rank} {sorted(seeds)}", flush=True)  # RolloutWorker.generate's sampling seeds per turn
     if rt.rank == 0:
         print("METRICS " + json.dumps(metrics), flush=True)
+    # at the default retrieval.max_error_rate the same failures (half the step's searches) stop both ranks together
+    worker.guard.max_error_rate = 0.2
+    try:
+        trainer.step()
+    except RetrievalDown as e:
+        print(f"STOPPED rank={rt.rank} {e}", flush=True)
     trainer.close()
 
 
