@@ -331,9 +331,12 @@ class RolloutWorker:
         records = self._exchange(shard, records, group=None)
         try:
             self._check_retrieval("validation")
-        except RetrievalDown:
+        except RetrievalDown as e:
             if self.rank == 0:  # what was measured, marked invalid: never an EM table over failed searches
                 report = reports.summarize_eval(records, max_error_rate=self.guard.max_error_rate)
+                if not report.get("invalid"):  # the circuit breaker stopped it below the rate
+                    report.update(metrics={}, invalid=f"{e.failed} of {e.searched} searches failed, "
+                                                      f"{self.guard.verdict(0, 0, True)}")
                 print(reports.format_eval_table(report, title="validation"), flush=True)
             raise
         return records, samples

@@ -184,3 +184,18 @@ def test_validation_above_the_error_rate_stops_every_rank_and_prints_no_em(monke
     assert sorted(errors) == list(range(WORLD)) and all(isinstance(e, RetrievalDown) for e in errors.values())
     printed = capsys.readouterr().out
     assert "INVALID, 4 of 8 searches failed" in printed and "EM" not in printed, printed
+
+
+def test_validation_stopped_by_the_circuit_breaker_below_the_rate_prints_no_em(monkeypatch, capsys):
+    # engine [2, 3] runs rows q1, q5, ..., q37, one per batch (one search round each); its last three rounds fail:
+    # max_failed_rounds=3 opens the circuit, though 3 of the 40 searches is below the 0.2 rate
+    search, calls = _counting_searchers(lambda rank, q: rank == 2 and q in ("q29", "q33", "q37"))
+    monkeypatch.setattr(roles.reports, "eval_record", lambda tr, sc: {
+        "data_source": "nq", "em": 1.0, "subem": 1.0, "f1": 1.0, "searches": 1, "turns": 1, "length": 3,
+        "finish": "search_error" if is_search_failure(tr.meta["obs"]) else "answer"})
+    out, errors = _run_ranks(2, monkeypatch, lambda w: w.validate(_rows(40), batch_size=1, n_samples=0),
+                             search=search, expect_errors=True)
+    assert sorted(errors) == list(range(WORLD)), errors
+    assert "max_failed_rounds=3" in str(errors[0]) and "failed 3 of 40" in str(errors[0]), errors[0]
+    printed = capsys.readouterr().out
+    assert "INVALID, 3 of 40 searches failed, retrieval.max_failed_rounds=3" in printed and "EM" not in printed, printed
