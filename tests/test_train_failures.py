@@ -27,7 +27,9 @@ def test_one_rank_whose_searches_all_fail_completes_the_step(estimator, world, t
     line = [ln for ln in log.splitlines() if ln.startswith("METRICS ")]
     assert line, log[-4000:]
     metrics = json.loads(line[-1][len("METRICS "):])
-    assert metrics["train/dropped_trajectories"] == 2, {k: v for k, v in metrics.items() if "rollout" in k}  # rank 1's two trajectories, counted on every rank
+    # rank 1's two trajectories, counted on every rank
+    assert metrics["train/dropped_trajectories"] == 2, {k: v for k, v in metrics.items() if "rollout" in k}
+    assert metrics["rollout/search_error_rate"] == pytest.approx(0.5)  # the step's share, logged per step
     assert metrics["rollout/finish_search_error"] == pytest.approx(0.5)
     assert metrics["train/lone_samples"] == 0
     for key in ("actor/advantages_mean", "actor/advantages_abs_mean", "actor/pg_loss"):

@@ -1,4 +1,5 @@
-"""Client of the /retrieve server, as the rollout uses it: queries in, `<information>` texts out, never raising.
+"""Client of the /retrieve server, as the rollout uses it: queries in, `<information>` texts out, never raising;
+and the guard that decides, from the failures it counts, when a run must stop.
 
     client = RetrievalClient("http://127.0.0.1:8000", topk=3)
     observations = client.search(["who founded X?", "when was Y born?"])   # one string per query
@@ -11,8 +12,9 @@ exponential backoff; 429 (overloaded) is retried until `overload_deadline` secon
 server's Retry-After. If a chunk still fails (or the server rejects it with a 4xx), its queries get the text
 "Search failed: <reason>" (a `SearchFailure`, so the rollout knows it failed without reading the text) and
 `client.stats` counts it: `search` itself never raises. Whether a run may go on is `SearchGuard`'s question (the
-share of failed searches per step, a circuit breaker over consecutive failed rounds); it raises `RetrievalDown`. Results are formatted exactly like Search-R1's `_passages2string` (see `format_docs`), also
-those of its rerank server, whose `document` is a plain string.
+share of failed searches per step, a circuit breaker over consecutive failed rounds); it raises `RetrievalDown`.
+Results are formatted exactly like Search-R1's `_passages2string` (see `format_docs`), also those of its rerank
+server, whose `document` is a plain string.
 """
 from __future__ import annotations
 
