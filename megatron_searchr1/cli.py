@@ -102,12 +102,21 @@ def above(low: float, kind: type = float) -> Callable[[str], float]:
     return convert
 
 
+RETRIEVAL_DOWN_EXIT = 3
+"""Exit code of a run stopped because its retrieval server is gone or hung (2 is a usage mistake)."""
+
+
 def run_main(main: Callable[[Optional[Sequence[str]]], Optional[int]], argv: Optional[Sequence[str]] = None) -> int:
-    """Call `main(argv)`; a UsageError becomes one `error:` line and exit code 2."""
+    """Call `main(argv)`; a UsageError becomes one `error:` line and exit code 2, a RetrievalDown (every rank
+    raises it together) one `error:` line and exit code 3."""
+    from megatron_searchr1.search.client import RetrievalDown  # stdlib-only module: no heavy import
+
     try:
         return int(main(argv) or 0)
     except UsageError as e:
         error_exit(str(e))
+    except RetrievalDown as e:
+        error_exit(str(e), code=RETRIEVAL_DOWN_EXIT)
 
 
 def console(main: Callable[[Optional[Sequence[str]]], Optional[int]]) -> Callable[[], int]:

@@ -50,7 +50,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def cli() -> int:
-    """Console-script entry: user mistakes become one `error:` line and exit code 2."""
+    """Console-script entry: user mistakes become one `error:` line and exit code 2; a retrieval server that fails
+    more than retrieval.max_error_rate of the searches, one line and exit code 3 (its table is printed as invalid)."""
     return run_main(main)
 
 

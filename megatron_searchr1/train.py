@@ -24,6 +24,9 @@ One step (`Trainer.step`):
   6. advantages (GRPO, GAE, RLOO, REINFORCE++), critic update, actor update (PPO clip; KL as a loss or in the
      reward); retrieved tokens are masked everywhere (algo/);
   7. metrics to TensorBoard and the console, sampled trajectories to JSONL, checkpoints, validation.
+A run whose retrieval server is gone or hung (more than retrieval.max_error_rate of a step's searches failed, or
+retrieval.max_failed_rounds rounds in a row) stops on every rank with one `error:` line naming the server and exit
+code 3 (search/client.py RetrievalDown, cli.run_main); bring the server back and start it again to resume.
 """
 from __future__ import annotations
 

@@ -62,6 +62,21 @@ def test_run_main_turns_usage_errors_into_one_line(capsys):
         run_main(lambda argv: {}["k"], [])
 
 
+def test_run_main_turns_a_dead_retriever_into_one_line_and_exit_3(capsys):
+    from megatron_searchr1.search.client import RetrievalDown
+
+    def main(argv):
+        raise RetrievalDown("http://127.0.0.1:9", 5, 8, "ConnectError: refused", "a training step", "too many")
+
+    with pytest.raises(SystemExit) as e:
+        run_main(main, [])
+    assert e.value.code == 3
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: the retrieval server at http://127.0.0.1:9 failed 5 of 8 "
+                                                    "searches during a training step"), err
+    assert "ConnectError: refused" in err
+
+
 # ---- every command line, as a subprocess -------------------------------------------------------------------------
 
 PY = sys.executable

@@ -17,7 +17,8 @@ After `max_turns` search turns comes one last turn in which a search is no longe
 turn); a sample that still does not answer ends `max_turns` (it searched) or `invalid` (it did not).
 The prompt is never cut: `max_response_length` bounds the response, and a sample that reaches it ends `length`.
 A failed search (the client's `SearchFailure` observation, "Search failed: ...") ends the sample `search_error` after
-its observation.
+its observation. The loop never decides whether a run may go on: the trainer's searcher (trainer/roles.py
+RolloutWorker.search, one search per engine group, counted by search/client.py SearchGuard) does, between rollouts.
 
 Every turn asserts that response ids, loss mask and log-probs have equal lengths.
 

@@ -1,4 +1,5 @@
-"""Client of the /retrieve server, as the rollout uses it: queries in, `<information>` texts out, never raising.
+"""Client of the /retrieve server, as the rollout uses it: queries in, `<information>` texts out, never raising;
+and the guard that decides, from the failures it counts, when a run must stop.
 
     client = RetrievalClient("http://127.0.0.1:8000", topk=3)
     observations = client.search(["who founded X?", "when was Y born?"])   # one string per query
@@ -10,9 +11,10 @@ fails under concurrent requests. Connection errors, timeouts and 5xx are retried
 exponential backoff; 429 (overloaded) is retried until `overload_deadline` seconds have passed, waiting at least the
 server's Retry-After. If a chunk still fails (or the server rejects it with a 4xx), its queries get the text
 "Search failed: <reason>" (a `SearchFailure`, so the rollout knows it failed without reading the text) and
-`client.stats` counts it, so a flaky server costs a few bad observations, never a
-crashed training run. Results are formatted exactly like Search-R1's `_passages2string` (see `format_docs`), also
-those of its rerank server, whose `document` is a plain string.
+`client.stats` counts it: `search` itself never raises. Whether a run may go on is `SearchGuard`'s question (the
+share of failed searches per step, a circuit breaker over consecutive failed rounds); it raises `RetrievalDown`.
+Results are formatted exactly like Search-R1's `_passages2string` (see `format_docs`), also those of its rerank
+server, whose `document` is a plain string.
 """
 from __future__ import annotations
 
@@ -84,6 +86,86 @@ def is_search_failure(observation: str) -> bool:
 
 class RetrievalError(Exception):
     """A request that failed for good (after retries, or rejected by the server)."""
+
+
+class RetrievalDown(Exception):
+    """The retrieval server is gone or hung: more than `max_error_rate` of a step's (or a validation's) searches
+    failed, or the circuit breaker opened. Raised on every rank at once (the trainer's rollout worker decides over
+    all ranks); the entry points turn it into one `error:` line and exit code 3."""
+
+    def __init__(self, url: str, failed: int, searched: int, last_error: str, where: str, why: str):
+        self.url, self.failed, self.searched, self.last_error = url, failed, searched, last_error
+        super().__init__(f"the retrieval server at {url} failed {failed} of {searched} searches during {where} "
+                         f"({why}); last error: {last_error}. Bring the server back and resume the run (the "
+                         "trainer resumes from its last checkpoint); retrieval.max_error_rate and "
+                         "retrieval.max_failed_rounds set when a run stops")
+
+
+class SearchGuard:
+    """A searcher (`RetrievalClient.search`) with failure counts and a circuit breaker.
+
+        guard = SearchGuard(client.search, url, max_error_rate=0.2, max_failed_rounds=3)
+        observations = guard(queries)                    # as client.search; counts searches and failures
+        counts = guard.take()                            # (failed, searched, open, last_error) since the last take
+        why = guard.verdict(failed, searched, opened)    # None, or why the run must stop
+
+    A round is one call. After `max_failed_rounds` consecutive rounds in which every query failed the circuit
+    opens: later calls fail at once ("not sent: ...") instead of waiting out more timeouts, so a rollout whose
+    server died finishes quickly and the caller's check at the end of the step or validation stops the run. The
+    breaker stays open for the rest of the run (the run stops at that check)."""
+
+    def __init__(self, search, url: str, max_error_rate: float = 0.2, max_failed_rounds: int = 3):
+        self.search, self.url = search, url
+        self.max_error_rate, self.max_failed_rounds = max_error_rate, max_failed_rounds
+        self.failed = self.searched = 0
+        self.failed_rounds = 0  # consecutive rounds in which every query failed
+        self.open = False
+        self.last_error = ""
+
+    def __call__(self, queries: list[str]) -> list[str]:
+        if not queries:
+            return []
+        if self.open:
+            results: list[str] = [SearchFailure(f"not sent: {self.failed_rounds} search rounds in a row failed "
+                                                f"(last error: {self.last_error})")] * len(queries)
+        else:
+            results = self.search(queries)
+        failures = [r for r in results if is_search_failure(r)]
+        self.searched += len(results)
+        self.failed += len(failures)
+        if failures:
+            self.last_error = self.last_error if self.open else failures[-1].reason
+        if results and len(failures) == len(results):
+            self.failed_rounds += 1
+            self.open = self.open or self.failed_rounds >= self.max_failed_rounds
+        elif not self.open:
+            self.failed_rounds = 0
+        return results
+
+    def take(self) -> tuple[int, int, bool, str]:
+        """(failed, searched, circuit open, last error) since the last `take`; the counts start again."""
+        out = (self.failed, self.searched, self.open, self.last_error)
+        self.failed = self.searched = 0
+        return out
+
+    def verdict(self, failed: int, searched: int, opened: bool) -> str | None:
+        """Why the run must stop (the breaker opened, or the failed share is above max_error_rate), or None.
+
+        >>> g = SearchGuard(None, "u", max_error_rate=0.2)
+        >>> g.verdict(2, 10, False), g.verdict(3, 10, False)
+        (None, 'more than retrieval.max_error_rate=0.2 failed')
+        """
+        if opened:
+            return f"retrieval.max_failed_rounds={self.max_failed_rounds} search rounds in a row failed"
+        if searched and failed / searched > self.max_error_rate:
+            return f"more than retrieval.max_error_rate={self.max_error_rate:g} failed"
+        return None
+
+    def down(self, failed: int, searched: int, opened: bool, last_error: str, where: str) -> None:
+        """Raise RetrievalDown when `verdict` says the run must stop."""
+        why = self.verdict(failed, searched, opened)
+        if why is not None:
+            raise RetrievalDown(self.url, failed, searched, last_error or "none recorded", where, why)
 
 
 @dataclass

@@ -28,8 +28,18 @@ def reward_table(records: list[tuple[str, float, float]]) -> dict:
     return out
 
 
-def summarize_eval(records: list[dict]) -> dict:
-    """Per data_source and overall: n, EM, sub-EM, F1, mean searches / turns / length, finish-reason shares."""
+def summarize_eval(records: list[dict], max_error_rate: float | None = None) -> dict:
+    """Per data_source and overall: n, EM, sub-EM, F1, mean searches / turns / length, finish-reason shares.
+
+    A trajectory ends at its first failed search (finish `search_error`), so the failed share of all searches is
+    `search_error` trajectories over searches. Above `max_error_rate` the report is `invalid` (a reason string):
+    its scores measure the retriever's outage, not the policy, so it carries no metrics and the table shows no EM.
+
+    >>> recs = [{"data_source": "nq", "em": 1, "subem": 1, "f1": 1, "searches": 1, "turns": 2, "length": 9,
+    ...          "finish": f} for f in ("answer", "search_error", "search_error")]
+    >>> summarize_eval(recs, max_error_rate=0.2)["invalid"], summarize_eval(recs, max_error_rate=0.2)["metrics"]
+    ('2 of 3 searches failed (more than retrieval.max_error_rate=0.2)', {})
+    """
     groups: dict[str, list] = defaultdict(list)
     for rec in records:
         groups[rec["data_source"]].append(rec)
@@ -47,10 +57,23 @@ def summarize_eval(records: list[dict]) -> dict:
         table[source] = row
         for key in ("em", "subem", "f1", "searches"):
             metrics[f"{source}/{key}"] = row[key]
+    searches = sum(int(x["searches"]) for x in records)
+    failed = sum(x["finish"] == "search_error" for x in records)
+    if max_error_rate is not None and searches and failed / searches > max_error_rate:
+        why = f"{failed} of {searches} searches failed (more than retrieval.max_error_rate={max_error_rate:g})"
+        return {"table": table, "metrics": {}, "invalid": why}
     return {"table": table, "metrics": metrics}
 
 
 def format_eval_table(report: dict, title: str = "evaluation") -> str:
+    """The report as a table; an invalid one (see summarize_eval) says so and shows no scores."""
+    if report.get("invalid"):
+        lines = [f"{title}: INVALID, {report['invalid']}: scores withheld",
+                 f"{'data_source':<22}{'n':>6}{'search':>8}{'turns':>7}  finish"]
+        for source, row in report["table"].items():
+            finish = " ".join(f"{k}={v:.2f}" for k, v in row["finish"].items())
+            lines.append(f"{source:<22}{row['n']:>6}{row['searches']:>8.2f}{row['turns']:>7.2f}  {finish}")
+        return "\n".join(lines)
     lines = [title, f"{'data_source':<22}{'n':>6}{'EM':>8}{'subEM':>8}{'F1':>8}{'search':>8}{'turns':>7}  finish"]
     for source, row in report["table"].items():
         finish = " ".join(f"{k}={v:.2f}" for k, v in row["finish"].items())

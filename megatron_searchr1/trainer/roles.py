@@ -44,6 +44,7 @@ from megatron_searchr1.rollout import loop, weight_sync
 from megatron_searchr1.rollout.engine import sleep_engine, wake_and_sync
 from megatron_searchr1.rollout.engine_groups import EngineLayout
 from megatron_searchr1.rollout.loop import LoopSettings, RolloutStats, Trajectory
+from megatron_searchr1.search.client import RetrievalDown, SearchGuard
 from megatron_searchr1.trainer import losses, reports, sources
 
 # Calls go through module attributes (schedule.train_step, weight_sync.sync_weights, loop.run_rollout,
@@ -208,7 +209,13 @@ class Critic:
 
 class RolloutWorker:
     """This rank's engine, its retrieval client and the loop settings (built once from config.rollout), with the
-    engine's wake / sync / sleep choreography and the sharding of trajectories over the engines."""
+    engine's wake / sync / sleep choreography and the sharding of trajectories over the engines.
+
+    Searches: the ranks of one vLLM engine (rollout.engine_tp > 1) must feed it identical prompts, so only the
+    engine's first rank asks the server and broadcasts the observations over a gloo group of the engine's ranks
+    (`search`): one request per search, one outcome per engine. A `SearchGuard` counts the failures; at the end of
+    every step and validation all ranks compare the counts (`_check_retrieval`) and raise RetrievalDown together
+    when the run must stop, so no rank is left waiting in a collective."""
 
     def __init__(self, cfg, engine, tokenizer, client, stop_token_ids: tuple[int, ...], *, rank: int, world: int,
                  offload=None, server=None):
@@ -224,6 +231,20 @@ class RolloutWorker:
                                            top_k=r.top_k if r.temperature > 0 else -1)
         self.val_settings = LoopSettings(**common, temperature=r.val_temperature, seed=cfg.trainer.seed)
         self.sync_dtype = DTYPES[cfg.model.dtype if r.dtype == "auto" else r.dtype]
+        q = cfg.retrieval
+        url = getattr(client, "base_url", q.url)  # a launched server's URL on every rank
+        # through `self.client` at call time: tests replace the client or its search after construction
+        self.guard = SearchGuard(lambda queries: self.client.search(queries), url, q.max_error_rate,
+                                 q.max_failed_rounds)
+        self.search_leader = self.layout.groups[self.layout.group_of(rank)][0]
+        self.search_group = None
+        if r.engine_tp > 1 and dist.is_initialized():
+            # new_group is collective over the world: every rank creates every engine's group, in the same order.
+            # gloo: observations are host strings, whatever backend the trainer's groups use.
+            for ranks in self.layout.groups:
+                pg = dist.new_group(ranks, backend="gloo")
+                if rank in ranks:
+                    self.search_group = pg
         self.synced = False  # the engine holds the actor's current weights
         self.asleep = False
 
@@ -279,7 +300,7 @@ class RolloutWorker:
         mine = shard.take(trajs)
         # one seed per engine: DP ranks and shards draw different noise
         settings = dataclasses.replace(self.train_settings, seed=self.layout.sampling_seed(seed, self.rank))
-        stats = loop.run_rollout(self.engine, self.tokenizer, self.client.search, mine, settings)
+        stats = loop.run_rollout(self.engine, self.tokenizer, self.search, mine, settings)
         metrics = stats.as_metrics(mine)
         group = mpu.get_model_parallel_group()
         if dist.get_world_size(group) > 1:
@@ -289,6 +310,8 @@ class RolloutWorker:
             metrics = {**everything.as_metrics(trajs), "time/generate": metrics["time/generate"],
                        "time/search": metrics["time/search"],
                        "rollout/computed_tokens": metrics["rollout/computed_tokens"]}
+        failed, searched = self._check_retrieval("a training step")
+        metrics["rollout/search_error_rate"] = failed / max(searched, 1)  # the whole step's, the same on every rank
         return trajs, metrics
 
     def validate(self, rows: list, batch_size: int, n_samples: int) -> tuple[list[dict], list[dict]]:
@@ -300,12 +323,50 @@ class RolloutWorker:
         mine = shard.take(rows)
         for start in range(0, len(mine), batch_size):
             trajs = self.make_trajectories(mine[start:start + batch_size], 1)
-            loop.run_rollout(self.engine, self.tokenizer, self.client.search, trajs, self.val_settings)
+            loop.run_rollout(self.engine, self.tokenizer, self.search, trajs, self.val_settings)
             for tr, sc in zip(trajs, losses.score_trajectories(trajs, self.tokenizer, self.cfg.algo)):
                 if len(samples) < n_samples:
                     samples.append(reports.eval_sample(self.tokenizer, tr, sc))
                 records.append(reports.eval_record(tr, sc))
-        return self._exchange(shard, records, group=None), samples
+        records = self._exchange(shard, records, group=None)
+        try:
+            self._check_retrieval("validation")
+        except RetrievalDown as e:
+            if self.rank == 0:  # what was measured, marked invalid: never an EM table over failed searches
+                report = reports.summarize_eval(records, max_error_rate=self.guard.max_error_rate)
+                if not report.get("invalid"):  # the circuit breaker stopped it below the rate
+                    report.update(metrics={}, invalid=f"{e.failed} of {e.searched} searches failed, "
+                                                      f"{self.guard.verdict(0, 0, True)}")
+                print(reports.format_eval_table(report, title="validation"), flush=True)
+            raise
+        return records, samples
+
+    # -- searches -----------------------------------------------------------------------------------------------
+    def search(self, queries: list[str]) -> list[str]:
+        """The loop's searcher: observations for `queries`, the same on every rank of this engine. The engine's
+        first rank asks the server (through the guard); the others receive its results."""
+        if self.search_group is None:
+            return self.guard(queries)
+        box = [self.guard(queries) if self.rank == self.search_leader else None]
+        dist.broadcast_object_list(box, src=self.search_leader, group=self.search_group)
+        if len(box[0]) != len(queries):
+            raise RuntimeError(f"rank {self.rank} asked {len(queries)} queries but its engine's first rank "
+                               f"{self.search_leader} searched {len(box[0])}: the engine's ranks diverged")
+        return box[0]
+
+    def _check_retrieval(self, where: str) -> tuple[int, int]:
+        """Every rank's failure counts since the last check, summed (each search counted once: only engines'
+        first ranks search); raises RetrievalDown on every rank together when the run must stop."""
+        mine = self.guard.take()
+        counts = [mine]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            counts = [None] * dist.get_world_size()
+            dist.all_gather_object(counts, mine)
+        failed, searched = sum(c[0] for c in counts), sum(c[1] for c in counts)
+        opened = any(c[2] for c in counts)
+        last = next((c[3] for c in counts if c[3]), "")
+        self.guard.down(failed, searched, opened, last, where)
+        return failed, searched
 
     def _exchange(self, shard, results: list, group) -> list:
         """Every engine's results in list order: each engine's first rank hands in (shard index, its results), the

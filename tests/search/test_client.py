@@ -6,7 +6,9 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from megatron_searchr1.search.client import RetrievalClient, RetrievalError, SearchFailure, format_docs
+from megatron_searchr1.search.client import (
+    RetrievalClient, RetrievalDown, RetrievalError, SearchFailure, SearchGuard, format_docs, is_search_failure,
+)
 from megatron_searchr1.search.server import BackgroundServer, ServerConfig
 
 
@@ -209,3 +211,59 @@ def test_retrieve_returns_raw_results(world, server):
 def test_bad_settings_are_refused():
     with pytest.raises(ValueError, match="topk=0"):
         RetrievalClient("http://127.0.0.1:1", topk=0)
+
+
+# ---- the guard: failure counts and the circuit breaker -------------------------------------------------------
+
+def test_guard_opens_after_consecutive_failed_rounds_and_stops_asking_a_dead_server():
+    client = RetrievalClient(f"http://127.0.0.1:{_closed_port()}", max_retries=0)
+    guard = SearchGuard(client.search, client.base_url, max_error_rate=0.2, max_failed_rounds=3)
+    for _ in range(3):
+        assert all(is_search_failure(o) for o in guard(["a", "b"]))
+    assert guard.open and client.stats.requests == 3  # one request per round so far
+    t0 = time.time()
+    out = guard(["c"] * 5)
+    assert time.time() - t0 < 0.1 and client.stats.requests == 3  # open: failed at once, nothing sent
+    assert is_search_failure(out[0]) and "not sent" in out[0] and "ConnectError" in out[0]
+    failed, searched, opened, last = guard.take()
+    assert (failed, searched, opened) == (11, 11, True) and "ConnectError" in last
+    with pytest.raises(RetrievalDown, match=rf"{client.base_url} failed 11 of 11 searches during a step "
+                                            r"\(retrieval.max_failed_rounds=3 .*ConnectError"):
+        guard.down(failed, searched, opened, last, "a step")
+    assert guard.take()[:2] == (0, 0)  # counts start again after a take
+    client.close()
+
+
+def test_guard_a_success_resets_the_failed_rounds_and_the_rate_decides(world, server):
+    flaky = {"down": True}
+    client = RetrievalClient(server.url)
+    guard = SearchGuard(lambda qs: [SearchFailure("x")] * len(qs) if flaky["down"] else client.search(qs),
+                        server.url, max_error_rate=0.25, max_failed_rounds=2)
+    guard(["q"])  # one failed round
+    flaky["down"] = False
+    assert not is_search_failure(guard(["who founded x?"] * 3)[0])  # a real search: the round counter restarts
+    flaky["down"] = True
+    guard(["q"])
+    assert not guard.open and guard.failed_rounds == 1
+    failed, searched, opened, _ = guard.take()
+    assert (failed, searched) == (2, 5)
+    assert guard.verdict(1, 4, False) is None and "max_error_rate=0.25" in guard.verdict(2, 5, False)
+    client.close()
+
+
+def test_a_hung_server_costs_bounded_time_per_round(bm25_index):
+    # a server that accepts connections but never answers (what SIGSTOP leaves: the kernel still accepts)
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen(16)
+    client = RetrievalClient(f"http://127.0.0.1:{s.getsockname()[1]}", timeout=0.3, max_retries=1, backoff=0.05)
+    guard = SearchGuard(client.search, client.base_url, max_failed_rounds=2)
+    t0 = time.time()
+    for _ in range(5):
+        guard(["q"])
+    elapsed = time.time() - t0
+    # two rounds of 2 attempts x 0.3 s (plus the /health probe per round), then nothing is sent
+    assert guard.open and elapsed < 4.0, elapsed
+    assert "timeout" in guard.take()[3]
+    client.close()
+    s.close()
