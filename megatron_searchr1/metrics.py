@@ -22,7 +22,7 @@ from megatron_searchr1 import collectives  # collectives.collective_device: test
 # Shown on the console line, in this order, when present (everything goes to TensorBoard).
 CONSOLE_KEYS = ("reward/mean", "rollout/finish_answer", "rollout/searches_mean", "rollout/response_length_mean",
                 "actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm", "critic/vf_loss",
-                "train/logprob_gap_engine", "time/step")
+                "train/logprob_gap_engine", "rollout/search_error_rate", "train/dropped_trajectories", "time/step")
 
 
 def mean_over_ranks(metrics: dict[str, float], group=None) -> dict[str, float]:
