@@ -54,21 +54,27 @@ LoadWeights = Optional[Callable[[torch.nn.Module], None]]
 
 
 def build_actor(hf_config, *, params_dtype: torch.dtype = torch.float32, load_weights: LoadWeights = None,
-                use_distributed_optimizer: bool = False, config=None, use_te: Optional[bool] = None
-                ) -> DistributedDataParallel:
+                use_distributed_optimizer: bool = False, config=None, use_te: Optional[bool] = None,
+                tokenizer_vocab_size: Optional[int] = None) -> DistributedDataParallel:
     """This rank's actor stage, weights loaded by `load_weights(bare_model)` (before DDP and the optimizer copy
     them), wrapped in Megatron DDP. bf16 on GPU: params_dtype=torch.bfloat16 (the optimizer keeps fp32 masters).
-    `config`, `use_te`: as models.gpt.model_settings makes them (None: build_gpt_model's defaults)."""
-    model = build_gpt_model(hf_config, params_dtype=params_dtype, config=config, use_te=use_te)
+    `config`, `use_te`: as models.gpt.model_settings makes them (None: build_gpt_model's defaults).
+    `tokenizer_vocab_size` (len(tokenizer)): embedding rows past it (a checkpoint's padding) stay out of every
+    log-prob's softmax."""
+    model = build_gpt_model(hf_config, params_dtype=params_dtype, config=config, use_te=use_te,
+                            tokenizer_vocab_size=tokenizer_vocab_size)
     if load_weights is not None:
         load_weights(model)
     return wrap_ddp(model, use_distributed_optimizer=use_distributed_optimizer)
 
 
 def build_reference(hf_config, *, params_dtype: torch.dtype = torch.float32, load_weights: LoadWeights = None,
-                    config=None, use_te: Optional[bool] = None) -> torch.nn.Module:
-    """This rank's frozen reference stage: no DDP, no optimizer, no gradients, eval mode."""
-    model = build_gpt_model(hf_config, params_dtype=params_dtype, config=config, use_te=use_te)
+                    config=None, use_te: Optional[bool] = None,
+                    tokenizer_vocab_size: Optional[int] = None) -> torch.nn.Module:
+    """This rank's frozen reference stage: no DDP, no optimizer, no gradients, eval mode (`tokenizer_vocab_size`:
+    as build_actor's)."""
+    model = build_gpt_model(hf_config, params_dtype=params_dtype, config=config, use_te=use_te,
+                            tokenizer_vocab_size=tokenizer_vocab_size)
     if load_weights is not None:
         load_weights(model)
     model.requires_grad_(False)
