@@ -535,6 +535,11 @@ class Config:
         check(not self.model.freeze.enabled,
               "model.freeze (freeze fine-tuning) is for SFT (python -m megatron_searchr1.sft); RL trains every weight "
               "or LoRA adapters (model.lora): set model.freeze.trainable_layers=null")
+        # the engines' log-probs are of the untempered model (vllm raw_logprobs, hf log_softmax) while the trainer's
+        # are divided by the temperature: the ratio the correction weighs is only meaningful at temperature 1
+        check(a.rollout_correction == "none" or r.temperature == 1.0,
+              f"algo.rollout_correction={a.rollout_correction} needs rollout.temperature=1.0 (the engine log-probs are "
+              f"untempered), got {r.temperature}: set rollout.temperature=1.0 or algo.rollout_correction=none")
         if a.overlong_buffer:
             check(a.overlong_buffer <= r.max_response_length,
                   f"algo.overlong_buffer ({a.overlong_buffer}) must be <= rollout.max_response_length "
