@@ -535,11 +535,12 @@ class Config:
         check(not self.model.freeze.enabled,
               "model.freeze (freeze fine-tuning) is for SFT (python -m megatron_searchr1.sft); RL trains every weight "
               "or LoRA adapters (model.lora): set model.freeze.trainable_layers=null")
-        # the engines' log-probs are of the untempered model (vllm raw_logprobs, hf log_softmax) while the trainer's
-        # are divided by the temperature: the ratio the correction weighs is only meaningful at temperature 1
-        check(a.rollout_correction == "none" or r.temperature == 1.0,
-              f"algo.rollout_correction={a.rollout_correction} needs rollout.temperature=1.0 (the engine log-probs are "
-              f"untempered), got {r.temperature}: set rollout.temperature=1.0 or algo.rollout_correction=none")
+        # the engines' log-probs are those of the sampling distribution (temperature, then top-k / top-p); the
+        # trainer's are at the temperature without truncation: they compare only with top-k / top-p off
+        check(a.rollout_correction == "none" or (r.top_p == 1.0 and r.top_k in (-1, 0)),
+              f"algo.rollout_correction={a.rollout_correction} compares the engine's log-probs with the trainer's, "
+              f"which have no top-k / top-p truncation: set rollout.top_p=1.0 and rollout.top_k=-1 (got "
+              f"{r.top_p}, {r.top_k}) or algo.rollout_correction=none")
         if a.overlong_buffer:
             check(a.overlong_buffer <= r.max_response_length,
                   f"algo.overlong_buffer ({a.overlong_buffer}) must be <= rollout.max_response_length "

@@ -139,7 +139,7 @@ class Trainer:
             # 7. metrics (the rest happens in fit: logging, checkpoints, validation)
             metrics = {**roll_metrics, **adv_metrics, **update_metrics, **self.reward_metrics(trajs, scores),
                        **{f"sync/{k}": v for k, v in sync_stats.items()}}
-            if r.temperature == 1.0:  # engine log-probs are of the untempered model (vllm: raw_logprobs)
+            if self.engine_comparable():
                 metrics["train/logprob_gap_engine"] = (metrics.pop("actor/logprob_gap_engine", float("nan"))
                                                        if self.on_policy() else losses.logprob_gap(seqs))
         gen_tokens = sum(len(tr.response_ids) for tr in trajs)
@@ -204,6 +204,12 @@ class Trainer:
                       flush=True)
         return out_trajs, out_scores, gids, roll_metrics
 
+    def engine_comparable(self) -> bool:
+        """Whether the engine's log-probs (of the sampling distribution: temperature, then top-k / top-p) are the
+        trainer's (at the temperature, untruncated): with top-k and top-p off, at any temperature."""
+        r = self.cfg.rollout
+        return r.top_p == 1.0 and r.top_k in (-1, 0)
+
     def on_policy(self) -> bool:
         """Whether a step makes exactly one optimizer update from its rollouts (one epoch, one mini-batch) and
         nothing else reads the old log-probs: then they equal the update's own log-probs before its single
@@ -232,7 +238,7 @@ class Trainer:
             self.critic.step_schedule()
         if self.step_no >= o.critic_warmup:  # verl: the actor updates once critic_warmup <= step (steps from 1)
             t = self.cfg.rollout.temperature
-            run(self.policy, losses.actor_loss_fn(a, engine_gap=t == 1.0,
+            run(self.policy, losses.actor_loss_fn(a, engine_gap=self.engine_comparable(),
                                                   max_response_length=self.cfg.rollout.max_response_length),
                 "actor", temperature=t,
                 with_entropy=True, entropy_grad=a.entropy_coeff != 0)

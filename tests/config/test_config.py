@@ -104,3 +104,24 @@ def test_search_r1_recipes_keep_its_entropy_bonus(recipe):
     cfg = load_config(os.path.join(REPO, "examples", f"{recipe}.yaml"))
     assert cfg.algo.entropy_coeff == 0.001
     cfg.validate(world_size=8, check_files=False)
+
+
+@pytest.mark.parametrize("recipe, expect", [
+    ("grpo_llds_qwen2.5-3b", {"llds.gate": "action", "policy_loss": "ppo"}),
+    ("dapo_qwen2.5-3b", {"filter_groups": True, "overlong_buffer": 512, "clip_ratio_high": 0.28}),
+    ("gspo_qwen2.5-3b", {"policy_loss": "gspo", "loss_agg_mode": "seq-mean-token-mean", "gspo_clip_ratio_low": 3e-4}),
+])
+def test_toolkit_recipes_load_and_set_their_algorithm(recipe, expect):
+    """The issue-31 recipes pass the config's own checks and turn on what their names say."""
+    import os
+
+    from tests.dist_utils import REPO
+
+    cfg = load_config(os.path.join(REPO, "examples", f"{recipe}.yaml"))
+    cfg.validate(world_size=8, check_files=False)
+    for key, value in expect.items():
+        obj = cfg.algo
+        for part in key.split("."):
+            obj = getattr(obj, part)
+        assert obj == value, key
+    assert cfg.algo.llds.enabled is (recipe == "grpo_llds_qwen2.5-3b")
