@@ -541,6 +541,12 @@ class Config:
               f"algo.rollout_correction={a.rollout_correction} compares the engine's log-probs with the trainer's, "
               f"which have no top-k / top-p truncation: set rollout.top_p=1.0 and rollout.top_k=-1 (got "
               f"{r.top_p}, {r.top_k}) or algo.rollout_correction=none")
+        # LLDS penalises a fall below the rollout-time log-prob: the first update of a step starts at it, so with
+        # one update per step (one epoch, one mini-batch) the penalty is always 0
+        check(not a.llds.enabled or a.ppo_epochs > 1 or a.ppo_mini_batch_size < d.train_batch_size,
+              "algo.llds acts from a step's second update on, and this config makes one (algo.ppo_epochs=1, "
+              "algo.ppo_mini_batch_size = data.train_batch_size): lower algo.ppo_mini_batch_size or raise "
+              "algo.ppo_epochs")
         if a.overlong_buffer:
             check(a.overlong_buffer <= r.max_response_length,
                   f"algo.overlong_buffer ({a.overlong_buffer}) must be <= rollout.max_response_length "

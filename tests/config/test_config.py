@@ -65,6 +65,9 @@ def test_cross_section_rules(tmp_path):
         load_config(None, ["algo.adv_estimator=gae", "algo.filter_groups=true"])
     with pytest.raises(ConfigError, match=r"algo.overlong_buffer \(4096\) must be <= rollout.max_response_length"):
         load_config(None, ok + ["algo.overlong_buffer=4096"]).validate()
+    with pytest.raises(ConfigError, match="algo.llds acts from a step's second update on"):
+        load_config(None, ok + ["algo.llds.coef=0.1"]).validate()
+    ok += ["algo.ppo_mini_batch_size=4"]
     load_config(None, ok + ["algo.llds.coef=0.1"]).validate()
     (model / "config.json").write_text(json.dumps({"num_attention_heads": 6, "num_hidden_layers": 4,
                                                    "num_experts": 8}))
