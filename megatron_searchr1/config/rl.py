@@ -299,7 +299,7 @@ class LLDSConfig:
     gate: str = "action"
     """Where the penalty's gate opens: action (per generated span between retrievals, the paper's best) or response."""
     answer_coef: Optional[float] = None
-    """Weight on the answer span (each response's last action) instead of coef (the paper's answer mask); None = coef."""
+    """Weight on the answer span (each response's last action; the paper's answer mask) in place of coef; None = coef."""
 
     def __post_init__(self):
         check(self.coef >= 0, f"algo.llds.coef must be >= 0 (0 = off), got {self.coef}")

@@ -1,8 +1,9 @@
 """The trainers' data and losses: trajectories and SFT examples as sequences, rewards, advantages, and every loss
-callback (PPO actor, clipped value, SFT NLL).
+callback (actor: PPO / GSPO / CISPO with rollout correction and LLDS; clipped value; SFT NLL).
 
     seqs = to_sequences(trajs)                                      # TrainSequence records (megatron/batching.py)
     scores = score_trajectories(trajs, tokenizer, cfg.algo)         # EM on the response, routed by data_source
+    shape_overlong(trajs, scores, seqs, cfg.algo, max_len)          # DAPO's overlong penalty / filter (in place)
     add_advantages(seqs, scores, cfg.algo, kl_ctrl)                 # advantages/returns (+ token rewards)
     policy.update(mbs, actor_loss_fn(cfg.algo), ...)                # trainer/roles.py -> megatron/schedule.py
     critic.update(mbs, critic_loss_fn(cfg.algo))

@@ -10,14 +10,18 @@ pipeline schedule, any TP/PP/DP); rewards, advantages and the loss callbacks are
 pure tensor functions.
 
 One step (`Trainer.step`):
-  1. this DP rank's prompts, each repeated `rollout.n` times under its group id;
-  2. weight sync policy -> rollout engine (rollout/weight_sync.py: TP gather, PP broadcast, HF names, buckets);
+  1. weight sync policy -> rollout engine (rollout/weight_sync.py: TP gather, PP broadcast, HF names, buckets);
+  2. this DP rank's prompts, each repeated `rollout.n` times under its group id;
   3. rollout: the multi-turn search loop (rollout/loop.py), a share of the replica's trajectories per engine;
+     with algo.filter_groups, again on new prompts until the batch holds enough informative groups (DAPO);
   4. the engine sleeps (frees its memory) while the trainer runs: generation and training never overlap;
-  5. reward (EM on the response), old / reference log-probs and critic values (Megatron forward passes);
-  6. advantages (GRPO, GAE, RLOO, REINFORCE++), critic update, actor update (PPO clip; KL as a loss or in the
-     reward); retrieved tokens are masked everywhere (algo/);
-  7. metrics to TensorBoard and the console, sampled trajectories to JSONL, checkpoints, validation.
+  5. reward (EM on the response, DAPO's overlong shaping), old / reference log-probs and critic values (Megatron
+     forward passes);
+  6. advantages (GRPO, GAE, RLOO, REINFORCE++), critic update, actor update (algo.policy_loss: PPO / GSPO / CISPO,
+     with the rollout correction's weights and LLDS; KL as a loss or in the reward); retrieved tokens are masked
+     everywhere (algo/);
+  7. metrics to TensorBoard and the console, sampled trajectories to JSONL, checkpoints, validation; with
+     trainer.stop_on_collapse, a checkpoint and a stop when the positive-advantage likelihood collapses.
 """
 from __future__ import annotations
 

@@ -329,8 +329,9 @@ def _one_mb(seed=0):
 @pytest.mark.parametrize("kind", ["ppo", "gspo", "cispo"])
 def test_the_actor_loss_is_the_configured_policy_loss_with_the_rollout_correction_weights(kind):
     mb, lp = _one_mb()
-    cfg = AlgoConfig(use_kl_loss=False, policy_loss=kind, rollout_correction="token_tis",
-                     rollout_correction_cap=1.1, loss_agg_mode="seq-mean-token-mean" if kind == "gspo" else "token-mean")
+    agg = "seq-mean-token-mean" if kind == "gspo" else "token-mean"
+    cfg = AlgoConfig(use_kl_loss=False, policy_loss=kind, rollout_correction="token_tis", rollout_correction_cap=1.1,
+                     loss_agg_mode=agg)
     loss, metrics = losses.actor_loss_fn(cfg)({"log_probs": lp}, mb)
     mask = mb["loss_mask"]
     w, _, _ = algo.compute_rollout_correction(mb["old_log_probs"], mb["engine_log_probs"], mask, "token_tis",
