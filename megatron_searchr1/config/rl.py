@@ -22,7 +22,10 @@ from megatron_searchr1.config.loader import ConfigError, check
 
 ESTIMATORS = ("grpo", "gae", "rloo", "reinforce_plus_plus")
 KL_KINDS = ("kl", "abs", "mse", "low_var_kl")
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+POLICY_LOSSES = ("ppo", "gspo", "cispo")
+ROLLOUT_CORRECTIONS = ("none", "token_tis", "seq_tis", "token_mis", "seq_mis", "icepop", "geo_mask")
+LLDS_GATES = ("action", "response")
 
 
 @dataclass
@@ -290,6 +293,26 @@ class RetrievalConfig:
 
 
 @dataclass
+class LLDSConfig:
+    coef: float = 0.0
+    """LLDS penalty weight (arXiv 2512.04220) on likelihood falls of advantage >= 0 tokens; 0 = off."""
+    gate: str = "action"
+    """Where the penalty's gate opens: action (per generated span between retrievals, the paper's best) or response."""
+    answer_coef: Optional[float] = None
+    """Weight on the answer span (each response's last action; the paper's answer mask) in place of coef; None = coef."""
+
+    def __post_init__(self):
+        check(self.coef >= 0, f"algo.llds.coef must be >= 0 (0 = off), got {self.coef}")
+        check(self.gate in LLDS_GATES, f"algo.llds.gate must be action or response, got {self.gate!r}")
+        check(self.answer_coef is None or self.answer_coef >= 0,
+              f"algo.llds.answer_coef must be >= 0 or null (= coef), got {self.answer_coef}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.coef > 0 or bool(self.answer_coef)
+
+
+@dataclass
 class AlgoConfig:
     adv_estimator: str = "grpo"
     """Advantage estimator: grpo, gae (PPO with a critic), rloo, reinforce_plus_plus."""
@@ -306,11 +329,41 @@ class AlgoConfig:
     clip_ratio_high: Optional[float] = None
     """Upper clip range (None = clip_ratio; DAPO's clip-higher uses e.g. 0.28)."""
     clip_ratio_c: Optional[float] = 3.0
-    """Dual-clip constant for negative advantages (None = off)."""
+    """Dual-clip constant for negative advantages (None = off); PPO's policy loss only (gspo / cispo have none)."""
     cliprange_value: float = 0.5
     """Value clip range (critic)."""
     loss_agg_mode: str = "token-mean"
-    """token-mean, seq-mean-token-sum or seq-mean-token-mean."""
+    """token-mean, seq-mean-token-sum, seq-mean-token-mean (GSPO's) or seq-mean-token-sum-norm (Dr.GRPO's)."""
+    policy_loss: str = "ppo"
+    """Policy loss: ppo (token clip), gspo (sequence-level ratio and clip) or cispo (clipped detached IS weight)."""
+    gspo_clip_ratio_low: float = 3e-4
+    """GSPO's lower clip range on the sequence ratio (the GSPO paper: 3e-4)."""
+    gspo_clip_ratio_high: float = 4e-4
+    """GSPO's upper clip range on the sequence ratio (the GSPO paper: 4e-4)."""
+    cispo_clip_ratio_low: Optional[float] = None
+    """CISPO's lower bound on the IS weight, 1 - this (None = no lower bound, as MiniMax-M1)."""
+    cispo_clip_ratio_high: float = 0.28
+    """CISPO's upper bound on the IS weight, 1 + this."""
+    rollout_correction: str = "none"
+    """Engine-vs-trainer correction: none, token_tis, seq_tis, token_mis, seq_mis, icepop or geo_mask."""
+    rollout_correction_cap: float = 2.0
+    """Truncation cap of the TIS weights (and the MIS upper bound when rollout_correction_high is null)."""
+    rollout_correction_low: Optional[float] = None
+    """Lower end of the MIS / IcePop / geo_mask band (None = the mode's default: 0, 0.5, 0.99)."""
+    rollout_correction_high: Optional[float] = None
+    """Upper end of the MIS / IcePop / geo_mask band (None = the mode's default: cap, 2, 1.01)."""
+    llds: LLDSConfig = field(default_factory=LLDSConfig)
+    """LLDS, the lazy-likelihood-displacement regulariser (coef 0 = off)."""
+    filter_groups: bool = False
+    """DAPO dynamic sampling: drop groups whose rewards are all equal, generate more until the batch is full."""
+    max_gen_batches: int = 3
+    """Most generate calls of one step under filter_groups (then train on what there is and say so)."""
+    overlong_buffer: int = 0
+    """DAPO overlong shaping: linear penalty over the last N tokens of rollout.max_response_length (0 = off)."""
+    overlong_penalty: float = 1.0
+    """Largest overlong penalty (reached at the response budget), subtracted from the score."""
+    overlong_filter: bool = False
+    """DAPO overlong filtering: trajectories cut by the response budget get no loss tokens."""
     entropy_coeff: float = 0.0
     """Entropy bonus weight in the actor loss."""
     use_kl_loss: bool = True
@@ -355,6 +408,27 @@ class AlgoConfig:
         check(self.reward in ("em", "subem", "f1"), f"algo.reward must be em, subem or f1, got {self.reward!r}")
         check(not (self.use_kl_loss and self.use_kl_in_reward),
               "choose one of algo.use_kl_loss and algo.use_kl_in_reward, not both")
+        check(self.policy_loss in POLICY_LOSSES,
+              f"algo.policy_loss must be one of {', '.join(POLICY_LOSSES)}, got {self.policy_loss!r}")
+        check(0 < self.gspo_clip_ratio_low < 1 and 0 < self.gspo_clip_ratio_high,
+              "algo.gspo_clip_ratio_low must be in (0, 1) and algo.gspo_clip_ratio_high > 0")
+        check(self.cispo_clip_ratio_low is None or 0 < self.cispo_clip_ratio_low < 1,
+              "algo.cispo_clip_ratio_low must be in (0, 1) or null (no lower bound)")
+        check(self.cispo_clip_ratio_high > 0, "algo.cispo_clip_ratio_high must be > 0")
+        check(self.rollout_correction in ROLLOUT_CORRECTIONS,
+              f"algo.rollout_correction must be one of {', '.join(ROLLOUT_CORRECTIONS)}, "
+              f"got {self.rollout_correction!r}")
+        check(self.rollout_correction_cap > 0, "algo.rollout_correction_cap must be > 0")
+        lo = 0.0 if self.rollout_correction_low is None else self.rollout_correction_low
+        hi = self.rollout_correction_high
+        check(lo >= 0 and (hi is None or hi > lo),
+              "algo.rollout_correction_low / _high must satisfy 0 <= low < high (or be null for the defaults)")
+        check(self.max_gen_batches >= 1, f"algo.max_gen_batches must be >= 1, got {self.max_gen_batches}")
+        check(self.overlong_buffer >= 0, f"algo.overlong_buffer must be >= 0 (0 = off), got {self.overlong_buffer}")
+        check(self.overlong_penalty >= 0, f"algo.overlong_penalty must be >= 0, got {self.overlong_penalty}")
+        check(not self.filter_groups or self.adv_estimator in ("grpo", "rloo"),
+              "algo.filter_groups drops groups of equal rewards, which needs a group estimator: set "
+              "algo.adv_estimator=grpo (or rloo) or algo.filter_groups=false")
 
     @property
     def uses_critic(self) -> bool:
@@ -414,11 +488,19 @@ class TrainerConfig:
     """Write the final actor as a Hugging Face dir (<output_dir>/hf) through the converter."""
     seed: int = 1
     """Seed of data order, sampling and init."""
+    stop_on_collapse: bool = False
+    """Save a checkpoint and stop when the positive-advantage log-likelihood falls (algo/collapse.py)."""
+    collapse_window: int = 20
+    """Steps over which the positive-advantage log-likelihood fall is measured."""
+    collapse_nats: float = 0.5
+    """A fall of more than this many nats over collapse_window steps counts as a collapse."""
 
     def __post_init__(self):
         check(self.total_steps >= 0, "trainer.total_steps must be >= 0")
         check(self.save_freq >= 0 and self.test_freq >= 0, "trainer.save_freq / test_freq must be >= 0")
         check(self.keep_last >= 1, "trainer.keep_last must be >= 1")
+        check(self.collapse_window >= 1, f"trainer.collapse_window must be >= 1, got {self.collapse_window}")
+        check(self.collapse_nats > 0, f"trainer.collapse_nats must be > 0, got {self.collapse_nats}")
         check(self.resume in ("auto", "disable") or os.path.isdir(self.resume),
               f"trainer.resume must be auto, disable or an existing checkpoint dir, got {self.resume!r}")
 
@@ -453,6 +535,22 @@ class Config:
         check(not self.model.freeze.enabled,
               "model.freeze (freeze fine-tuning) is for SFT (python -m megatron_searchr1.sft); RL trains every weight "
               "or LoRA adapters (model.lora): set model.freeze.trainable_layers=null")
+        # the engines' log-probs are those of the sampling distribution (temperature, then top-k / top-p); the
+        # trainer's are at the temperature without truncation: they compare only with top-k / top-p off
+        check(a.rollout_correction == "none" or (r.top_p == 1.0 and r.top_k in (-1, 0)),
+              f"algo.rollout_correction={a.rollout_correction} compares the engine's log-probs with the trainer's, "
+              f"which have no top-k / top-p truncation: set rollout.top_p=1.0 and rollout.top_k=-1 (got "
+              f"{r.top_p}, {r.top_k}) or algo.rollout_correction=none")
+        # LLDS penalises a fall below the rollout-time log-prob: the first update of a step starts at it, so with
+        # one update per step (one epoch, one mini-batch) the penalty is always 0
+        check(not a.llds.enabled or a.ppo_epochs > 1 or a.ppo_mini_batch_size < d.train_batch_size,
+              "algo.llds acts from a step's second update on, and this config makes one (algo.ppo_epochs=1, "
+              "algo.ppo_mini_batch_size = data.train_batch_size): lower algo.ppo_mini_batch_size or raise "
+              "algo.ppo_epochs")
+        if a.overlong_buffer:
+            check(a.overlong_buffer <= r.max_response_length,
+                  f"algo.overlong_buffer ({a.overlong_buffer}) must be <= rollout.max_response_length "
+                  f"({r.max_response_length}): lower the buffer")
         if a.adv_estimator in ("grpo", "rloo"):
             check(r.n >= 2, f"algo.adv_estimator={a.adv_estimator} compares samples of one prompt: set rollout.n "
                             f">= 2 (got {r.n})")
@@ -494,6 +592,12 @@ class Config:
         check(heads % p.tp == 0, f"parallel.tp={p.tp} does not divide the model's num_attention_heads={heads}: "
                                  "choose a TP that divides it")
         check(layers % p.pp == 0, f"parallel.pp={p.pp} does not divide the model's num_hidden_layers={layers}")
+        # LLDS compares per-token likelihoods across updates; on MoE models the router may send a token to other
+        # experts in training than at rollout, which the paper handles by replaying the engine's routing
+        experts = hf.get("num_experts") or hf.get("num_local_experts") or hf.get("n_routed_experts")
+        check(not (a.llds.enabled and experts),
+              f"algo.llds on a MoE model ({experts} experts) needs rollout routing replay, which this trainer does "
+              "not have: set algo.llds.coef=0 (and answer_coef=null) or use a dense model")
         if self.model.megatron_ckpt:
             check(os.path.isdir(self.model.megatron_ckpt),
                   f"model.megatron_ckpt={self.model.megatron_ckpt!r} does not exist")

@@ -1,8 +1,9 @@
 """The trainers' data and losses: trajectories and SFT examples as sequences, rewards, advantages, and every loss
-callback (PPO actor, clipped value, SFT NLL).
+callback (actor: PPO / GSPO / CISPO with rollout correction and LLDS; clipped value; SFT NLL).
 
     seqs = to_sequences(trajs)                                      # TrainSequence records (megatron/batching.py)
     scores = score_trajectories(trajs, tokenizer, cfg.algo)         # EM on the response, routed by data_source
+    shape_overlong(trajs, scores, seqs, cfg.algo, max_len)          # DAPO's overlong penalty / filter (in place)
     add_advantages(seqs, scores, cfg.algo, kl_ctrl)                 # advantages/returns (+ token rewards)
     policy.update(mbs, actor_loss_fn(cfg.algo), ...)                # trainer/roles.py -> megatron/schedule.py
     critic.update(mbs, critic_loss_fn(cfg.algo))
@@ -176,40 +177,109 @@ def _weight(mb, mode: str) -> float:
     return rows_with_tokens / max(mb.global_num_seqs, 1)
 
 
-def actor_loss_fn(cfg: AlgoConfig, engine_gap: bool = False):
-    """PPO clipped policy loss (+ KL to the reference, - entropy bonus) for Policy.update (schedule.train_step).
+def _policy_loss_kwargs(cfg: AlgoConfig) -> dict:
+    """The clip settings of `cfg.policy_loss` (algo.policy_losses' keyword arguments)."""
+    if cfg.policy_loss == "gspo":
+        return {"clip_ratio_low": cfg.gspo_clip_ratio_low, "clip_ratio_high": cfg.gspo_clip_ratio_high,
+                "clip_ratio_c": None}
+    if cfg.policy_loss == "cispo":
+        return {"clip_ratio_low": cfg.cispo_clip_ratio_low, "clip_ratio_high": cfg.cispo_clip_ratio_high,
+                "clip_ratio_c": None}
+    low = cfg.clip_ratio if cfg.clip_ratio_low is None else cfg.clip_ratio_low
+    high = cfg.clip_ratio if cfg.clip_ratio_high is None else cfg.clip_ratio_high
+    return {"clip_ratio_low": low, "clip_ratio_high": high, "clip_ratio_c": cfg.clip_ratio_c}
+
+
+def actor_loss_fn(cfg: AlgoConfig, engine_gap: bool = False, max_response_length: Optional[int] = None):
+    """The actor loss for Policy.update (schedule.train_step): `cfg.policy_loss` (ppo / gspo / cispo) with the
+    rollout correction's weights, + LLDS, + KL to the reference, - entropy bonus.
 
     Micro-batches without `old_log_probs` are on-policy (the step's only update, see Trainer.on_policy): the
     model has not moved since the rollout, so the old log-probs are this forward's own, detached. With
-    `engine_gap` such a pass also reports `logprob_gap_engine` (logprob_gap, from this forward)."""
+    `engine_gap` such a pass also reports `logprob_gap_engine` (logprob_gap, from this forward).
+
+    Rollout correction: behaviour = the engine's log-probs (`engine_log_probs`, what sampled the tokens), proximal
+    = `old_log_probs` (the trainer's, before this step's first update). Both are fixed for the whole step, so the
+    weights are the same in every epoch and mini-batch (ppo_epochs > 1 is right); masked tokens get weight 0 but
+    keep their place in the denominator, so the micro-batch shares (`_weight`) still add up. `rc_*` metrics
+    measure the gap whichever mode is set. `max_response_length` is seq-mean-token-sum-norm's constant divisor.
+
+    Metrics are means over micro-batches (so `*_min` / `*_max` are means of per-micro-batch extremes)."""
+    pg_fn = algo.policy_loss_fn(cfg.policy_loss)
+    pg_kw = _policy_loss_kwargs(cfg)
+    norm = cfg.loss_agg_mode == "seq-mean-token-sum-norm"
+    scale = float(max_response_length) if norm and max_response_length else None
+
+    def agg(mat, mask):
+        return algo.agg_loss(mat, mask, cfg.loss_agg_mode, loss_scale_factor=scale)
 
     def loss_fn(outputs: dict, mb):
         mask = mb["loss_mask"]                                                   # (b, R)
         log_prob = outputs["log_probs"]                                          # (b, R)
+        adv = mb["advantages"]                                                   # (b, R)
         on_policy = "old_log_probs" not in mb
-        old_log_prob = log_prob.detach() if on_policy else mb["old_log_probs"]
-        pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower = algo.compute_policy_loss(
-            old_log_prob, log_prob, mb["advantages"], mask, cfg.clip_ratio, cfg.clip_ratio_low,
-            cfg.clip_ratio_high, cfg.clip_ratio_c, cfg.loss_agg_mode)
+        old_log_prob = log_prob.detach() if on_policy else mb["old_log_probs"]  # (b, R) the proximal policy
+        metrics = {}
+        weights = None
+        if "engine_log_probs" in mb:
+            w, _, rc = algo.compute_rollout_correction(
+                old_log_prob.detach(), mb["engine_log_probs"], mask, cfg.rollout_correction,
+                cap=cfg.rollout_correction_cap, low=cfg.rollout_correction_low, high=cfg.rollout_correction_high)
+            metrics.update({f"rc_{k}": v for k, v in rc.items()})
+            if cfg.rollout_correction != "none":
+                weights = w                                                      # (b, R) detached, 0 if masked
+        pg_loss, pm = pg_fn(old_log_prob, log_prob, adv, mask, loss_agg_mode=cfg.loss_agg_mode,
+                            rollout_is_weights=weights, loss_scale_factor=scale, **pg_kw)
         loss = pg_loss
-        metrics = {"pg_loss": pg_loss, "pg_clipfrac": pg_clipfrac, "ppo_kl": ppo_kl,
-                   "pg_clipfrac_lower": pg_clipfrac_lower}
+        metrics.update({"pg_loss": pg_loss, f"pg_loss_{cfg.policy_loss}": pg_loss, **pm})
+        # LLDS: its metrics (old log-prob of positive / negative-advantage tokens, gate shares) are logged always;
+        # the penalty joins the loss only when it is on. sum-norm: the row sums over the run's constant.
+        llds_mode = "seq-mean-token-sum" if norm else cfg.loss_agg_mode
+        penalty, lm = algo.compute_llds_loss(old_log_prob, log_prob, adv, mask, coef=cfg.llds.coef,
+                                             gate=cfg.llds.gate, answer_coef=cfg.llds.answer_coef,
+                                             loss_agg_mode=llds_mode)
+        if norm:
+            penalty = penalty / (scale if scale else mask.shape[-1])
+            lm["llds_penalty"] = penalty.detach()
+        if cfg.llds.enabled:
+            loss = loss + penalty
+        metrics.update(lm)
         if on_policy and engine_gap and "engine_log_probs" in mb:
             gap, tokens = _gap_sums(mb["engine_log_probs"], log_prob.detach(), mask)
             metrics["logprob_gap_engine"] = gap / tokens.clamp(min=1.0)
         if "entropy" in outputs:  # detached at entropy_coeff 0 (Trainer.update: entropy_grad), then only a metric
-            entropy = algo.agg_loss(outputs["entropy"], mask, cfg.loss_agg_mode)
+            entropy = agg(outputs["entropy"], mask)
             if cfg.entropy_coeff != 0:
                 loss = loss - cfg.entropy_coeff * entropy
             metrics["entropy"] = entropy
         if cfg.use_kl_loss:
-            kl = algo.agg_loss(algo.kl_penalty(log_prob, mb["ref_log_probs"], cfg.kl_loss_type), mask,
-                               cfg.loss_agg_mode)
+            kl = agg(algo.kl_penalty(log_prob, mb["ref_log_probs"], cfg.kl_loss_type), mask)
             loss = loss + cfg.kl_loss_coef * kl
             metrics["kl_loss"] = kl
         return loss * _weight(mb, cfg.loss_agg_mode), {k: v.detach() for k, v in metrics.items()}
 
     return loss_fn
+
+
+def shape_overlong(trajs: Sequence[Trajectory], scores: list[dict], seqs: list[TrainSequence], cfg: AlgoConfig,
+                   max_response_length: int) -> dict[str, float]:
+    """DAPO's overlong pieces, in place: `cfg.overlong_buffer` > 0 adds algo.overlong_penalty to each score (over
+    the response length the budget counts, observations included); `cfg.overlong_filter` zeroes the loss mask of
+    trajectories the budget cut (finish_reason "length"). Returns this rank's metrics."""
+    metrics: dict[str, float] = {}
+    if cfg.overlong_buffer > 0:
+        lengths = torch.tensor([len(t.response_ids) for t in trajs], dtype=torch.float32)
+        pen = algo.overlong_penalty(lengths, max_response_length, cfg.overlong_buffer, cfg.overlong_penalty)
+        for sc, p in zip(scores, pen.tolist()):
+            sc["score"] += p
+        metrics["train/overlong_penalty_mean"] = float(pen.mean()) if len(pen) else 0.0
+    if cfg.overlong_filter:
+        truncated = torch.tensor([t.finish_reason == "length" for t in trajs], dtype=torch.bool)
+        for s, cut in zip(seqs, truncated.tolist()):
+            if cut:
+                s.loss_mask = torch.zeros_like(s.loss_mask)
+        metrics["train/overlong_filtered"] = float(truncated.sum())
+    return metrics
 
 
 def critic_loss_fn(cfg: AlgoConfig):

@@ -10,23 +10,29 @@ pipeline schedule, any TP/PP/DP); rewards, advantages and the loss callbacks are
 pure tensor functions.
 
 One step (`Trainer.step`):
-  1. this DP rank's prompts, each repeated `rollout.n` times under its group id;
-  2. weight sync policy -> rollout engine (rollout/weight_sync.py: TP gather, PP broadcast, HF names, buckets);
+  1. weight sync policy -> rollout engine (rollout/weight_sync.py: TP gather, PP broadcast, HF names, buckets);
+  2. this DP rank's prompts, each repeated `rollout.n` times under its group id;
   3. rollout: the multi-turn search loop (rollout/loop.py), a share of the replica's trajectories per engine;
+     with algo.filter_groups, again on new prompts until the batch holds enough informative groups (DAPO);
   4. the engine sleeps (frees its memory) while the trainer runs: generation and training never overlap;
-  5. reward (EM on the response), old / reference log-probs and critic values (Megatron forward passes);
-  6. advantages (GRPO, GAE, RLOO, REINFORCE++), critic update, actor update (PPO clip; KL as a loss or in the
-     reward); retrieved tokens are masked everywhere (algo/);
-  7. metrics to TensorBoard and the console, sampled trajectories to JSONL, checkpoints, validation.
+  5. reward (EM on the response, DAPO's overlong shaping), old / reference log-probs and critic values (Megatron
+     forward passes);
+  6. advantages (GRPO, GAE, RLOO, REINFORCE++), critic update, actor update (algo.policy_loss: PPO / GSPO / CISPO,
+     with the rollout correction's weights and LLDS; KL as a loss or in the reward); retrieved tokens are masked
+     everywhere (algo/);
+  7. metrics to TensorBoard and the console, sampled trajectories to JSONL, checkpoints, validation; with
+     trainer.stop_on_collapse, a checkpoint and a stop when the positive-advantage likelihood collapses.
 """
 from __future__ import annotations
 
 import json
 import os
 
+import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as mpu
 
+from megatron_searchr1 import algo
 from megatron_searchr1.checkpoint import RoleState, agreed_resume_target, load_roles, save_roles
 from megatron_searchr1.config import Config, save_config
 from megatron_searchr1.console import progress
@@ -46,6 +52,7 @@ class Trainer:
         self.worker, self.data = self.roles.worker, self.roles.data
         self.rank = self.roles.rank
         self.step_no = 0
+        self.logp_pos_history: list = []  # actor/logp_pos_mean per step, for trainer.stop_on_collapse
         if self.rank == 0:
             save_config(cfg, os.path.join(cfg.trainer.output_dir, "config.yaml"))
         self.ckpt_root = os.path.join(cfg.trainer.output_dir, "checkpoints")
@@ -68,6 +75,8 @@ class Trainer:
             bar.set_postfix(reward=f"{metrics.get('reward/mean', 0):.3f}",
                             searches=f"{metrics.get('rollout/searches_mean', 0):.2f}")
             logger.console(self.step_no, t.total_steps, metrics, write=bar.write)
+            if self.collapsed(metrics):
+                break
             if t.save_freq and self.step_no % t.save_freq == 0 and self.step_no < t.total_steps:
                 self.save()
             if t.test_freq and self.step_no % t.test_freq == 0 and self.data.val:
@@ -82,20 +91,35 @@ class Trainer:
             plot_rl_curves(t.output_dir)
         return final
 
+    def collapsed(self, metrics: dict) -> bool:
+        """trainer.stop_on_collapse: True (after a checkpoint is saved) when the mean old log-prob of positive-
+        advantage tokens fell by more than trainer.collapse_nats over trainer.collapse_window steps
+        (algo/collapse.py). The metrics are the same on every rank (mean_over_ranks), so all ranks stop together.
+        The history starts anew on resume."""
+        t = self.cfg.trainer
+        self.logp_pos_history.append(metrics.get("actor/logp_pos_mean"))
+        if not t.stop_on_collapse or not algo.has_collapsed(self.logp_pos_history, t.collapse_window,
+                                                            t.collapse_nats):
+            return False
+        drop = algo.likelihood_drop(self.logp_pos_history, t.collapse_window)
+        if self.rank == 0:
+            print(f"stopping at step {self.step_no}: actor/logp_pos_mean (mean log-likelihood of positive-advantage "
+                  f"tokens) fell {drop:.3f} nats over {t.collapse_window} steps (> trainer.collapse_nats="
+                  f"{t.collapse_nats}); saving a checkpoint and stopping (algo/collapse.py)", flush=True)
+        return True
+
     def step(self) -> dict:
         """One RL step: the seven steps of the module docstring."""
         cfg, roles, worker = self.cfg, self.roles, self.worker
         a, r, budget = cfg.algo, cfg.rollout, cfg.optim.max_tokens_per_micro_batch
         with timer() as t_step:
-            rows = [self.data.train[i] for i in self.data.sampler.next_batch()]                      # 1. prompts
-            trajs = worker.make_trajectories(dp_shard(rows, roles.dp_rank, roles.dp_size), r.n)
             with timer() as t_sync:
                 sync_stats = worker.sync(self.policy)                                                 # 2. sync
-            with timer() as t_gen:
-                trajs, roll_metrics = worker.generate(trajs, seed=self.step_seed())                   # 3. generate
+            with timer() as t_gen:                                                            # 1, 3. prompts, generate
+                trajs, scores, group_ids, roll_metrics = self.generate_batch()
             worker.sleep()                                                                            # 4.
-            scores = losses.score_trajectories(trajs, roles.tokenizer, a)                             # 5. score
             seqs = losses.to_sequences(trajs, r.drop_search_errors)
+            roll_metrics.update(losses.shape_overlong(trajs, scores, seqs, a, r.max_response_length))  # 5. DAPO
             with timer() as t_old:                                                                    # forwards
                 if not self.on_policy():  # else the update's own forward gives them (losses.actor_loss_fn)
                     for s, lp in zip(seqs, self.policy.log_probs(seqs, budget, r.temperature)):
@@ -108,7 +132,7 @@ class Trainer:
                         s.values = v
             # 6. advantages: whitening and the advantage metrics over the whole batch (a sum over DP; every rank
             # takes part, also one whose trajectories were all dropped)
-            adv_metrics = losses.add_advantages(seqs, [x["score"] for x in scores], [tr.uid for tr in trajs], a,
+            adv_metrics = losses.add_advantages(seqs, [x["score"] for x in scores], group_ids, a,
                                                 roles.kl_ctrl, reduce=losses.dp_sum(mpu.get_data_parallel_group()))
             if a.use_kl_in_reward:  # one coefficient for all ranks: the KL is the whole batch's already
                 roles.kl_ctrl.update(adv_metrics["actor/reward_kl_penalty"], n_steps=cfg.data.train_batch_size * r.n)
@@ -119,7 +143,7 @@ class Trainer:
             # 7. metrics (the rest happens in fit: logging, checkpoints, validation)
             metrics = {**roll_metrics, **adv_metrics, **update_metrics, **self.reward_metrics(trajs, scores),
                        **{f"sync/{k}": v for k, v in sync_stats.items()}}
-            if r.temperature == 1.0:  # engine log-probs are of the untempered model (vllm: raw_logprobs)
+            if self.engine_comparable():
                 metrics["train/logprob_gap_engine"] = (metrics.pop("actor/logprob_gap_engine", float("nan"))
                                                        if self.on_policy() else losses.logprob_gap(seqs))
         gen_tokens = sum(len(tr.response_ids) for tr in trajs)
@@ -130,6 +154,65 @@ class Trainer:
         metrics = mean_over_ranks(metrics)
         self.write_samples(trajs, scores)
         return metrics
+
+    def generate_batch(self) -> tuple[list, list[dict], list[str], dict]:
+        """This rank's trajectories of one step, their scores, group ids and the rollout metrics.
+
+        Without algo.filter_groups: one generate call on the next batch of prompts. With it (DAPO's dynamic
+        sampling): groups whose scores are all equal are set aside and more prompts are generated until this rank
+        holds its share of data.train_batch_size informative groups or algo.max_gen_batches calls have run. A
+        group lives on one rank (its n samples are made there), and the ranks agree after every call, with one
+        all_reduce over the DP group, whether any of them is still short, so every rank makes the same number of
+        generate calls (each one holds collectives). A rank still short at the end fills up with set-aside groups
+        (advantage 0: they add no gradient) so every rank trains on the same number of sequences."""
+        cfg, roles, worker = self.cfg, self.roles, self.worker
+        a, r = cfg.algo, cfg.rollout
+        want = cfg.data.train_batch_size // roles.dp_size  # groups this rank must hold
+        kept: list[tuple] = []  # (trajs, scores, group id) per group
+        spare: list[tuple] = []
+        roll_metrics: dict = {}
+        calls = generated = 0
+        while True:
+            rows = [self.data.train[i] for i in self.data.sampler.next_batch()]
+            trajs = worker.make_trajectories(dp_shard(rows, roles.dp_rank, roles.dp_size), r.n)
+            trajs, m = worker.generate(trajs, seed=self.step_seed() + calls)
+            roll_metrics = roll_metrics or m  # the first call's rollout metrics (the one without filtering)
+            scores = losses.score_trajectories(trajs, roles.tokenizer, a)
+            groups: dict[str, list[int]] = {}
+            for i, tr in enumerate(trajs):
+                groups.setdefault(tr.uid, []).append(i)
+            for uid, idx in groups.items():
+                group = ([trajs[i] for i in idx], [scores[i] for i in idx], f"{calls}:{uid}")
+                vals = [scores[i]["score"] for i in idx]
+                informative = max(vals) > min(vals)
+                (kept if informative or not a.filter_groups else spare).append(group)
+            calls += 1
+            generated += len(groups)
+            if not a.filter_groups:
+                break
+            short = torch.tensor([float(len(kept) < want)], dtype=torch.float64)
+            short = losses.dp_sum(mpu.get_data_parallel_group())(short)
+            if float(short) == 0 or calls >= a.max_gen_batches:
+                break
+        n_kept = min(len(kept), want)
+        chosen = kept[:want] + spare[: max(0, want - len(kept))] if a.filter_groups else kept
+        out_trajs = [t for g in chosen for t in g[0]]
+        out_scores = [sc for g in chosen for sc in g[1]]
+        gids = [g[2] for g in chosen for _ in g[0]]
+        if a.filter_groups:
+            roll_metrics = {**roll_metrics, "dapo/groups_generated": float(generated),
+                            "dapo/groups_kept": float(n_kept), "dapo/generate_calls": float(calls)}
+            if n_kept < want and roles.dp_rank == 0 and self.rank == 0:
+                print(f"step {self.step_no}: algo.filter_groups found {n_kept} of {want} informative groups on "
+                      f"rank 0 in {calls} generate calls (algo.max_gen_batches); training on what there is",
+                      flush=True)
+        return out_trajs, out_scores, gids, roll_metrics
+
+    def engine_comparable(self) -> bool:
+        """Whether the engine's log-probs (of the sampling distribution: temperature, then top-k / top-p) are the
+        trainer's (at the temperature, untruncated): with top-k and top-p off, at any temperature."""
+        r = self.cfg.rollout
+        return r.top_p == 1.0 and r.top_k in (-1, 0)
 
     def on_policy(self) -> bool:
         """Whether a step makes exactly one optimizer update from its rollouts (one epoch, one mini-batch) and
@@ -159,7 +242,9 @@ class Trainer:
             self.critic.step_schedule()
         if self.step_no >= o.critic_warmup:  # verl: the actor updates once critic_warmup <= step (steps from 1)
             t = self.cfg.rollout.temperature
-            run(self.policy, losses.actor_loss_fn(a, engine_gap=t == 1.0), "actor", temperature=t,
+            run(self.policy, losses.actor_loss_fn(a, engine_gap=self.engine_comparable(),
+                                                  max_response_length=self.cfg.rollout.max_response_length),
+                "actor", temperature=t,
                 with_entropy=True, entropy_grad=a.entropy_coeff != 0)
             self.policy.step_schedule()
         n_updates = a.ppo_epochs * n_mini

@@ -27,6 +27,14 @@ def test_yaml_and_dotted_overrides(tmp_path):
     ("rollout.max_turns", "is not KEY=VALUE"),
     ("trainer.val_only=maybe", "expected true/false"),
     ("parallel.sequence_parallel=true", "sequence_parallel needs parallel.tp > 1"),
+    ("algo.policy_loss=grpo", "algo.policy_loss must be one of ppo, gspo, cispo"),
+    ("algo.loss_agg_mode=sum", "seq-mean-token-sum-norm"),
+    ("algo.rollout_correction=tis", "algo.rollout_correction must be one of none, token_tis"),
+    ("algo.rollout_correction_high=0", "0 <= low < high"),
+    ("algo.llds.gate=token", "algo.llds.gate must be action or response"),
+    ("algo.llds.coef=-1", "algo.llds.coef must be >= 0"),
+    ("algo.max_gen_batches=0", "algo.max_gen_batches must be >= 1"),
+    ("trainer.collapse_nats=0", "trainer.collapse_nats must be > 0"),
 ])
 def test_bad_overrides_say_what_to_change(override, message):
     with pytest.raises(ConfigError, match=message):
@@ -53,6 +61,19 @@ def test_cross_section_rules(tmp_path):
         load_config(None, ok + [f"model.path={tmp_path}"]).validate()
     with pytest.raises(ConfigError, match="not both"):
         load_config(None, ["algo.use_kl_in_reward=true"])
+    with pytest.raises(ConfigError, match="needs a group estimator"):
+        load_config(None, ["algo.adv_estimator=gae", "algo.filter_groups=true"])
+    with pytest.raises(ConfigError, match=r"algo.overlong_buffer \(4096\) must be <= rollout.max_response_length"):
+        load_config(None, ok + ["algo.overlong_buffer=4096"]).validate()
+    with pytest.raises(ConfigError, match="algo.llds acts from a step's second update on"):
+        load_config(None, ok + ["algo.llds.coef=0.1"]).validate()
+    ok += ["algo.ppo_mini_batch_size=4"]
+    load_config(None, ok + ["algo.llds.coef=0.1"]).validate()
+    (model / "config.json").write_text(json.dumps({"num_attention_heads": 6, "num_hidden_layers": 4,
+                                                   "num_experts": 8}))
+    with pytest.raises(ConfigError, match="algo.llds on a MoE model .8 experts. needs rollout routing replay"):
+        load_config(None, ok + ["algo.llds.coef=0.1"]).validate()
+    load_config(None, ok).validate()  # MoE without LLDS is fine
 
 
 def test_every_field_is_documented():
@@ -86,3 +107,24 @@ def test_search_r1_recipes_keep_its_entropy_bonus(recipe):
     cfg = load_config(os.path.join(REPO, "examples", f"{recipe}.yaml"))
     assert cfg.algo.entropy_coeff == 0.001
     cfg.validate(world_size=8, check_files=False)
+
+
+@pytest.mark.parametrize("recipe, expect", [
+    ("grpo_llds_qwen2.5-3b", {"llds.gate": "action", "policy_loss": "ppo"}),
+    ("dapo_qwen2.5-3b", {"filter_groups": True, "overlong_buffer": 512, "clip_ratio_high": 0.28}),
+    ("gspo_qwen2.5-3b", {"policy_loss": "gspo", "loss_agg_mode": "seq-mean-token-mean", "gspo_clip_ratio_low": 3e-4}),
+])
+def test_toolkit_recipes_load_and_set_their_algorithm(recipe, expect):
+    """The issue-31 recipes pass the config's own checks and turn on what their names say."""
+    import os
+
+    from tests.dist_utils import REPO
+
+    cfg = load_config(os.path.join(REPO, "examples", f"{recipe}.yaml"))
+    cfg.validate(world_size=8, check_files=False)
+    for key, value in expect.items():
+        obj = cfg.algo
+        for part in key.split("."):
+            obj = getattr(obj, part)
+        assert obj == value, key
+    assert cfg.algo.llds.enabled is (recipe == "grpo_llds_qwen2.5-3b")

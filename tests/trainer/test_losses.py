@@ -310,3 +310,61 @@ def test_entropy_at_coefficient_zero_is_a_metric_and_the_loss_and_gradient_are_u
 
 def test_doctests():
     assert doctest.testmod(losses).failed == 0
+
+
+# ---------------------------------------------------------------------------------------- issue 31: the toolkit
+def _one_mb(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    seqs = losses.to_sequences([_traj(f"g{k // 2}", [5, 6, 7][: k % 3 + 1], [8] * (k % 2 + 1)) for k in range(4)])
+    for s in seqs:
+        R = len(s.response_ids)
+        s.old_log_probs = -torch.rand(R, generator=g) * s.loss_mask
+        s.engine_log_probs = s.old_log_probs + 0.3 * torch.randn(R, generator=g) * s.loss_mask
+        s.advantages = torch.randn(R, generator=g)
+    (mb,) = _micro_batches(seqs)
+    lp = (mb["old_log_probs"] + 0.2 * torch.randn(mb["loss_mask"].shape, generator=g)).requires_grad_(True)
+    return mb, lp
+
+
+@pytest.mark.parametrize("kind", ["ppo", "gspo", "cispo"])
+def test_the_actor_loss_is_the_configured_policy_loss_with_the_rollout_correction_weights(kind):
+    mb, lp = _one_mb()
+    agg = "seq-mean-token-mean" if kind == "gspo" else "token-mean"
+    cfg = AlgoConfig(use_kl_loss=False, policy_loss=kind, rollout_correction="token_tis", rollout_correction_cap=1.1,
+                     loss_agg_mode=agg)
+    loss, metrics = losses.actor_loss_fn(cfg)({"log_probs": lp}, mb)
+    mask = mb["loss_mask"]
+    w, _, _ = algo.compute_rollout_correction(mb["old_log_probs"], mb["engine_log_probs"], mask, "token_tis",
+                                              cap=1.1)
+    assert float(w[mask.bool()].min()) < 1.0 and float(w.max()) == pytest.approx(1.1)  # the weights do something
+    expected, _ = algo.policy_loss_fn(kind)(mb["old_log_probs"], lp, mb["advantages"], mask, rollout_is_weights=w,
+                                            loss_agg_mode=cfg.loss_agg_mode, **losses._policy_loss_kwargs(cfg))
+    plain, _ = losses.actor_loss_fn(dataclasses.replace(cfg, rollout_correction="none"))({"log_probs": lp}, mb)
+    assert float(loss.detach()) == pytest.approx(float(expected) * losses._weight(mb, cfg.loss_agg_mode), abs=1e-6)
+    assert float(loss) != pytest.approx(float(plain), abs=1e-6)
+    assert float(metrics["rc_mismatch_kl"]) > 0 and float(metrics["rc_clipped_frac"]) > 0
+    assert float(metrics[f"pg_loss_{kind}"]) == float(metrics["pg_loss"])
+
+
+def test_llds_adds_its_penalty_only_when_likelihood_fell():
+    mb, lp = _one_mb(1)
+    cfg = AlgoConfig(use_kl_loss=False)
+    on = dataclasses.replace(cfg, llds=dataclasses.replace(cfg.llds, coef=0.5))
+    plain, _ = losses.actor_loss_fn(cfg)({"log_probs": lp}, mb)
+    with_llds, m = losses.actor_loss_fn(on)({"log_probs": lp}, mb)
+    assert float(m["llds_penalty"]) > 0
+    assert float(with_llds) == pytest.approx(float(plain) + float(m["llds_penalty"]) * mb.loss_token_weight, abs=1e-6)
+    rose = (mb["old_log_probs"] + 0.1).detach().requires_grad_(True)  # every likelihood rose: the gate is closed
+    assert float(losses.actor_loss_fn(on)({"log_probs": rose}, mb)[0]) == float(
+        losses.actor_loss_fn(cfg)({"log_probs": rose}, mb)[0])
+
+
+def test_overlong_shaping_and_filter():
+    trajs = [_traj("g", [5, 6, 7], [8] * 2), _traj("g", [5], [8], finish="length")]
+    seqs = losses.to_sequences(trajs)
+    scores = [{"score": 1.0}, {"score": 0.0}]
+    cfg = AlgoConfig(overlong_buffer=4, overlong_penalty=1.0, overlong_filter=True)
+    m = losses.shape_overlong(trajs, scores, seqs, cfg, max_response_length=8)
+    # lengths 8 and 3 against a budget of 8 with a buffer of 4: penalties -1 and 0
+    assert [s["score"] for s in scores] == [0.0, 0.0] and m["train/overlong_filtered"] == 1.0
+    assert float(seqs[1].loss_mask.sum()) == 0 and float(seqs[0].loss_mask.sum()) == 6

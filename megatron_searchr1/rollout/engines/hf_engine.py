@@ -6,8 +6,9 @@
 What it promises (the same semantics as the vLLM engine, so the two cross-check each other):
 - prompts are token ids; the generated ids are returned exactly as sampled, never re-tokenized;
 - temperature 0 is greedy (argmax); otherwise softmax(logits / temperature), then top-k, then top-p;
-- `logprobs[i]` is log p(token_i) under the model itself (log_softmax of the raw logits: temperature 1, no top-k/p),
-  the quantity the trainer recomputes;
+- `logprobs[i]` is log p(token_i) under the distribution it was sampled from: log_softmax of the logits divided by
+  the temperature, after top-k / top-p (vLLM's `processed_logprobs`; at temperature 0 the untempered logits). With
+  top-k / top-p off this is what the trainer recomputes at the sampling temperature;
 - a stop string ends a sample once the decoded text of its generated ids (special tokens skipped, as vLLM
   detokenizes) contains it; the tokens that made it are the last ones. A stop token id ends it too and is kept.
   Only the ids in `params.stop_token_ids` stop generation: the model's eos is not added implicitly;
@@ -91,15 +92,16 @@ class HFEngine:
         for _ in range(params.max_tokens):
             logits = self.model(input_ids=step_ids, attention_mask=mask, position_ids=positions,
                                 past_key_values=cache, use_cache=True).logits[:, -1, :].float()   # (B, V)
-            logp = torch.log_softmax(logits, dim=-1)                                       # (B, V)
             nxt = torch.empty(n, dtype=torch.long)
             for i in range(n):
-                tok = self._sample(logits[i], params, gens[i]) if finish[i] is None else self.pad_id
-                nxt[i] = tok
                 if finish[i] is not None:
+                    nxt[i] = self.pad_id
                     continue
+                processed = self._processed(logits[i], params)                              # (V,)
+                tok = self._sample(processed, params, gens[i])
+                nxt[i] = tok
                 out_ids[i].append(tok)
-                out_lp[i].append(float(logp[i, tok]))
+                out_lp[i].append(float(torch.log_softmax(processed, dim=-1)[tok]))
                 if tok in stop_ids:
                     finish[i] = ("stop", tok)
                 elif params.stop:
@@ -126,11 +128,19 @@ class HFEngine:
         return g
 
     @staticmethod
-    def _sample(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator) -> int:
-        """One token from logits (V,) with the call's sampling settings."""
+    def _processed(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+        """The logits (V,) of the sampling distribution: / temperature, then top-k / top-p (-inf outside);
+        unchanged at temperature 0 (greedy), as vLLM leaves them."""
         if params.temperature == 0:
-            return int(torch.argmax(logits))
-        probs = torch.softmax(_filter_logits(logits / params.temperature, params.top_k, params.top_p), dim=-1)
+            return logits
+        return _filter_logits(logits / params.temperature, params.top_k, params.top_p)
+
+    @staticmethod
+    def _sample(processed: torch.Tensor, params: SamplingParams, gen: torch.Generator) -> int:
+        """One token from the processed logits (V,) (`_processed`) with the call's sampling settings."""
+        if params.temperature == 0:
+            return int(torch.argmax(processed))
+        probs = torch.softmax(processed, dim=-1)
         return int(torch.multinomial(probs.cpu(), 1, generator=gen))
 
     # -- weights and memory ------------------------------------------------------------------------------------

@@ -17,9 +17,12 @@ Semantics (the same as the `hf` reference engine, which cross-checks them):
 - stop strings end a sample and stay in it (`include_stop_str_in_output=True`): the tokens that made the stop
   string are the last ones, nothing is generated after them. Only `params.stop_token_ids` end a sample
   (`ignore_eos=True`): the model's eos is not added behind the caller's back, pass it when you want it;
-- `logprobs[i]` is log p(token_i) under the model itself: `logprobs_mode="raw_logprobs"` is the log_softmax of the
-  model's logits before temperature, top-k/top-p or any logits processor, i.e. the quantity the trainer recomputes
-  with its own forward pass (not the log-prob under the tempered/truncated sampling distribution);
+- `logprobs[i]` is log p(token_i) under the distribution it was sampled from: `logprobs_mode="processed_logprobs"`
+  (vLLM 0.32's sampler) is the log_softmax of the logits after the logits processors (penalties, bad words; none
+  are set here), the temperature and top-k / top-p (-inf outside, renormalised); at temperature 0 (greedy) it is
+  the untempered log_softmax. With top-k / top-p off this is what the trainer recomputes at the sampling
+  temperature, so the engine gap and the rollout correction hold at any temperature. (vLLM then samples with its
+  native top-k/top-p sampler instead of FlashInfer's, which cannot return processed log-probs.);
 - each prompt gets its own seed derived from `params.seed` (`engine.derive_seed`), so sampling is reproducible and
   a sample does not depend on which other prompts share the call;
 - `num_cached_tokens`: prompt tokens served from the prefix cache (or held by the sample's session).
@@ -228,7 +231,7 @@ class VLLMEngine(KVSessionsMixin):
                 model=model_dir, tokenizer=tokenizer or model_dir, tensor_parallel_size=tensor_parallel_size,
                 dtype=dtype, gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len, seed=seed,
                 enable_prefix_caching=enable_prefix_caching, enable_sleep_mode=self.sleep_mode,
-                enforce_eager=enforce_eager, logprobs_mode="raw_logprobs", **llm_kwargs,
+                enforce_eager=enforce_eager, logprobs_mode="processed_logprobs", **llm_kwargs,
             )
         if self.keeps_sessions and self._scheduler() is None:
             if kv_sessions_asked:

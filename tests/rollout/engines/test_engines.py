@@ -80,13 +80,29 @@ def weights_of(model_dir):
     return load_file(os.path.join(model_dir, "model.safetensors"))
 
 
-def teacher_forced_logprobs(model, prompt, gen_ids):
-    """log p(gen_ids[i] | prompt + gen_ids[:i]) from one plain forward pass of the transformers model."""
+def teacher_forced_logprobs(model, prompt, gen_ids, temperature=1.0, top_k=-1, top_p=1.0):
+    """log p(gen_ids[i] | prompt + gen_ids[:i]) under the sampling distribution, from one plain forward pass of the
+    transformers model: logits / temperature, keep the top_k largest, then the smallest set of most likely tokens
+    whose probability reaches top_p, renormalise (temperature 0: the untempered distribution)."""
     ids = torch.tensor([prompt + gen_ids])
     with torch.no_grad():
-        logp = torch.log_softmax(model(ids).logits[0].float(), dim=-1)                   # (T, V)
+        logits = model(ids).logits[0].float()                                           # (T, V)
     pos = torch.arange(len(prompt) - 1, len(prompt) + len(gen_ids) - 1)
-    return logp[pos, torch.tensor(gen_ids)].tolist()
+    out = []
+    for p, tok in zip(pos.tolist(), gen_ids):
+        z = logits[p] / (temperature or 1.0)                                            # (V,)
+        keep = torch.ones_like(z, dtype=torch.bool)
+        if top_k > 0:
+            keep &= z >= torch.sort(z, descending=True).values[top_k - 1]
+        if top_p < 1.0:
+            probs = torch.softmax(z.masked_fill(~keep, float("-inf")), dim=-1)
+            order = torch.argsort(probs, descending=True)
+            mass_before = torch.cumsum(probs[order], dim=0) - probs[order]
+            nucleus = torch.zeros_like(keep)
+            nucleus[order[mass_before < top_p]] = True
+            keep &= nucleus
+        out.append(float(torch.log_softmax(z.masked_fill(~keep, float("-inf")), dim=-1)[tok]))
+    return out
 
 
 def relabelled(weights, a, b):
@@ -157,11 +173,13 @@ def test_hf_sampling_is_seeded_per_prompt(hf_a, prompts):
     assert hf_a.generate(prompts[:1], p)[0].token_ids == batch[0].token_ids
     other = hf_a.generate(prompts, SamplingParams(max_tokens=16, temperature=1.0, seed=8))
     assert [g.token_ids for g in other] != [g.token_ids for g in batch]
-    # log-probs are under the model (temperature 1), whatever the sampling temperature
+    # log-probs are under the sampling distribution (temperature, top-k, top-p), computed by hand here
     hot = hf_a.generate(prompts[:2], SamplingParams(max_tokens=8, temperature=0.5, top_k=20, top_p=0.9, seed=1))
     for prompt, g in zip(prompts, hot):
-        ref = teacher_forced_logprobs(hf_a.model, prompt, g.token_ids)
+        ref = teacher_forced_logprobs(hf_a.model, prompt, g.token_ids, temperature=0.5, top_k=20, top_p=0.9)
         assert max(abs(x - y) for x, y in zip(g.logprobs, ref)) < 1e-4
+        untempered = teacher_forced_logprobs(hf_a.model, prompt, g.token_ids)
+        assert max(abs(x - y) for x, y in zip(g.logprobs, untempered)) > 1e-2  # the temperature shows
 
 
 def test_hf_stops_at_tags_and_stop_ids(models, hf_a, prompts, tok):
@@ -232,11 +250,16 @@ def test_vllm_greedy_equals_hf(vllm_a, hf_a, prompts):
 
 
 @pytest.mark.slow
-def test_vllm_sampling_logprobs_are_model_logprobs_and_seeded(vllm_a, hf_a, prompts):
+def test_vllm_sampling_logprobs_are_at_the_sampling_temperature_and_seeded(vllm_a, hf_a, prompts):
     p = SamplingParams(max_tokens=16, temperature=0.7, top_p=0.9, seed=11)
     outs = vllm_a.generate(prompts, p)
-    for prompt, g in zip(prompts, outs):  # log p under the model at temperature 1, as the trainer computes it
-        ref = teacher_forced_logprobs(hf_a.model, prompt, g.token_ids)
+    for prompt, g in zip(prompts, outs):  # log p under the distribution it was sampled from (vLLM processed)
+        ref = teacher_forced_logprobs(hf_a.model, prompt, g.token_ids, temperature=0.7, top_p=0.9)
+        assert max(abs(x - y) for x, y in zip(g.logprobs, ref)) < 1e-4
+    # without top-p: what the trainer computes at the sampling temperature (logits / 0.7)
+    plain = vllm_a.generate(prompts, SamplingParams(max_tokens=16, temperature=0.7, seed=11))
+    for prompt, g in zip(prompts, plain):
+        ref = teacher_forced_logprobs(hf_a.model, prompt, g.token_ids, temperature=0.7)
         assert max(abs(x - y) for x, y in zip(g.logprobs, ref)) < 1e-4
     assert [g.token_ids for g in vllm_a.generate(prompts, p)] == [g.token_ids for g in outs]
     assert vllm_a.generate(prompts[:1], p)[0].token_ids == outs[0].token_ids  # per-prompt seed, batch-independent

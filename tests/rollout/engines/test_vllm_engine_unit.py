@@ -65,7 +65,7 @@ def test_enforce_eager_auto_is_eager_on_cpu_and_cuda_graphs_on_gpus(platform, on
     kw = FakeLLM.last.kwargs
     assert kw["enforce_eager"] is passed
     assert kw["enable_sleep_mode"] is (not on_cpu)
-    assert kw["logprobs_mode"] == "raw_logprobs"
+    assert kw["logprobs_mode"] == "processed_logprobs"  # log-probs of the sampling distribution
 
 
 def test_gpu_sleep_level_2_then_weights_sync_kv_cache(platform):
