@@ -58,20 +58,19 @@ def load_plan_inputs(config_path: str, overrides: Sequence[str], world: int, mod
 def plan_config(cfg, hf: dict, *, nodes: int = 1, gpus_per_node: int = 8, gpu_memory_gib: float = 80.0,
                 gpu_name: str = "H100", expert_tp: Optional[int] = None) -> tuple[Plan, ModelCounts, Optional[dict]]:
     """(plan, counts, fix or None) for a validated config and its model's config.json dict; `gpu_memory_gib`: the
-    GPU's nominal size; `expert_tp`: Megatron's expert-tensor-parallel size (None: parallel.expert_tp where the
-    config has it, else TP)."""
-    from megatron_searchr1.models.config import check_parallel_sizes
+    GPU's nominal size; `expert_tp`: Megatron's expert-tensor-parallel size (None: parallel.expert_tp, whose null
+    is 1 for an MoE model, as the trainer builds it: models/config.default_expert_tp)."""
+    from megatron_searchr1.models.config import check_parallel_sizes, default_expert_tp
     from megatron_searchr1.models.families import read_dims
 
+    p, world = cfg.parallel, nodes * gpus_per_node
     try:
         dims = read_dims(hf)
-        check_parallel_sizes(dims, cfg.parallel.tp, cfg.parallel.pp, ep=cfg.parallel.ep,
-                             world_size=nodes * gpus_per_node)
+        etp = default_expert_tp(dims, p.tp, expert_tp or expert_tp_of(cfg))
+        check_parallel_sizes(dims, p.tp, p.pp, ep=p.ep, world_size=world, expert_tp=etp)
     except ValueError as e:
-        raise UsageError(f"{e} (parallel.tp / parallel.pp / parallel.ep)") from None
-    p, world = cfg.parallel, nodes * gpus_per_node
-    etp = expert_tp or expert_tp_of(cfg)
-    if etp and world % (etp * p.ep * p.pp):
+        raise UsageError(f"{e} (parallel.tp / parallel.pp / parallel.ep / parallel.expert_tp)") from None
+    if world % (etp * p.ep * p.pp):
         raise UsageError(f"world size {world} is not a multiple of expert-TP x parallel.ep x parallel.pp = "
                          f"{etp} x {p.ep} x {p.pp}: change --expert-tp or parallel.ep")
     counts = count_params(dims, p.tp, p.pp, ep=p.ep, etp=etp)

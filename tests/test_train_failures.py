@@ -81,14 +81,13 @@ def test_a_hung_then_a_killed_retrieval_server_stops_the_run_which_resumes_when_
     with ServerProcess(["--index-dir", os.path.join(world, "index_bm25")]) as server:
         pid = server.proc.pid
         try:
-            log, error, after_signal, _ = launch(server.url, pid, "stop")
+            # no periodic checkpoint: the step-1 checkpoint below is the one the trainer writes on its way out
+            log, error, after_signal, _ = launch(server.url, pid, "stop", "trainer.save_freq=0")
         finally:
             os.kill(pid, signal.SIGCONT)
         # 1 s timeouts: one round of 4 attempts and backoff, not minutes
         assert "timeout after 1" in error and after_signal < 60, (error, after_signal)
         assert os.path.isdir(os.path.join(out, "checkpoints", "step_000001"))
-        # Once trainer/rl.py saves on RetrievalDown: pass "trainer.save_freq=0" to the "stop" launch above and keep
-        # this assertion (the checkpoint is then the one written on the way out).
 
         log, error, after_signal, _ = launch(server.url, pid, "kill")
         assert "at step 1" in log and re.search(r"CLIENT rank=0 step=2 requests=\d+", log), log[-6000:]

@@ -178,10 +178,16 @@ class ParallelConfig:
     ep: int = 1
     """Expert-parallel size (MoE models): each MoE layer's experts split over `ep` ranks of a data-parallel group;
     must divide the number of experts and the world size / (tp * pp)."""
+    expert_tp: Optional[int] = None
+    """Expert tensor-parallel size (MoE models; Megatron's expert_tensor_parallel_size): each routed expert's linears
+    split over this many ranks; null = 1 (whole experts per rank, spread by `ep`, as slime runs Qwen3-30B-A3B).
+    Must divide moe_intermediate_size; the world must be a multiple of expert_tp * pp * ep. Dense models ignore it."""
 
     def __post_init__(self):
         check(self.tp >= 1 and self.pp >= 1, f"parallel.tp and parallel.pp must be >= 1, got {self.tp}, {self.pp}")
         check(self.ep >= 1, f"parallel.ep must be >= 1, got {self.ep}")
+        check(self.expert_tp is None or self.expert_tp >= 1,
+              f"parallel.expert_tp must be >= 1 (or null: 1 for MoE models), got {self.expert_tp}")
         check(self.timeout_minutes >= 1, f"parallel.timeout_minutes must be >= 1, got {self.timeout_minutes}")
         check(not self.sequence_parallel or self.tp > 1,
               f"parallel.sequence_parallel needs parallel.tp > 1 (it splits activations over TP ranks), got "
@@ -197,6 +203,10 @@ class ParallelConfig:
               f"world size {world_size} is not a multiple of parallel.tp * parallel.pp * parallel.ep = "
               f"{mp * self.ep}: launch `torchrun --nproc_per_node {mp * self.ep}` (or a multiple), or lower "
               f"parallel.ep")
+        etp = self.expert_tp or 1
+        check(world_size % (etp * self.pp * self.ep) == 0,
+              f"world size {world_size} is not a multiple of parallel.expert_tp * parallel.pp * parallel.ep = "
+              f"{etp * self.pp * self.ep}: lower parallel.expert_tp")
         return world_size // mp
 
 

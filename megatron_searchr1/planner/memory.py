@@ -271,7 +271,7 @@ class Plan:
 
 
 def expert_tp_of(cfg) -> Optional[int]:
-    """parallel.expert_tp where the config has it, else None (Megatron's default: expert-TP = TP)."""
+    """parallel.expert_tp as the config gives it (None: not set; models/config.default_expert_tp resolves it)."""
     return getattr(cfg.parallel, "expert_tp", None) or None
 
 

@@ -36,6 +36,7 @@ from megatron_searchr1.models.convert import DTYPES, bind_mapping, load_hf_confi
 from megatron_searchr1.models.hf_files import TOKENIZER_FILES
 from megatron_searchr1.models.forward import unwrap
 from megatron_searchr1.models.families import read_dims
+from megatron_searchr1.models.config import default_expert_tp
 from megatron_searchr1.models.gpt import model_settings
 from megatron_searchr1.models.lora import apply_lora
 from megatron_searchr1.rollout.engines import make_engine
@@ -93,6 +94,13 @@ def build_optimizer_from_config(model, optim, total_steps: int, lr: float):
     return optimizer, scheduler
 
 
+def expert_tp_for(cfg, hf_config) -> Optional[int]:
+    """The expert tensor-parallel size Megatron's groups are made with: parallel.expert_tp (null: 1) for an MoE model
+    (models/config.default_expert_tp, the rule its layers are built by); None for a dense one (Megatron's default)."""
+    dims = read_dims(hf_config)
+    return default_expert_tp(dims, cfg.parallel.tp, cfg.parallel.expert_tp) if dims.moe is not None else None
+
+
 def actor_settings(cfg, hf_config, dtype: torch.dtype) -> dict:
     """model_settings for the RL and SFT models from the run's config (model.use_te, model.recompute,
     parallel.*), with what this model cannot do under that config refused as a UsageError (one `error:` line on
@@ -106,7 +114,8 @@ def actor_settings(cfg, hf_config, dtype: torch.dtype) -> dict:
     try:
         return model_settings(hf_config, tp=p.tp, pp=p.pp, params_dtype=dtype,
                               use_te=False if lora.enabled else cfg.model.use_te,
-                              sequence_parallel=p.sequence_parallel, recompute=cfg.model.recompute, ep=p.ep)
+                              sequence_parallel=p.sequence_parallel, recompute=cfg.model.recompute, ep=p.ep,
+                              expert_tp=p.expert_tp)
     except ValueError as e:
         raise UsageError(str(e)) from None
 
@@ -189,7 +198,7 @@ def build_roles(cfg: Config) -> Roles:
     tokenizer = load_tokenizer(hf_dir, hf_config, cfg.data.chat_template)
     data = load_data(cfg, tokenizer, log=int(os.environ.get("RANK", "0")) == 0)
     initialize_megatron(tp=p.tp, pp=p.pp, seed=t.seed, timeout_minutes=p.timeout_minutes,
-                        sequence_parallel=p.sequence_parallel, ep=p.ep)
+                        sequence_parallel=p.sequence_parallel, ep=p.ep, expert_tp=expert_tp_for(cfg, hf_config))
     rank, world = dist.get_rank(), dist.get_world_size()
     dp_rank, dp_size = mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size()
     try:  # checkpoints need one directory for all nodes: refuse now, not at the first save or resume
@@ -210,7 +219,7 @@ def build_roles(cfg: Config) -> Roles:
             apply_lora(model, lora.settings())
 
     actor = build_actor(hf_config, **settings, load_weights=load_actor_stage,
-                        use_distributed_optimizer=p.use_distributed_optimizer)
+                        use_distributed_optimizer=p.use_distributed_optimizer, tokenizer_vocab_size=len(tokenizer))
     actor_opt, actor_sched = build_optimizer_from_config(actor, o, t.total_steps, o.lr)
     mapping = bind_mapping(hf_config, unwrap(actor))
     policy = Policy(actor, actor_opt, actor_sched, mapping=mapping, hf_config=hf_config, hf_dir=hf_dir, dtype=dtype,
@@ -219,7 +228,8 @@ def build_roles(cfg: Config) -> Roles:
     if (a.use_kl_loss or a.use_kl_in_reward) and lora.enabled:
         reference = AdaptersOffReference(policy)  # verl's ref_in_actor: no second model in memory
     elif a.use_kl_loss or a.use_kl_in_reward:
-        reference = Policy(build_reference(hf_config, **settings, load_weights=load_actor), mapping=mapping,
+        reference = Policy(build_reference(hf_config, **settings, load_weights=load_actor,
+                                           tokenizer_vocab_size=len(tokenizer)), mapping=mapping,
                            hf_config=hf_config, hf_dir=hf_dir, dtype=dtype, source=model_source)
     critic = None
     if a.uses_critic:
@@ -237,9 +247,12 @@ def build_roles(cfg: Config) -> Roles:
     engine_kw: dict = dict(dtype=cfg.model.dtype if r.dtype == "auto" else r.dtype)
     if r.engine == "vllm":
         # one seed per vLLM TP group: its ranks must sample alike (requests carry their own seeds anyway)
+        # load_format="dummy": random weights at start, the first weight sync (before any generate: RolloutWorker)
+        # writes the actor's; reading the checkpoint a second time would only cost start-up time and host memory
         engine_kw.update(tensor_parallel_size=r.engine_tp, max_model_len=cfg.data.max_prompt_length + r.max_response_length,
                          seed=t.seed + rank // r.engine_tp, gpu_memory_utilization=r.gpu_memory_utilization,
-                         enforce_eager=r.enforce_eager, kv_sessions=None if r.kv_sessions else False)
+                         enforce_eager=r.enforce_eager, kv_sessions=None if r.kv_sessions else False,
+                         load_format="dummy")
         if not torch.cuda.is_available():
             engine_kw["kv_cache_gib"] = r.kv_cache_gib
     engine = make_engine(r.engine, hf_dir, **engine_kw)

@@ -33,12 +33,13 @@ import torch.distributed as dist
 from megatron.core import parallel_state as mpu
 
 from megatron_searchr1 import algo
-from megatron_searchr1.checkpoint import RoleState, agreed_resume_target, load_roles, save_roles
+from megatron_searchr1.checkpoint import RoleState, agreed_resume_target, latest_step, load_roles, save_roles
 from megatron_searchr1.config import Config, save_config
 from megatron_searchr1.console import progress
 from megatron_searchr1.data.rl_data import dp_shard
 from megatron_searchr1.megatron.batching import TrainSequence, make_micro_batches, split_mini_batches
 from megatron_searchr1.metrics import mean_over_ranks, timer
+from megatron_searchr1.search.client import RetrievalDown
 from megatron_searchr1.trainer import losses
 from megatron_searchr1.trainer.build import Roles, build_roles
 from megatron_searchr1.trainer.reports import format_eval_table, reward_table, sample_records, summarize_eval
@@ -67,20 +68,36 @@ class Trainer:
             self.validate()
         bar = progress(total=t.total_steps, initial=self.step_no, desc="RL steps", unit="step",
                    disable=not (self.rank == 0 and self.cfg.logging.progress_bar))
-        while self.step_no < t.total_steps:
-            self.step_no += 1
-            metrics = self.step()
-            logger.log(self.step_no, metrics)
-            bar.update(1)
-            bar.set_postfix(reward=f"{metrics.get('reward/mean', 0):.3f}",
-                            searches=f"{metrics.get('rollout/searches_mean', 0):.2f}")
-            logger.console(self.step_no, t.total_steps, metrics, write=bar.write)
-            if self.collapsed(metrics):
-                break
-            if t.save_freq and self.step_no % t.save_freq == 0 and self.step_no < t.total_steps:
+        try:
+            while self.step_no < t.total_steps:
+                sampler_state = self.data.sampler.state_dict() if self.data.sampler is not None else None
+                self.step_no += 1
+                try:
+                    metrics = self.step()
+                except RetrievalDown:  # raised by the rollout, before any update: this step did not happen
+                    self.step_no -= 1
+                    if sampler_state is not None:
+                        self.data.sampler.load_state_dict(sampler_state)  # its prompts are drawn again on resume
+                    raise
+                logger.log(self.step_no, metrics)
+                bar.update(1)
+                bar.set_postfix(reward=f"{metrics.get('reward/mean', 0):.3f}",
+                                searches=f"{metrics.get('rollout/searches_mean', 0):.2f}")
+                logger.console(self.step_no, t.total_steps, metrics, write=bar.write)
+                if self.collapsed(metrics):
+                    break
+                if t.save_freq and self.step_no % t.save_freq == 0 and self.step_no < t.total_steps:
+                    self.save()
+                if t.test_freq and self.step_no % t.test_freq == 0 and self.data.val:
+                    self.validate()
+        except RetrievalDown:
+            # every rank raises it together (RolloutWorker checks collectively), so the save's collectives match;
+            # the engine goes to sleep first, which also brings offloaded trainer memory back
+            bar.close()
+            self.worker.sleep()
+            if self.step_no and latest_step(self.ckpt_root) != self.step_no:
                 self.save()
-            if t.test_freq and self.step_no % t.test_freq == 0 and self.data.val:
-                self.validate()
+            raise
         bar.close()
         self.save()
         final = self.validate() if self.data.val and (not t.test_freq or self.step_no % t.test_freq) else {}
@@ -261,7 +278,7 @@ class Trainer:
         records, samples = self.worker.validate(self.data.val, cfg.data.val_batch_size,
                                                 cfg.logging.trajectories_per_step)
         self.worker.sleep()
-        report = summarize_eval(records)
+        report = summarize_eval(records, max_error_rate=cfg.retrieval.max_error_rate)
         logger.log(self.step_no, {f"val/{k}": v for k, v in report["metrics"].items()})
         logger.trajectories(self.step_no, samples, name="val_trajectories.jsonl")
         if self.rank == 0:
@@ -295,6 +312,7 @@ class Trainer:
         root, step = target
         extra = load_roles(root, step, self._states())
         self.step_no = int(extra["step"])
+        self.roles.logger.resume_at(self.step_no)  # rows a killed run logged after this checkpoint go
         if self.data.sampler is not None and extra.get("sampler"):
             self.data.sampler.load_state_dict(extra["sampler"])
         self.roles.kl_ctrl.load_state_dict(extra["kl_ctrl"])

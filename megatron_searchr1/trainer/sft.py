@@ -45,7 +45,8 @@ from megatron_searchr1.models.convert import DTYPES, bind_mapping, load_hf_confi
 from megatron_searchr1.models.forward import unwrap
 from megatron_searchr1.models.freeze import apply_freeze
 from megatron_searchr1.models.lora import apply_lora
-from megatron_searchr1.trainer.build import actor_settings, build_optimizer_from_config, load_tokenizer
+from megatron_searchr1.trainer.build import (actor_settings, build_optimizer_from_config, expert_tp_for,
+                                             load_tokenizer)
 from megatron_searchr1.trainer.losses import masked_nll_loss, sft_sequence
 from megatron_searchr1.trainer.roles import Policy, build_actor
 from megatron_searchr1.trainer.sources import weights_loader
@@ -63,12 +64,13 @@ class SFTTrainer:
     def __init__(self, cfg: SFTConfig):
         self.cfg = cfg
         t, d = cfg.trainer, cfg.data
+        hf_config = load_hf_config(cfg.model.path)
         initialize_megatron(tp=cfg.parallel.tp, pp=cfg.parallel.pp, seed=t.seed,
                             timeout_minutes=cfg.parallel.timeout_minutes,
-                            sequence_parallel=cfg.parallel.sequence_parallel, ep=cfg.parallel.ep)
+                            sequence_parallel=cfg.parallel.sequence_parallel, ep=cfg.parallel.ep,
+                            expert_tp=expert_tp_for(cfg, hf_config))
         self.rank = dist.get_rank()
         self.dp_rank, self.dp_size = mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size()
-        hf_config = load_hf_config(cfg.model.path)
         self.tokenizer = load_tokenizer(cfg.model.path, hf_config)
         dtype = DTYPES[cfg.model.dtype]
         if dtype != torch.float32 and not torch.cuda.is_available():
@@ -118,7 +120,8 @@ class SFTTrainer:
                     raise UsageError(f"model.{e}") from None
 
         model = build_actor(hf_config, **actor_settings(cfg, hf_config, dtype), load_weights=load_and_choose_trainable,
-                            use_distributed_optimizer=cfg.parallel.use_distributed_optimizer)
+                            use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
+                            tokenizer_vocab_size=len(self.tokenizer))
         policy = Policy(model, *build_optimizer_from_config(model, cfg.optim, self.total_steps, cfg.optim.lr),
                         mapping=bind_mapping(hf_config, unwrap(model)), hf_config=hf_config, hf_dir=cfg.model.path,
                         dtype=dtype, source=source)

@@ -92,6 +92,7 @@ class HFEngine:
         for _ in range(params.max_tokens):
             logits = self.model(input_ids=step_ids, attention_mask=mask, position_ids=positions,
                                 past_key_values=cache, use_cache=True).logits[:, -1, :].float()   # (B, V)
+            logits[:, len(self.tokenizer):] = float("-inf")  # a checkpoint's padded rows: no id names them
             nxt = torch.empty(n, dtype=torch.long)
             for i in range(n):
                 if finish[i] is not None:

@@ -153,6 +153,19 @@ def _has_experts(model_dir: str) -> bool:
     return bool(cfg.get("num_experts") or cfg.get("num_local_experts"))
 
 
+def padded_vocabulary(model_dir: str, tokenizer_dir: str) -> bool:
+    """Whether the checkpoint has embedding rows past its tokenizer's ids (then vllm_vocab_mask.py keeps vLLM from
+    sampling them)."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    with open(os.path.join(model_dir, "config.json")) as f:
+        cfg = json.load(f)
+    rows = cfg.get("vocab_size", cfg.get("text_config", {}).get("vocab_size"))
+    return rows is not None and rows > len(AutoTokenizer.from_pretrained(tokenizer_dir))
+
+
 class VLLMEngine(KVSessionsMixin):
     """vLLM's offline `LLM` behind the `Engine` interface (the module docstring); KV sessions come from
     KVSessionsMixin (vllm_sessions.py)."""
@@ -225,6 +238,10 @@ class VLLMEngine(KVSessionsMixin):
         """The allocations that sleep now (WEIGHTS, KV_CACHE)."""
         self._weights_dropped = False
         """Asleep at level 2 and not synced since: the engine's weights are garbage."""
+        if padded_vocabulary(model_dir, tokenizer or model_dir):
+            from megatron_searchr1.rollout.engines.vllm_vocab_mask import PaddedVocabMask
+
+            llm_kwargs["logits_processors"] = [*llm_kwargs.get("logits_processors", []), PaddedVocabMask]
         with _global_rng_kept(), vllm_cpu.llvmlite_hidden(self.on_cpu):
             # _global_rng_kept: an in-process vLLM worker re-seeds random/numpy/torch with `seed` at start
             self.llm = vllm.LLM(
@@ -233,6 +250,9 @@ class VLLMEngine(KVSessionsMixin):
                 enable_prefix_caching=enable_prefix_caching, enable_sleep_mode=self.sleep_mode,
                 enforce_eager=enforce_eager, logprobs_mode="processed_logprobs", **llm_kwargs,
             )
+        # load_format="dummy" (the trainer's engines: its first weight sync overwrites every tensor before the
+        # first generate, so reading the checkpoint here would be wasted; verl starts its rollout engines so too)
+        self._weights_dropped = llm_kwargs.get("load_format") == "dummy"
         if self.keeps_sessions and self._scheduler() is None:
             if kv_sessions_asked:
                 raise ValueError("kv_sessions=True: this vLLM's engine core is not reachable in-process (sessions are "
@@ -269,8 +289,9 @@ class VLLMEngine(KVSessionsMixin):
         if self._asleep:
             raise RuntimeError(f"VLLMEngine.generate() while {sorted(self._asleep)} sleep: call wake_up() first")
         if self._weights_dropped:
-            raise RuntimeError("VLLMEngine.generate() after sleep(level=2) without a weight sync: the weights were "
-                               "dropped; load_weights() + finish_weight_sync() first, or sleep at level 1")
+            raise RuntimeError("VLLMEngine.generate() on an engine without real weights (started with "
+                               "load_format='dummy', or asleep at level 2 since its last sync): load_weights() + "
+                               "finish_weight_sync() first, or sleep at level 1")
         if not prompts:
             return []
         if sessions is not None and self.keeps_sessions:

@@ -458,3 +458,78 @@ def test_vllm_under_torchrun_external_launcher(models, tmp_path):
         pytest.skip("vllm does not import")
     out = run_torchrun(os.path.join(HERE, "vllm_torchrun_script.py"), 2, models["A"], timeout=600)
     assert out.count("RANK_OK") == 2, out[-3000:]
+
+
+# -- a checkpoint's padded vocabulary ------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def padded(models, tok, tmp_path_factory):
+    """Model A with 64 embedding rows past its tokenizer (as Qwen2.5 pads 151,665 ids to 152,064 rows), their output
+    rows made the most likely of all: unmasked, sampling picks them at almost every step."""
+    from transformers import AutoModelForCausalLM
+
+    out = str(tmp_path_factory.mktemp("padded") / "A_padded")
+    model = AutoModelForCausalLM.from_pretrained(models["A"])
+    n = len(tok)
+    model.resize_token_embeddings(n + 64, mean_resizing=False)
+    with torch.no_grad():
+        head = model.get_output_embeddings().weight
+        head[n:] = 0.0
+        head[n:, :] = 20.0 * model.model.norm.weight.sign()  # a large logit wherever the hidden state leans positive
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+def test_hf_engine_never_samples_padded_rows(padded, tok, prompts):
+    from megatron_searchr1.rollout.engines.vllm_engine import padded_vocabulary
+
+    assert padded_vocabulary(padded, padded)
+    outs = HFEngine(padded).generate(prompts, SamplingParams(max_tokens=16, temperature=1.0, seed=3))
+    ids = [t for g in outs for t in g.token_ids]
+    assert len(ids) == 16 * len(prompts) and max(ids) < len(tok)
+    assert all(torch.isfinite(torch.tensor(g.logprobs)).all() for g in outs)
+
+
+VLLM_PADDED = """
+import json, os, sys
+from safetensors.torch import load_file
+from megatron_searchr1.rollout.engine import SamplingParams
+from megatron_searchr1.rollout.engines import make_engine
+# as the trainer starts it: random weights until the first weight sync
+engine = make_engine("vllm", sys.argv[1], dtype="float32", kv_cache_gib=0.25, seed=0, load_format="dummy")
+prompts = json.loads(sys.argv[2])
+try:
+    engine.generate(prompts, SamplingParams(max_tokens=4, temperature=0))
+    print("DUMMY generated", flush=True)
+except RuntimeError as e:
+    print("DUMMY refused: " + str(e), flush=True)
+engine.load_weights(load_file(os.path.join(sys.argv[1], "model.safetensors")).items())
+engine.finish_weight_sync()
+outs = engine.generate(prompts, SamplingParams(max_tokens=16, temperature=1.0, seed=3))
+greedy = engine.generate(prompts, SamplingParams(max_tokens=16, temperature=0))
+print("IDS " + json.dumps([t for g in outs + greedy for t in g.token_ids]), flush=True)
+engine.close()
+"""
+
+
+@pytest.mark.slow
+def test_vllm_never_samples_padded_rows(padded, tok, prompts, hf_a):
+    """vLLM cuts only its own TP padding: without the mask (rollout/engines/vllm_vocab_mask.py) these ids win.
+    The engine starts as the trainer's does (load_format="dummy"): it refuses to generate until a weight sync."""
+    import json
+    import subprocess
+
+    if _vllm_importable():
+        pytest.skip("vllm does not import")
+    proc = subprocess.run([sys.executable, "-c", VLLM_PADDED, padded, json.dumps(prompts)], capture_output=True,
+                          text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("IDS ")]
+    assert proc.returncode == 0 and lines, (proc.stdout + proc.stderr)[-4000:]
+    ids = json.loads(lines[0][4:])
+    assert len(ids) == 2 * 16 * len(prompts) and max(ids) < len(tok)
+    assert "DUMMY refused: VLLMEngine.generate() on an engine without real weights" in proc.stdout, proc.stdout
+    # after the sync the engine holds the checkpoint: greedy tokens as the hf engine's (whose mask is the same)
+    greedy = ids[16 * len(prompts):]
+    ref = [t for g in HFEngine(padded).generate(prompts, SamplingParams(max_tokens=16, temperature=0))
+           for t in g.token_ids]
+    assert greedy == ref
