@@ -86,22 +86,30 @@ def test_the_scan_finds_a_cpu_tensor_collective(tmp_path):
 
 def test_mean_over_ranks_packs_its_tensor_on_the_collective_device(monkeypatch):
     """metrics.mean_over_ranks (every step, the adaptive KL, SFT) hands all_reduce a tensor on
-    collective_device(): the CUDA device on GPUs, where the old CPU float64 tensor made NCCL raise."""
+    collective_device(): the CUDA device on GPUs, where the old CPU float64 tensor made NCCL raise. The patched
+    device is `meta`, which no tensor lands on by accident; the patched all_reduce records the device and stops
+    the call there (a meta tensor has no values to read back)."""
     import torch.distributed as dist
 
-    from megatron_searchr1 import metrics
-    from megatron_searchr1 import collectives as initialize
+    from megatron_searchr1 import collectives, metrics
+
+    class _Reduced(Exception):
+        pass
 
     seen = []
+
+    def all_reduce(t, group=None):
+        seen.append(t.device)
+        raise _Reduced
+
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
     monkeypatch.setattr(dist, "all_gather_object", lambda out, obj, group=None: out.__setitem__(slice(None), [obj] * 2))
-    monkeypatch.setattr(dist, "all_reduce", lambda t, group=None: (seen.append(t.device), t.mul_(2)))
-    target = torch.device("cpu")
-    calls = []
-    monkeypatch.setattr(initialize, "collective_device", lambda: calls.append(1) or target)
-    assert metrics.mean_over_ranks({"b": 1.0, "a": 3.0}) == {"a": 3.0, "b": 1.0}
-    assert calls and seen == [target]
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    monkeypatch.setattr(collectives, "collective_device", lambda: torch.device("meta"))
+    with pytest.raises(_Reduced):
+        metrics.mean_over_ranks({"b": 1.0, "a": 3.0})
+    assert seen == [torch.device("meta")]
 
 
 @pytest.mark.parametrize("cuda", [False, True])

@@ -57,6 +57,17 @@ def test_ci_sized_demo_runs_every_stage(tmp_path):
 
 def test_per_test_timeout_outlasts_the_demos_own_limit():
     """pytest-timeout's limit for the demo test must exceed the limit the test gives its subprocess, else a slow
-    machine sees a pytest-timeout kill (no output) instead of the demo's own log tail."""
+    machine sees a pytest-timeout kill (no output) instead of the demo's own log tail. The subprocess limit is read
+    from the test's own `subprocess.run(..., timeout=...)` call, so editing either number alone is caught."""
+    import ast
+    import inspect
+    import textwrap
+
+    tree = ast.parse(textwrap.dedent(inspect.getsource(test_ci_sized_demo_runs_every_stage)))
+    limits = [kw.value for node in ast.walk(tree) if isinstance(node, ast.Call)
+              and ast.unparse(node.func) == "subprocess.run" for kw in node.keywords if kw.arg == "timeout"]
+    assert len(limits) == 1, "the CI demo test must launch the demo with exactly one subprocess.run(timeout=...)"
+    subprocess_limit = eval(compile(ast.Expression(limits[0]), "<timeout>", "eval"), globals())
     marks = [m for m in getattr(test_ci_sized_demo_runs_every_stage, "pytestmark", []) if m.name == "timeout"]
-    assert marks and marks[0].args[0] > DEMO_LIMIT_S
+    assert marks, "the CI demo test needs a @pytest.mark.timeout"
+    assert marks[0].args[0] > subprocess_limit

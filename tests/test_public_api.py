@@ -25,8 +25,13 @@ def test_models_public_names_import():
     import megatron_searchr1.models as models
 
     assert sorted(models.__all__) == sorted(MODELS)
-    for name in MODELS:
-        assert getattr(models, name) is not None, name
+    for name in set(MODELS) - {"FAMILIES", "SUPPORTED_ARCHITECTURES"}:  # defined in the package, not re-exported
+        assert getattr(models, name).__module__.startswith("megatron_searchr1.models."), name
+    assert isinstance(models.FAMILIES, tuple) and all(issubclass(f, models.ModelFamily) for f in models.FAMILIES)
+    assert {f.__name__ for f in models.FAMILIES} == {"Qwen2Family", "Qwen3Family", "LlamaFamily", "MistralFamily",
+                                                      "Qwen3MoeFamily", "Qwen2MoeFamily"}
+    assert set(models.SUPPORTED_ARCHITECTURES) == {"Qwen2ForCausalLM", "Qwen3ForCausalLM", "LlamaForCausalLM",
+                                                   "MistralForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM"}
     from megatron_searchr1.models import build_gpt_model, forward_logits, get_family, load_megatron_checkpoint
     from megatron_searchr1.models.families import get_family as defined
 

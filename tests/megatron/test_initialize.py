@@ -56,7 +56,7 @@ def test_a_world_of_one_cleans_up_its_environment(monkeypatch):
     from megatron_searchr1.megatron.initialize import destroy_megatron, initialize_megatron
 
     if dist.is_initialized():
-        pytest.skip("a process group from another test is still alive")
+        pytest.fail("a process group from an earlier test is still alive: that test leaks it", pytrace=False)
     for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(key, raising=False)
     initialize_megatron(tp=1, pp=1, seed=3)
@@ -109,7 +109,7 @@ def test_initialize_refuses_a_gpu_launch_without_cuda(monkeypatch):
     if torch.cuda.is_available():
         pytest.skip("checks a machine without CUDA")
     if dist.is_initialized():
-        pytest.skip("a process group from another test is still alive")
+        pytest.fail("a process group from an earlier test is still alive: that test leaks it", pytrace=False)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
     monkeypatch.delenv("MEGATRON_SEARCHR1_DEVICE", raising=False)
     with pytest.raises(RuntimeError, match="CUDA_VISIBLE_DEVICES=0"):
@@ -149,7 +149,7 @@ def test_the_backend_string_gives_every_megatron_subgroup_a_cpu_backend():
     from megatron.core import parallel_state as mpu
 
     if dist.is_initialized():
-        pytest.skip("a process group from another test is still alive")
+        pytest.fail("a process group from an earlier test is still alive: that test leaks it", pytrace=False)
     from megatron_searchr1.megatron.initialize import process_group_kwargs
 
     assert process_group_kwargs("cuda", 0, 1)["backend"].startswith("cpu:gloo,")
@@ -177,7 +177,7 @@ def test_initialize_passes_the_configured_timeout_and_backend(monkeypatch):
     from megatron_searchr1.megatron import initialize
 
     if dist.is_initialized():
-        pytest.skip("a process group from another test is still alive")
+        pytest.fail("a process group from an earlier test is still alive: that test leaks it", pytrace=False)
     for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(key, raising=False)
     seen = {}
@@ -223,7 +223,7 @@ def test_seed_is_offset_per_pipeline_stage(monkeypatch):
     from megatron_searchr1.megatron.initialize import destroy_megatron, initialize_megatron, seed_everything
 
     if dist.is_initialized():
-        pytest.skip("a process group from another test is still alive")
+        pytest.fail("a process group from an earlier test is still alive: that test leaks it", pytrace=False)
     for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(key, raising=False)
     initialize_megatron(tp=1, pp=1, seed=7)

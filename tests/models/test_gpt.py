@@ -243,8 +243,7 @@ def test_transformer_engine_without_cuda_is_a_clear_error():
 def test_build_without_parallel_state_says_what_to_call():
     from megatron.core import parallel_state
 
-    if parallel_state.model_parallel_is_initialized():
-        pytest.skip("another test left Megatron initialised")
+    assert not parallel_state.model_parallel_is_initialized(), "an earlier test left Megatron initialised"
     with pytest.raises(RuntimeError, match="initialize_megatron"):
         build_gpt_model(tiny_config("qwen2"))
 

@@ -1,41 +1,50 @@
 """trainer/build.py: the one optimizer + LR-schedule setup the actor, the critic and the SFT model share."""
 import pytest
 import torch
-from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 import megatron_searchr1.trainer.build as build
 import megatron_searchr1.trainer.sft as sft
 from megatron_searchr1.config import Config, SFTConfig, load_config
 
 
-def _torch_optimizer(model, *, lr, min_lr, warmup_steps, decay_steps, decay_style, **_):
-    """megatron/optimizer.py's schedule on a plain torch optimizer (no Megatron DDP model needed)."""
-    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=lr)
-    sched = OptimizerParamScheduler(opt, init_lr=0.0 if warmup_steps > 0 else lr, max_lr=lr, min_lr=min_lr,
-                                    lr_warmup_steps=warmup_steps, lr_decay_steps=decay_steps,
-                                    lr_decay_style=decay_style, start_wd=0.0, end_wd=0.0, wd_incr_steps=decay_steps,
-                                    wd_incr_style="constant")
-    return opt, sched
+@pytest.fixture
+def plain_optimizer(monkeypatch):
+    """megatron/optimizer.py's build_optimizer, schedule and all, with Megatron's optimizer replaced by a plain
+    torch SGD over one parameter (no DDP model needed); the model is the two config objects it reads."""
+    from types import SimpleNamespace
+
+    import megatron_searchr1.megatron.optimizer as mopt
+
+    def sgd(opt_config, models):
+        opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=opt_config.lr)
+        opt.scale_loss = lambda loss: loss
+        return opt
+
+    monkeypatch.setattr(mopt, "get_megatron_optimizer", sgd)
+    return SimpleNamespace(config=SimpleNamespace(bf16=False, fp16=False, params_dtype=torch.float32),
+                           ddp_config=SimpleNamespace(use_distributed_optimizer=False))
 
 
 @pytest.mark.parametrize("cls", [Config, SFTConfig])
-def test_the_first_step_trains_at_lr_over_warmup_not_zero(monkeypatch, cls):
+def test_the_first_step_trains_at_lr_over_warmup_not_zero(plain_optimizer, cls):
     """Megatron's warmup starts at LR 0: the shared setup steps the schedule once, so with 4 warmup steps the first
-    step trains at lr/4. SFT builds its optimizer here too (before, its first step had LR 0)."""
-    monkeypatch.setattr(build, "build_optimizer", _torch_optimizer)
-    cfg = load_config(None, ["optim.lr=1e-3", "optim.warmup_steps_ratio=0.4", "trainer.total_steps=10"], cls=cls)
-    opt, sched = build.build_optimizer_from_config(None, cfg.optim, cfg.trainer.total_steps, cfg.optim.lr)
-    assert opt.param_groups[0]["lr"] == pytest.approx(1e-3 / 4)
-    sched.step(1)
-    assert opt.param_groups[0]["lr"] == pytest.approx(2e-3 / 4)
+    step trains at lr/4. SFT builds its optimizer here too (before, its first step had LR 0). The expected LRs are
+    counted by hand: warmup = 0.4 * 10 steps = 4, so steps 1..4 train at 1e-3 * k/4, then 1e-3 (constant)."""
+    cfg = load_config(None, ["optim.lr=1e-3", "optim.warmup_steps_ratio=0.4", "trainer.total_steps=10",
+                             "optim.lr_decay=constant"], cls=cls)
+    opt, sched = build.build_optimizer_from_config(plain_optimizer, cfg.optim, cfg.trainer.total_steps, cfg.optim.lr)
+    lrs = [opt.param_groups[0]["lr"]]
+    for _ in range(4):
+        sched.step(1)
+        lrs.append(opt.param_groups[0]["lr"])
+    assert lrs == pytest.approx([0.00025, 0.0005, 0.00075, 0.001, 0.001])
     assert sft.build_optimizer_from_config is build.build_optimizer_from_config  # the SFT trainer uses this one
 
 
-def test_no_warmup_starts_at_lr(monkeypatch):
-    monkeypatch.setattr(build, "build_optimizer", _torch_optimizer)
+def test_no_warmup_starts_at_lr(plain_optimizer):
     cfg = load_config(None, ["optim.lr=1e-3", "optim.warmup_steps_ratio=0", "trainer.total_steps=10"])
-    opt, _ = build.build_optimizer_from_config(None, cfg.optim, cfg.trainer.total_steps, cfg.optim.lr)
-    assert opt.param_groups[0]["lr"] == pytest.approx(1e-3)
+    opt, _ = build.build_optimizer_from_config(plain_optimizer, cfg.optim, cfg.trainer.total_steps, cfg.optim.lr)
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.001)
 
 
 @pytest.mark.parametrize("cls", [Config, SFTConfig])
