@@ -99,7 +99,7 @@ def rl_args(world_dir: str, model_dir: str, url: str, out: str, *extra: str) -> 
             f"retrieval.url={url}", f"data.train_files=[{world_dir}/train.parquet]",
             f"data.val_files=[{world_dir}/validation.parquet]", "data.val_max_samples=4", "data.train_batch_size=4",
             # one mini-batch: on-policy (the update's own forward gives the old log-probs; the PP=2 run below, with
-            # KL in the reward, takes the separate pass), at temperature 1 so the engine log-probs are comparable
+            # KL in the reward, takes the separate pass), with top-k/top-p off so the engine log-probs are comparable
             "algo.ppo_mini_batch_size=4", "rollout.temperature=1.0", "rollout.n=2", "rollout.max_turns=2", "rollout.max_tokens_per_turn=24",
             "rollout.max_response_length=160", "rollout.max_obs_length=64", "rollout.kv_cache_gib=0.25",
             "trainer.save_freq=1", "trainer.val_before_train=false", "logging.progress_bar=false",
