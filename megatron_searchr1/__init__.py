@@ -1,3 +1,35 @@
-"""megatron-searchr1: Search-R1 style agentic RL on Megatron-core (torchrun-native, no Ray)."""
+"""megatron-searchr1: Search-R1 style agentic RL (PPO / GRPO with a search engine in the loop) on Megatron-core,
+torchrun-native (no Ray): every rank runs the same program.
+
+The package, from the bottom up (each layer builds on those listed before it):
+  config/             the run's dataclass sections (data, model, parallel, rollout, retrieval, algo, optim, trainer,
+                      logging), YAML + dotted overrides, every field checked before anything heavy loads;
+  data/ reward/ search/   prompts and parquet rows, chat templates and SFT data; the rule rewards (EM on the
+                      response alone); the retrieval server (BM25, dense faiss, hybrid), its index builder and client;
+  models/             Megatron GPT models (and the critic's value head) from HF configs, the HF <-> Megatron mapping
+                      per family, checkpoint conversion, LoRA adapters;
+  megatron/           start-up on CPU (gloo) or GPU (NCCL), token-budget micro-batches and the forward/backward
+                      schedule that computes log-probs, values and updates over them;
+  algo/               pure tensor functions: advantages (GRPO, GAE, RLOO, REINFORCE++), policy / value losses, KL;
+  rollout/            the multi-turn search loop over a generation engine (vLLM, or a transformers reference
+                      engine) and the weight sync from the actor into it;
+  trainer/            the roles (Policy: actor, and frozen, the reference; Critic; RolloutWorker: engine, retrieval
+                      client, sleep / wake), every loss callback (losses.py), the RL step (rl.py) and the SFT loop;
+  shared leaves       checkpoint.py (atomic save / resume), collectives.py, metrics.py, console.py, plots.py,
+                      cli.py (argument parsing, one-line errors);
+  entry points        train.py, sft.py, evaluate.py, infer.py, plan.py (the memory planner), demo.py: parse the
+                      command line (before torch loads), build, run.
+
+One RL step (`trainer.rl.Trainer.step`):
+  1. this DP rank's prompts, each repeated `rollout.n` times under its group id;
+  2. weight sync actor -> rollout engine (TP gather, PP broadcast, HF names, in buckets);
+  3. rollout: the multi-turn loop generates until `</search>`, asks the retrieval server, appends
+     `<information>...</information>`, and goes on until `</answer>` or `rollout.max_turns`;
+  4. the engine sleeps (frees its memory) while the trainer runs: generation and training never overlap;
+  5. reward (EM on the response), old and reference log-probs, critic values (Megatron forward passes);
+  6. advantages, critic update, actor update (PPO clip; KL as a loss or in the reward); retrieved tokens are
+     masked in every token-level quantity;
+  7. metrics to TensorBoard and the console, sampled trajectories to JSONL, checkpoints, validation.
+"""
 
 __version__ = "0.1.0"
