@@ -148,15 +148,24 @@ def _write_meta(out_dir, meta: dict) -> None:
     os.replace(tmp, os.path.join(out_dir, META_FILE))  # atomic: a reader never sees half a meta file
 
 
+class IndexFileError(ValueError):
+    """An index file or corpus that cannot be served as it is; the message names the file and the fix."""
+
+
 def read_index_meta(index_dir: str | os.PathLike) -> dict:
     path = os.path.join(index_dir, META_FILE)
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path} not found: build the index first "
                                 f"(python tools/build_index.py --corpus C --out-dir {index_dir} --kind bm25)")
-    with open(path) as f:
-        meta = json.load(f)
-    if meta.get("kind") not in KINDS:
-        raise ValueError(f"{path}: unknown index kind {meta.get('kind')!r}")
+    try:
+        with open(path) as f:
+            meta = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise IndexFileError(f"{path} is damaged (not JSON: {e}): rebuild the index with tools/build_index.py "
+                             f"--out-dir {index_dir}") from None
+    if not isinstance(meta, dict) or meta.get("kind") not in KINDS:
+        raise IndexFileError(f"{path}: unknown index kind {meta.get('kind') if isinstance(meta, dict) else meta!r}; "
+                             f"rebuild the index with tools/build_index.py --out-dir {index_dir}")
     return meta
 
 
@@ -195,8 +204,9 @@ def _open(meta: dict, index_dir, corpus_file: str, lazy_corpus: bool | None, off
                         f"runtime options: {sorted(allowed | {'bm25_mmap', 'faiss_mmap', 'query_cache_size'})}")
     corpus = open_corpus(corpus_file, lazy=lazy_corpus, offsets_cache=offsets_cache)
     if len(corpus) != meta["num_docs"]:
-        raise ValueError(f"{corpus_file} has {len(corpus)} docs but the index in {index_dir} was built over "
-                         f"{meta['num_docs']}: pass the corpus it was built from (corpus_path=...)")
+        raise IndexFileError(f"{corpus_file} has {len(corpus)} docs but the index in {index_dir} was built over "
+                             f"{meta['num_docs']}: pass the corpus it was built from with --corpus (or rebuild "
+                             f"the index over this one)")
     bm25 = dense = None
     if kind in ("bm25", "hybrid"):
         m = meta["bm25"]

@@ -253,6 +253,13 @@ def check_args(args) -> None:
         raise UsageError("no index: pass --index-dir DIR, or --faiss-index FILE with --corpus FILE.jsonl")
     if args.index_dir:
         check_index_dir(args.index_dir)
+        meta_path = os.path.join(args.index_dir, "index_meta.json")
+        try:
+            with open(meta_path) as f:
+                json.load(f)
+        except (ValueError, UnicodeDecodeError) as e:  # before faiss, torch and the corpus load
+            raise UsageError(f"{meta_path} is damaged (not JSON: {e}): rebuild the index with "
+                             f"tools/build_index.py --out-dir {args.index_dir}") from None
     for flag, path in (("--faiss-index", args.faiss_index), ("--corpus", args.corpus)):
         if path and not os.path.isfile(path):
             raise UsageError(f"{flag} {path!r} is not a file")
@@ -297,8 +304,13 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     threads = set_cpu_threads(args.torch_threads)
     logger.info("%d CPU threads for the encoder and faiss (--torch-threads)", threads)
+    from megatron_searchr1.search.retrievers import IndexFileError
+
     t0 = time.time()
-    retriever = load_from_args(args)
+    try:
+        retriever = load_from_args(args)
+    except IndexFileError as e:
+        raise UsageError(str(e)) from None
     logger.info("loaded %s in %.1fs", json.dumps(retriever.describe()), time.time() - t0)
     try:
         sock = bind_socket(config.host, config.port)
