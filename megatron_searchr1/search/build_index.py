@@ -6,6 +6,8 @@ r"""CLI: build a retrieval index directory from a corpus JSONL, or register an e
         --encoder /models/e5-base-v2 --index-type flat --encoder-batch-size 512 --fp16      # Search-R1's e5 setup, on a GPU
     python tools/build_index.py --corpus wiki-18.jsonl --out-dir index/e5 \
         --faiss-index e5_Flat.index --encoder /models/e5-base-v2    # reuse Search-R1's index: no encoding at all
+    python tools/build_index.py --corpus wiki-18.jsonl --out-dir index/pq --kind dense --index-type ivf_pq \
+        --encoder /models/e5-base-v2       # compressed: ~200 bytes per passage + memory-mapped refine vectors
 Then: python -m megatron_searchr1.search.server --index-dir index/bm25
 """
 from __future__ import annotations
@@ -19,6 +21,14 @@ from megatron_searchr1.cli import ArgumentParser, UsageError, console, run_main
 from megatron_searchr1.search.encoder import add_encoder_args, encoder_args_problem, encoder_options
 
 KINDS = ("bm25", "dense", "hybrid")  # = retrievers.KINDS, repeated so --help needs no faiss/bm25s import
+# = dense.FACTORY, written out for --help (tests/search check the two agree). N passages, d dims.
+INDEX_TYPE_HELP = """faiss index, by its index_factory string (inner product). flat: "Flat" (exact, 4d bytes per
+passage, Search-R1's e5_Flat.index); fp16: "SQfp16" (2d); sq8: "SQ8" (d); hnsw: "HNSW{hnsw_m},Flat" (4d + graph);
+ivf_flat: "IVF{nlist},Flat"; ivf_sq8: "IVF{nlist},SQ8"; ivf_pq: "IVF{nlist},PQ{pq_m}x{pq_nbits}" (pq_m bytes);
+opq_ivf_pq: "OPQ{pq_m},IVF{nlist},PQ{pq_m}x{pq_nbits}". Defaults follow N: nlist = min(4 sqrt(N), N/39),
+pq_m = d/4, pq_nbits = 8 (fewer under ~10k passages), training sample = min(N, max(40 nlist, 10000)).
+ivf_pq / opq_ivf_pq also keep fp16 vectors (dense.vectors.npy, memory-mapped by the server) to re-score
+4 x topk candidates exactly."""
 
 
 def build_arg_parser() -> ArgumentParser:
@@ -32,10 +42,17 @@ def build_arg_parser() -> ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     add_encoder_args(p)
     f = p.add_argument_group("faiss")
-    f.add_argument("--index-type", choices=["flat", "hnsw"], default="flat")
+    f.add_argument("--index-type", choices=["flat", "fp16", "sq8", "hnsw", "ivf_flat", "ivf_sq8", "ivf_pq",
+                                            "opq_ivf_pq"], default="flat", help=INDEX_TYPE_HELP.replace("%", "%%"))
     f.add_argument("--hnsw-m", type=int, default=32)
     f.add_argument("--hnsw-ef-construction", type=int, default=200)
     f.add_argument("--hnsw-ef-search", type=int, default=128)
+    f.add_argument("--nlist", type=int, default=0, help="IVF lists (0 = from the corpus size)")
+    f.add_argument("--pq-m", type=int, default=0, help="PQ bytes per passage; divides the dim (0 = dim/4)")
+    f.add_argument("--pq-nbits", type=int, default=0, help="bits per PQ code (0 = 8, fewer on small corpora)")
+    f.add_argument("--train-size", type=int, default=0, help="passages sampled to train IVF/PQ/SQ (0 = auto)")
+    f.add_argument("--refine-k-factor", type=int, default=-1,
+                   help="keep exact vectors to re-score this many x topk candidates (0 = off, -1 = 4 for PQ types)")
     b = p.add_argument_group("bm25")
     b.add_argument("--k1", type=float, default=0.9)
     b.add_argument("--b", type=float, default=0.4)
@@ -58,6 +75,11 @@ def main(argv: list[str] | None = None) -> int:
         raise UsageError(f"--faiss-index {args.faiss_index!r} is not a file")
     if problem := encoder_args_problem(args):
         raise UsageError(problem)
+    for flag in ("nlist", "pq_m", "pq_nbits", "train_size"):
+        if getattr(args, flag) < 0:
+            raise UsageError(f"--{flag.replace('_', '-')} must be >= 0 (0 = follow the corpus size)")
+    if args.refine_k_factor < -1:
+        raise UsageError("--refine-k-factor must be >= 0, or -1 for the type's default")
     if args.torch_threads is not None and args.torch_threads < 0:
         raise UsageError(f"--torch-threads must be >= 0 (0 = every core), got {args.torch_threads}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -73,12 +95,18 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.kind != "bm25":
         set_cpu_threads(args.torch_threads)
+    from megatron_searchr1.search.dense import IndexTooSmall
+
     t0 = time.time()
-    retriever = index_corpus(
-        args.corpus, args.out_dir, kind=args.kind, copy_corpus=args.copy_corpus, show_progress=not args.quiet,
-        **encoder, index_type=args.index_type, hnsw_m=args.hnsw_m, hnsw_ef_construction=args.hnsw_ef_construction,
-        hnsw_ef_search=args.hnsw_ef_search, k1=args.k1, b=args.b, stopwords=args.stopwords, stemmer=args.stemmer,
-        rrf_k=args.rrf_k, depth=args.depth)
+    try:
+        retriever = index_corpus(
+            args.corpus, args.out_dir, kind=args.kind, copy_corpus=args.copy_corpus, show_progress=not args.quiet,
+            **encoder, index_type=args.index_type, hnsw_m=args.hnsw_m, hnsw_ef_construction=args.hnsw_ef_construction,
+            hnsw_ef_search=args.hnsw_ef_search, nlist=args.nlist, pq_m=args.pq_m, pq_nbits=args.pq_nbits,
+            train_size=args.train_size, refine_k_factor=args.refine_k_factor, k1=args.k1, b=args.b,
+            stopwords=args.stopwords, stemmer=args.stemmer, rrf_k=args.rrf_k, depth=args.depth)
+    except IndexTooSmall as e:
+        raise UsageError(str(e)) from None
     print(f"built a {args.kind} index over {len(retriever)} docs in {args.out_dir} ({time.time() - t0:.1f}s); "
           f"serve it with: python -m megatron_searchr1.search.server --index-dir {args.out_dir}")
     return 0

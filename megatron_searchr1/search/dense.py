@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
@@ -21,26 +22,119 @@ from megatron_searchr1.search.encoder import Encoder, EncoderConfig
 logger = logging.getLogger(__name__)
 
 
+# faiss index_factory strings per --index-type; {nlist}, {pq_m}, {pq_nbits}, {hnsw_m} follow the corpus size
+# (see `resolve_build`). Bytes per passage at dim d: flat 4d, fp16 2d, sq8 d, pq pq_m (+8 for an IVF id).
+FACTORY = {
+    "flat": "Flat",
+    "fp16": "SQfp16",
+    "sq8": "SQ8",
+    "hnsw": "HNSW{hnsw_m},Flat",
+    "ivf_flat": "IVF{nlist},Flat",
+    "ivf_sq8": "IVF{nlist},SQ8",
+    "ivf_pq": "IVF{nlist},PQ{pq_m}x{pq_nbits}",
+    "opq_ivf_pq": "OPQ{pq_m},IVF{nlist},PQ{pq_m}x{pq_nbits}",
+}
+INDEX_TYPES = tuple(FACTORY)
+# Fewest passages each type can be trained on (k-means needs points per centroid; OPQ's rotation trains an
+# 8-bit PQ internally, 256 centroids per sub-space).
+MIN_PASSAGES = {"ivf_flat": 100, "ivf_sq8": 100, "ivf_pq": 100, "opq_ivf_pq": 1000}
+# Types whose scores are approximate enough that exact re-scoring of a few times topk candidates pays.
+REFINED_BY_DEFAULT = ("ivf_pq", "opq_ivf_pq")
+
+
+class IndexTooSmall(ValueError):
+    """The corpus has too few passages to train the chosen index type."""
+
+
 @dataclass
 class FaissConfig:
-    """Which faiss index is built and how it is searched."""
+    """Which faiss index is built and how it is searched. 0 means "follow the corpus size" for the sizes."""
 
     index_type: str = "flat"
-    """flat (exact inner product) | hnsw (graph, approximate, for very large corpora on the CPU)."""
+    """flat | fp16 | sq8 | hnsw | ivf_flat | ivf_sq8 | ivf_pq | opq_ivf_pq (see FACTORY for the faiss strings)."""
     hnsw_m: int = 32
     """HNSW neighbours per node (build time)."""
     hnsw_ef_construction: int = 200
     """HNSW candidate list size while building."""
     hnsw_ef_search: int = 128
     """HNSW candidate list size while searching (raised to topk when topk is larger)."""
+    nlist: int = 0
+    """IVF lists; 0 = min(4 sqrt(N), N / 39) for N passages (39 training points per list at least)."""
+    pq_m: int = 0
+    """PQ sub-quantizers = bytes per passage at 8 bits; 0 = dim / 4 (the largest divisor of dim at most that)."""
+    pq_nbits: int = 0
+    """bits per PQ code; 0 = 8, fewer on a corpus too small to train 256 centroids per sub-space."""
+    train_size: int = 0
+    """passages sampled to train IVF/PQ/SQ; 0 = min(N, max(40 nlist, 10000))."""
+    nprobe: int = 0
+    """IVF lists visited per query (search time); 0 = min(nlist, max(16, nlist / 128))."""
+    refine_k_factor: int = -1
+    """re-score refine_k_factor * topk candidates exactly from the stored vectors (search time); 0 = off,
+    -1 = 4 for ivf_pq / opq_ivf_pq, off otherwise."""
+    factory: str = ""
+    """the faiss factory string the index was built with (filled in at build time)."""
     use_gpu: bool = False
     """Move a Flat index to all visible GPUs (needs faiss-gpu). Off by default: the GPUs usually train."""
     num_threads: int = 0
     """faiss OpenMP threads on the CPU; 0 = faiss's default."""
 
     def __post_init__(self):
-        if self.index_type not in ("flat", "hnsw"):
-            raise ValueError(f"FaissConfig.index_type must be flat or hnsw, got {self.index_type!r}")
+        if self.index_type not in FACTORY:
+            raise ValueError(f"FaissConfig.index_type must be one of {', '.join(FACTORY)}, got {self.index_type!r}")
+        for name in ("nlist", "pq_m", "pq_nbits", "train_size", "nprobe"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"FaissConfig.{name} must be >= 0 (0 = follow the corpus size), "
+                                 f"got {getattr(self, name)}")
+        if self.pq_nbits > 16:
+            raise ValueError(f"FaissConfig.pq_nbits must be at most 16, got {self.pq_nbits}")
+        if self.refine_k_factor < -1:
+            raise ValueError(f"FaissConfig.refine_k_factor must be >= -1 (-1 = auto), got {self.refine_k_factor}")
+
+    @property
+    def trained(self) -> bool:
+        """Whether the index needs a training sample before vectors are added."""
+        return self.index_type not in ("flat", "hnsw", "fp16")
+
+    def effective_refine(self) -> int:
+        if self.refine_k_factor >= 0:
+            return self.refine_k_factor
+        return 4 if self.index_type in REFINED_BY_DEFAULT else 0
+
+    def effective_nprobe(self) -> int:
+        if self.nprobe:
+            return min(self.nprobe, self.nlist) if self.nlist else self.nprobe
+        return min(self.nlist, max(16, self.nlist // 128))
+
+    def resolve_build(self, num_docs: int, dim: int) -> "FaissConfig":
+        """A copy with the corpus-size defaults filled in and `factory` set; IndexTooSmall when N cannot train it."""
+        import math
+        from dataclasses import replace
+
+        check_corpus_size(self.index_type, num_docs)
+        nlist = self.nlist or max(1, min(int(4 * math.sqrt(num_docs)), num_docs // 39))
+        train = min(num_docs, self.train_size or max(40 * nlist, 10000))
+        pq_m = self.pq_m or max(m for m in range(1, max(1, dim // 4) + 1) if dim % m == 0)
+        if dim % pq_m:
+            raise ValueError(f"FaissConfig.pq_m={pq_m} must divide the vector dim {dim}")
+        nbits = self.pq_nbits or max(4, min(8, int(math.log2(max(2, train / 39)))))
+        if self.index_type == "opq_ivf_pq":
+            nbits = self.pq_nbits or 8
+        out = replace(self, nlist=nlist if "ivf" in self.index_type else 0, train_size=train, pq_m=pq_m,
+                      pq_nbits=nbits)
+        out.factory = FACTORY[self.index_type].format(nlist=nlist, pq_m=pq_m, pq_nbits=nbits, hnsw_m=self.hnsw_m)
+        if "pq" not in self.index_type:
+            out.pq_m = out.pq_nbits = 0
+        return out
+
+
+def check_corpus_size(index_type: str, num_docs: int) -> None:
+    """IndexTooSmall, naming the types that fit, when `num_docs` passages cannot train `index_type`."""
+    need = MIN_PASSAGES.get(index_type, 1)
+    if num_docs < need:
+        fits = [t for t in FACTORY if MIN_PASSAGES.get(t, 1) <= num_docs]
+        raise IndexTooSmall(f"--index-type {index_type} needs at least {need} passages to train, the corpus has "
+                            f"{num_docs}: use --index-type {' / '.join(fits)} (flat is exact and fits any corpus "
+                            f"up to a few million passages)")
 
 
 def _faiss():
@@ -52,13 +146,35 @@ def _faiss():
 
 
 def make_faiss_index(dim: int, config: FaissConfig):
+    """An empty index for a resolved config (`FaissConfig.resolve_build`); Flat and HNSW as before: IndexFlatIP
+    and IndexHNSWFlat, the classes Search-R1's files hold."""
     faiss = _faiss()
     if config.index_type == "flat":
         return faiss.IndexFlatIP(dim)
-    index = faiss.IndexHNSWFlat(dim, config.hnsw_m, faiss.METRIC_INNER_PRODUCT)
-    index.hnsw.efConstruction = config.hnsw_ef_construction
-    index.hnsw.efSearch = config.hnsw_ef_search
-    return index
+    if config.index_type == "hnsw":
+        index = faiss.IndexHNSWFlat(dim, config.hnsw_m, faiss.METRIC_INNER_PRODUCT)
+        index.hnsw.efConstruction = config.hnsw_ef_construction
+        index.hnsw.efSearch = config.hnsw_ef_search
+        return index
+    return faiss.index_factory(dim, config.factory, faiss.METRIC_INNER_PRODUCT)
+
+
+def index_type_of(index) -> str:
+    """Our index_type name for an index read from a file (a Search-R1 file is flat)."""
+    faiss = _faiss()
+    if isinstance(index, faiss.IndexHNSW):
+        return "hnsw"
+    if isinstance(index, faiss.IndexPreTransform):
+        return "opq_ivf_pq"
+    if isinstance(index, faiss.IndexIVFPQ):
+        return "ivf_pq"
+    if isinstance(index, faiss.IndexIVFScalarQuantizer):
+        return "ivf_sq8"
+    if isinstance(index, faiss.IndexIVFFlat):
+        return "ivf_flat"
+    if isinstance(index, faiss.IndexScalarQuantizer):
+        return "fp16" if index.sq.qtype == faiss.ScalarQuantizer.QT_fp16 else "sq8"
+    return "flat"
 
 
 def read_faiss_index(path: str | os.PathLike, mmap: bool = False):
@@ -72,10 +188,22 @@ def read_faiss_index(path: str | os.PathLike, mmap: bool = False):
     flags = 0
     if mmap:
         flags = getattr(faiss, "IO_FLAG_MMAP_IFC", 0)
+        if _is_ivf_file(path):
+            flags = faiss.IO_FLAG_MMAP  # maps the inverted lists (the codes); the quantizer is small and read
         if not flags:
             logger.warning("faiss %s cannot memory-map flat indexes (no IO_FLAG_MMAP_IFC; upgrade faiss): "
                            "reading all of %s into RAM", getattr(faiss, "__version__", "?"), path)
     return faiss.read_index(os.fspath(path), flags)
+
+
+def _is_ivf_file(path) -> bool:
+    """Whether a faiss file holds an IVF index (its 4-byte tag: IwXX, or a pre-transform IxPT around one)."""
+    with open(path, "rb") as f:
+        tag = f.read(4)
+    return tag[:2] == b"Iw" or tag == b"IxPT"
+
+
+VECTORS_FILE_SUFFIX = ".vectors.npy"
 
 
 def _to_gpu(index):
@@ -97,7 +225,7 @@ class DenseRetriever(Retriever):
     kind = "dense"
 
     def __init__(self, corpus: Sequence[dict], index, encoder: Encoder, faiss_config: FaissConfig | None = None,
-                 keep_cpu_index: bool = True):
+                 keep_cpu_index: bool = True, vectors: np.ndarray | None = None):
         """keep_cpu_index: with use_gpu, keep the exact CPU index beside the GPU copy (fp16) so `save` writes the
         vectors as built. False for an index read from a file: it is on disk already, and keeping it would hold
         the whole index (65 GB for wiki-18's e5_Flat.index) in RAM for nothing."""
@@ -116,18 +244,31 @@ class DenseRetriever(Retriever):
         # None once the index lives on the GPUs only; save() then copies it back (see keep_cpu_index).
         self.cpu_index = index if keep_cpu_index or not self.on_gpu else None
         self.corpus, self.encoder = corpus, encoder
+        self.vectors = vectors
+        self.ivf = None
+        try:
+            self.ivf = faiss.extract_index_ivf(index)
+        except RuntimeError:  # not an IVF index
+            pass
+        if self.ivf is not None:
+            self.faiss_config.nlist = int(self.ivf.nlist)
+            self.ivf.nprobe = self.faiss_config.effective_nprobe()  # set once: searches only read it
+        self.refine = self.faiss_config.effective_refine() if vectors is not None else 0
 
     @classmethod
     def build(cls, corpus: Sequence[dict], encoder_config: EncoderConfig | None = None,
               faiss_config: FaissConfig | None = None, encoder: Encoder | None = None,
               show_progress: bool = True, chunk_docs: int = 16384,
-              shard_dir: str | os.PathLike | None = None) -> "DenseRetriever":
+              shard_dir: str | os.PathLike | None = None,
+              vectors_path: str | os.PathLike | None = None) -> "DenseRetriever":
         """Encode every doc's `contents` (with the passage prefix) and add it to a new faiss index.
 
         The corpus goes in chunks of `chunk_docs`: only one chunk's texts and vectors are alive at once, a second
         thread tokenizes the next chunk while this one is encoded, and the encoder length-sorts within a chunk.
         shard_dir: save each chunk's vectors there (`shard_<k>.npy`, written atomically) and reuse the ones a
         previous, interrupted build left, so a wiki-scale build resumes where it stopped instead of starting over.
+        A trained type (IVF, PQ, SQ) is trained on `train_size` passages sampled from all chunks, then filled.
+        vectors_path: where the fp16 vectors for the refine stage go (when the config refines); the server maps it.
         """
         from concurrent.futures import ThreadPoolExecutor
 
@@ -135,16 +276,26 @@ class DenseRetriever(Retriever):
 
         faiss_config = faiss_config or FaissConfig()
         encoder = encoder or Encoder(encoder_config or EncoderConfig())
-        index = make_faiss_index(encoder.dim, faiss_config)
         n = len(corpus)
+        faiss_config = faiss_config.resolve_build(n, encoder.dim)
+        index = make_faiss_index(encoder.dim, faiss_config)
         bounds = [(s, min(s + chunk_docs, n)) for s in range(0, n, chunk_docs)]
+        # A trained index needs every vector before the first add (the training sample spans the corpus), so its
+        # chunks go to shards (on disk, or kept in memory without a shard_dir) and are added after training.
+        held: dict[int, np.ndarray] = {}
         shards = _Shards(shard_dir, {"num_docs": n, "chunk_docs": chunk_docs, "dim": encoder.dim,
                                      "encoder": encoder.config.index_fields()}) if shard_dir else None
         todo = [k for k in range(len(bounds)) if shards is None or not shards.has(k)]
+        keep_vectors = faiss_config.effective_refine() > 0 and vectors_path is not None
+        stored = np.lib.format.open_memmap(vectors_path, mode="w+", dtype=np.float16, shape=(n, encoder.dim)) \
+            if keep_vectors else None
 
         def tokenize(k: int):
             s, e = bounds[k]
             return encoder.tokenize([corpus[i]["contents"] for i in range(s, e)], is_query=False)
+
+        def chunk(k: int) -> np.ndarray:
+            return held[k] if shards is None else shards.load(k)
 
         with tqdm(total=n, desc="dense index", unit="doc", disable=not show_progress) as bar, \
                 ThreadPoolExecutor(1, thread_name_prefix="tokenize") as pool:
@@ -154,32 +305,54 @@ class DenseRetriever(Retriever):
             ahead = {todo[0]: pool.submit(tokenize, todo[0])} if todo else {}
             for k, (s, e) in enumerate(bounds):
                 if k not in ahead:  # a finished shard from an earlier run
-                    index.add(shards.load(k))
+                    vectors = shards.load(k)
                     bar.update(e - s)
-                    continue
-                tokens = ahead.pop(k).result()
-                later = [j for j in todo if j > k]
-                if later:  # tokenize the next chunk on the other thread while the model encodes this one
-                    ahead[later[0]] = pool.submit(tokenize, later[0])
-                vectors = encoder.encode_tokens(tokens, bar)
-                if shards is not None:
-                    shards.save(k, vectors)
-                index.add(vectors)
-        return cls(corpus, index, encoder, faiss_config)
+                else:
+                    tokens = ahead.pop(k).result()
+                    later = [j for j in todo if j > k]
+                    if later:  # tokenize the next chunk on the other thread while the model encodes this one
+                        ahead[later[0]] = pool.submit(tokenize, later[0])
+                    vectors = encoder.encode_tokens(tokens, bar)
+                    if shards is not None:
+                        shards.save(k, vectors)
+                if stored is not None:
+                    stored[s:e] = vectors
+                if faiss_config.trained:
+                    if shards is None:
+                        held[k] = vectors
+                else:
+                    index.add(vectors)
+        if faiss_config.trained:
+            rows = np.sort(np.random.default_rng(0).choice(n, faiss_config.train_size, replace=False))
+            sample = np.concatenate([chunk(k)[rows[(rows >= s) & (rows < e)] - s] for k, (s, e) in enumerate(bounds)])
+            t0 = time.time()
+            index.train(sample)
+            logger.info("trained %s on %d passages in %.1fs", faiss_config.factory, len(sample), time.time() - t0)
+            del sample
+            for k in range(len(bounds)):
+                index.add(chunk(k))
+        if stored is not None:
+            stored.flush()
+            del stored
+        vectors = np.load(vectors_path, mmap_mode="r") if keep_vectors else None
+        return cls(corpus, index, encoder, faiss_config, vectors=vectors)
 
     def save(self, path: str | os.PathLike) -> dict:
         """Write the (CPU) faiss index to `path`; returns the index_meta.json entry."""
         faiss = _faiss()
         cpu_index = self.cpu_index if self.cpu_index is not None else faiss.index_gpu_to_cpu(self.index)
         faiss.write_index(cpu_index, os.fspath(path))
-        return {"faiss": asdict(self.faiss_config), "encoder": self.encoder.config.index_fields(),
+        meta = {"faiss": asdict(self.faiss_config), "encoder": self.encoder.config.index_fields(),
                 "dim": self.encoder.dim}
+        if self.vectors is not None:
+            meta["vectors"] = os.path.basename(os.fspath(self.vectors.filename))
+        return meta
 
     @classmethod
     def from_faiss(cls, faiss_index_path: str | os.PathLike, corpus: Sequence[dict],
                    encoder_config: EncoderConfig | None = None, faiss_config: FaissConfig | None = None,
                    encoder: Encoder | None = None, mmap: bool = False,
-                   query_cache_size: int = 0) -> "DenseRetriever":
+                   query_cache_size: int = 0, vectors_path: str | os.PathLike | None = None) -> "DenseRetriever":
         """Open any faiss index file (e.g. Search-R1's e5_Flat.index) over a corpus whose row i is vector i.
 
         mmap: map the vectors from the file (the OS page cache holds them) instead of copying them into this
@@ -188,12 +361,17 @@ class DenseRetriever(Retriever):
         if not os.path.exists(faiss_index_path):
             raise FileNotFoundError(f"faiss index not found: {faiss_index_path}")
         index = read_faiss_index(faiss_index_path, mmap=mmap)
-        faiss_config = faiss_config or FaissConfig(
-            index_type="hnsw" if isinstance(index, faiss.IndexHNSW) else "flat")
+        faiss_config = faiss_config or FaissConfig(index_type=index_type_of(index))
         if isinstance(index, faiss.IndexHNSW):
             index.hnsw.efSearch = faiss_config.hnsw_ef_search
         encoder = encoder or Encoder(encoder_config or EncoderConfig(), query_cache_size=query_cache_size)
-        return cls(corpus, index, encoder, faiss_config, keep_cpu_index=False)
+        vectors = None
+        if vectors_path is not None and faiss_config.effective_refine() > 0:
+            vectors = np.load(os.fspath(vectors_path), mmap_mode="r")  # pages are read on demand, shared
+            if vectors.shape != (index.ntotal, index.d):
+                raise ValueError(f"{vectors_path} holds {vectors.shape} vectors but the index has "
+                                 f"({index.ntotal}, {index.d}): rebuild the index")
+        return cls(corpus, index, encoder, faiss_config, keep_cpu_index=False, vectors=vectors)
 
     def search_ids(self, queries: list[str], topk: int) -> tuple[np.ndarray, np.ndarray]:
         emb, inverse = self.encoder.encode_unique_queries(queries)  # (U, H) distinct queries, (B,) row of each
@@ -201,13 +379,39 @@ class DenseRetriever(Retriever):
         if isinstance(self.index, _faiss().IndexHNSW):
             # Per-call parameters instead of mutating the index: thread-safe and independent of earlier calls.
             params = _faiss().SearchParametersHNSW(efSearch=max(self.faiss_config.hnsw_ef_search, topk))
-        scores, ids = self.index.search(emb, topk, params=params)  # (U, k) each; a short result pads with -1
+        depth = topk * self.refine if self.refine > 1 else topk
+        scores, ids = self.index.search(emb, depth, params=params)  # (U, depth) each; a short result pads with -1
+        if self.refine:
+            scores, ids = self._rescore(emb, ids, topk)
         return ids[inverse].astype(np.int64), scores[inverse].astype(np.float32)  # (B, k): repeats share a row
+
+    def _rescore(self, emb: np.ndarray, ids: np.ndarray, topk: int) -> tuple[np.ndarray, np.ndarray]:
+        """Exact inner products of each query with its candidates' stored vectors, the best topk of them."""
+        safe = np.where(ids >= 0, ids, 0)  # (U, depth)
+        flat = np.unique(safe)  # sorted: reads the mapped file in order
+        vecs = np.asarray(self.vectors[flat], dtype=np.float32)  # (C, H)
+        cand = vecs[np.searchsorted(flat, safe)]  # (U, depth, H)
+        exact = np.einsum("udh,uh->ud", cand, emb).astype(np.float32)
+        exact[ids < 0] = -np.inf
+        order = np.argsort(-exact, axis=1, kind="stable")[:, :topk]
+        new_ids = np.take_along_axis(ids, order, 1)
+        new_scores = np.take_along_axis(exact, order, 1)
+        return new_scores, new_ids
+
+    def search_knobs(self) -> dict:
+        """The search-time settings in force (reported by the server's /health)."""
+        knobs = {"index_type": self.faiss_config.index_type, "factory": self.faiss_config.factory or None,
+                 "refine_k_factor": self.refine}
+        if self.ivf is not None:
+            knobs.update(nlist=int(self.ivf.nlist), nprobe=int(self.ivf.nprobe))
+        if isinstance(self.index, _faiss().IndexHNSW):
+            knobs["ef_search"] = self.faiss_config.hnsw_ef_search
+        return knobs
 
     def describe(self) -> dict:
         return {**super().describe(), "encoder": self.encoder.config.index_fields(),
                 "encoder_backend": self.encoder.backend, "index_type": self.faiss_config.index_type, "gpu": self.on_gpu,
-                "query_cache": self.encoder.cache.stats()}
+                "search": self.search_knobs(), "query_cache": self.encoder.cache.stats()}
 
 
 class _Shards:

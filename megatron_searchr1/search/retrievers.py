@@ -20,7 +20,8 @@ from dataclasses import fields
 from megatron_searchr1.search.base import Retriever
 from megatron_searchr1.search.bm25 import BM25Config, BM25Retriever
 from megatron_searchr1.search.corpus import open_corpus
-from megatron_searchr1.search.dense import DenseRetriever, FaissConfig, _faiss, read_faiss_index
+from megatron_searchr1.search.dense import (VECTORS_FILE_SUFFIX, DenseRetriever, FaissConfig, check_corpus_size,
+                                            index_type_of, read_faiss_index)
 from megatron_searchr1.search.encoder import EncoderConfig
 from megatron_searchr1.search.hybrid import HybridConfig, HybridRetriever
 
@@ -74,6 +75,8 @@ def index_corpus(corpus_path: str | os.PathLike, out_dir: str | os.PathLike, kin
     corpus = open_corpus(corpus_path, offsets_cache=os.path.join(out_dir, "corpus_offsets.npz"))
     if len(corpus) == 0:
         raise ValueError(f"corpus {corpus_path} has no docs")
+    if kind != "bm25":
+        check_corpus_size(faiss_cfg.index_type, len(corpus))  # before the encoder loads
     meta = {"format_version": FORMAT_VERSION, "kind": kind, "corpus": corpus_ref, "num_docs": len(corpus),
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     t0 = time.time()
@@ -84,7 +87,8 @@ def index_corpus(corpus_path: str | os.PathLike, out_dir: str | os.PathLike, kin
     if kind in ("dense", "hybrid"):
         # Chunk vectors go to dense_shards/ as they are made, so an interrupted build resumes; gone once saved.
         shard_dir = os.path.join(out_dir, "dense_shards")
-        dense = DenseRetriever.build(corpus, encoder_cfg, faiss_cfg, show_progress=show_progress, shard_dir=shard_dir)
+        dense = DenseRetriever.build(corpus, encoder_cfg, faiss_cfg, show_progress=show_progress, shard_dir=shard_dir,
+                                     vectors_path=os.path.join(out_dir, "dense" + VECTORS_FILE_SUFFIX))
         meta["dense"] = {"faiss_index": "dense.index", **dense.save(os.path.join(out_dir, "dense.index"))}
         shutil.rmtree(shard_dir, ignore_errors=True)
     if kind == "hybrid":
@@ -100,7 +104,6 @@ def faiss_index_meta(faiss_index_path: str | os.PathLike, corpus_path: str | os.
     `register_faiss_index`). Only the index header matters here, so the vectors are memory-mapped, not read:
     for wiki-18's e5_Flat.index a full read would cost ~65 GB of RAM just to learn ntotal and d."""
     encoder_cfg, faiss_cfg, _, _ = _split_options(options)
-    faiss = _faiss()
     if not os.path.exists(faiss_index_path):
         raise FileNotFoundError(f"faiss index not found: {faiss_index_path}")
     index = read_faiss_index(faiss_index_path, mmap=True)
@@ -108,7 +111,7 @@ def faiss_index_meta(faiss_index_path: str | os.PathLike, corpus_path: str | os.
             "num_docs": int(index.ntotal),
             "dense": {"faiss_index": os.path.abspath(faiss_index_path), "dim": int(index.d),
                       "faiss": {**_pick(FaissConfig, vars(faiss_cfg)),
-                                "index_type": "hnsw" if isinstance(index, faiss.IndexHNSW) else "flat"},
+                                "index_type": index_type_of(index)},
                       "encoder": encoder_cfg.index_fields()},
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     del index
@@ -145,15 +148,24 @@ def _write_meta(out_dir, meta: dict) -> None:
     os.replace(tmp, os.path.join(out_dir, META_FILE))  # atomic: a reader never sees half a meta file
 
 
+class IndexFileError(ValueError):
+    """An index file or corpus that cannot be served as it is; the message names the file and the fix."""
+
+
 def read_index_meta(index_dir: str | os.PathLike) -> dict:
     path = os.path.join(index_dir, META_FILE)
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path} not found: build the index first "
                                 f"(python tools/build_index.py --corpus C --out-dir {index_dir} --kind bm25)")
-    with open(path) as f:
-        meta = json.load(f)
-    if meta.get("kind") not in KINDS:
-        raise ValueError(f"{path}: unknown index kind {meta.get('kind')!r}")
+    try:
+        with open(path) as f:
+            meta = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise IndexFileError(f"{path} is damaged (not JSON: {e}): rebuild the index with tools/build_index.py "
+                             f"--out-dir {index_dir}") from None
+    if not isinstance(meta, dict) or meta.get("kind") not in KINDS:
+        raise IndexFileError(f"{path}: unknown index kind {meta.get('kind') if isinstance(meta, dict) else meta!r}; "
+                             f"rebuild the index with tools/build_index.py --out-dir {index_dir}")
     return meta
 
 
@@ -166,7 +178,7 @@ def load_retriever(index_dir: str | os.PathLike, corpus_path: str | os.PathLike 
     """Reopen an index directory. corpus_path overrides the recorded corpus (e.g. after moving it).
 
     runtime: settings that may differ from build time: EncoderConfig device/fp16/batch_size/backend, FaissConfig
-    use_gpu/num_threads/hnsw_ef_search, HybridConfig rrf_k/depth, bm25_mmap (memory-map the BM25 arrays) and
+    use_gpu/num_threads/hnsw_ef_search/nprobe/refine_k_factor, HybridConfig rrf_k/depth, bm25_mmap (memory-map the BM25 arrays) and
     faiss_mmap (memory-map the faiss vectors: the page cache holds them instead of a private copy; with use_gpu
     they go from the file to the GPUs without a full CPU copy) and query_cache_size (query embeddings kept in an
     LRU, for a server that sees repeated queries).
@@ -184,15 +196,17 @@ def _open(meta: dict, index_dir, corpus_file: str, lazy_corpus: bool | None, off
     bm25_mmap = bool(runtime.pop("bm25_mmap", False))
     faiss_mmap = bool(runtime.pop("faiss_mmap", False))
     query_cache_size = int(runtime.pop("query_cache_size", 0) or 0)
-    allowed = {"device", "fp16", "batch_size", "backend", "use_gpu", "num_threads", "hnsw_ef_search", "rrf_k", "depth"}
+    allowed = {"device", "fp16", "batch_size", "backend", "use_gpu", "num_threads", "hnsw_ef_search", "nprobe",
+               "refine_k_factor", "rrf_k", "depth"}
     bad = set(runtime) - allowed
     if bad:
         raise TypeError(f"load_retriever cannot change {sorted(bad)} (fixed at build time); "
                         f"runtime options: {sorted(allowed | {'bm25_mmap', 'faiss_mmap', 'query_cache_size'})}")
     corpus = open_corpus(corpus_file, lazy=lazy_corpus, offsets_cache=offsets_cache)
     if len(corpus) != meta["num_docs"]:
-        raise ValueError(f"{corpus_file} has {len(corpus)} docs but the index in {index_dir} was built over "
-                         f"{meta['num_docs']}: pass the corpus it was built from (corpus_path=...)")
+        raise IndexFileError(f"{corpus_file} has {len(corpus)} docs but the index in {index_dir} was built over "
+                             f"{meta['num_docs']}: pass the corpus it was built from with --corpus (or rebuild "
+                             f"the index over this one)")
     bm25 = dense = None
     if kind in ("bm25", "hybrid"):
         m = meta["bm25"]
@@ -202,8 +216,9 @@ def _open(meta: dict, index_dir, corpus_file: str, lazy_corpus: bool | None, off
         m = meta["dense"]
         enc_cfg = EncoderConfig(**{**m["encoder"], **_pick(EncoderConfig, runtime)})
         faiss_cfg = FaissConfig(**{**_pick(FaissConfig, m.get("faiss", {})), **_pick(FaissConfig, runtime)})
+        vectors = _in_dir(index_dir, m["vectors"]) if m.get("vectors") else None
         dense = DenseRetriever.from_faiss(_in_dir(index_dir, m["faiss_index"]), corpus, enc_cfg, faiss_cfg,
-                                          mmap=faiss_mmap, query_cache_size=query_cache_size)
+                                          mmap=faiss_mmap, query_cache_size=query_cache_size, vectors_path=vectors)
     if kind == "bm25":
         return bm25
     if kind == "dense":

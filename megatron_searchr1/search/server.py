@@ -196,6 +196,12 @@ def build_arg_parser() -> ArgumentParser:
     rt = p.add_argument_group("search runtime")
     rt.add_argument("--faiss-gpu", action="store_true", help="put a Flat faiss index on all GPUs (faiss-gpu)")
     rt.add_argument("--faiss-threads", type=int, default=0, help="faiss OpenMP threads; 0 = --torch-threads")
+    rt.add_argument("--nprobe", type=int, default=None,
+                    help="IVF lists visited per query (ivf_* indexes); default: the index's, or from its list count")
+    rt.add_argument("--ef-search", type=int, default=None, help="HNSW candidate list size (hnsw indexes)")
+    rt.add_argument("--refine-k-factor", type=int, default=None,
+                    help="re-score this many x topk candidates exactly from the stored vectors (0 = off; "
+                         "needs an index built with refine vectors)")
     rt.add_argument("--bm25-mmap", action="store_true", help="memory-map the BM25 arrays (large corpora)")
     rt.add_argument("--faiss-mmap", action="store_true",
                     help="memory-map the faiss vectors instead of reading them into RAM (a 65 GB e5_Flat.index)")
@@ -247,15 +253,26 @@ def check_args(args) -> None:
         raise UsageError("no index: pass --index-dir DIR, or --faiss-index FILE with --corpus FILE.jsonl")
     if args.index_dir:
         check_index_dir(args.index_dir)
+        meta_path = os.path.join(args.index_dir, "index_meta.json")
+        try:
+            with open(meta_path) as f:
+                json.load(f)
+        except (ValueError, UnicodeDecodeError) as e:  # before faiss, torch and the corpus load
+            raise UsageError(f"{meta_path} is damaged (not JSON: {e}): rebuild the index with "
+                             f"tools/build_index.py --out-dir {args.index_dir}") from None
     for flag, path in (("--faiss-index", args.faiss_index), ("--corpus", args.corpus)):
         if path and not os.path.isfile(path):
             raise UsageError(f"{flag} {path!r} is not a file")
+    if args.ef_search is not None and args.ef_search < 1:
+        raise UsageError(f"--ef-search must be >= 1, got {args.ef_search}")
+    if args.nprobe == 0:
+        raise UsageError("--nprobe must be >= 1 (leave it out for the index's default)")
     if args.port > 65535:
         raise UsageError(f"--port must be at most 65535, got {args.port}")
     problem = encoder_args_problem(args)
     if problem:
         raise UsageError(problem)
-    for flag in ("torch_threads", "faiss_threads", "query_cache_size"):
+    for flag in ("torch_threads", "faiss_threads", "query_cache_size", "nprobe", "refine_k_factor"):
         if (getattr(args, flag) or 0) < 0:
             raise UsageError(f"--{flag.replace('_', '-')} must be >= 0, got {getattr(args, flag)}")
 
@@ -265,7 +282,8 @@ def load_from_args(args) -> Retriever:
 
     runtime = {**encoder_options(args, runtime_only=True), "use_gpu": args.faiss_gpu,
                "num_threads": args.faiss_threads or None, "faiss_mmap": args.faiss_mmap or None,
-               "query_cache_size": args.query_cache_size}
+               "query_cache_size": args.query_cache_size, "nprobe": args.nprobe, "hnsw_ef_search": args.ef_search,
+               "refine_k_factor": args.refine_k_factor}
     runtime = {k: v for k, v in runtime.items() if v is not None}
     if args.index_dir:
         return load_retriever(args.index_dir, corpus_path=args.corpus, bm25_mmap=args.bm25_mmap, **runtime)
@@ -286,8 +304,13 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     threads = set_cpu_threads(args.torch_threads)
     logger.info("%d CPU threads for the encoder and faiss (--torch-threads)", threads)
+    from megatron_searchr1.search.retrievers import IndexFileError
+
     t0 = time.time()
-    retriever = load_from_args(args)
+    try:
+        retriever = load_from_args(args)
+    except IndexFileError as e:
+        raise UsageError(str(e)) from None
     logger.info("loaded %s in %.1fs", json.dumps(retriever.describe()), time.time() - t0)
     try:
         sock = bind_socket(config.host, config.port)
