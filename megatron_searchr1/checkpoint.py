@@ -410,7 +410,8 @@ def save_checkpoint(ckpt_root: str, step: int, models: dict[str, torch.nn.Module
             os.makedirs(ckpt_root, exist_ok=True)
             remove_stale_saves(ckpt_root)
             need = make_room(ckpt_root, keep_last, _complete_steps(ckpt_root),
-                             lambda s: dir_size(step_dir(ckpt_root, s)), lambda s: shutil.rmtree(step_dir(ckpt_root, s)))
+                             lambda s: dir_size(step_dir(ckpt_root, s)),
+                             lambda s: shutil.rmtree(step_dir(ckpt_root, s)))
             for sub in [*models, *(os.path.join("optimizer", n) for n in optimizers), "rng"]:
                 os.makedirs(os.path.join(tmp, sub))
         except OSError as e:
@@ -429,7 +430,9 @@ def save_checkpoint(ckpt_root: str, step: int, models: dict[str, torch.nn.Module
                     share_adam_step(opt_sd)
                 dist_checkpointing.save(opt_sd, os.path.join(tmp, "optimizer", name))
         torch.save(rng_state(), os.path.join(tmp, "rng", f"rank_{rank:05d}.pt"))
-    except Exception as e:  # noqa: BLE001  (made collective, then raised on every rank)
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:  # noqa: BLE001  (torch's CheckpointException is a BaseException; made collective)
         failure = e
     _fail_together(failure, step, ckpt_root, need)  # also the barrier: every rank's files are on disk
 
@@ -497,7 +500,7 @@ def _fail_together(failure: Optional[BaseException], step: int, ckpt_root: str, 
                 else "no earlier checkpoint exists")
         storage = [(r, f) for r, f in failed if f[0] is not None]
         if storage:
-            need_from = (f"the size of the previous checkpoint" if need is not None
+            need_from = ("the size of the previous checkpoint" if need is not None
                          else "at least what was written before it failed")
             err = storage_error(f"saving checkpoint step {step} to {step_dir(ckpt_root, step)} (rank "
                                 f"{storage[0][0]})", ckpt_root, storage[0][1][0],

@@ -39,7 +39,7 @@ class CheckpointStorageError(CheckpointError, UsageError):
 def storage_cause(exc: BaseException) -> Optional[int]:
     """The storage errno (STORAGE_ERRNOS) behind `exc`: the exception itself, its causes and contexts, and what a
     wrapper keeps of the real failures (torch.distributed.checkpoint's CheckpointException carries each rank's
-    exception in `failures`), else its message ("[Errno 28] ..."); None when it is not a storage failure."""
+    exception in `failures`), each by its errno or its message ("[Errno 28] ..."); None when it is no storage failure."""
     seen, todo = set(), [exc]
     while todo:
         e = todo.pop()
@@ -48,13 +48,13 @@ def storage_cause(exc: BaseException) -> Optional[int]:
         seen.add(id(e))
         if isinstance(e, OSError) and e.errno in STORAGE_ERRNOS:
             return e.errno
+        text = str(e)  # a writer's worker re-raised as "RuntimeError: Worker failure: [Errno 28] ..."
+        for code in STORAGE_ERRNOS:
+            if f"[Errno {code}]" in text:
+                return code
         todo += [e.__cause__, e.__context__]
         for failure in (getattr(e, "failures", None) or {}).values():
             todo += [x for x in (failure if isinstance(failure, tuple) else (failure,)) if isinstance(x, BaseException)]
-    text = str(exc)
-    for code in STORAGE_ERRNOS:
-        if f"[Errno {code}]" in text:
-            return code
     return None
 
 
