@@ -78,7 +78,7 @@ from megatron_searchr1.checkpoint_optimizer import (  # noqa: F401  (names of th
     load_optimizer, optimizer_metadata, optimizer_model_state, prepare_for_load, share_adam_step,
 )
 from megatron_searchr1.checkpoint_space import (
-    CheckpointStorageError, dir_size, looks_full, make_room, storage_cause, storage_error,
+    CheckpointStorageError, dir_size, free_bytes, looks_full, make_room, storage_cause, storage_error,
 )
 from megatron_searchr1.models.forward import unwrap
 from megatron_searchr1.models.freeze import is_frozen_subset
@@ -491,7 +491,7 @@ def _fail_together(failure: Optional[BaseException], step: int, ckpt_root: str, 
     box: list = [None]
     if _rank() == 0:
         tmp = step_dir(ckpt_root, step) + ".tmp"
-        written = dir_size(tmp)
+        written, free = dir_size(tmp), free_bytes(ckpt_root)  # as it failed, before the partial tree goes
         if not any(f[0] is not None for _, f in failed) and looks_full(ckpt_root):
             failed = [(r, (errno.ENOSPC, msg)) for r, (_, msg) in failed]  # a writer that lost the errno
         shutil.rmtree(tmp, ignore_errors=True)
@@ -504,7 +504,7 @@ def _fail_together(failure: Optional[BaseException], step: int, ckpt_root: str, 
                          else "at least what was written before it failed")
             err = storage_error(f"saving checkpoint step {step} to {step_dir(ckpt_root, step)} (rank "
                                 f"{storage[0][0]})", ckpt_root, storage[0][1][0],
-                                need=need if need is not None else written, need_from=need_from)
+                                need=need if need is not None else written, need_from=need_from, free=free)
             box = [("storage", f"{err}; the partial {os.path.basename(tmp)} was removed, {kept}")]
         else:
             r, (_, msg) = failed[0]

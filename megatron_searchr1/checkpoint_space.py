@@ -39,7 +39,8 @@ class CheckpointStorageError(CheckpointError, UsageError):
 def storage_cause(exc: BaseException) -> Optional[int]:
     """The storage errno (STORAGE_ERRNOS) behind `exc`: the exception itself, its causes and contexts, and what a
     wrapper keeps of the real failures (torch.distributed.checkpoint's CheckpointException carries each rank's
-    exception in `failures`), each by its errno or its message ("[Errno 28] ..."); None when it is no storage failure."""
+    exception in `failures`), each by its errno or its message ("[Errno 28] ..."); None when it is no storage
+    failure."""
     seen, todo = set(), [exc]
     while todo:
         e = todo.pop()
@@ -120,11 +121,14 @@ def make_room(ckpt_root: str, keep_last: Optional[int], complete: list[int], ste
     return need
 
 
-def storage_error(what: str, path: str, code: int, *, need: Optional[int], need_from: str) -> CheckpointStorageError:
-    """One line: what failed where, the cause, the space needed and free (for space), and what to do."""
+def storage_error(what: str, path: str, code: int, *, need: Optional[int], need_from: str,
+                  free: Optional[int] = None) -> CheckpointStorageError:
+    """One line: what failed where, the cause, the space needed and free (for space; `free`: as measured when it
+    failed, else now), and what to do."""
     cause, todo = STORAGE_ERRNOS[code]
     line = f"{what} failed: {cause} ({path}"
     if code in (errno.ENOSPC, errno.EDQUOT):
-        line += f": {human(free_bytes(path) if os.path.exists(path) else None)} free, a checkpoint needs about " \
-                f"{human(need)} ({need_from})"
+        if free is None:
+            free = free_bytes(path) if os.path.exists(path) else None
+        line += f": {human(free)} free, a checkpoint needs about {human(need)} ({need_from})"
     return CheckpointStorageError(f"{line}); {todo}")
