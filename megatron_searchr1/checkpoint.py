@@ -30,7 +30,13 @@ Atomicity: everything is written into `step_000010.tmp/`; after all ranks finish
 checkpoint.json, renames the directory to `step_000010/` and only then points `<root>/latest` at it (a temp file
 and os.replace). A crash at any point leaves `latest` on the previous complete checkpoint, and `latest_step` /
 `load_checkpoint` accept only directories with checkpoint.json. Stale `*.tmp` directories of crashed saves are
-removed by the next save; `keep_last` keeps the newest k checkpoints.
+removed at start (`agreed_resume_target`, `check_shared_dir(..., ckpt_root=)`) and by the next save; `keep_last`
+keeps the newest k checkpoints.
+
+A save that fails on any rank fails on every rank (the outcome is gathered after each phase), with its partial
+`.tmp` removed; a write the filesystem refuses (full, quota, read-only) is one CheckpointStorageError line saying
+where, how much is free and about how much a checkpoint needs (checkpoint_space.py). When the disk is short before
+a save, `keep_last` prunes first (down to keep_last - 1, never the newest complete checkpoint).
 
 RNG states are restored only when the world size matches the saved one (each rank gets its own state back);
 otherwise a warning says that random streams restart from the live seeds. Models must be the same architecture
@@ -50,6 +56,7 @@ before the new one takes its place, so a crash between the two renames leaves `l
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
@@ -69,6 +76,9 @@ import torch.distributed as dist
 from megatron_searchr1.checkpoint_optimizer import (  # noqa: F401  (names of this module's API, re-exported)
     DISTRIBUTED_OPTIMIZER_METADATA, OPTIMIZER_METADATA, CheckpointError, check_optimizer_layouts, freeze_marker,
     load_optimizer, optimizer_metadata, optimizer_model_state, prepare_for_load, share_adam_step,
+)
+from megatron_searchr1.checkpoint_space import (
+    CheckpointStorageError, dir_size, free_bytes, looks_full, make_room, storage_cause, storage_error,
 )
 from megatron_searchr1.models.forward import unwrap
 from megatron_searchr1.models.freeze import is_frozen_subset
@@ -179,50 +189,86 @@ def agreed_resume_target(resume: str, ckpt_root: str) -> Optional[tuple[str, int
     box: list = [None]
     if _rank() == 0:
         try:
+            remove_stale_saves(ckpt_root)  # before any save: a crashed save's tree may be what fills the disk
             target = resume_target(resume, ckpt_root)
             if target is not None:
                 target = (target[0], _resolve_step(*target))
             box = [("ok", target)]
         except CheckpointError as e:
             box = [("error", str(e))]
+        except OSError as e:  # removing a crashed save's tree, or reading the root
+            code = storage_cause(e)
+            box = [("storage", str(storage_error(f"preparing {ckpt_root} for this run", ckpt_root, code, need=None,
+                                                 need_from="unknown")))
+                   if code is not None else ("error", f"{ckpt_root}: {e}")]
     if _world() > 1:
         dist.broadcast_object_list(box, src=0)
     kind, value = box[0]
+    if kind == "storage":
+        raise CheckpointStorageError(value)
     if kind == "error":
         raise CheckpointError(value)
     return value
 
 
-def check_shared_dir(path: str, wait_s: float = 30.0) -> None:
+def check_shared_dir(path: str, wait_s: float = 30.0, ckpt_root: Optional[str] = None) -> None:
     """Every rank calls this at start: refuse (CheckpointError on every rank) unless `path` is one directory that
-    all ranks see, i.e. a shared filesystem when ranks sit on several nodes.
+    all ranks see, i.e. a shared filesystem when ranks sit on several nodes, and that they can write.
 
     Each rank writes a marker named after this launch (a token from rank 0) and its rank, then every rank looks for
     all markers, for up to `wait_s` seconds (a network filesystem may show another node's new file late). The
-    findings are gathered, so every rank raises the same error or none does; the markers are removed again.
+    findings are gathered, so every rank raises the same error or none does; the markers are removed again in
+    every case. A write the filesystem refuses (full, read-only, no permission) is a CheckpointStorageError naming
+    the directory and the cause. `ckpt_root`: rank 0 first removes what crashed saves left there (`*.tmp`), which
+    may be what fills the disk.
     """
-    os.makedirs(path, exist_ok=True)
-    if _world() == 1:
-        return
+    error = None
+    try:
+        os.makedirs(path, exist_ok=True)
+        if ckpt_root is not None and _rank() == 0:
+            remove_stale_saves(ckpt_root)
+    except OSError as e:
+        error = e
     token = [uuid.uuid4().hex if _rank() == 0 else None]
-    dist.broadcast_object_list(token, src=0)
+    if _world() > 1:
+        dist.broadcast_object_list(token, src=0)
 
     def marker(rank: int) -> str:
         return os.path.join(path, f".shared_dir_check.{token[0]}.rank{rank:05d}")
 
-    with open(marker(_rank()), "w") as f:
-        f.write(f"{socket.gethostname()}\n")
-    _barrier()
-    deadline = time.time() + wait_s
-    while True:
-        missing = [r for r in range(_world()) if not os.path.exists(marker(r))]
-        if not missing or time.time() >= deadline:
-            break
-        time.sleep(0.5)
-    seen: list = [None] * _world()
-    dist.all_gather_object(seen, (socket.gethostname(), missing))  # also: every rank is done looking
-    os.remove(marker(_rank()))
-    blind = [(r, host, miss) for r, (host, miss) in enumerate(seen) if miss]
+    missing: list = []
+    try:
+        if error is None:
+            try:
+                with open(marker(_rank()), "w") as f:
+                    f.write(f"{socket.gethostname()}\n")
+            except OSError as e:
+                error = e
+        _barrier()
+        deadline = time.time() + wait_s
+        while _world() > 1 and error is None:
+            missing = [r for r in range(_world()) if not os.path.exists(marker(r))]
+            if not missing or time.time() >= deadline:
+                break
+            time.sleep(0.5)
+        mine = (socket.gethostname(), missing, None if error is None else (storage_cause(error), str(error)))
+        seen: list = [mine]
+        if _world() > 1:
+            seen = [None] * _world()
+            dist.all_gather_object(seen, mine)  # also: every rank is done looking
+    finally:
+        try:
+            os.remove(marker(_rank()))
+        except OSError:
+            pass
+    broken = [(r, host, err) for r, (host, _, err) in enumerate(seen) if err is not None]
+    if broken:
+        r, host, (code, text) = broken[0]
+        if code is not None:
+            raise storage_error(f"checking trainer.output_dir (rank {r} on {host} writing there)", path, code,
+                                need=None, need_from="unknown before the first save")
+        raise CheckpointError(f"trainer.output_dir={path!r} cannot be used: rank {r} on {host}: {text}")
+    blind = [(r, host, miss) for r, (host, miss, _) in enumerate(seen) if miss]
     if blind:
         r, host, miss = blind[0]
         raise CheckpointError(
@@ -312,8 +358,10 @@ def _load_adapters(model: torch.nn.Module, model_dir: str) -> None:
     unwrap(model).load_state_dict(state, strict=False)
 
 
-def _remove_stale(ckpt_root: str) -> None:
-    """Rank 0: leftovers of saves that crashed (`*.tmp` directories and files)."""
+def remove_stale_saves(ckpt_root: str) -> None:
+    """Rank 0, where no save runs: remove the leftovers of saves that crashed (`*.tmp` directories and files)."""
+    if not os.path.isdir(ckpt_root):
+        return
     for name in os.listdir(ckpt_root):
         if name.endswith(".tmp"):
             path = os.path.join(ckpt_root, name)
@@ -354,55 +402,120 @@ def save_checkpoint(ckpt_root: str, step: int, models: dict[str, torch.nn.Module
                                   "directory (config + tokenizer) the model was built from")
     rank, layout = _rank(), _parallel_layout()
     final, tmp = step_dir(ckpt_root, step), step_dir(ckpt_root, step) + ".tmp"
+    need = None  # rank 0: the size of the newest complete checkpoint, what this one will take about
+
+    failure = None
+    if rank == 0:
+        try:
+            os.makedirs(ckpt_root, exist_ok=True)
+            remove_stale_saves(ckpt_root)
+            need = make_room(ckpt_root, keep_last, _complete_steps(ckpt_root),
+                             lambda s: dir_size(step_dir(ckpt_root, s)),
+                             lambda s: shutil.rmtree(step_dir(ckpt_root, s)))
+            for sub in [*models, *(os.path.join("optimizer", n) for n in optimizers), "rng"]:
+                os.makedirs(os.path.join(tmp, sub))
+        except OSError as e:
+            failure = e
+    _fail_together(failure, step, ckpt_root, need)
+
+    try:
+        for name, model in models.items():
+            dist_checkpointing.save(_model_state(model), os.path.join(tmp, name))
+            if name in optimizers:
+                # The optimizer's state is keyed by the model's sharded tensors (matched by parameter identity);
+                # a fresh model sharded state dict, since save() rewrites the one it is given in place.
+                opt_sd = optimizers[name].sharded_state_dict(optimizer_model_state(model),
+                                                             metadata=optimizer_metadata(optimizers[name]))
+                if is_frozen_subset(model):
+                    share_adam_step(opt_sd)
+                dist_checkpointing.save(opt_sd, os.path.join(tmp, "optimizer", name))
+        torch.save(rng_state(), os.path.join(tmp, "rng", f"rank_{rank:05d}.pt"))
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:  # noqa: BLE001  (torch's CheckpointException is a BaseException; made collective)
+        failure = e
+    _fail_together(failure, step, ckpt_root, need)  # also the barrier: every rank's files are on disk
 
     if rank == 0:
-        os.makedirs(ckpt_root, exist_ok=True)
-        _remove_stale(ckpt_root)
-        for sub in [*models, *(os.path.join("optimizer", n) for n in optimizers), "rng"]:
-            os.makedirs(os.path.join(tmp, sub))
-    _barrier()
-
-    for name, model in models.items():
-        dist_checkpointing.save(_model_state(model), os.path.join(tmp, name))
-        if name in optimizers:
-            # The optimizer's state is keyed by the model's sharded tensors (matched by parameter identity); a
-            # fresh model sharded state dict, since save() rewrites the one it is given in place.
-            opt_sd = optimizers[name].sharded_state_dict(optimizer_model_state(model),
-                                                         metadata=optimizer_metadata(optimizers[name]))
-            if is_frozen_subset(model):
-                share_adam_step(opt_sd)
-            dist_checkpointing.save(opt_sd, os.path.join(tmp, "optimizer", name))
-    torch.save(rng_state(), os.path.join(tmp, "rng", f"rank_{rank:05d}.pt"))
-    _barrier()  # every rank's files are on disk
-
-    if rank == 0:
-        for name, hf_dir in (hf_dirs or {}).items():
-            if has_lora(models[name]):
-                continue  # adapters only: not a model the converter can write (the merged HF export is)
-            _write_convert_metadata(os.path.join(tmp, name), models[name], hf_dir, layout)
-        torch.save({"step": step, "schedulers": {n: s.state_dict() for n, s in schedulers.items()},
-                    "extra": extra or {}}, os.path.join(tmp, STATE_FILE))
-        marker = {"format": FORMAT, "version": 1, "step": step, "world_size": _world(), **layout,
-                  "models": sorted(models), "optimizers": sorted(optimizers), "schedulers": sorted(schedulers),
-                  "lora_models": sorted(n for n in models if has_lora(models[n])),
-                  "freeze": {n: freeze_marker(models[n]) for n in optimizers if is_frozen_subset(models[n])},
-                  "time": time.time()}
-        with open(os.path.join(tmp, MARKER_FILE), "w") as f:
-            json.dump(marker, f, indent=2)
-        if os.path.exists(final):  # the same step saved again: move the old one aside first
-            os.replace(final, final + ".replaced.tmp")
-        os.replace(tmp, final)
-        latest_tmp = os.path.join(ckpt_root, LATEST_FILE + ".tmp")
-        with open(latest_tmp, "w") as f:
-            f.write(f"{step}\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(latest_tmp, os.path.join(ckpt_root, LATEST_FILE))
-        _remove_stale(ckpt_root)
-        if keep_last is not None:
-            _prune(ckpt_root, keep_last, protect=step)
-    _barrier()
+        try:
+            _finish(ckpt_root, step, tmp, final, models, optimizers, schedulers, extra, hf_dirs, layout, keep_last)
+        except Exception as e:  # noqa: BLE001
+            failure = e
+    _fail_together(failure, step, ckpt_root, need)
     return final
+
+
+def _finish(ckpt_root, step, tmp, final, models, optimizers, schedulers, extra, hf_dirs, layout, keep_last) -> None:
+    """Rank 0, after every rank wrote its files: metadata and the marker, the rename, `latest`, the clean-up."""
+    for name, hf_dir in (hf_dirs or {}).items():
+        if has_lora(models[name]):
+            continue  # adapters only: not a model the converter can write (the merged HF export is)
+        _write_convert_metadata(os.path.join(tmp, name), models[name], hf_dir, layout)
+    torch.save({"step": step, "schedulers": {n: s.state_dict() for n, s in schedulers.items()},
+                "extra": extra or {}}, os.path.join(tmp, STATE_FILE))
+    marker = {"format": FORMAT, "version": 1, "step": step, "world_size": _world(), **layout,
+              "models": sorted(models), "optimizers": sorted(optimizers), "schedulers": sorted(schedulers),
+              "lora_models": sorted(n for n in models if has_lora(models[n])),
+              "freeze": {n: freeze_marker(models[n]) for n in optimizers if is_frozen_subset(models[n])},
+              "time": time.time()}
+    with open(os.path.join(tmp, MARKER_FILE), "w") as f:
+        json.dump(marker, f, indent=2)
+    if os.path.exists(final):  # the same step saved again: move the old one aside first
+        os.replace(final, final + ".replaced.tmp")
+    os.replace(tmp, final)
+    latest_tmp = os.path.join(ckpt_root, LATEST_FILE + ".tmp")
+    with open(latest_tmp, "w") as f:
+        f.write(f"{step}\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(latest_tmp, os.path.join(ckpt_root, LATEST_FILE))
+    remove_stale_saves(ckpt_root)
+    if keep_last is not None:
+        _prune(ckpt_root, keep_last, protect=step)
+
+
+def _fail_together(failure: Optional[BaseException], step: int, ckpt_root: str, need: Optional[int]) -> None:
+    """A save is collective, so is its failure: every rank learns whether any rank failed (a rank raising alone
+    would leave the others waiting in the next collective). On a failure rank 0 removes the partial
+    `step_N.tmp` and words one message for all; every rank raises it: CheckpointStorageError (one `error:` line
+    at the entry points) when the filesystem refused a write, else a CheckpointError chained to this rank's own
+    exception (a bug: its traceback matters)."""
+    mine = None if failure is None else (storage_cause(failure), f"{type(failure).__name__}: {str(failure)[-300:]}")
+    seen = [mine]
+    if _world() > 1:
+        seen = [None] * _world()
+        dist.all_gather_object(seen, mine)
+    failed = [(r, f) for r, f in enumerate(seen) if f is not None]
+    if not failed:
+        return
+    box: list = [None]
+    if _rank() == 0:
+        tmp = step_dir(ckpt_root, step) + ".tmp"
+        written, free = dir_size(tmp), free_bytes(ckpt_root)  # as it failed, before the partial tree goes
+        if not any(f[0] is not None for _, f in failed) and looks_full(ckpt_root):
+            failed = [(r, (errno.ENOSPC, msg)) for r, (_, msg) in failed]  # a writer that lost the errno
+        shutil.rmtree(tmp, ignore_errors=True)
+        left = latest_step(ckpt_root)
+        kept = (f"step {left} (complete) is untouched and trainer.resume=auto continues from it" if left is not None
+                else "no earlier checkpoint exists")
+        storage = [(r, f) for r, f in failed if f[0] is not None]
+        if storage:
+            need_from = ("the size of the previous checkpoint" if need is not None
+                         else "at least what was written before it failed")
+            err = storage_error(f"saving checkpoint step {step} to {step_dir(ckpt_root, step)} (rank "
+                                f"{storage[0][0]})", ckpt_root, storage[0][1][0],
+                                need=need if need is not None else written, need_from=need_from, free=free)
+            box = [("storage", f"{err}; the partial {os.path.basename(tmp)} was removed, {kept}")]
+        else:
+            r, (_, msg) = failed[0]
+            box = [("error", f"saving checkpoint step {step} to {step_dir(ckpt_root, step)} failed on rank {r} "
+                             f"({msg}); the partial {os.path.basename(tmp)} was removed, {kept}")]
+    if _world() > 1:
+        dist.broadcast_object_list(box, src=0)
+    kind, msg = box[0]
+    if kind == "storage":
+        raise CheckpointStorageError(msg) from None
+    raise CheckpointError(msg) from failure
 
 
 # ----------------------------------------------------------------------------------------------------------------

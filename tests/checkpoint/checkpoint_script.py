@@ -9,7 +9,10 @@ save:  one training step, save step 5 (actor + optimizer + scheduler, critic wit
 crash: load step 5, then start saving step 6 and SIGKILL rank 1 right after its model shards are written.
 load:  fresh models (another init seed) + fresh optimizer, load "latest" through the roles (Policy / Critic .state(),
        checkpoint.load_roles: the trainers' path reads what the dict API wrote), compare everything with the save
-       run's record (OUT/load_rank{r}.ok on success), then save step 7 with keep_last=1 through the roles.
+       run's record (OUT/load_rank{r}.ok on success), then save step 7 with keep_last=1 through the roles;
+       with --full-root (a directory too small for a checkpoint), the shared-directory check and then a save of
+       step 8 there must fail on every rank with one storage line each (OUT/full_rank{r}.txt: the two messages);
+       --inject-enospc instead makes rank 1's RNG file write fail with ENOSPC (where no small tmpfs can be mounted).
 """
 import argparse
 import os
@@ -96,12 +99,58 @@ def assert_equal(a, b, what):
         assert a == b, f"{what}: {a!r} != {b!r}"
 
 
+def save_into_full_disk(args, rank, states):
+    """The shared-directory check and a save where the disk is full (or rank 1's write is made to fail): every rank
+    must raise CheckpointStorageError (none may hang in a collective); each rank's messages go to OUT."""
+    import errno
+
+    from megatron_searchr1 import checkpoint as ckpt
+
+    messages = []
+    if args.inject_enospc:
+        real_save = torch.save
+
+        def failing_save(obj, path, *a, **kw):
+            if rank == 1 and "rng" in str(path):
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+            return real_save(obj, path, *a, **kw)
+
+        torch.save = failing_save
+    try:
+        ckpt.save_roles(args.full_root, STEP_SAVED + 3, states, EXTRA)
+        raise AssertionError("the save into a full disk succeeded")
+    except ckpt.CheckpointStorageError as e:
+        messages.append(str(e))
+    if not args.inject_enospc:  # the failed save freed its space: fill the disk up, then check the directory
+        filler = os.path.join(args.full_root, "filler")
+        if rank == 0:
+            with open(filler, "wb", buffering=0) as f:
+                try:
+                    while True:
+                        f.write(b"x" * 4096)
+                except OSError:
+                    pass
+        dist.barrier()
+        try:
+            ckpt.check_shared_dir(args.full_root, wait_s=2)
+            raise AssertionError("the shared-directory check passed on a full disk")
+        except ckpt.CheckpointStorageError as e:
+            messages.append(str(e))
+        dist.barrier()
+        if rank == 0:
+            os.remove(filler)
+    with open(os.path.join(args.out, f"full_rank{rank}.txt"), "w") as f:
+        f.write("\n".join(messages))
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--mode", choices=["save", "crash", "load"], required=True)
     p.add_argument("--hf-dir", required=True)
     p.add_argument("--root", required=True)
     p.add_argument("--out", required=True)
+    p.add_argument("--full-root")
+    p.add_argument("--inject-enospc", action="store_true")
     args = p.parse_args()
 
     from megatron_searchr1 import checkpoint as ckpt
@@ -167,6 +216,8 @@ def main():
         assert_equal(params(ddp.module), record["after"], "parameters after the next step")
         ckpt.save_roles(args.root, STEP_SAVED + 2, states, EXTRA, keep_last=1)
         open(os.path.join(args.out, f"load_rank{rank}.ok"), "w").close()
+        if args.full_root:
+            save_into_full_disk(args, rank, states)
     destroy_megatron()
 
 

@@ -1,7 +1,8 @@
 """megatron_searchr1/checkpoint.py: atomic save, `latest`, keep_last, stale-save cleanup and RNG/scheduler/extra
 restore in one process (fast); and at TP=2 under torchrun (slow): models, optimizer state, scheduler, RNG and extra
-come back exactly into fresh objects, a rank SIGKILLed mid-save leaves the previous checkpoint loadable, and the
-actor subdirectory converts to Hugging Face with checkpoints_convert/megatron_to_hf.py."""
+come back exactly into fresh objects, a rank SIGKILLed mid-save leaves the previous checkpoint loadable, the
+actor subdirectory converts to Hugging Face with checkpoints_convert/megatron_to_hf.py, and a save into a full disk
+fails on both ranks with one line (test_disk_full.py has the rest of the full-disk behaviour)."""
 import json
 import os
 import random
@@ -13,6 +14,8 @@ import torch
 from megatron_searchr1.checkpoint import (
     LATEST_FILE, CheckpointError, latest_step, load_checkpoint, save_checkpoint, step_dir,
 )
+from megatron_searchr1 import checkpoint_space
+from tests.checkpoint.small_fs import small_fs
 from tests.checkpoints_convert.cli_utils import MEGATRON_TO_HF, run_cli, tiny
 from tests.dist_utils import REPO, run_torchrun
 
@@ -115,8 +118,21 @@ def test_tp2_save_crash_load_and_convert(tmp_path):
 
     # fresh models and optimizer at TP=2 get everything back (the script asserts and writes load_rank{r}.ok),
     # then save step 7 with keep_last=1, which clears the crashed save and step 5
-    run_torchrun(SCRIPT, 2, "--mode", "load", *common)
-    assert (out / "load_rank0.ok").exists() and (out / "load_rank1.ok").exists()
+    # ... and then (--full-root) a save of step 8 into a disk too small for it and the shared-directory check on
+    # that disk filled up fail on both ranks with one storage line each, leaving nothing behind
+    full = tmp_path / "full"
+    with small_fs(full, 256 * 1024) as mounted:
+        inject = [] if mounted else ["--inject-enospc"]  # no tmpfs: rank 1's write fails with ENOSPC instead
+        run_torchrun(SCRIPT, 2, "--mode", "load", *common, "--full-root", full / "ckpt", *inject)
+        assert (out / "load_rank0.ok").exists() and (out / "load_rank1.ok").exists()
+        messages = [(out / f"full_rank{r}.txt").read_text().split("\n") for r in (0, 1)]
+        assert messages[0] == messages[1] and len(messages[0]) == (2 if mounted else 1), messages
+        assert "no space left on the device" in messages[0][0] and str(full / "ckpt") in messages[0][0]
+        assert "step_000008.tmp was removed, no earlier checkpoint exists" in messages[0][0]
+        assert os.listdir(full / "ckpt") == []  # no partial save, no marker, the filler removed by the script
+        if mounted:
+            assert "checking trainer.output_dir" in messages[0][1] and "no space left" in messages[0][1]
+            assert checkpoint_space.dir_size(str(root / "step_000007")) > 256 * 1024  # the disk was too small
     assert sorted(os.listdir(root)) == [LATEST_FILE, "step_000007"]
     # saved through the roles (save_roles): the dict API's layout, the critic without optimizer or schedule
     marker = json.loads((root / "step_000007" / "checkpoint.json").read_text())
