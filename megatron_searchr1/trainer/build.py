@@ -202,7 +202,8 @@ def build_roles(cfg: Config) -> Roles:
     rank, world = dist.get_rank(), dist.get_world_size()
     dp_rank, dp_size = mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size()
     try:  # checkpoints need one directory for all nodes: refuse now, not at the first save or resume
-        check_shared_dir(t.output_dir)
+        # with ckpt_root: a crashed save's leftovers go first, so their space is free for the check's marker
+        check_shared_dir(t.output_dir, ckpt_root=os.path.join(t.output_dir, "checkpoints"))
     except CheckpointError as e:
         raise UsageError(str(e)) from None
 
@@ -247,8 +248,8 @@ def build_roles(cfg: Config) -> Roles:
     engine_kw: dict = dict(dtype=cfg.model.dtype if r.dtype == "auto" else r.dtype)
     if r.engine == "vllm":
         # one seed per vLLM TP group: its ranks must sample alike (requests carry their own seeds anyway)
-        # load_format="dummy": random weights at start, the first weight sync (before any generate: RolloutWorker)
-        # writes the actor's; reading the checkpoint a second time would only cost start-up time and host memory
+        # load_format="dummy": random weights at start; the first weight sync (before any generate: RolloutWorker)
+        # writes the actor's, so reading the checkpoint here would only cost start-up time and host memory
         engine_kw.update(tensor_parallel_size=r.engine_tp, max_model_len=cfg.data.max_prompt_length + r.max_response_length,
                          seed=t.seed + rank // r.engine_tp, gpu_memory_utilization=r.gpu_memory_utilization,
                          enforce_eager=r.enforce_eager, kv_sessions=None if r.kv_sessions else False,
