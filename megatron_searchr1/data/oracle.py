@@ -15,7 +15,7 @@ thoughts state a fact the observation does not show, so by default it is not wri
 
 A train trajectory can also be *shown* a held-out passage: the questions of the train split never ask about the
 held-out region (synthetic.py), but a search for a train fact can still rank a held-out entity's passage in its
-top-k (BM25 matches shared words such as "University" or "founded"; ~4% of train searches in the default world).
+top-k (BM25 matches shared words such as "University" or "founded"; a few percent of train searches).
 With `heldout_titles` the oracle flags such trajectories (`shows_heldout: true`) by the titles of the passages in
 each observation (every synthetic name is a fresh word, so a title names exactly one passage; the same check
 works on the server's text and on in-process results), and by default `write_sft` does not write them either, so

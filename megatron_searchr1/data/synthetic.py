@@ -27,8 +27,8 @@ that only validation/test ask about. What is guaranteed:
     held-out entity; every validation/test hop does (tested in tests/data/test_synthetic.py);
   - the facts of a held-out entity are stated only in its own passage (`heldout_titles`); distractor passages may
     name held-out entities but state none of the asked relations;
-  - retrieval is not bound by regions: a train search can return a held-out passage in its top-k (~4% of train
-    searches with BM25 top-3 in the default world). The oracle flags those trajectories and `write_sft` drops
+  - retrieval is not bound by regions: a train search can return a held-out passage in its top-k (a few percent
+    of train searches with BM25 top-3 in the default world). The oracle flags those trajectories and `write_sft` drops
     them unless told to keep them (--keep-heldout), so no WRITTEN train trajectory shows a held-out passage
     (tested in tests/data/test_oracle.py). RL rollouts on train questions search the whole corpus and can see them.
 

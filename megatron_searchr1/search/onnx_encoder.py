@@ -2,10 +2,10 @@
 
 Why: a small query batch on the CPU spends much of its time in PyTorch's eager overhead (one Python call and one
 kernel dispatch per op, dozens of ops per layer); ONNX Runtime runs the exported graph with fused kernels (LayerNorm,
-GELU, MatMul+Add) and no Python between them. Measured on the 2-core VM with MiniLM: one query 7.6 ms instead of
-16.8 ms; 16-64 short queries only ~5-10% faster, because there the matrix products dominate and both runtimes run
-them near the cores' fp32 peak. The embeddings stay equal to the eager model's to ~2e-7
-(`tests/search/test_onnx_encoder.py` holds them to 1e-5 and the top-3 to identical).
+GELU, MatMul+Add) and no Python between them. The gain is largest for a single query; for batches of tens of
+queries the matrix products dominate and both runtimes run them near the cores' fp32 peak (figures:
+tools/benchmarks/README.md). The embeddings stay equal to the eager model's (`tests/search/test_onnx_encoder.py`
+holds them to 1e-5 and the top-3 to identical).
 
 The model is exported once per (model files, torch, transformers) with torch.onnx (the TorchScript exporter, which
 needs the `onnx` package) and cached as a file (`cache_dir()`), so only the first start of a server pays the few
