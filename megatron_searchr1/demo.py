@@ -66,8 +66,8 @@ SIZES = {
     # every stage runs for real at toy length (CI).
     "ci": Size(world=("--seed", "0"), sft_steps=40, sft_batch=16, grpo_steps=3, grpo_batch=4, n=4, val_samples=32,
                sft_world_seeds=(1,), grpo_test_freq=2, sft_stop_early=0.6),
-    # The README's run (examples/cpu_demo.md): a diverse world so the warm-up learns to copy unseen names into queries; as short
-    # as the effect allows (the runs that chose these lengths: examples/cpu_demo_sizes.md).
+    # The README's run (examples/cpu_demo.md): a diverse world so the warm-up learns to copy unseen names into
+    # queries; as short as the effect allows (the runs that chose these lengths: examples/cpu_demo_sizes.md).
     "full": Size(world=("--seed", "3", "--n-people", "8000", "--n-companies", "2500", "--n-cities", "1500",
                         "--n-products", "2500", "--n-universities", "800", "--n-distractors", "3000",
                         "--n-train", "6000", "--n-validation", "300", "--n-test", "300"),

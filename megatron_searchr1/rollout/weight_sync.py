@@ -18,8 +18,8 @@ What moves, per pipeline stage s (every rank walks the stages in order, so the c
    for that call only (the engine copies them into its own parameters). `engine.finish_weight_sync()` at the end.
 
 Transport. On the GPU the bytes move with the collectives above (NCCL). On the CPU those run over gloo/TCP loopback,
-several times slower than a memory copy (tools/benchmarks/bench_weight_sync.py), so when every rank of a group is on the same host the group instead shares one
-/dev/shm-backed buffer (mapped by every rank at init, one region per bucket). TP: each rank writes its shards
+several times slower than a memory copy (tools/benchmarks/bench_weight_sync.py), so when every rank of a group is
+on the same host the group instead shares one /dev/shm-backed buffer (mapped by every rank at init, one region per bucket). TP: each rank writes its shards
 straight where the merged tensor has them, one `dist.barrier` over the group, and every rank reads the merged
 tensors in place (no merge copy). PP: every stage writes all its packed HF buckets at once, one barrier over the
 pipeline group, and every rank reads every stage's buckets in place. A barrier at the end of each sync keeps the
