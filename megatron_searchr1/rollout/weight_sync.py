@@ -18,15 +18,16 @@ What moves, per pipeline stage s (every rank walks the stages in order, so the c
    for that call only (the engine copies them into its own parameters). `engine.finish_weight_sync()` at the end.
 
 Transport. On the GPU the bytes move with the collectives above (NCCL). On the CPU those run over gloo/TCP loopback,
-several times slower than a memory copy (tools/benchmarks/bench_weight_sync.py), so when every rank of a group is
-on the same host the group instead shares one /dev/shm-backed buffer (mapped by every rank at init, one region per bucket). TP: each rank writes its shards
-straight where the merged tensor has them, one `dist.barrier` over the group, and every rank reads the merged
-tensors in place (no merge copy). PP: every stage writes all its packed HF buckets at once, one barrier over the
-pipeline group, and every rank reads every stage's buckets in place. A barrier at the end of each sync keeps the
-next sync from overwriting a region a slower peer still reads. `transport="collective"` forces the collectives;
-"shm" insists on shared memory (an error where it cannot be used); "auto" (default) takes shared memory where it
-can. `SyncStats.transport` says which ran. The price: the buffers hold a copy of the synced bytes (tmpfs pages) for
-the WeightSync's life, where the collectives need one bucket at a time; on the CPU that is a small model's worth.
+several times slower than a memory copy (tools/benchmarks/bench_weight_sync.py), so when every rank of a group is on
+the same host the group instead shares one /dev/shm-backed buffer (mapped by every rank at init, one region per
+bucket). TP: each rank writes its shards straight where the merged tensor has them, one `dist.barrier` over the
+group, and every rank reads the merged tensors in place (no merge copy). PP: every stage writes all its packed HF
+buckets at once, one barrier over the pipeline group, and every rank reads every stage's buckets in place. A barrier
+at the end of each sync keeps the next sync from overwriting a region a slower peer still reads.
+`transport="collective"` forces the collectives; "shm" insists on shared memory (an error where it cannot be used);
+"auto" (default) takes shared memory where it can. `SyncStats.transport` says which ran. The price: the buffers hold
+a copy of the synced bytes (tmpfs pages) for the WeightSync's life, where the collectives need one bucket at a time;
+on the CPU that is a small model's worth.
 
 The plan (which parameters go in which bucket, and the HF names, shapes, dtypes and byte offsets of every bucket
 of every stage) is built once: the shapes come from running the mapping on meta tensors, and the stages exchange
