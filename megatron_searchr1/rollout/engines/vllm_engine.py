@@ -160,10 +160,13 @@ def padded_vocabulary(model_dir: str, tokenizer_dir: str) -> bool:
 
     from transformers import AutoTokenizer
 
-    with open(os.path.join(model_dir, "config.json")) as f:
-        cfg = json.load(f)
-    rows = cfg.get("vocab_size", cfg.get("text_config", {}).get("vocab_size"))
-    return rows is not None and rows > len(AutoTokenizer.from_pretrained(tokenizer_dir))
+    try:
+        with open(os.path.join(model_dir, "config.json")) as f:
+            cfg = json.load(f)
+        rows = cfg.get("vocab_size", cfg.get("text_config", {}).get("vocab_size"))
+        return rows is not None and rows > len(AutoTokenizer.from_pretrained(tokenizer_dir))
+    except (OSError, ValueError):  # not a readable HF directory: vLLM's own loader says what is wrong with it
+        return False
 
 
 class VLLMEngine(KVSessionsMixin):
