@@ -123,3 +123,24 @@ def test_bad_input_is_one_error_line(tmp_path):
     assert proc.returncode == 2 and proc.stderr.startswith("error: --retriever"), proc.stderr
     assert "search.server" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
     assert not os.path.exists(os.path.join(tmp_path, "train.uncovered.jsonl"))
+
+
+def test_rows_without_a_chain_and_search_r1_shapes():
+    """Rows of tools/prepare_qa_data.py (no chain) and of Search-R1's own parquet (question only in the prompt),
+    passages in the shapes the two servers send."""
+    from megatron_searchr1.data.corpus_check import check_rows, passage_text, question_of, summarize
+    from megatron_searchr1.data.qa import make_row
+
+    ours = make_row("Where was Ada Lovelace born?", ["London"], "nq", "train", 0, "nq-train-0")
+    theirs = {"data_source": "hotpotqa", "extra_info": {"split": "train", "index": 0},
+              "prompt": [{"role": "user", "content": "Answer the given question. ... Question: Who wrote Hamlet?\n"}],
+              "reward_model": {"ground_truth": {"target": ["Shakespeare", "William Shakespeare"]}}}
+    assert question_of(theirs) == "Who wrote Hamlet?"
+    served = {"Where was Ada Lovelace born?": [{"document": {"id": "1", "contents": '"Londoner"\nA Londoner.'}},
+                                               {"document": {"id": "2", "title": "Ada", "text": "Born in London."}}],
+              "Who wrote Hamlet?": [{"document": '"Hamlet"\nA play by William Shakespeare.', "score": 1.0}]}
+    checks = check_rows([ours, theirs], {q: [passage_text(d) for d in ds] for q, ds in served.items()})
+    assert [(c.rank, c.hop_ranks) for c in checks] == [(2, None), (1, None)]   # "Londoner" is not "London"
+    stats = {(s.data_source, s.k): s for s in summarize(checks, [1, 2])}
+    assert stats[("nq", 1)].covered == 0 and stats[("nq", 2)].covered == 1 and stats[("nq", 2)].chain is None
+    assert stats[("all", 1)].question == 0.5 and stats[("all", 2)].mean_rank == 1.5
