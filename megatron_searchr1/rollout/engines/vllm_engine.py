@@ -293,8 +293,8 @@ class VLLMEngine(KVSessionsMixin):
             raise RuntimeError(f"VLLMEngine.generate() while {sorted(self._asleep)} sleep: call wake_up() first")
         if self._weights_dropped:
             raise RuntimeError("VLLMEngine.generate() on an engine without real weights (started with "
-                               "load_format='dummy', or asleep at level 2 since its last sync): load_weights() + "
-                               "finish_weight_sync() first, or sleep at level 1")
+                               "load_format='dummy', or after sleep(level=2) without a weight sync since): "
+                               "load_weights() + finish_weight_sync() first, or sleep at level 1")
         if not prompts:
             return []
         if sessions is not None and self.keeps_sessions:
