@@ -144,14 +144,18 @@ def test_vllm_engine_gives_the_hf_engines_tokens(setup):
     from megatron_searchr1.rollout.engines import make_engine
 
     engine = make_engine("vllm", setup["model_dir"], dtype="float32", kv_cache_gib=0.25, max_model_len=1024)
-    vllm_traj = _run(engine, setup)
-    _check(vllm_traj, setup)
-    # seeded sampling over more prompt tokens than one engine step takes: vLLM 0.32 crashed on the CPU when a
-    # seeded request's prefill was chunked ("CPU Generator does not use offset"); the engine prefills whole
-    from megatron_searchr1.rollout.engine import SamplingParams
+    try:
+        vllm_traj = _run(engine, setup)
+        _check(vllm_traj, setup)
+        # seeded sampling over more prompt tokens than one engine step takes: vLLM 0.32 crashed on the CPU when a
+        # seeded request's prefill was chunked ("CPU Generator does not use offset"); the engine prefills whole
+        from megatron_searchr1.rollout.engine import SamplingParams
 
-    outs = engine.generate([[setup["prompt"][0]] * 900] * 12, SamplingParams(max_tokens=4, temperature=1.0, seed=3))
-    assert [len(o.token_ids) for o in outs] == [4] * 12
+        outs = engine.generate([[setup["prompt"][0]] * 900] * 12,
+                               SamplingParams(max_tokens=4, temperature=1.0, seed=3))
+        assert [len(o.token_ids) for o in outs] == [4] * 12
+    finally:
+        engine.close()  # vLLM's own process group goes with it
     hf_traj = _run(make_engine("hf", setup["model_dir"]), setup)
     assert vllm_traj.response_ids == hf_traj.response_ids
     assert vllm_traj.loss_mask == hf_traj.loss_mask
