@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import itertools
 import logging
 import os
 from typing import Hashable, Iterable, Optional, Sequence
@@ -44,7 +43,7 @@ import torch
 from megatron_searchr1.rollout.engine import KV_CACHE, WEIGHTS, Generation, SamplingParams, derive_seed
 from megatron_searchr1.rollout.engines import vllm_cpu
 from megatron_searchr1.rollout.engines.vllm_sessions import (  # noqa: F401  (stop_candidates: re-exported)
-    KVSessionsMixin, _Session, check_finish, sampled_tokens, sessions_available, stop_candidates,
+    KVSessions, check_finish, sampled_tokens, sessions_available, stop_candidates,
 )
 
 logger = logging.getLogger(__name__)
@@ -169,9 +168,9 @@ def padded_vocabulary(model_dir: str, tokenizer_dir: str) -> bool:
         return False
 
 
-class VLLMEngine(KVSessionsMixin):
-    """vLLM's offline `LLM` behind the `Engine` interface (the module docstring); KV sessions come from
-    KVSessionsMixin (vllm_sessions.py)."""
+class VLLMEngine:
+    """vLLM's offline `LLM` behind the `Engine` interface (the module docstring); its KV sessions are a part it owns,
+    `self.sessions` (vllm_sessions.KVSessions)."""
 
     def __init__(self, model_dir: str, *, tensor_parallel_size: int = 1, dtype: str = "bfloat16",
                  gpu_memory_utilization: float = 0.5, kv_cache_gib: Optional[float] = None,
@@ -227,12 +226,6 @@ class VLLMEngine(KVSessionsMixin):
             raise ValueError(f"kv_sessions=True: vLLM {vllm.__version__} has no resumable requests (0.32 has them); "
                              f"leave it unset")
         self.keeps_sessions = bool(kv_sessions)
-        self._sessions: dict[Hashable, _Session] = {}
-        self._ids = itertools.count()
-        self._stop_candidates: dict[tuple[str, ...], frozenset[int]] = {}
-        self.session_pauses = 0
-        """Session turns paused at a token that could have completed a stop string but did not, then resumed."""
-        self._warned_room = False
         self.sleep_mode = bool(enable_sleep_mode)
         self._has_experts = _has_experts(model_dir)
         """MoE: a weight sync ends by re-processing the experts (_repack_experts)."""
@@ -256,12 +249,22 @@ class VLLMEngine(KVSessionsMixin):
         # load_format="dummy" (the trainer's engines: its first weight sync overwrites every tensor before the
         # first generate, so reading the checkpoint here would be wasted; verl starts its rollout engines so too)
         self._weights_dropped = llm_kwargs.get("load_format") == "dummy"
-        if self.keeps_sessions and self._scheduler() is None:
+        self.sessions = KVSessions(self.llm, self._sampling_params)
+        if self.keeps_sessions and self.sessions.scheduler() is None:
             if kv_sessions_asked:
                 raise ValueError("kv_sessions=True: this vLLM's engine core is not reachable in-process (sessions are "
                                  "driven through its scheduler); leave kv_sessions unset")
             logger.warning("vLLM's scheduler is not reachable in-process: KV sessions off (prefix cache only)")
             self.keeps_sessions = False
+
+    def end_sessions(self, keys: Optional[Iterable[Hashable]] = None) -> None:
+        """Free the KV cache of these sessions (all without keys); their blocks stay in the prefix cache."""
+        self.sessions.end(keys)
+
+    @property
+    def session_pauses(self) -> int:
+        """Session turns paused at a token that could have completed a stop string but did not, then resumed."""
+        return self.sessions.pauses
 
     # -- generation -----------------------------------------------------------------------------------------
     def _sampling_params(self, params: SamplingParams, index: int, *, max_tokens: Optional[int] = None,
@@ -301,9 +304,9 @@ class VLLMEngine(KVSessionsMixin):
             if len(sessions) != len(prompts) or len(set(sessions)) != len(sessions):
                 raise ValueError(f"sessions: one distinct key per prompt, got {len(set(sessions))} distinct keys "
                                  f"for {len(prompts)} prompts")
-            if self._room_for_sessions(prompts, params, sessions):
-                return self._generate_in_sessions(prompts, params, sessions)
-        self.end_sessions()  # vLLM's generate() runs until no request is left, paused sessions included
+            if self.sessions.room(prompts, params, sessions):
+                return self.sessions.generate(prompts, params, sessions)
+        self.sessions.end()  # vLLM's generate() runs until no request is left, paused sessions included
         from vllm.inputs import TokensPrompt
 
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts],
@@ -338,7 +341,7 @@ class VLLMEngine(KVSessionsMixin):
             self.llm.collective_rpc(_repack_experts)
             self._reloading = False
         self._weights_dropped = False
-        self.end_sessions()
+        self.sessions.end()
         if not self.llm.reset_prefix_cache():
             raise RuntimeError("vLLM could not reset its prefix cache (requests still running?)")
 
@@ -358,7 +361,7 @@ class VLLMEngine(KVSessionsMixin):
         separately, so that the sync runs before the KV cache takes its memory (engine.wake_and_sync, verl's order).
         """
         if self.sleep_mode and not self._asleep:
-            self.end_sessions()
+            self.sessions.end()
             self.llm.sleep(level=level)
             self._asleep = {WEIGHTS, KV_CACHE}
             self._weights_dropped = level >= 2
@@ -387,7 +390,7 @@ class VLLMEngine(KVSessionsMixin):
         """
         if self.llm is None:
             return
-        self.end_sessions()
+        self.sessions.end()
         from vllm.distributed import parallel_state as vps
 
         original = vps.destroy_distributed_environment
@@ -401,7 +404,7 @@ class VLLMEngine(KVSessionsMixin):
         if self.external_launcher:
             vps.destroy_distributed_environment = destroy_vllm_groups_only
         try:
-            self.llm = None
+            self.llm = self.sessions.llm = None  # the last references: collecting the LLM shuts vLLM down
             gc.collect()
         finally:
             vps.destroy_distributed_environment = original

@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import copy
 import inspect
+import itertools
 import logging
 from dataclasses import dataclass, field
-from typing import Hashable, Iterable, Optional, Sequence
+from typing import Callable, Hashable, Iterable, Optional, Sequence
 
 from megatron_searchr1.rollout.engine import Generation, SamplingParams
 
-# the engine's logger: these are VLLMEngine's methods, and users filter its messages by that name
+# the engine's logger: sessions are part of VLLMEngine, and users filter its messages by that name
 logger = logging.getLogger("megatron_searchr1.rollout.engines.vllm_engine")
 
 
@@ -98,18 +99,32 @@ class _Turn:
 
 
 
-class KVSessionsMixin:
-    """VLLMEngine's session methods (the module docstring). They use the engine's `llm`, `_sessions` (key -> _Session),
-    `_ids`, `_stop_candidates`, `session_pauses`, `_warned_room` and `_sampling_params`."""
+class KVSessions:
+    """The sessions of one VLLMEngine (the module docstring), a part the engine owns: `engine.sessions`.
 
-    def _scheduler(self):
+    It holds its own state (the live sessions by key, the stop-candidate sets, the pause count) and reaches vLLM only
+    through the `vllm.LLM` it is given; `sampling_params(params, index, max_tokens=, session_stop_ids=)` is the
+    engine's request builder, so session and plain requests sample alike."""
+
+    def __init__(self, llm, sampling_params: Callable):
+        self.llm = llm
+        self._sampling_params = sampling_params
+        self.held: dict[Hashable, _Session] = {}
+        """Live sessions by the caller's key."""
+        self._ids = itertools.count()
+        self._stop_candidates: dict[tuple[str, ...], frozenset[int]] = {}
+        self.pauses = 0
+        """Session turns paused at a token that could have completed a stop string but did not, then resumed."""
+        self._warned_room = False
+
+    def scheduler(self):
         """The in-process engine core's scheduler (what sessions are sized against), or None where it is not there."""
         sched = getattr(getattr(getattr(self.llm.llm_engine, "engine_core", None), "engine_core", None),
                         "scheduler", None)
         needed = ("max_num_active_reqs", "kv_cache_manager", "running")
         return sched if sched is not None and all(hasattr(sched, n) for n in needed) else None
 
-    def _candidates(self, stops: tuple[str, ...]) -> frozenset[int]:
+    def candidates(self, stops: tuple[str, ...]) -> frozenset[int]:
         """Token ids that could complete one of `stops` (stop_candidates over this engine's vocabulary)."""
         if not stops:
             return frozenset()
@@ -143,7 +158,7 @@ class KVSessionsMixin:
         eng.output_processor.add_request(own, None, None, 0)
         eng.engine_core.add_request(req)
 
-    def _room_for_sessions(self, prompts: Sequence[list[int]], params: SamplingParams,
+    def room(self, prompts: Sequence[list[int]], params: SamplingParams,
                            keys: Sequence[Hashable]) -> bool:
         """Whether this call's sessions fit in vLLM at once; if not, the call runs as plain requests.
 
@@ -153,7 +168,7 @@ class KVSessionsMixin:
         `max_num_seqs` slots and in the KV cache with its whole turn; sessions of other samples are ended first
         when they are in the way (their full blocks stay in the prefix cache).
         """
-        sched = self._scheduler()
+        sched = self.scheduler()
         slots = sched.max_num_active_reqs
         blocks = sched.kv_cache_manager.block_pool.num_gpu_blocks - 1  # vLLM keeps one null block
         size = self.llm.llm_engine.vllm_config.cache_config.block_size
@@ -166,17 +181,17 @@ class KVSessionsMixin:
                                len(keys), need, slots, blocks)
             return False
         mine = set(keys)
-        others = [k for k in self._sessions if k not in mine]
-        held = sum(-(-len(self._sessions[k].tokens) // size) for k in others)
+        others = [k for k in self.held if k not in mine]
+        held = sum(-(-len(self.held[k].tokens) // size) for k in others)
         if len(others) + len(keys) > slots or held + need > blocks:
-            self.end_sessions(others)
+            self.end(others)
         return True
 
-    def _generate_in_sessions(self, prompts: Sequence[list[int]], params: SamplingParams,
+    def generate(self, prompts: Sequence[list[int]], params: SamplingParams,
                               keys: Sequence[Hashable]) -> list[Generation]:
         stops = tuple(params.stop)
         real_stop_ids = set(params.stop_token_ids)
-        stop_ids = sorted(real_stop_ids | self._candidates(stops))
+        stop_ids = sorted(real_stop_ids | self.candidates(stops))
         window = max((len(st) for st in stops), default=0) + 2  # tokens enough to hold any stop string
         tok = self.llm.get_tokenizer() if stops else None
         turns: dict[str, _Turn] = {}
@@ -186,7 +201,7 @@ class KVSessionsMixin:
             if len(prompt) >= max_len:
                 raise ValueError(f"prompt {i} has {len(prompt)} tokens, the engine's max_model_len is {max_len}")
             sp = self._sampling_params(params, i, session_stop_ids=stop_ids)
-            held = self._sessions.get(key)
+            held = self.held.get(key)
             if held is not None and len(prompt) >= len(held.tokens) and prompt[:len(held.tokens)] == held.tokens:
                 # vLLM holds held.tokens[:-1]; its last sampled token and what follows are the new input
                 turns[held.external_id] = _Turn(i, held, cached=len(held.tokens) - 1)
@@ -194,14 +209,14 @@ class KVSessionsMixin:
                 held.tokens = prompt
             else:
                 if held is not None:
-                    self.end_sessions([key])
+                    self.end([key])
                 session = _Session("", f"mss-{next(self._ids)}", prompt)
-                self._sessions[key] = session
+                self.held[key] = session
                 turns[session.external_id] = _Turn(i, session, cached=None)
                 self._send(session, prompt, sp, new=True)
 
         gens: list[Optional[Generation]] = [None] * len(prompts)
-        scheduler = self._scheduler()
+        scheduler = self.scheduler()
         running, idle_steps = len(turns), 0
         while running:
             outputs = self.llm.llm_engine.step()
@@ -210,7 +225,7 @@ class KVSessionsMixin:
             if idle_steps > 3:
                 raise RuntimeError(
                     f"vLLM stopped making progress with {running} requests waiting: the KV cache cannot hold every "
-                    f"sample's session ({len(self._sessions)} held); give the engine more KV cache or set "
+                    f"sample's session ({len(self.held)} held); give the engine more KV cache or set "
                     f"kv_sessions=False")
             for out in outputs:
                 turn = turns.get(out.request_id)
@@ -233,7 +248,7 @@ class KVSessionsMixin:
                     if stop_reason is None:  # a candidate that completed no stop string: go on where it paused
                         left = params.max_tokens - len(turn.token_ids)
                         if left > 0:
-                            self.session_pauses += 1
+                            self.pauses += 1
                             self._send(turn.session, turn.token_ids[-1:],
                                        self._sampling_params(params, turn.index, max_tokens=left,
                                                              session_stop_ids=stop_ids), new=False)
@@ -245,10 +260,10 @@ class KVSessionsMixin:
                 running -= 1
         return gens  # type: ignore[return-value]
 
-    def end_sessions(self, keys: Optional[Iterable[Hashable]] = None) -> None:
+    def end(self, keys: Optional[Iterable[Hashable]] = None) -> None:
         """Free the KV cache of these sessions (all without keys); their blocks stay in the prefix cache."""
-        keys = list(self._sessions) if keys is None else [k for k in keys if k in self._sessions]
+        keys = list(self.held) if keys is None else [k for k in keys if k in self.held]
         if not keys:
             return
-        ids = [self._sessions.pop(k).request_id for k in keys]
+        ids = [self.held.pop(k).request_id for k in keys]
         self.llm.llm_engine.abort_request(ids, internal=True)

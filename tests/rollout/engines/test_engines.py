@@ -412,13 +412,13 @@ def test_vllm_session_requests_hold_their_stop_ids_as_a_set(vllm_a, prompts):
     as a frozenset (one lookup), not SamplingParams' list (a scan of every candidate; issue 19, item 6)."""
     params = SamplingParams(max_tokens=4, temperature=0, stop=("</search>", "</answer>"), stop_token_ids=(0,))
     vllm_a.generate(prompts[:2], params, sessions=["a", "b"])
-    sched = vllm_a._scheduler()
-    held = [sched.requests[s.request_id] for s in vllm_a._sessions.values()]
+    sched = vllm_a.sessions.scheduler()
+    held = [sched.requests[s.request_id] for s in vllm_a.sessions.held.values()]
     vllm_a.end_sessions()
     assert len(held) == 2
     for req in held:
         ids = req.sampling_params.stop_token_ids
-        assert isinstance(ids, frozenset) and 0 in ids and ids == vllm_a._candidates(params.stop) | {0}
+        assert isinstance(ids, frozenset) and 0 in ids and ids == vllm_a.sessions.candidates(params.stop) | {0}
 
 
 @pytest.mark.slow
@@ -431,18 +431,18 @@ def test_vllm_sessions_give_way_when_vllm_cannot_hold_them_all(vllm_a, hf_a, pro
     try:
         outs = vllm_a.generate(prompts, GREEDY, sessions=list(range(len(prompts))))  # 6 samples, 3 slots
         assert_same(outs, hf_a.generate(prompts, GREEDY))
-        assert not vllm_a._sessions
+        assert not vllm_a.sessions.held
         vllm_a.generate(prompts[:2], GREEDY, sessions=["a", "b"])
-        assert set(vllm_a._sessions) == {"a", "b"}
+        assert set(vllm_a.sessions.held) == {"a", "b"}
         outs = vllm_a.generate(prompts[2:4], GREEDY, sessions=["c", "d"])  # 2 held + 2 new > 3 slots
-        assert set(vllm_a._sessions) == {"c", "d"}
+        assert set(vllm_a.sessions.held) == {"c", "d"}
         assert_same(outs, hf_a.generate(prompts[2:4], GREEDY))
         # without that check the call would wait for a slot forever: the engine says so instead of hanging
-        vllm_a._room_for_sessions = lambda *args: True
+        vllm_a.sessions.room = lambda *args: True
         with pytest.raises(RuntimeError, match="stopped making progress"):
             vllm_a.generate(prompts, GREEDY, sessions=list(range(len(prompts))))
     finally:
-        vllm_a.__dict__.pop("_room_for_sessions", None)
+        vllm_a.sessions.__dict__.pop("room", None)
         vllm_a.end_sessions()
         sched.max_num_active_reqs = slots
     assert not vllm_a.llm.llm_engine.has_unfinished_requests()

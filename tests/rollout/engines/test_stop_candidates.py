@@ -1,4 +1,4 @@
-"""The KV-session stop candidates (vllm_sessions.stop_candidates / VLLMEngine._candidates) on byte-level BPEs
+"""The KV-session stop candidates (vllm_sessions.stop_candidates / KVSessions.candidates) on byte-level BPEs
 trained here: the ids whose token holds a stop's last character, no U+FFFD ids when the stops end in ASCII."""
 import importlib.util
 import sys
@@ -24,11 +24,11 @@ def _engine_candidates(tokenizer, stops):
     """The engine's own method, on a stand-in engine whose vLLM hands out this tokenizer."""
     from transformers import PreTrainedTokenizerFast
 
-    from megatron_searchr1.rollout.engines.vllm_engine import VLLMEngine
+    from megatron_searchr1.rollout.engines.vllm_sessions import KVSessions
 
     hf = PreTrainedTokenizerFast(tokenizer_object=tokenizer)
-    fake = SimpleNamespace(llm=SimpleNamespace(get_tokenizer=lambda: hf), _stop_candidates={})
-    return VLLMEngine._candidates(fake, stops), hf
+    sessions = KVSessions(SimpleNamespace(get_tokenizer=lambda: hf), sampling_params=None)
+    return sessions.candidates(stops), hf
 
 
 def _check(vocab_size, bound, lines=4000):
