@@ -52,3 +52,21 @@ def test_cispo_tis_llds_dapo_run_and_resume_exactly(world, tiny_model, server, r
     keys = [k for k in want[3] if not k.startswith(STEP_FIELDS_THAT_VARY)]
     diff = {k: (want[3][k], got[3].get(k)) for k in keys if want[3][k] != got[3].get(k)}
     assert not diff, diff
+
+
+@pytest.mark.slow
+def test_gspo_with_sequence_level_correction_and_overlong_filter_runs(world, tiny_model, server, rl_root):
+    """The sequence-level pieces in one launch: GSPO's one ratio per response (seq-mean-token-mean) and IcePop's band
+    mask, two updates per step so the ratios leave 1. (Not the overlong filter: a random model's responses all run
+    to the length limit, so it would mask every token.)"""
+    out = os.path.join(rl_root, "toolkit_gspo")
+    run_module("megatron_searchr1.train", rl_args(
+        world, tiny_model, server, out, "trainer.total_steps=2", "algo.policy_loss=gspo", "algo.clip_ratio_c=null",
+        "algo.loss_agg_mode=seq-mean-token-mean", "algo.rollout_correction=icepop",
+        "algo.ppo_epochs=2", "trainer.export_hf=false", "rollout.temperature=0.8"), nproc=2)
+    got = step_metrics(out)
+    assert sorted(got) == [1, 2]
+    for step, m in got.items():
+        for key in ("actor/pg_loss_gspo", "actor/rc_masked_frac", "actor/rc_mismatch_kl", "actor/grad_norm"):
+            assert key in m and math.isfinite(m[key]), (step, key, m.get(key))
+        assert m["actor/grad_norm"] > 0  # the sequence-level loss reached the weights
