@@ -28,9 +28,12 @@ if [[ -z "${MASTER_ADDR:-}" && "$NODE_RANK" != 0 ]]; then
     echo "error: NODE_RANK=$NODE_RANK needs MASTER_ADDR=<node 0's address> (the same on every node)" >&2
     exit 2
 fi
-# The config and the data files' footers, checked once here in a second, before torch loads: under torchrun a
+MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
+MASTER_PORT=${MASTER_PORT:-29500}
+NPROC=${NPROC_PER_NODE:-$(python -c "import torch; print(max(torch.cuda.device_count(), 1))")}
+# The config (at this launch's world size) and the data files' footers, checked once here in a second: under torchrun a
 # mistake would come back from every rank with torchrun's exit code 1 and its failure report around it.
-python - "$config" "$@" <<'PY'
+WORLD_SIZE=$((NNODES * NPROC)) python - "$config" "$@" <<'PY'
 import sys
 
 from megatron_searchr1.cli import check_data, parse, run_main
@@ -42,8 +45,6 @@ def preflight(argv):
 
 sys.exit(run_main(preflight, sys.argv[1:]))
 PY
-MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
-MASTER_PORT=${MASTER_PORT:-29500}
-NPROC=${NPROC_PER_NODE:-$(python -c "import torch; print(max(torch.cuda.device_count(), 1))")}
+
 exec torchrun --nnodes "$NNODES" --node-rank "$NODE_RANK" --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" \
     --nproc-per-node "$NPROC" -m megatron_searchr1.train "$config" "$@"

@@ -37,6 +37,7 @@ PLACED = {
         "model outputs on the last stage, torch.empty(device=collective_device()) on the others",
     ("megatron/schedule.py", "_set_global_counts", "all_reduce"): "made with device=collective_device()",
     ("megatron/schedule.py", "forward_backward", "all_reduce"): "made with device=collective_device()",
+    ("megatron/schedule.py", "equal_micro_batch_count", "all_reduce"): "made with device=collective_device()",
 }
 
 

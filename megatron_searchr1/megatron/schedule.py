@@ -85,12 +85,12 @@ def _needs_equal_counts(model) -> bool:
 def equal_micro_batch_count(model, micro_batches: Sequence[MicroBatch]) -> list[MicroBatch]:
     """`micro_batches` followed by empty ones up to the largest count over the DP group when the model's expert
     all-to-alls span DP ranks (`_needs_equal_counts`); as given otherwise. Padding micro-batches come last, so
-    `micro_batches[:len(given)]` are the real ones. One all-reduce (MAX) of a CPU tensor: the groups carry gloo
-    beside NCCL on a GPU (megatron/initialize.py), so it costs no device sync."""
+    `micro_batches[:len(given)]` are the real ones. One all-reduce (MAX) on collective_device(), as the schedule's
+    other counts: NCCL takes no CPU tensor where a group has no gloo beside it."""
     micro_batches = list(micro_batches)
     if not _needs_equal_counts(model):
         return micro_batches
-    count = torch.tensor([len(micro_batches)], dtype=torch.int64)
+    count = torch.tensor([len(micro_batches)], dtype=torch.int64, device=collective_device())
     dist.all_reduce(count, op=dist.ReduceOp.MAX, group=mpu.get_data_parallel_group())
     missing = int(count) - len(micro_batches)
     if missing > 0:

@@ -10,6 +10,7 @@ import pytest
 import megatron_searchr1.trainer.sources as runtime
 from megatron_searchr1.checkpoint import CheckpointError, save_checkpoint, step_dir
 from megatron_searchr1.config import Config
+from megatron_searchr1.metrics import RunLogger
 from megatron_searchr1.trainer.build import Data
 from megatron_searchr1.trainer.rl import Trainer
 from megatron_searchr1.trainer.roles import Policy
@@ -40,7 +41,7 @@ def _trainer(tmp_path, model_source):
     tr.policy = Policy(object(), object(), object(), hf_dir=str(tmp_path), source=model_source)
     tr.reference = Policy(object(), source=model_source)
     tr.critic, tr.rank, tr.data = None, 0, Data([], [], _Sampler())
-    tr.roles = SimpleNamespace(kl_ctrl=_KL())
+    tr.roles = SimpleNamespace(kl_ctrl=_KL(), logger=RunLogger(cfg.trainer.output_dir, enabled=False))
     return tr
 
 

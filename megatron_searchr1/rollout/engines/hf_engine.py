@@ -64,6 +64,10 @@ class HFEngine:
         self.model.to(self.device).eval()
         pad = self.tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else 0  # pad positions are masked out, any id works
+        try:  # ids past the tokenizer (a checkpoint's padded embedding rows) are never sampled
+            self.real_vocab_size: Optional[int] = len(self.tokenizer)
+        except TypeError:  # a tokenizer stand-in without a size (tests): nothing to mask
+            self.real_vocab_size = None
 
     # -- generation -----------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -92,7 +96,8 @@ class HFEngine:
         for _ in range(params.max_tokens):
             logits = self.model(input_ids=step_ids, attention_mask=mask, position_ids=positions,
                                 past_key_values=cache, use_cache=True).logits[:, -1, :].float()   # (B, V)
-            logits[:, len(self.tokenizer):] = float("-inf")  # a checkpoint's padded rows: no id names them
+            if self.real_vocab_size is not None and logits.shape[-1] > self.real_vocab_size:
+                logits[:, self.real_vocab_size:] = float("-inf")  # a checkpoint's padded rows: no id names them
             nxt = torch.empty(n, dtype=torch.long)
             for i in range(n):
                 if finish[i] is not None:
