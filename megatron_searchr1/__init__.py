@@ -15,8 +15,8 @@ The package, from the bottom up (each layer builds on those listed before it):
                       engine) and the weight sync from the actor into it;
   trainer/            the roles (Policy: actor, and frozen, the reference; Critic; RolloutWorker: engine, retrieval
                       client, sleep / wake), every loss callback (losses.py), the RL step (rl.py) and the SFT loop;
-  shared leaves       checkpoint.py (atomic save / resume), collectives.py, metrics.py, console.py, plots.py,
-                      cli.py (argument parsing, one-line errors);
+  shared leaves       checkpoint/ (atomic save / resume, optimizer layouts, disk space), collectives.py,
+                      metrics.py, console.py, plots.py, cli.py (argument parsing, one-line errors);
   entry points        train.py, sft.py, evaluate.py, infer.py, plan.py (the memory planner), demo.py: parse the
                       command line (before torch loads), build, run.
 

@@ -53,7 +53,7 @@ def test_resume_at_ep1_continues_an_ep2_run(ep2_run, world, tiny_moe, server, rl
     the engines and the restored RNG states are the same) and step 3 matches the uninterrupted EP=2 run's.
 
     EP=1 keeps the expert parameters in the dense optimizer, EP=2 in a separate one
-    (checkpoint_optimizer.load_optimizer).
+    (checkpoint.optimizer.load_optimizer).
     Rollout and reward metrics are equal exactly (the weights before step 3 are loaded as saved); the training
     metrics within 1e-4: at EP=2 an expert's gradient is one sum over both ranks' tokens, at EP=1 two per-rank sums
     all-reduced, so the float reduction order differs."""

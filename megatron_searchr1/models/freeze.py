@@ -13,7 +13,7 @@ too).
 Megatron fuses several HF tensors into one (q/k/v, gate/up); they always share an HF child module, so a fused
 tensor is either wholly trainable or wholly frozen. Frozen parameters get `requires_grad=False` before DDP and the
 optimizer are built (no gradient buffer, no Adam state); the checkpoint keys their Adam state per layer
-(checkpoint.py: `_optimizer_model_state`).
+(checkpoint/optimizer.py: `optimizer_model_state`).
 """
 from __future__ import annotations
 

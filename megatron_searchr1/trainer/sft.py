@@ -21,7 +21,7 @@ model.path takes) and the PEFT adapter (`<output_dir>/hf_adapter`, for PeftModel
 Freeze (`model.freeze.trainable_layers` set, LLaMA-Factory's `finetuning_type: freeze`): the same hook marks only
 LLaMA-Factory's trainable set (models/freeze.py: the last / first N layers, some of their modules, extra modules)
 as trainable; the real weights train, so checkpoints and the export hold the full model (the Adam state of the
-trained layers only, keyed per layer: checkpoint.py).
+trained layers only, keyed per layer: checkpoint/optimizer.py).
 """
 from __future__ import annotations
 

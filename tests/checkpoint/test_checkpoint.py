@@ -14,7 +14,7 @@ import torch
 from megatron_searchr1.checkpoint import (
     LATEST_FILE, CheckpointError, latest_step, load_checkpoint, save_checkpoint, step_dir,
 )
-from megatron_searchr1 import checkpoint_space
+from megatron_searchr1.checkpoint import space as checkpoint_space
 from tests.checkpoint.small_fs import small_fs
 from tests.checkpoints_convert.cli_utils import MEGATRON_TO_HF, run_cli, tiny
 from tests.dist_utils import REPO, run_torchrun

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from megatron_searchr1 import checkpoint as ckpt
-from megatron_searchr1 import checkpoint_space
+from megatron_searchr1.checkpoint import space as checkpoint_space
 from megatron_searchr1.checkpoint import (
     LATEST_FILE, CheckpointStorageError, agreed_resume_target, check_shared_dir, latest_step, save_checkpoint,
 )

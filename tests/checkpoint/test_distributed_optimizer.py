@@ -1,6 +1,6 @@
 """The distributed optimizer's checkpoints (parallel.use_distributed_optimizer, the GPU recipes' setting), saved in
 the dp_reshardable layout: a fresh optimizer restores weights, Adam moments, fp32 shards and LR, the next step
-equals the uninterrupted run's bit for bit (each parameter keeps its own Adam step: checkpoint_optimizer.py), and
+equals the uninterrupted run's bit for bit (each parameter keeps its own Adam step: checkpoint/optimizer.py), and
 another TP is refused with a message."""
 import json
 import os

@@ -1,6 +1,6 @@
 """A checkpoint saved at one expert-parallel size resumes at another (tests/checkpoint/ep_resume_script.py under
 torchrun, gloo): Megatron keeps expert parameters in a separate sub-optimizer only at EP > 1, so the optimizer's
-saved param groups do not nest like the live ones (checkpoint_optimizer.load_optimizer)."""
+saved param groups do not nest like the live ones (checkpoint.optimizer.load_optimizer)."""
 import os
 
 import pytest

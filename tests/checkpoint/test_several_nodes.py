@@ -1,4 +1,4 @@
-"""Checkpoints over several nodes (megatron_searchr1/checkpoint.py): the shared-output-dir check and the resume step
+"""Checkpoints over several nodes (megatron_searchr1/checkpoint/): the shared-output-dir check and the resume step
 that rank 0 alone decides, under torchrun with 2 gloo ranks standing in for 2 nodes (several_nodes_script.py)."""
 import json
 import os

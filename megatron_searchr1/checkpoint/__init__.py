@@ -21,7 +21,7 @@ Layout of one checkpoint (`<root>/step_000010/`):
     optimizer/actor/        `optimizer.sharded_state_dict(model_sharded_state_dict)`: Adam moments keyed by the
                             model's tensor names (Megatron's own format, so it reshards with TP/PP too; the
                             distributed optimizer's `dp_reshardable` layout reshards over DP only;
-                            a freeze run's keys are per layer; checkpoint_optimizer.py)
+                            a freeze run's keys are per layer; checkpoint/optimizer.py)
     rng/rank_00000.pt       each rank's python / numpy / torch / CUDA RNG and Megatron's RNG-tracker states
     trainer_state.pt        scheduler state dicts and `extra` (anything picklable: data cursor, KL controller, ...)
     checkpoint.json         written LAST by rank 0: step, world layout, what the checkpoint holds
@@ -35,7 +35,7 @@ keeps the newest k checkpoints.
 
 A save that fails on any rank fails on every rank (the outcome is gathered after each phase), with its partial
 `.tmp` removed; a write the filesystem refuses (full, quota, read-only) is one CheckpointStorageError line saying
-where, how much is free and about how much a checkpoint needs (checkpoint_space.py). When the disk is short before
+where, how much is free and about how much a checkpoint needs (checkpoint/space.py). When the disk is short before
 a save, `keep_last` prunes first (down to keep_last - 1, never the newest complete checkpoint).
 
 RNG states are restored only when the world size matches the saved one (each rank gets its own state back);
@@ -48,7 +48,7 @@ start (every rank writes a marker, every rank must see them all) and refuses oth
 lets rank 0 alone decide which step to resume and tells the others, so ranks never load different steps.
 
 The optimizer's side (the sharding metadata it is saved with, the layouts it loads at, the load across EP sizes)
-is checkpoint_optimizer.py; CheckpointError and the metadata constants are importable from here too.
+is checkpoint/optimizer.py; CheckpointError and the metadata constants are importable from here too.
 
 Resuming a step saved twice (a resumed run saving a step again): the old directory is renamed to a `.tmp` name
 before the new one takes its place, so a crash between the two renames leaves `latest` on a missing directory;
@@ -73,11 +73,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron_searchr1.checkpoint_optimizer import (  # noqa: F401  (names of this module's API, re-exported)
+from megatron_searchr1.checkpoint.optimizer import (  # noqa: F401  (names of this module's API, re-exported)
     DISTRIBUTED_OPTIMIZER_METADATA, OPTIMIZER_METADATA, CheckpointError, check_optimizer_layouts, freeze_marker,
     load_optimizer, optimizer_metadata, optimizer_model_state, prepare_for_load, share_adam_step,
 )
-from megatron_searchr1.checkpoint_space import (
+from megatron_searchr1.checkpoint.space import (
     CheckpointStorageError, dir_size, free_bytes, looks_full, make_room, storage_cause, storage_error,
 )
 from megatron_searchr1.models.forward import unwrap

@@ -1,6 +1,6 @@
-"""An optimizer's state in a training checkpoint (checkpoint.py) and the layouts it comes back at: the sharding
-metadata it is saved with, the model sharded state dict it is keyed by, the checks that refuse a layout it cannot
-load at, and the load itself across expert-parallel sizes.
+"""An optimizer's state in a training checkpoint (checkpoint/__init__.py) and the layouts it comes back at: the
+sharding metadata it is saved with, the model sharded state dict it is keyed by, the checks that refuse a layout it
+cannot load at, and the load itself across expert-parallel sizes.
 
     opt_sd = optimizer.sharded_state_dict(optimizer_model_state(model), metadata=optimizer_metadata(optimizer))
     check_optimizer_layouts(path, marker, here, models, optimizers)     # before any tensor is read
@@ -9,7 +9,7 @@ load at, and the load itself across expert-parallel sizes.
 What reshards: a plain optimizer's Adam moments are keyed by the model's tensor names (Megatron's own format), so they
 load at any TP/PP/DP and at another EP (`load_optimizer` re-nests the param groups); the distributed optimizer's
 `dp_reshardable` state loads at the TP/PP/EP it was saved at, any DP; a freeze run's state covers its trainable set
-only. Everything here is called by checkpoint.py's save_checkpoint / load_checkpoint on every rank.
+only. Everything here is called by the package's save_checkpoint / load_checkpoint on every rank.
 """
 from __future__ import annotations
 

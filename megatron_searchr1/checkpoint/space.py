@@ -1,5 +1,5 @@
-"""The storage side of checkpoints (checkpoint.py): what a full, read-only or forbidden output directory becomes,
-and making room before a save.
+"""The storage side of checkpoints (checkpoint/__init__.py): what a full, read-only or forbidden output directory
+becomes, and making room before a save.
 
 A save that the filesystem refuses (no space, quota, read-only, permission) is not a bug of ours but a state of the
 machine the user must change: CheckpointStorageError is a CheckpointError and a cli.UsageError, so the entry points'
@@ -15,7 +15,7 @@ import os
 import shutil
 from typing import Callable, Optional
 
-from megatron_searchr1.checkpoint_optimizer import CheckpointError
+from megatron_searchr1.checkpoint.optimizer import CheckpointError
 from megatron_searchr1.cli import UsageError
 
 # errno -> (short cause, what to do about it)
