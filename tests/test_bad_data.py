@@ -118,3 +118,21 @@ def test_a_model_dir_without_tokenizer_files_is_refused(tmp_path, model_dir):
                          tmp_path / "out")
     line = _one_error_line(proc)
     assert f"model.path={bare} has no tokenizer files" in line, line
+
+
+def test_an_unknown_sft_dataset_name_lists_the_known_ones_before_torch(tmp_path, model_dir):
+    """data.datasets names a dataset dataset_info.json lacks: one line with the names it has, from the SFT entry's
+    pre-torch check (seconds), not an SFTDataError traceback after the model is built."""
+    (tmp_path / "a.jsonl").write_text(json.dumps({"instruction": "q", "output": "a"}) + "\n")
+    (tmp_path / "dataset_info.json").write_text(json.dumps({"alpha": {"file_name": "a.jsonl"},
+                                                            "beta": {"file_name": "a.jsonl"}}))
+    start = time.time()
+    proc = subprocess.run([sys.executable, "-m", "megatron_searchr1.sft", f"model.path={model_dir}",
+                           f"data.dataset_dir={tmp_path}", "data.datasets=[alpha,mine]",
+                           f"trainer.output_dir={tmp_path / 'out'}"], cwd=REPO, capture_output=True, text=True,
+                          env=child_env(), timeout=120)
+    line = _one_error_line(proc)
+    assert f"data.datasets: unknown SFT dataset(s) 'mine'; {tmp_path / 'dataset_info.json'} defines 'alpha', 'beta'" \
+        in line, line
+    assert time.time() - start < 15, "the names must be checked before torch loads"
+    assert not (tmp_path / "out").exists()
