@@ -136,3 +136,19 @@ def test_an_unknown_sft_dataset_name_lists_the_known_ones_before_torch(tmp_path,
         in line, line
     assert time.time() - start < 15, "the names must be checked before torch loads"
     assert not (tmp_path / "out").exists()
+
+
+def test_an_unknown_data_source_is_refused_before_torch(tmp_path):
+    """A data_source the reward registry cannot score (prepare_qa_data's `mine=PATH`) failed every rank at its first
+    reward, ~25 s in; now the pre-torch data check reads the column and names the source and the known ones."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"num_attention_heads": 2, "num_hidden_layers": 2}))
+    bad = tmp_path / "train.parquet"
+    write_rows([make_row("who founded acme", ["Bo"], "nq", "train", 0, uid="nq-train-0"),
+                make_row("who runs acme", ["Al"], "mine", "train", 0, uid="mine-train-0")], str(bad))
+    proc, elapsed = _run_train(str(model), str(bad), _good(tmp_path / "val.parquet"), tmp_path / "out", timeout=60)
+    line = _one_error_line(proc)
+    assert f"data.train_files: {bad}: no reward for data_source 'mine'; known: nq, triviaqa" in line, line
+    assert "synthetic_<h>hop" in line and "tools/prepare_qa_data.py" in line
+    assert elapsed < 15, f"{elapsed:.1f}s: the data must be checked before torch loads"
