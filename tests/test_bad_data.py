@@ -152,3 +152,23 @@ def test_an_unknown_data_source_is_refused_before_torch(tmp_path):
     assert f"data.train_files: {bad}: no reward for data_source 'mine'; known: nq, triviaqa" in line, line
     assert "synthetic_<h>hop" in line and "tools/prepare_qa_data.py" in line
     assert elapsed < 15, f"{elapsed:.1f}s: the data must be checked before torch loads"
+
+
+def test_evaluation_does_not_need_the_train_files(tmp_path, model_dir):
+    """tools/evaluate.py sets trainer.val_only: the recipe's data.train_files (the CPU demo's, absent here) are not
+    read by any check. The run gets past the config and data checks to the retrieval check (a closed port here),
+    which is the next pre-torch step, so the error is about the server, not the train file."""
+    import socket
+
+    with socket.socket() as s:  # a free loopback port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    missing = tmp_path / "absent" / "train.parquet"
+    proc = subprocess.run([sys.executable, "-m", "megatron_searchr1.evaluate", "examples/grpo_tiny_cpu.yaml",
+                           f"model.path={model_dir}", "model.megatron_ckpt=", "parallel.tp=1", f"data.train_files=[{missing}]",
+                           f"data.val_files=[{_good(tmp_path / 'val.parquet')}]", "retrieval.launch=false",
+                           f"retrieval.url=http://127.0.0.1:{port}/retrieve", f"trainer.output_dir={tmp_path / 'out'}"],
+                          cwd=REPO, capture_output=True, text=True, env=child_env(), timeout=120)
+    line = _one_error_line(proc)
+    assert f"the retrieval server at http://127.0.0.1:{port}/retrieve does not answer" in line, line
+    assert "train.parquet" not in line
