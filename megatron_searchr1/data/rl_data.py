@@ -54,7 +54,8 @@ def known_sources() -> str:
 
 def check_schema(paths: list[str], what: str = "data file") -> dict[str, int]:
     """{path: number of rows} of Search-R1-style parquet files, from their footers only; a DataError names the
-    first file that is missing, unreadable, lacks a required column (or `reward_model.ground_truth`) or has no row.
+    first file that is missing, unreadable, lacks a required column (or `reward_model.ground_truth`), has no row,
+    or has a data_source the reward registry cannot score (that one column is read, not the rows).
     `what` names the config field in the message (e.g. "data.train_files")."""
     import pyarrow as pa
     import pyarrow.parquet as pq
