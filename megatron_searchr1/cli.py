@@ -176,8 +176,8 @@ def check_retrieval(cfg) -> None:
 
 
 def check_data(cfg) -> None:
-    """Fail fast (before torch loads) when an RL config's parquet files are missing, unreadable, schema-less or
-    empty: only their footers are read. Token lengths need the tokenizer: trainer/build.py checks them before it
+    """Fail fast (before torch loads) when an RL config's parquet files are missing, unreadable, schema-less,
+    empty or hold a data_source without a reward: only their footers and data_source column are read. Token lengths need the tokenizer: trainer/build.py checks them before it
     builds a model."""
     from megatron_searchr1.data.rl_data import DataError, check_schema
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import sys
 from typing import Optional, Sequence
 
-from megatron_searchr1.cli import parse, run_main
+from megatron_searchr1.cli import UsageError, parse, run_main
 from megatron_searchr1.console import quiet_third_party_warnings
 from megatron_searchr1.config import SFTConfig, llamafactory
 
@@ -25,10 +25,22 @@ from megatron_searchr1.config import SFTConfig, llamafactory
 def main(argv: Optional[Sequence[str]] = None) -> int:
     quiet_third_party_warnings()  # torch / Megatron / vLLM deprecation noise; ours still shows
     cfg = parse(argv, cls=SFTConfig, prog_doc=__doc__, translate=llamafactory.translate)
+    check_sft_data(cfg)
     from megatron_searchr1.trainer.sft import train_sft  # after the arguments: torch and Megatron load here
 
     train_sft(cfg)
     return 0
+
+
+def check_sft_data(cfg) -> None:
+    """Dataset names and their entries in dataset_info.json, before torch loads (the records are read later,
+    with the tokenizer): a mistake is one `error:` line naming the field and the names the file has."""
+    from megatron_searchr1.data.sft_data import SFTDataError, check_sft_datasets
+
+    try:
+        check_sft_datasets(cfg.data.dataset_dir, list(cfg.data.datasets))
+    except SFTDataError as e:
+        raise UsageError(str(e)) from None
 
 
 def cli() -> int:

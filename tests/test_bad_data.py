@@ -118,3 +118,57 @@ def test_a_model_dir_without_tokenizer_files_is_refused(tmp_path, model_dir):
                          tmp_path / "out")
     line = _one_error_line(proc)
     assert f"model.path={bare} has no tokenizer files" in line, line
+
+
+def test_an_unknown_sft_dataset_name_lists_the_known_ones_before_torch(tmp_path, model_dir):
+    """data.datasets names a dataset dataset_info.json lacks: one line with the names it has, from the SFT entry's
+    pre-torch check (seconds), not an SFTDataError traceback after the model is built."""
+    (tmp_path / "a.jsonl").write_text(json.dumps({"instruction": "q", "output": "a"}) + "\n")
+    (tmp_path / "dataset_info.json").write_text(json.dumps({"alpha": {"file_name": "a.jsonl"},
+                                                            "beta": {"file_name": "a.jsonl"}}))
+    start = time.time()
+    proc = subprocess.run([sys.executable, "-m", "megatron_searchr1.sft", f"model.path={model_dir}",
+                           f"data.dataset_dir={tmp_path}", "data.datasets=[alpha,mine]",
+                           f"trainer.output_dir={tmp_path / 'out'}"], cwd=REPO, capture_output=True, text=True,
+                          env=child_env(), timeout=120)
+    line = _one_error_line(proc)
+    assert f"data.datasets: unknown SFT dataset(s) 'mine'; {tmp_path / 'dataset_info.json'} defines 'alpha', 'beta'" \
+        in line, line
+    assert time.time() - start < 15, "the names must be checked before torch loads"
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_unknown_data_source_is_refused_before_torch(tmp_path):
+    """A data_source the reward registry cannot score (prepare_qa_data's `mine=PATH`) failed every rank at its first
+    reward, ~25 s in; now the pre-torch data check reads the column and names the source and the known ones."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"num_attention_heads": 2, "num_hidden_layers": 2}))
+    bad = tmp_path / "train.parquet"
+    write_rows([make_row("who founded acme", ["Bo"], "nq", "train", 0, uid="nq-train-0"),
+                make_row("who runs acme", ["Al"], "mine", "train", 0, uid="mine-train-0")], str(bad))
+    proc, elapsed = _run_train(str(model), str(bad), _good(tmp_path / "val.parquet"), tmp_path / "out", timeout=60)
+    line = _one_error_line(proc)
+    assert f"data.train_files: {bad}: no reward for data_source 'mine'; known: nq, triviaqa" in line, line
+    assert "synthetic_<h>hop" in line and "tools/prepare_qa_data.py" in line
+    assert elapsed < 15, f"{elapsed:.1f}s: the data must be checked before torch loads"
+
+
+def test_evaluation_does_not_need_the_train_files(tmp_path, model_dir):
+    """tools/evaluate.py sets trainer.val_only: the recipe's data.train_files (the CPU demo's, absent here) are not
+    read by any check. The run gets past the config and data checks to the retrieval check (a closed port here),
+    which is the next pre-torch step, so the error is about the server, not the train file."""
+    import socket
+
+    with socket.socket() as s:  # a free loopback port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    missing = tmp_path / "absent" / "train.parquet"
+    proc = subprocess.run([sys.executable, "-m", "megatron_searchr1.evaluate", "examples/grpo_tiny_cpu.yaml",
+                           f"model.path={model_dir}", "model.megatron_ckpt=", "parallel.tp=1", f"data.train_files=[{missing}]",
+                           f"data.val_files=[{_good(tmp_path / 'val.parquet')}]", "retrieval.launch=false",
+                           f"retrieval.url=http://127.0.0.1:{port}/retrieve", f"trainer.output_dir={tmp_path / 'out'}"],
+                          cwd=REPO, capture_output=True, text=True, env=child_env(), timeout=120)
+    line = _one_error_line(proc)
+    assert f"the retrieval server at http://127.0.0.1:{port}/retrieve does not answer" in line, line
+    assert "train.parquet" not in line

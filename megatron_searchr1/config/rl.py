@@ -613,7 +613,8 @@ class Config:
                   f"model.megatron_ckpt={self.model.megatron_ckpt!r} does not exist")
         if not self.trainer.val_only:
             check(bool(d.train_files), "data.train_files is empty: pass data.train_files=[path/train.parquet]")
-        for path in list(d.train_files) + list(d.val_files):
+        # evaluation (trainer.val_only) reads only the validation files: the recipe's train files need not exist
+        for path in ([] if self.trainer.val_only else list(d.train_files)) + list(d.val_files):
             check(os.path.isfile(path), f"data file {path!r} does not exist")
         if self.trainer.val_only or self.trainer.test_freq or self.trainer.val_before_train:
             check(bool(d.val_files) or not (self.trainer.val_only),

@@ -15,6 +15,7 @@ import os
 
 from megatron_searchr1.cli import ArgumentParser, UsageError, console, run_main
 from megatron_searchr1.data.prompts import TEMPLATES
+from megatron_searchr1.data.rl_data import known_sources, unscored_sources
 from megatron_searchr1.data.qa import (
     QADataError, SourceFile, build_split, find_flashrag_file, parse_source_spec, write_rows,
 )
@@ -49,6 +50,10 @@ def main(argv: list[str] | None = None) -> int:
             test.append(SourceFile(n, find_flashrag_file(args.flashrag_dir, n, ("test", "dev"))))
         for flag, sources in (("--train", train), ("--test", test)):
             for src in sources:
+                if unscored_sources([src.name]):  # it becomes data_source; training would fail at its first reward
+                    raise UsageError(f"{flag}: source name {src.name!r} (for {src.path}) has no reward; known: "
+                                     f"{known_sources()}: write NAME=PATH with one of them (the name becomes each "
+                                     f"row's data_source and picks its reward)")
                 if not os.path.isfile(src.path):
                     raise UsageError(f"{flag}: QA file {src.path!r} (source {src.name!r}) does not exist")
         if not train and not test:

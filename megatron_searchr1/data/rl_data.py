@@ -32,9 +32,30 @@ class DataError(ValueError):
 REQUIRED_COLUMNS = ("prompt", "data_source", "reward_model")
 
 
+def unscored_sources(sources) -> list:
+    """The values of `sources` that the reward registry (megatron_searchr1/reward) has no scorer for, sorted."""
+    from megatron_searchr1.reward import get_reward_fn
+
+    unknown = []
+    for source in sources:
+        try:
+            get_reward_fn(source if isinstance(source, str) else "")
+        except ValueError:
+            unknown.append(source)
+    return sorted(unknown, key=str)
+
+
+def known_sources() -> str:
+    """The data_source names with a reward, as the reward registry lists them."""
+    from megatron_searchr1.reward import QA_SOURCES
+
+    return ", ".join(QA_SOURCES) + ", synthetic, synthetic_<h>hop"
+
+
 def check_schema(paths: list[str], what: str = "data file") -> dict[str, int]:
     """{path: number of rows} of Search-R1-style parquet files, from their footers only; a DataError names the
-    first file that is missing, unreadable, lacks a required column (or `reward_model.ground_truth`) or has no row.
+    first file that is missing, unreadable, lacks a required column (or `reward_model.ground_truth`), has no row,
+    or has a data_source the reward registry cannot score (that one column is read, not the rows).
     `what` names the config field in the message (e.g. "data.train_files")."""
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -58,6 +79,11 @@ def check_schema(paths: list[str], what: str = "data file") -> dict[str, int]:
                             f"({{'ground_truth': {{'target': [answers]}}}}), got {reward}: {hint}")
         if meta.metadata.num_rows == 0:
             raise DataError(f"{what}: {path} has no rows")
+        unknown = unscored_sources(pq.read_table(path, columns=["data_source"]).column(0).unique().to_pylist())
+        if unknown:  # else every rank fails in its first reward, after the models and the engine are built
+            raise DataError(f"{what}: {path}: no reward for data_source {', '.join(map(repr, unknown))}; "
+                            f"known: {known_sources()}: name each input after a known source in "
+                            f"tools/prepare_qa_data.py (--train nq=PATH), or add a scorer in megatron_searchr1/reward")
         counts[path] = meta.metadata.num_rows
     return counts
 

@@ -332,6 +332,22 @@ def tokenize_messages(messages: list[dict], tokenizer, where: str = "conversatio
 # ----------------------------------------------------------------------------------------------------------------
 # The loader
 # ----------------------------------------------------------------------------------------------------------------
+def check_sft_datasets(dataset_info_dir: str, names: list[str], field: str = "data.datasets") -> dict[str, dict]:
+    """The parsed dataset_info.json after checking that every name in `names` has a readable entry with existing
+    files (no record is read): cheap, so the SFT entry runs it before torch loads. SFTDataError otherwise."""
+    info = read_dataset_info(dataset_info_dir)
+    unknown = [n for n in names if n not in info]
+    if unknown:
+        path = os.path.join(dataset_info_dir, DATASET_INFO)
+        raise SFTDataError(f"{field}: unknown SFT dataset(s) {', '.join(map(repr, unknown))}; {path} defines "
+                           f"{', '.join(map(repr, sorted(info))) or 'none'}: use one of those names or add an "
+                           f"entry for it to {path}")
+    for name in names:
+        _entry_spec(name, info[name])
+        _data_files(dataset_info_dir, name, info[name])
+    return info
+
+
 def load_sft_dataset(dataset_info_dir: str, names: list[str], tokenizer, max_length: int, template: str = "",
                      max_samples: int | None = None) -> SFTDataset:
     """Tokenised examples of the named datasets, in order (dataset by dataset, record by record).
@@ -355,11 +371,7 @@ def load_sft_dataset(dataset_info_dir: str, names: list[str], tokenizer, max_len
         names = [names]
     if not names:
         raise SFTDataError("no SFT dataset named: pass at least one name from dataset_info.json")
-    info = read_dataset_info(dataset_info_dir)
-    unknown = [n for n in names if n not in info]
-    if unknown:
-        raise SFTDataError(f"unknown SFT dataset(s) {unknown}; {os.path.join(dataset_info_dir, DATASET_INFO)} "
-                           f"defines {sorted(info)}")
+    info = check_sft_datasets(dataset_info_dir, names)
     out = SFTDataset()
     for name in names:
         fmt, columns, tags = _entry_spec(name, info[name])

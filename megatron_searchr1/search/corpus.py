@@ -92,6 +92,31 @@ def load_corpus(path: str | os.PathLike) -> list[dict]:
     return docs
 
 
+def last_row_problem(path: str | os.PathLike, block: int = 1 << 16) -> str | None:
+    """What is wrong with the corpus's last non-empty line, or None. A corpus cut short mid-write ends in half a
+    row; reading only the tail finds that in milliseconds even for wiki-18, before any index or model loads."""
+    path = os.fspath(path)
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        end, tail = size, b""
+        while end > 0:  # step back until the tail holds a whole non-empty line
+            start = max(0, end - block)
+            f.seek(start)
+            tail = f.read(end - start) + tail
+            end = start
+            body = tail.rstrip(b" \t\r\n")
+            if body and (b"\n" in body or start == 0):
+                break
+    line = tail.rstrip(b" \t\r\n").rsplit(b"\n", 1)[-1]
+    if not line:
+        return None
+    try:
+        parse_doc(json.loads(line), 0, "")
+    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
+        return f"its last line is not a complete row ({e})"
+    return None
+
+
 def write_corpus(docs: Iterable[dict], path: str | os.PathLike) -> int:
     """Write docs (any accepted format) as FlashRAG JSONL `{"id", "contents"}`; returns the number of rows."""
     n = 0

@@ -127,6 +127,10 @@ class FaissConfig:
         return out
 
 
+class IndexFileError(ValueError):
+    """An index file or corpus that cannot be served as it is; the message names the file and the fix."""
+
+
 def check_corpus_size(index_type: str, num_docs: int) -> None:
     """IndexTooSmall, naming the types that fit, when `num_docs` passages cannot train `index_type`."""
     need = MIN_PASSAGES.get(index_type, 1)
@@ -193,7 +197,12 @@ def read_faiss_index(path: str | os.PathLike, mmap: bool = False):
         if not flags:
             logger.warning("faiss %s cannot memory-map flat indexes (no IO_FLAG_MMAP_IFC; upgrade faiss): "
                            "reading all of %s into RAM", getattr(faiss, "__version__", "?"), path)
-    return faiss.read_index(os.fspath(path), flags)
+    try:
+        return faiss.read_index(os.fspath(path), flags)
+    except RuntimeError as e:  # faiss's C++ exception text has no hint of what to do
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[-1].split("Error: ", 1)[-1]
+        raise IndexFileError(f"{path} cannot be read by faiss ({reason}): the file is truncated or not a faiss "
+                             f"index; rebuild it with tools/build_index.py (or copy it again)") from None
 
 
 def _is_ivf_file(path) -> bool:

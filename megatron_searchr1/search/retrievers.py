@@ -17,11 +17,13 @@ import shutil
 import time
 from dataclasses import fields
 
+import numpy as np
+
 from megatron_searchr1.search.base import Retriever
 from megatron_searchr1.search.bm25 import BM25Config, BM25Retriever
-from megatron_searchr1.search.corpus import open_corpus
-from megatron_searchr1.search.dense import (VECTORS_FILE_SUFFIX, DenseRetriever, FaissConfig, check_corpus_size,
-                                            index_type_of, read_faiss_index)
+from megatron_searchr1.search.corpus import last_row_problem, open_corpus
+from megatron_searchr1.search.dense import (VECTORS_FILE_SUFFIX, DenseRetriever, FaissConfig, IndexFileError,
+                                            check_corpus_size, index_type_of, read_faiss_index)
 from megatron_searchr1.search.encoder import EncoderConfig
 from megatron_searchr1.search.hybrid import HybridConfig, HybridRetriever
 
@@ -148,10 +150,6 @@ def _write_meta(out_dir, meta: dict) -> None:
     os.replace(tmp, os.path.join(out_dir, META_FILE))  # atomic: a reader never sees half a meta file
 
 
-class IndexFileError(ValueError):
-    """An index file or corpus that cannot be served as it is; the message names the file and the fix."""
-
-
 def read_index_meta(index_dir: str | os.PathLike) -> dict:
     path = os.path.join(index_dir, META_FILE)
     if not os.path.exists(path):
@@ -171,6 +169,80 @@ def read_index_meta(index_dir: str | os.PathLike) -> dict:
 
 def _in_dir(index_dir, path: str) -> str:
     return path if os.path.isabs(path) else os.path.join(index_dir, path)
+
+
+def npy_problem(path: str | os.PathLike) -> str | None:
+    """What is wrong with a .npy file, or None: its header must parse and the file must hold all the data the
+    header promises (a copy or write cut short fails here, not deep inside numpy or bm25s)."""
+    try:
+        with open(path, "rb") as f:
+            version = np.lib.format.read_magic(f)
+            read_header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
+                           else np.lib.format.read_array_header_2_0)
+            shape, _, dtype = read_header(f)
+            data_start = f.tell()
+    except (ValueError, OSError, EOFError) as e:
+        return f"not a readable .npy file ({e})"
+    if dtype.hasobject:
+        return None
+    need = data_start + int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    have = os.path.getsize(path)
+    return None if have >= need else f"truncated: {have} bytes, its header needs {need}"
+
+
+def index_file_problems(index_dir, meta: dict) -> list[str]:
+    """The index files of `meta` that are missing, truncated or not parseable, each as "PATH: what". Cheap
+    (headers and sizes only), so the server runs it before faiss, torch or the corpus load."""
+    problems = []
+    if meta.get("kind") in ("bm25", "hybrid") and isinstance(meta.get("bm25"), dict):
+        bm25_dir = _in_dir(index_dir, meta["bm25"].get("dir", "bm25"))
+        if not os.path.isdir(bm25_dir):
+            problems.append(f"{bm25_dir}: missing")
+        else:
+            for name in sorted(os.listdir(bm25_dir)):
+                path = os.path.join(bm25_dir, name)
+                if name.endswith(".npy"):
+                    problem = npy_problem(path)
+                elif name.endswith(".json"):
+                    try:
+                        with open(path) as f:
+                            json.load(f)
+                        problem = None
+                    except (ValueError, UnicodeDecodeError) as e:
+                        problem = f"not JSON ({e})"
+                else:
+                    continue
+                if problem:
+                    problems.append(f"{path}: {problem}")
+    if meta.get("kind") in ("dense", "hybrid") and isinstance(meta.get("dense"), dict):
+        m = meta["dense"]
+        for key in ("faiss_index", "vectors"):
+            if not m.get(key):
+                continue
+            path = _in_dir(index_dir, m[key])
+            if not os.path.isfile(path):
+                problems.append(f"{path}: missing")
+            elif key == "vectors" and npy_problem(path):
+                problems.append(f"{path}: {npy_problem(path)}")
+    return problems
+
+
+def check_index_files(index_dir, meta: dict | None = None) -> None:
+    """IndexFileError naming the first damaged file of the index in `index_dir` and how to get a good one."""
+    meta = read_index_meta(index_dir) if meta is None else meta
+    problems = index_file_problems(index_dir, meta)
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise IndexFileError(f"{problems[0]}{more}: rebuild the index with tools/build_index.py "
+                             f"--out-dir {index_dir} (or copy the whole directory again)")
+
+
+def check_corpus_file(corpus_file: str) -> None:
+    """IndexFileError when the corpus ends in half a row (cut short by a copy or a full disk)."""
+    problem = last_row_problem(corpus_file)
+    if problem:
+        raise IndexFileError(f"{corpus_file}: {problem}: the file looks cut short; pass the complete corpus "
+                             f"with --corpus (or copy it again)")
 
 
 def load_retriever(index_dir: str | os.PathLike, corpus_path: str | os.PathLike | None = None,
@@ -202,7 +274,13 @@ def _open(meta: dict, index_dir, corpus_file: str, lazy_corpus: bool | None, off
     if bad:
         raise TypeError(f"load_retriever cannot change {sorted(bad)} (fixed at build time); "
                         f"runtime options: {sorted(allowed | {'bm25_mmap', 'faiss_mmap', 'query_cache_size'})}")
-    corpus = open_corpus(corpus_file, lazy=lazy_corpus, offsets_cache=offsets_cache)
+    check_index_files(index_dir, meta)
+    if os.path.isfile(corpus_file):
+        check_corpus_file(corpus_file)
+    try:
+        corpus = open_corpus(corpus_file, lazy=lazy_corpus, offsets_cache=offsets_cache)
+    except ValueError as e:  # a damaged row inside the corpus; the message names the file and line
+        raise IndexFileError(f"{e}: pass an intact corpus with --corpus (or copy it again)") from None
     if len(corpus) != meta["num_docs"]:
         raise IndexFileError(f"{corpus_file} has {len(corpus)} docs but the index in {index_dir} was built over "
                              f"{meta['num_docs']}: pass the corpus it was built from with --corpus (or rebuild "

@@ -245,6 +245,25 @@ def check_index_dir(index_dir: str, flag: str = "--index-dir") -> None:
                      f"(writes data/synthetic/index_bm25)")
 
 
+def check_index_contents(args) -> None:
+    """Truncated index files (.npy headers against sizes, the bm25s JSON files) and a corpus cut mid-line: one
+    line naming the file, before faiss, torch or the corpus load (seconds to minutes on wiki-18)."""
+    from megatron_searchr1.search.retrievers import (IndexFileError, check_corpus_file, check_index_files,
+                                                     read_index_meta)
+    try:
+        corpus = args.corpus
+        if args.index_dir:
+            meta = read_index_meta(args.index_dir)
+            check_index_files(args.index_dir, meta)
+            if not corpus and isinstance(meta.get("corpus"), str):
+                corpus = meta["corpus"] if os.path.isabs(meta["corpus"]) else os.path.join(args.index_dir,
+                                                                                            meta["corpus"])
+        if corpus and os.path.isfile(corpus):
+            check_corpus_file(corpus)
+    except IndexFileError as e:
+        raise UsageError(str(e)) from None
+
+
 def check_args(args) -> None:
     """Mistakes in the flags, found before anything heavy loads (UsageError: one `error:` line, exit 2)."""
     if args.index_dir and args.faiss_index:
@@ -260,6 +279,7 @@ def check_args(args) -> None:
         except (ValueError, UnicodeDecodeError) as e:  # before faiss, torch and the corpus load
             raise UsageError(f"{meta_path} is damaged (not JSON: {e}): rebuild the index with "
                              f"tools/build_index.py --out-dir {args.index_dir}") from None
+    check_index_contents(args)
     for flag, path in (("--faiss-index", args.faiss_index), ("--corpus", args.corpus)):
         if path and not os.path.isfile(path):
             raise UsageError(f"{flag} {path!r} is not a file")

@@ -124,6 +124,10 @@ def test_bad_files_and_sources(flashrag, tmp_path):
     with pytest.raises(UsageError, match=r"data source\(s\) \['nq'\] given twice"):
         qa_cli.main(["--train", f"nq={flashrag}/nq/train.jsonl", f"nq={flashrag}/nq/test.jsonl",
                  "--out-dir", str(tmp_path / "out")])
+    with pytest.raises(UsageError, match=r"--train: source name 'mine' \(for .*train\.jsonl\) has no reward; known: "
+                                         r"nq, .*synthetic_<h>hop: write NAME=PATH"):
+        qa_cli.main(["--train", f"mine={flashrag}/nq/train.jsonl", "--out-dir", str(tmp_path / "out")])
+    assert not (tmp_path / "out" / "train.parquet").exists()
     with pytest.raises(UsageError, match="no FlashRAG file for source 'musique'"):
         qa_cli.main(["--flashrag-dir", str(flashrag), "--test-sources", "musique", "--out-dir", str(tmp_path / "out")])
     with pytest.raises(UsageError, match="nothing to do"):

@@ -190,7 +190,7 @@ def test_too_long_examples_are_dropped_and_counted_never_truncated(tok, tmp_path
 
 
 @pytest.mark.parametrize("entries,files,names,match", [
-    ({"a": {"file_name": "a.json"}}, {"a.json": []}, ["b"], r"unknown SFT dataset\(s\) \['b'\].*defines \['a'\]"),
+    ({"a": {"file_name": "a.json"}}, {"a.json": []}, ["b"], r"unknown SFT dataset\(s\) 'b'; .*defines 'a': use one of those names"),
     ({"a": {"file_name": "missing.json"}}, {}, ["a"], r"missing.json does not exist"),
     ({"a": {"hf_hub_url": "x/y"}}, {}, ["a"], r"no file_name \(it names hf_hub_url"),
     ({"a": {"file_name": "a.json"}}, {"a.json": [{"instruction": "q"}]}, ["a"], r"column 'output' is missing"),
