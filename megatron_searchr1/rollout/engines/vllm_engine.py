@@ -28,10 +28,11 @@ Semantics (the same as the `hf` reference engine, which cross-checks them):
   request from that stream. A request with a seed of its own would send vLLM's sampler through a per-request loop
   at every decode step (a generator call per request: a kernel launch each on GPUs). What this costs: a sample
   depends on the batch composition (the same prompt in another batch, or beside other prompts, gets a different
-  sample); it is deterministic for the same prompts, SamplingParams and seed in the same order. TP ranks of one
-  engine group seed the same stream, so they sample alike. `seed_per_request=True` gives the old behaviour, one
-  seed per prompt (`engine.derive_seed`), a sample independent of the rest of the batch, at that per-step cost.
-  Without a seed, requests sample from the process-global torch RNG as it is;
+  sample); it is deterministic for the same prompts, SamplingParams and seed in the same order on an engine in the
+  same state (prefix-cache hits that change how vLLM schedules the prompts change the draws too). TP ranks of one
+  engine group seed the same stream, so they sample alike. `seed_per_request=True` gives each prompt its own seed
+  (`engine.derive_seed`): a sample independent of the rest of the batch, at that per-step cost. Without a seed,
+  requests sample from the process-global torch RNG as it is;
 - `num_cached_tokens`: prompt tokens served from the prefix cache (or held by the sample's session).
 
 Also here: KV sessions (`kv_sessions=True`, the default where vLLM has them: vllm_sessions.py), the CPU backend's
