@@ -13,8 +13,10 @@ machine's speed hits both alike:
 Printed for each: milliseconds per decode step (vLLM's engine step, timed around `llm_engine.step`; each call's
 first step, the prefill, left out) and per sampler call (`Sampler.sample`), min / median / max over every step of
 every round, and the ratio (a) / (b) of the medians, per round and overall. The sampler row isolates the part that
-differs; the step row is what a rollout feels. On GPUs the per-request path is one kernel launch per request per
-step; on the CPU it is a small random draw per request, so expect a smaller gap there.
+differs; the step row is what a rollout feels. The per-request path exists in vLLM's V1 model runner (the CPU
+backend, measured here: a small random draw per request per step; on a GPU under V1, a kernel launch each). vLLM
+0.32's Model Runner V2, its default on GPUs, samples seeded and unseeded requests in one kernel, so there the two
+modes should cost the same.
 """
 from __future__ import annotations
 

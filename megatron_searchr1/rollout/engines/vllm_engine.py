@@ -24,10 +24,13 @@ Semantics (the same as the `hf` reference engine, which cross-checks them):
   temperature, so the engine gap and the rollout correction hold at any temperature. (vLLM then samples with its
   native top-k/top-p sampler instead of FlashInfer's, which cannot return processed log-probs.);
 - one random stream per generate() call: with `params.seed` set, the process-global RNGs (torch CPU and CUDA,
-  random, numpy) are seeded from it for the call and restored afterwards (`_seeded_stream`), and vLLM samples every
-  request from that stream. A request with a seed of its own would send vLLM's sampler through a per-request loop
-  at every decode step (a generator call per request: a kernel launch each on GPUs). What this costs: a sample
-  depends on the batch composition (the same prompt in another batch, or beside other prompts, gets a different
+  random, numpy) are seeded from it for the call and restored afterwards (`_seeded_stream`), and no request carries
+  a seed of its own. vLLM's V1 model runner (the CPU backend) draws the noise of unseeded requests in one call from
+  the global torch RNG, but that of a request with its own seed from the request's generator, one call per request
+  at every decode step. Model Runner V2 (vLLM 0.32's default on GPUs) hashes every request's seed inside one
+  sampling kernel and gives an unseeded request a seed from numpy's global RNG when it is added: there a seed per
+  request costs nothing, and this seeding keeps the draws reproducible and equal on the ranks of a TP group. What
+  one stream costs: a sample depends on the batch composition (the same prompt in another batch, or beside other prompts, gets a different
   sample); it is deterministic for the same prompts, SamplingParams and seed in the same order on an engine in the
   same state (prefix-cache hits that change how vLLM schedules the prompts change the draws too). TP ranks of one
   engine group seed the same stream, so they sample alike. `seed_per_request=True` gives each prompt its own seed
