@@ -42,13 +42,16 @@ class FakeLLM:
         return True
 
     def generate(self, prompts, sampling_params, use_tqdm=True):
-        """Samples as vLLM does: a request with a seed from its own generator, one without from the global torch
-        RNG (in batch order); also draws from `random`, as vLLM's helpers may."""
+        """Samples as vLLM does: a request with a seed from its own generator; one without from the global torch
+        RNG in batch order (the V1 model runner) shifted by a draw of numpy's global RNG (Model Runner V2 seeds
+        unseeded requests from it); also draws from `random`, as vLLM's helpers may."""
         self.sampling_params = sampling_params
         outs = []
         for prompt, sp in zip(prompts, sampling_params):
-            gen = None if sp.seed is None else torch.Generator().manual_seed(sp.seed)
-            ids = torch.randint(0, 1000, (sp.max_tokens,), generator=gen).tolist()
+            if sp.seed is None:
+                ids = ((torch.randint(0, 1000, (sp.max_tokens,)) + int(np.random.randint(1000))) % 1000).tolist()
+            else:
+                ids = torch.randint(0, 1000, (sp.max_tokens,), generator=torch.Generator().manual_seed(sp.seed)).tolist()
             random.random()
             completion = SimpleNamespace(token_ids=ids, finish_reason="length", stop_reason=None,
                                          logprobs=[{t: SimpleNamespace(logprob=-1.0)} for t in ids])
@@ -152,6 +155,7 @@ def test_one_seeded_stream_per_generate_call(platform):
     assert alone[0].token_ids != first[2].token_ids
     # the stream is the global one seeded from the call's seed, not the state the caller left
     random.seed(99)
+    np.random.seed(99)
     torch.manual_seed(99)
     assert [g.token_ids for g in engine.generate(prompts, params)] == [g.token_ids for g in first]
 
@@ -172,14 +176,16 @@ def test_seed_per_request_gives_each_prompt_its_own_seed(platform):
 
 
 def test_unseeded_calls_draw_from_the_global_stream(platform):
-    """params.seed=None: the engine seeds nothing; samples come from the global torch RNG as the caller left it."""
+    """params.seed=None: the engine seeds nothing; samples come from the global RNGs as the caller left them."""
     platform(True)
     engine = VLLMEngine("/model", kv_sessions=False, kv_cache_gib=0.1)
     params = vllm_engine.SamplingParams(max_tokens=8)
     torch.manual_seed(3)
+    np.random.seed(3)
     a = engine.generate([[1]], params)[0].token_ids
     assert engine.generate([[1]], params)[0].token_ids != a  # the global stream moved on
     torch.manual_seed(3)
+    np.random.seed(3)
     assert engine.generate([[1]], params)[0].token_ids == a
 
 
