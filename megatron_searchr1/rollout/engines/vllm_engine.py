@@ -30,12 +30,12 @@ Semantics (the same as the `hf` reference engine, which cross-checks them):
   at every decode step. Model Runner V2 (vLLM 0.32's default on GPUs) hashes every request's seed inside one
   sampling kernel and gives an unseeded request a seed from numpy's global RNG when it is added: there a seed per
   request costs nothing, and this seeding keeps the draws reproducible and equal on the ranks of a TP group. What
-  one stream costs: a sample depends on the batch composition (the same prompt in another batch, or beside other prompts, gets a different
-  sample); it is deterministic for the same prompts, SamplingParams and seed in the same order on an engine in the
-  same state (prefix-cache hits that change how vLLM schedules the prompts change the draws too). TP ranks of one
-  engine group seed the same stream, so they sample alike. `seed_per_request=True` gives each prompt its own seed
-  (`engine.derive_seed`): a sample independent of the rest of the batch, at that per-step cost. Without a seed,
-  requests sample from the process-global torch RNG as it is;
+  one stream costs: a sample depends on the batch composition (the same prompt in another batch, or beside other
+  prompts, gets a different sample); it is deterministic for the same prompts, SamplingParams and seed in the same
+  order on an engine in the same state (prefix-cache hits that change how vLLM schedules the prompts change the
+  draws too). TP ranks of one engine group seed the same stream, so they sample alike. `seed_per_request=True` gives
+  each prompt its own seed (`engine.derive_seed`): a sample independent of the rest of the batch, at that per-step
+  cost. Without a seed, requests sample from the process-global torch RNG as it is;
 - `num_cached_tokens`: prompt tokens served from the prefix cache (or held by the sample's session).
 
 Also here: KV sessions (`kv_sessions=True`, the default where vLLM has them: vllm_sessions.py), the CPU backend's

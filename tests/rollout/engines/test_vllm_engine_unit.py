@@ -51,7 +51,8 @@ class FakeLLM:
             if sp.seed is None:
                 ids = ((torch.randint(0, 1000, (sp.max_tokens,)) + int(np.random.randint(1000))) % 1000).tolist()
             else:
-                ids = torch.randint(0, 1000, (sp.max_tokens,), generator=torch.Generator().manual_seed(sp.seed)).tolist()
+                own = torch.Generator().manual_seed(sp.seed)
+                ids = torch.randint(0, 1000, (sp.max_tokens,), generator=own).tolist()
             random.random()
             completion = SimpleNamespace(token_ids=ids, finish_reason="length", stop_reason=None,
                                          logprobs=[{t: SimpleNamespace(logprob=-1.0)} for t in ids])
