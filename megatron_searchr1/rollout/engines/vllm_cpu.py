@@ -80,9 +80,10 @@ def cpu_kv_cache_gib(kv_cache_gib: Optional[float]) -> float:
 
 def cpu_llm_defaults(llm_kwargs: dict, max_model_len: Optional[int]) -> None:
     """vllm.LLM arguments the CPU backend needs, set where the caller did not set them."""
-    # vLLM 0.32 on the CPU: a seeded request whose prefill is split into chunks crashes the sampler
-    # ("CPU Generator does not use offset": it rewinds a Philox offset the CPU generator does not have).
-    # Multi-turn rollouts re-send long contexts, so chunking happens at the second turn; prefill whole.
+    # vLLM 0.32 on the CPU: a request with its own seed (the engine's seed_per_request=True) whose prefill is split
+    # into chunks crashes the sampler ("CPU Generator does not use offset": it rewinds a Philox offset the CPU
+    # generator does not have). Multi-turn rollouts re-send long contexts, so chunking happens at the second turn;
+    # prefill whole, so that both seeding modes work.
     llm_kwargs.setdefault("enable_chunked_prefill", False)
     # The prefix cache reuses whole KV blocks only: with the CPU default of 128 tokens a new request per turn
     # recomputes up to 127 tokens of context every turn; 32 is the smallest the CPU attention accepts

@@ -23,8 +23,19 @@ Semantics (the same as the `hf` reference engine, which cross-checks them):
   the untempered log_softmax. With top-k / top-p off this is what the trainer recomputes at the sampling
   temperature, so the engine gap and the rollout correction hold at any temperature. (vLLM then samples with its
   native top-k/top-p sampler instead of FlashInfer's, which cannot return processed log-probs.);
-- each prompt gets its own seed derived from `params.seed` (`engine.derive_seed`), so sampling is reproducible and
-  a sample does not depend on which other prompts share the call;
+- one random stream per generate() call: with `params.seed` set, the process-global RNGs (torch CPU and CUDA,
+  random, numpy) are seeded from it for the call and restored afterwards (`_seeded_stream`), and no request carries
+  a seed of its own. vLLM's V1 model runner (the CPU backend) draws the noise of unseeded requests in one call from
+  the global torch RNG, but that of a request with its own seed from the request's generator, one call per request
+  at every decode step. Model Runner V2 (vLLM 0.32's default on GPUs) hashes every request's seed inside one
+  sampling kernel and gives an unseeded request a seed from numpy's global RNG when it is added: there a seed per
+  request costs nothing, and this seeding keeps the draws reproducible and equal on the ranks of a TP group. What
+  one stream costs: a sample depends on the batch composition (the same prompt in another batch, or beside other
+  prompts, gets a different sample); it is deterministic for the same prompts, SamplingParams and seed in the same
+  order on an engine in the same state (prefix-cache hits that change how vLLM schedules the prompts change the
+  draws too). TP ranks of one engine group seed the same stream, so they sample alike. `seed_per_request=True` gives
+  each prompt its own seed (`engine.derive_seed`): a sample independent of the rest of the batch, at that per-step
+  cost. Without a seed, requests sample from the process-global torch RNG as it is;
 - `num_cached_tokens`: prompt tokens served from the prefix cache (or held by the sample's session).
 
 Also here: KV sessions (`kv_sessions=True`, the default where vLLM has them: vllm_sessions.py), the CPU backend's
@@ -120,6 +131,26 @@ def _global_rng_kept():
             torch.cuda.set_rng_state_all(cuda)
 
 
+@contextlib.contextmanager
+def _seeded_stream(seed: Optional[int]):
+    """With `seed`: seed the process-global RNGs (python, numpy, torch CPU and CUDA) from it for the duration, then
+    restore them (the trainer's streams go on where they were). vLLM samples requests that have no seed of their own
+    from the global torch RNG, so this is one seeded random stream for the whole generate() call. None: nothing
+    changes (unseeded sampling draws from the global stream as it is)."""
+    if seed is None:
+        yield
+        return
+    import random
+
+    import numpy as np
+
+    with _global_rng_kept():
+        random.seed(seed)
+        np.random.seed(seed % 2 ** 32)
+        torch.manual_seed(seed % 2 ** 63)  # all devices, CUDA included
+        yield
+
+
 def _load_into_model(worker, weights: list[tuple[str, torch.Tensor]]) -> int:
     """Runs inside the vLLM worker (this process): the model's own HF-name-aware loader (stacks qkv, gate_up)."""
     worker.model_runner.model.load_weights(weights=weights)
@@ -176,7 +207,8 @@ class VLLMEngine:
                  gpu_memory_utilization: float = 0.5, kv_cache_gib: Optional[float] = None,
                  max_model_len: Optional[int] = None, seed: int = 0, enable_prefix_caching: bool = True,
                  enable_sleep_mode: Optional[bool] = None, enforce_eager: Optional[bool] = None,
-                 tokenizer: Optional[str] = None, kv_sessions: Optional[bool] = None, **llm_kwargs):
+                 tokenizer: Optional[str] = None, kv_sessions: Optional[bool] = None,
+                 seed_per_request: bool = False, **llm_kwargs):
         """
         model_dir: a Hugging Face checkpoint directory (config, tokenizer, weights).
         tensor_parallel_size: vLLM's TP, independent of the trainer's TP/PP; >1 spans torchrun ranks.
@@ -192,6 +224,9 @@ class VLLMEngine:
         enforce_eager: default True on the CPU (no torch.compile warm-up), False on GPUs (CUDA graphs).
         kv_sessions: keep each sample's KV cache between turns when generate() gets `sessions=` (vllm_sessions.py);
             default: where this vLLM has them. False: every turn is a new request (prefix cache only).
+        seed_per_request: give each request its own seed (derive_seed(params.seed, index)): a sample independent of
+            the rest of the batch, at the cost of vLLM's per-request sampling loop. False (default): one seeded
+            random stream per generate() call (the module docstring).
         llm_kwargs: passed to vllm.LLM as they are.
         """
         vllm = _import_vllm()
@@ -226,6 +261,8 @@ class VLLMEngine:
             raise ValueError(f"kv_sessions=True: vLLM {vllm.__version__} has no resumable requests (0.32 has them); "
                              f"leave it unset")
         self.keeps_sessions = bool(kv_sessions)
+        self.seed_per_request = bool(seed_per_request)
+        """One seed per request instead of one random stream per generate() call (the module docstring)."""
         self.sleep_mode = bool(enable_sleep_mode)
         self._has_experts = _has_experts(model_dir)
         """MoE: a weight sync ends by re-processing the experts (_repack_experts)."""
@@ -276,7 +313,8 @@ class VLLMEngine:
             n=1, max_tokens=max_tokens or params.max_tokens, temperature=params.temperature, top_p=params.top_p,
             top_k=params.top_k if params.top_k > 0 else 0, ignore_eos=True,
             logprobs=0 if params.logprobs else None,  # 0: only the sampled token's log-prob
-            seed=None if params.seed is None else derive_seed(params.seed, index),
+            # own seed only with seed_per_request; else the call's stream (_seeded_stream in generate)
+            seed=derive_seed(params.seed, index) if self.seed_per_request and params.seed is not None else None,
         )
         if session_stop_ids is None:
             return self._vllm.SamplingParams(**common, stop=list(params.stop),
@@ -291,7 +329,8 @@ class VLLMEngine:
     def generate(self, prompts: Sequence[list[int]], params: SamplingParams,
                  sessions: Optional[Sequence[Hashable]] = None) -> list[Generation]:
         """One Generation per prompt; `sessions`: one key per prompt, its KV kept for the next turn
-        (vllm_sessions.py)."""
+        (vllm_sessions.py). With `params.seed` and without seed_per_request, the call samples from one random stream
+        seeded from it (the module docstring): the same prompts and params give the same samples."""
         if self._asleep:
             raise RuntimeError(f"VLLMEngine.generate() while {sorted(self._asleep)} sleep: call wake_up() first")
         if self._weights_dropped:
@@ -300,6 +339,11 @@ class VLLMEngine:
                                "load_weights() + finish_weight_sync() first, or sleep at level 1")
         if not prompts:
             return []
+        with _seeded_stream(None if self.seed_per_request else params.seed):
+            return self._generate(prompts, params, sessions)
+
+    def _generate(self, prompts: Sequence[list[int]], params: SamplingParams,
+                  sessions: Optional[Sequence[Hashable]]) -> list[Generation]:
         if sessions is not None and self.keeps_sessions:
             if len(sessions) != len(prompts) or len(set(sessions)) != len(sessions):
                 raise ValueError(f"sessions: one distinct key per prompt, got {len(set(sessions))} distinct keys "

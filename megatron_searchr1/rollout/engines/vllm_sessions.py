@@ -8,7 +8,8 @@ engine holds (the turn's last sampled token, which vLLM has not computed yet, an
 not available on such requests, so the engine stops on every token that could complete one (any token whose text
 holds a stop string's last character) and looks at the turn's text: a stop string ends the turn as vLLM's own check
 would (its tokens last, nothing after them); otherwise the request resumes at once, losing nothing (the paused token
-is the next one computed anyway). A session's random stream continues from turn to turn. Sessions end with
+is the next one computed anyway). With `seed_per_request` a session's own random stream continues from turn to
+turn; otherwise each call samples from its one seeded stream, as plain requests do. Sessions end with
 `end_sessions()`, before a weight sync (its prefix-cache reset), sleep and close. A prompt that does not extend its
 session's tokens starts a new one.
 

@@ -262,7 +262,64 @@ def test_vllm_sampling_logprobs_are_at_the_sampling_temperature_and_seeded(vllm_
         ref = teacher_forced_logprobs(hf_a.model, prompt, g.token_ids, temperature=0.7)
         assert max(abs(x - y) for x, y in zip(g.logprobs, ref)) < 1e-4
     assert [g.token_ids for g in vllm_a.generate(prompts, p)] == [g.token_ids for g in outs]
-    assert vllm_a.generate(prompts[:1], p)[0].token_ids == outs[0].token_ids  # per-prompt seed, batch-independent
+
+
+def _generators_seen():
+    """The number of per-request generators vLLM's sampler gets at each sampling step (class-level wrap of
+    Sampler.sample), and a function that stops recording."""
+    from vllm.v1.sample.sampler import Sampler
+
+    original, seen = Sampler.sample, []
+
+    def sample(self, logits, sampling_metadata, *args, **kwargs):
+        seen.append(len(sampling_metadata.generators))
+        return original(self, logits, sampling_metadata, *args, **kwargs)
+
+    Sampler.sample = sample
+    return seen, lambda: setattr(Sampler, "sample", original)
+
+
+@pytest.mark.slow
+def test_vllm_samples_one_seeded_stream_per_call(vllm_a, prompts):
+    """A seeded call samples from one random stream seeded from params.seed: no request has a generator of its own
+    (vLLM's per-request sampling loop), the same batch and seed give the same tokens twice, and the process-global
+    RNGs are where the caller left them."""
+    import random
+
+    p = SamplingParams(max_tokens=16, temperature=1.0, seed=21)
+    torch.manual_seed(5)
+    random.seed(5)
+    before = torch.get_rng_state(), random.getstate()
+    seen, stop = _generators_seen()
+    try:
+        outs = vllm_a.generate(prompts, p)
+    finally:
+        stop()
+    assert seen and set(seen) == {0}, seen  # sampled steps, none with a per-request generator
+    assert torch.equal(torch.get_rng_state(), before[0]) and random.getstate() == before[1]
+    assert [g.token_ids for g in vllm_a.generate(prompts, p)] == [g.token_ids for g in outs]
+    other = vllm_a.generate(prompts, SamplingParams(max_tokens=16, temperature=1.0, seed=22))
+    assert [g.token_ids for g in other] != [g.token_ids for g in outs]
+    torch.manual_seed(77)  # the caller's state does not matter: the call seeds its own stream
+    assert [g.token_ids for g in vllm_a.generate(prompts, p)] == [g.token_ids for g in outs]
+
+
+@pytest.mark.slow
+def test_vllm_seed_per_request_reproduces_per_prompt_seeding(vllm_a, prompts):
+    """seed_per_request=True: each request carries its own seed (a generator per request in vLLM's sampler), so a
+    prompt's sample does not depend on the rest of the batch."""
+    p = SamplingParams(max_tokens=16, temperature=1.0, seed=21)
+    vllm_a.seed_per_request = True
+    seen, stop = _generators_seen()
+    try:
+        outs = vllm_a.generate(prompts, p)
+        assert max(seen) == len(prompts), seen
+        assert vllm_a.generate(prompts[:1], p)[0].token_ids == outs[0].token_ids
+        assert vllm_a.generate(prompts[::-1], p)[-1].token_ids != outs[0].token_ids  # index-derived seeds
+        assert [g.token_ids for g in vllm_a.generate(prompts, p)] == [g.token_ids for g in outs]
+    finally:
+        stop()
+        vllm_a.seed_per_request = False
 
 
 @pytest.mark.slow
@@ -381,8 +438,17 @@ def test_vllm_sessions_continue_turns_computing_only_new_tokens(vllm_a, hf_a, pr
 @pytest.mark.slow
 def test_vllm_sessions_stop_strings_spanning_tokens(vllm_a, prompts, tok):
     """Stop strings the tokenizer splits over several tokens, sampled: a session stops exactly where vLLM's own
-    stop-string check stops a plain request, with the same tokens (same seed: the session's random stream goes on
-    across the pauses at tokens that could complete a stop string but did not)."""
+    stop-string check stops a plain request, with the same tokens (seed_per_request: each session's own random
+    stream goes on across the pauses at tokens that could complete a stop string but did not; with one stream per
+    call a pause changes the batch of the next steps, hence the samples)."""
+    vllm_a.seed_per_request = True
+    try:
+        _sessions_stop_like_plain_requests(vllm_a, prompts, tok)
+    finally:
+        vllm_a.seed_per_request = False
+
+
+def _sessions_stop_like_plain_requests(vllm_a, prompts, tok):
     base = vllm_a.generate(prompts, SamplingParams(max_tokens=32, temperature=1.5, seed=3))
     stops = set()
     for g in base:  # the text of two tokens that appear mid-output: a stop string spanning a token boundary
@@ -409,7 +475,7 @@ def test_vllm_sessions_stop_strings_spanning_tokens(vllm_a, prompts, tok):
 @pytest.mark.slow
 def test_vllm_session_requests_hold_their_stop_ids_as_a_set(vllm_a, prompts):
     """vLLM's scheduler checks `token in stop_token_ids` after every token; a session request's candidates reach it
-    as a frozenset (one lookup), not SamplingParams' list (a scan of every candidate; issue 19, item 6)."""
+    as a frozenset (one lookup), not SamplingParams' list (a scan of every candidate)."""
     params = SamplingParams(max_tokens=4, temperature=0, stop=("</search>", "</answer>"), stop_token_ids=(0,))
     vllm_a.generate(prompts[:2], params, sessions=["a", "b"])
     sched = vllm_a.sessions.scheduler()

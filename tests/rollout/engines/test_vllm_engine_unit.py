@@ -1,6 +1,11 @@
-"""VLLMEngine's arguments to vllm.LLM, its sleep / wake-up per tag and its vLLM version message, with vllm.LLM
-replaced by a double (no engine starts; fast). The real engine is exercised in test_engines.py."""
+"""VLLMEngine's arguments to vllm.LLM, its sleep / wake-up per tag, its seeding and its vLLM version message, with
+vllm.LLM replaced by a double (no engine starts; fast). The real engine is exercised in test_engines.py."""
 import logging
+import random
+from types import SimpleNamespace
+
+import numpy as np
+import torch
 
 import pytest
 
@@ -35,6 +40,24 @@ class FakeLLM:
     def reset_prefix_cache(self):
         self.calls.append(("reset_prefix_cache",))
         return True
+
+    def generate(self, prompts, sampling_params, use_tqdm=True):
+        """Samples as vLLM does: a request with a seed from its own generator; one without from the global torch
+        RNG in batch order (the V1 model runner) shifted by a draw of numpy's global RNG (Model Runner V2 seeds
+        unseeded requests from it); also draws from `random`, as vLLM's helpers may."""
+        self.sampling_params = sampling_params
+        outs = []
+        for prompt, sp in zip(prompts, sampling_params):
+            if sp.seed is None:
+                ids = ((torch.randint(0, 1000, (sp.max_tokens,)) + int(np.random.randint(1000))) % 1000).tolist()
+            else:
+                own = torch.Generator().manual_seed(sp.seed)
+                ids = torch.randint(0, 1000, (sp.max_tokens,), generator=own).tolist()
+            random.random()
+            completion = SimpleNamespace(token_ids=ids, finish_reason="length", stop_reason=None,
+                                         logprobs=[{t: SimpleNamespace(logprob=-1.0)} for t in ids])
+            outs.append(SimpleNamespace(outputs=[completion], num_cached_tokens=0))
+        return outs
 
 
 @pytest.fixture
@@ -100,6 +123,71 @@ def test_cpu_sleep_is_a_no_op(platform):
     assert engine.sleep(level=2) is False and not engine.sleeping
     engine.wake_up([WEIGHTS])
     assert FakeLLM.last.calls == []
+
+
+def _rng_states():
+    return random.getstate(), np.random.get_state()[1].tolist(), torch.get_rng_state()
+
+
+def _same_states(a, b) -> bool:
+    return a[0] == b[0] and a[1] == b[1] and torch.equal(a[2], b[2])
+
+
+def test_one_seeded_stream_per_generate_call(platform):
+    """With a seed, a call samples from one stream seeded from it (no request carries a seed of its own, which would
+    send vLLM's sampler through its per-request loop): the same batch and seed give the same samples, another seed
+    others, and the process-global RNGs are where they were before the call."""
+    platform(True)
+    engine = VLLMEngine("/model", kv_sessions=False, kv_cache_gib=0.1)
+    assert engine.seed_per_request is False
+    prompts = [[1, 2], [3], [4, 5, 6]]
+    params = vllm_engine.SamplingParams(max_tokens=8, seed=5)
+    torch.manual_seed(0)
+    before = _rng_states()
+    first = engine.generate(prompts, params)
+    assert _same_states(_rng_states(), before)  # the trainer's streams are untouched
+    assert all(sp.seed is None for sp in FakeLLM.last.sampling_params)
+    again = engine.generate(prompts, params)
+    assert [g.token_ids for g in again] == [g.token_ids for g in first]
+    other = engine.generate(prompts, vllm_engine.SamplingParams(max_tokens=8, seed=6))
+    assert [g.token_ids for g in other] != [g.token_ids for g in first]
+    # the price: a prompt's sample depends on the batch it is in
+    alone = engine.generate(prompts[2:], params)
+    assert alone[0].token_ids != first[2].token_ids
+    # the stream is the global one seeded from the call's seed, not the state the caller left
+    random.seed(99)
+    np.random.seed(99)
+    torch.manual_seed(99)
+    assert [g.token_ids for g in engine.generate(prompts, params)] == [g.token_ids for g in first]
+
+
+def test_seed_per_request_gives_each_prompt_its_own_seed(platform):
+    """seed_per_request=True: each request carries derive_seed(seed, index), a sample that does not depend on the
+    rest of the batch; the global RNGs are neither seeded nor used."""
+    platform(True)
+    engine = VLLMEngine("/model", kv_sessions=False, kv_cache_gib=0.1, seed_per_request=True)
+    prompts = [[1, 2], [3], [4, 5, 6]]
+    params = vllm_engine.SamplingParams(max_tokens=8, seed=5)
+    outs = engine.generate(prompts, params)
+    assert [sp.seed for sp in FakeLLM.last.sampling_params] == [vllm_engine.derive_seed(5, i) for i in range(3)]
+    assert engine.generate(prompts[:1], params)[0].token_ids == outs[0].token_ids  # batch-independent
+    engine.seed_per_request = False  # the attribute switches it on a running engine
+    engine.generate(prompts, params)
+    assert all(sp.seed is None for sp in FakeLLM.last.sampling_params)
+
+
+def test_unseeded_calls_draw_from_the_global_stream(platform):
+    """params.seed=None: the engine seeds nothing; samples come from the global RNGs as the caller left them."""
+    platform(True)
+    engine = VLLMEngine("/model", kv_sessions=False, kv_cache_gib=0.1)
+    params = vllm_engine.SamplingParams(max_tokens=8)
+    torch.manual_seed(3)
+    np.random.seed(3)
+    a = engine.generate([[1]], params)[0].token_ids
+    assert engine.generate([[1]], params)[0].token_ids != a  # the global stream moved on
+    torch.manual_seed(3)
+    np.random.seed(3)
+    assert engine.generate([[1]], params)[0].token_ids == a
 
 
 @pytest.mark.parametrize("version, ok", [("0.32.0", True), ("0.32.0+cpu", True), ("0.32.3", True),
