@@ -9,7 +9,10 @@ weights in `model.path`; the frozen reference is a copy of the actor's start (on
 `model.lora` the actor trains adapters only and the reference is the actor with them switched off); the
 critic (GAE only) starts its trunk from `model.critic_path` or the actor's start with a zero value head.
 The engine is built on `model.path` (config + tokenizer; vLLM loads its weights, then the first weight sync
-overwrites them with the actor's). With `rollout.engine_tp = 1` every rank runs its own engine.
+overwrites them with the actor's). With `rollout.engine_tp = 1` every rank runs its own engine. Under
+`parallel.rollout_placement=disaggregated` these are the trainer ranks' roles: no engine, no retrieval client
+(`roles.worker` is None until trainer/async_rl.py sets a RemoteRollout); the rollout ranks build their engines
+with `engine_kwargs`.
 """
 from __future__ import annotations
 

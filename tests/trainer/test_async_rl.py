@@ -11,11 +11,14 @@ from __future__ import annotations
 import json
 import math
 import os
+import subprocess
+import sys
+import time
 
 import pytest
 
 from tests.dist_utils import REPO
-from tests.rl_fixtures import rl_root, run_module, server, tiny_model, world  # noqa: F401 (fixtures)
+from tests.rl_fixtures import child_env, rl_root, run_module, server, tiny_model, world  # noqa: F401 (fixtures)
 
 STEPS = 4
 
@@ -68,6 +71,22 @@ def test_disaggregated_grpo_keeps_the_bound_overlaps_and_syncs(world, tiny_model
         assert all(steps[t]["async/lag"] == 1 for t in range(2, STEPS + 1))  # exactly one step off policy
     # the weights moved: where the batch's policy is older than the trainer's, the engine's log-probs differ
     assert any(steps[t]["train/logprob_gap_engine"] > 1e-4 for t in steps if steps[t]["async/lag"] > 0)
+
+
+@pytest.mark.slow
+def test_a_dead_rollout_rank_stops_the_trainer_ranks_with_its_name(world, tiny_model, server, tmp_path):
+    # the rollout rank (rank 2) exits with code 9 as it starts batch 1; torchrun's monitor is slowed to 30 s so the
+    # trainer ranks must find out by themselves (the closed connection), not by being killed
+    out = str(tmp_path / "killed")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3", "--monitor-interval=30",
+           os.path.join(REPO, "tests", "trainer", "async_kill_script.py"),
+           *async_args(world, tiny_model, server, out, k=0)]
+    start = time.time()
+    proc = subprocess.run(cmd, cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=600)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode != 0, log[-3000:]
+    assert log.count("rollout rank 2 is gone") >= 2, log[-5000:]  # both trainer ranks say it
+    assert time.time() - start < 300, log[-3000:]
 
 
 def test_role_plan():
