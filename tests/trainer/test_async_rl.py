@@ -89,6 +89,34 @@ def test_a_dead_rollout_rank_stops_the_trainer_ranks_with_its_name(world, tiny_m
     assert time.time() - start < 300, log[-3000:]
 
 
+@pytest.mark.slow
+def test_a_resumed_run_continues_the_data_cursor_and_the_versions(world, tiny_model, server, tmp_path):
+    # 2 steps, stop (the final checkpoint), then the same output dir to 4 steps: the rollout rank starts at batch 2
+    # with version 2 (no older weights exist any more), and every step trains exactly its own draw of prompts
+    from transformers import AutoTokenizer
+
+    from megatron_searchr1.data.rl_data import PromptSampler, load_prompts
+
+    out = str(tmp_path / "resumed")
+    args = async_args(world, tiny_model, server, out, k=0)
+    run_module("megatron_searchr1.train", [a for a in args if not a.startswith("trainer.total_steps")]
+               + ["trainer.total_steps=2"], nproc=3, timeout=900)
+    proc = run_module("megatron_searchr1.train", args, nproc=3, timeout=900)
+    assert "at step 2" in proc.stdout + proc.stderr
+    steps = step_records(out)
+    assert sorted(steps) == [1, 2, 3, 4]
+    assert [steps[t]["async/batch"] for t in (3, 4)] == [2, 3]
+    assert steps[3]["async/version"] == 2 and steps[3]["async/lag"] == 0 and steps[4]["async/lag"] <= 1
+    rows, _ = load_prompts([f"{world}/train.parquet"], AutoTokenizer.from_pretrained(tiny_model), 512, "auto")
+    sampler = PromptSampler(len(rows), 4, seed=1, shuffle=True)
+    drawn = {t: {rows[i].uid for i in sampler.next_batch()} for t in range(1, 5)}
+    with open(os.path.join(out, "trajectories.jsonl")) as f:
+        trained = [json.loads(line) for line in f]
+    assert {r["step"] for r in trained} == {1, 2, 3, 4}
+    for r in trained:
+        assert r["uid"] in drawn[r["step"]], (r["step"], r["uid"])
+
+
 def test_role_plan():
     from megatron_searchr1.rollout.remote_sync import RolePlan
 
