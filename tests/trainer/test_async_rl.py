@@ -5,6 +5,8 @@ a live BM25 server, rollout.max_staleness 0 and 2. What each run must show, step
 - the weights arrived: after each load the rollout engine's weights equal the ones sent (read back), its version is
   the batch's, and at step 1 (lag 0) the engine's log-probs are the trainer's;
 - the loss is finite and the weights move.
+Also slow: a rollout rank that dies mid-run (async_kill_script.py) stops the trainer ranks with an error naming it;
+a run stopped at step 2 and resumed to 4 keeps the data cursor (each step trains its own draw) and the versions.
 Plus the pure pieces: RolePlan and the object / bucket messages over a real gloo pair."""
 from __future__ import annotations
 
