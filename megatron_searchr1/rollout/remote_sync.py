@@ -34,7 +34,6 @@ from __future__ import annotations
 import datetime
 import os
 import pickle
-import queue
 import threading
 import time
 from dataclasses import dataclass

@@ -37,7 +37,6 @@ import threading
 import time
 from typing import Optional
 
-import torch
 import torch.distributed as dist
 
 from megatron_searchr1.data.rl_data import dp_shard
