@@ -24,6 +24,8 @@ One step (`Trainer.step`):
   6. advantages (GRPO, GAE, RLOO, REINFORCE++), critic update, actor update (PPO clip; KL as a loss or in the
      reward); retrieved tokens are masked everywhere (algo/);
   7. metrics to TensorBoard and the console, sampled trajectories to JSONL, checkpoints, validation.
+With parallel.rollout_placement=disaggregated the last parallel.rollout_ranks ranks only generate and the others only
+train, at once, within rollout.max_staleness (trainer/async_rl.py; examples/async.md).
 A run whose retrieval server is gone or hung (more than retrieval.max_error_rate of a step's searches failed, or
 retrieval.max_failed_rounds rounds in a row) stops on every rank with one `error:` line naming the server and exit
 code 3 (search/client.py RetrievalDown, cli.run_main); bring the server back and start it again to resume.
@@ -42,6 +44,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     cfg = parse(argv, prog_doc=__doc__)
     check_data(cfg)  # footers only: a second, before the retriever and torch
     check_retrieval(cfg)
+    if cfg.parallel.rollout_placement == "disaggregated":  # trainer ranks and rollout ranks: trainer/async_rl.py
+        from megatron_searchr1.trainer.async_rl import run_disaggregated
+
+        return run_disaggregated(cfg)
     from megatron_searchr1.trainer.rl import Trainer  # after the arguments: torch, Megatron and vLLM load here
 
     trainer = Trainer(cfg)

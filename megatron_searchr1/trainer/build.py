@@ -9,7 +9,10 @@ weights in `model.path`; the frozen reference is a copy of the actor's start (on
 `model.lora` the actor trains adapters only and the reference is the actor with them switched off); the
 critic (GAE only) starts its trunk from `model.critic_path` or the actor's start with a zero value head.
 The engine is built on `model.path` (config + tokenizer; vLLM loads its weights, then the first weight sync
-overwrites them with the actor's). With `rollout.engine_tp = 1` every rank runs its own engine.
+overwrites them with the actor's). With `rollout.engine_tp = 1` every rank runs its own engine. Under
+`parallel.rollout_placement=disaggregated` these are the trainer ranks' roles: no engine, no retrieval client
+(`roles.worker` is None until trainer/async_rl.py sets a RemoteRollout); the rollout ranks build their engines
+with `engine_kwargs`.
 """
 from __future__ import annotations
 
@@ -66,7 +69,8 @@ class Roles:
     reference: Optional[Policy]
     """The frozen reference: a Policy, or under LoRA an AdaptersOffReference (the actor with adapters off)."""
     critic: Optional[Critic]
-    worker: RolloutWorker
+    worker: Optional[RolloutWorker]
+    """This rank's engine driver; None on the trainer ranks of a disaggregated run until async_rl sets its own."""
     data: Data
     logger: RunLogger
     kl_ctrl: Any
@@ -77,7 +81,8 @@ class Roles:
     def close(self) -> None:
         if self.logger is not None:
             self.logger.close()
-        self.worker.close()
+        if self.worker is not None:
+            self.worker.close()
 
 
 def build_optimizer_from_config(model, optim, total_steps: int, lr: float):
@@ -189,6 +194,22 @@ def load_data(cfg: Config, tokenizer, log: bool = True) -> Data:
     return Data(train_data, val_data, sampler)
 
 
+def engine_kwargs(cfg: Config, rank: int) -> dict:
+    """make_engine's keyword arguments for `rank`'s engine (rank: in the world the engines share)."""
+    r, t = cfg.rollout, cfg.trainer
+    kw: dict = dict(dtype=cfg.model.dtype if r.dtype == "auto" else r.dtype)
+    if r.engine == "vllm":
+        # one seed per vLLM TP group: its ranks must sample alike (requests carry their own seeds anyway)
+        # load_format="dummy": random weights at start; the first weight sync (before any generate: RolloutWorker)
+        # writes the actor's, so reading the checkpoint here would only cost start-up time and host memory
+        kw.update(tensor_parallel_size=r.engine_tp, max_model_len=cfg.data.max_prompt_length + r.max_response_length,
+                  seed=t.seed + rank // r.engine_tp, gpu_memory_utilization=r.gpu_memory_utilization,
+                  enforce_eager=r.enforce_eager, kv_sessions=None if r.kv_sessions else False, load_format="dummy")
+        if not torch.cuda.is_available():
+            kw["kv_cache_gib"] = r.kv_cache_gib
+    return kw
+
+
 def build_roles(cfg: Config) -> Roles:
     p, o, a, r, t = cfg.parallel, cfg.optim, cfg.algo, cfg.rollout, cfg.trainer
     # tokenizer and data first: a tokenizer-less model directory or prompts that all exceed the budget are one
@@ -241,27 +262,19 @@ def build_roles(cfg: Config) -> Roles:
         critic = Critic(critic_model, *build_optimizer_from_config(critic_model, o, t.total_steps, o.critic_lr))
 
     # -- retrieval and engine ----------------------------------------------------------------------------------
-    server, url = None, cfg.retrieval.url
-    if cfg.retrieval.launch:
-        server, url = launch_server(cfg)
-    client = RetrievalClient(url, topk=cfg.retrieval.topk, timeout=cfg.retrieval.timeout)
-    engine_kw: dict = dict(dtype=cfg.model.dtype if r.dtype == "auto" else r.dtype)
-    if r.engine == "vllm":
-        # one seed per vLLM TP group: its ranks must sample alike (requests carry their own seeds anyway)
-        # load_format="dummy": random weights at start; the first weight sync (before any generate: RolloutWorker)
-        # writes the actor's, so reading the checkpoint here would only cost start-up time and host memory
-        engine_kw.update(tensor_parallel_size=r.engine_tp, max_model_len=cfg.data.max_prompt_length + r.max_response_length,
-                         seed=t.seed + rank // r.engine_tp, gpu_memory_utilization=r.gpu_memory_utilization,
-                         enforce_eager=r.enforce_eager, kv_sessions=None if r.kv_sessions else False,
-                         load_format="dummy")
-        if not torch.cuda.is_available():
-            engine_kw["kv_cache_gib"] = r.kv_cache_gib
-    engine = make_engine(r.engine, hf_dir, **engine_kw)
-    offload = GenerationOffload(cfg.model, actor=actor, actor_opt=actor_opt,
-                                critic=critic.model if critic else None, critic_opt=critic.optimizer if critic else None,
-                                ref=reference.model if isinstance(reference, Policy) else None)  # LoRA: no ref model
-    worker = RolloutWorker(cfg, engine, tokenizer, client, stop_token_ids(tokenizer, hf_dir), rank=rank, world=world,
-                           offload=offload, server=server)
+    worker = None  # disaggregated: the trainer ranks hold no engine (trainer/async_rl.py gives them a RemoteRollout)
+    if p.rollout_placement == "colocated":
+        server, url = None, cfg.retrieval.url
+        if cfg.retrieval.launch:
+            server, url = launch_server(cfg)
+        client = RetrievalClient(url, topk=cfg.retrieval.topk, timeout=cfg.retrieval.timeout)
+        engine = make_engine(r.engine, hf_dir, **engine_kwargs(cfg, rank))
+        offload = GenerationOffload(cfg.model, actor=actor, actor_opt=actor_opt,
+                                    critic=critic.model if critic else None,
+                                    critic_opt=critic.optimizer if critic else None,
+                                    ref=reference.model if isinstance(reference, Policy) else None)  # LoRA: none
+        worker = RolloutWorker(cfg, engine, tokenizer, client, stop_token_ids(tokenizer, hf_dir), rank=rank,
+                               world=world, offload=offload, server=server)
 
     kl_ctrl = (AdaptiveKLController(a.kl_coef, a.target_kl, a.kl_horizon) if a.kl_ctrl == "adaptive"
                else FixedKLController(a.kl_coef))

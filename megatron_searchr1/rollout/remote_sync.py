@@ -1,0 +1,340 @@
+"""The disaggregated placement's plumbing: role worlds, the bridge between trainer rank 0 and the rollout ranks,
+and the weights and batches that cross it.
+
+    plan = RolePlan(world=3, rollout_ranks=1)           # ranks 0-1 train, rank 2 generates
+    bridge = init_role_world(plan, rank, device="cpu", timeout_minutes=30)
+    dist.get_world_size()                               # 2 on a trainer rank, 1 on the rollout rank
+    sender = WeightSender(bridge, bucket_bytes=64 << 20, dtype=torch.float32)   # trainer ranks
+    sender.send(policy, version=3)                      # every trainer rank: the gather; rank 0 queues the send
+    receiver = WeightReceiver(bridge)                    # a rollout rank: a thread keeps the newest version
+    receiver.wait_for(version=2); receiver.apply(engine) # between generate calls
+    send_object(bridge.batches, msg, dst=0); recv_object(bridge.batches, src)   # batches, rollout -> trainer
+
+Role worlds. Every process of the torchrun job meets at torchrun's store, then joins the default process group of
+its role only: the trainer ranks (the first world - rollout_ranks) form a world of their own, in which Megatron
+builds its TP / PP / DP groups exactly as in a colocated run of that size; the rollout ranks form another, which
+vLLM's `external_launcher` takes as its world (it builds groups over the whole default world, so it could not share
+one with Megatron's ranks). Both are made from prefixes of the same store, so no rank creates a group the others
+must join, and nothing depends on the order in which the roles start.
+
+The bridge: two gloo process groups over the same store between trainer rank 0 (bridge rank 0) and the rollout
+ranks (bridge ranks 1..K): `weights` (trainer -> rollout) and `batches` (rollout -> trainer), each driven by one
+thread per side, so a send in one direction never waits behind the other. gloo moves host memory (no NCCL
+between roles yet: the weights go device -> host -> socket -> host -> engine). A dead peer shows as a failed
+send or receive on the surviving side ("Connection closed by peer"), which the threads turn into an error that
+names the rank.
+
+Weights travel as WeightSync's buckets (rollout/weight_sync.py: TP gather, HF names, the converter's mapping):
+every trainer rank runs the gather, rank 0 keeps each bucket as one flat byte buffer and a thread sends them
+(header, then one message per bucket) to every rollout rank. Only the newest unsent version is kept: a rollout
+rank wants the newest weights, never a queue of old ones. `sync/remote_*` metrics count bytes and seconds.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import pickle
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_searchr1.rollout import weight_sync
+from megatron_searchr1.rollout.weight_sync import BucketLayout, layout_bucket, pack_bucket, unpack_bucket
+
+TRAINER, ROLLOUT = "trainer", "rollout"
+STORE_PREFIX = "searchr1"
+WEIGHTS_TAG, BATCHES_TAG = 11, 12
+
+
+@dataclass(frozen=True)
+class RolePlan:
+    """Which global rank plays which role: the last `rollout_ranks` ranks generate, the others train.
+
+    >>> p = RolePlan(world=4, rollout_ranks=1)
+    >>> [p.role(r) for r in range(4)], p.role_rank(3), p.bridge_rank(0), p.bridge_rank(1), p.bridge_rank(3)
+    (['trainer', 'trainer', 'trainer', 'rollout'], 0, 0, None, 1)
+    """
+
+    world: int
+    rollout_ranks: int
+
+    def __post_init__(self):
+        if not 1 <= self.rollout_ranks < self.world:
+            raise ValueError(f"rollout_ranks must be in [1, world) = [1, {self.world}), got {self.rollout_ranks}")
+
+    @property
+    def trainers(self) -> int:
+        return self.world - self.rollout_ranks
+
+    def role(self, rank: int) -> str:
+        return TRAINER if rank < self.trainers else ROLLOUT
+
+    def role_rank(self, rank: int) -> int:
+        """The rank inside its role's world."""
+        return rank if rank < self.trainers else rank - self.trainers
+
+    def bridge_rank(self, rank: int) -> Optional[int]:
+        """The rank in the bridge groups: trainer rank 0 -> 0, rollout ranks -> 1..K, other trainers None."""
+        if rank == 0:
+            return 0
+        return None if rank < self.trainers else 1 + rank - self.trainers
+
+    def global_rank(self, bridge_rank: int) -> int:
+        """The global rank of a bridge rank (the inverse of bridge_rank)."""
+        return 0 if bridge_rank == 0 else self.trainers + bridge_rank - 1
+
+
+@dataclass
+class Bridge:
+    """This process's place in the disaggregated job: its role, and on trainer rank 0 / rollout ranks the two
+    bridge groups (None on the other trainer ranks)."""
+
+    plan: RolePlan
+    rank: int
+    """Global rank (torchrun's RANK)."""
+    weights: Any = None
+    batches: Any = None
+    timeout: datetime.timedelta = datetime.timedelta(minutes=30)
+
+    @property
+    def role(self) -> str:
+        return self.plan.role(self.rank)
+
+    @property
+    def bridge_rank(self) -> Optional[int]:
+        return self.plan.bridge_rank(self.rank)
+
+
+def init_role_world(plan: RolePlan, rank: int, device: str, timeout_minutes: int) -> Bridge:
+    """Join this rank's role world as the default process group (module doc) and, on trainer rank 0 and the
+    rollout ranks, the bridge groups. Every rank of the job calls it once, before anything else uses
+    torch.distributed."""
+    from megatron_searchr1.megatron.initialize import process_group_kwargs
+
+    if dist.is_initialized():
+        raise RuntimeError("init_role_world: torch.distributed is already initialised; call it first")
+    timeout = datetime.timedelta(minutes=timeout_minutes)
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if device == "cuda":
+        torch.cuda.set_device(local_rank)
+    store, _, _ = next(dist.rendezvous("env://", timeout=timeout))
+    role = plan.role(rank)
+    size = plan.trainers if role == TRAINER else plan.rollout_ranks
+    dist.init_process_group(**process_group_kwargs(device, local_rank, timeout_minutes),
+                            store=dist.PrefixStore(f"{STORE_PREFIX}/{role}", store),
+                            rank=plan.role_rank(rank), world_size=size)
+    bridge = Bridge(plan, rank, timeout=timeout)
+    b = plan.bridge_rank(rank)
+    if b is not None:
+        n = plan.rollout_ranks + 1
+        bridge.weights = dist.ProcessGroupGloo(dist.PrefixStore(f"{STORE_PREFIX}/bridge/weights", store), b, n,
+                                               timeout)
+        bridge.batches = dist.ProcessGroupGloo(dist.PrefixStore(f"{STORE_PREFIX}/bridge/batches", store), b, n,
+                                               timeout)
+    return bridge
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Messages: pickled objects and flat byte buckets over one bridge group
+# ----------------------------------------------------------------------------------------------------------------
+def send_tensor(pg, t: torch.Tensor, dst: int, tag: int) -> None:
+    pg.send([t.contiguous()], dst, tag).wait()
+
+
+def send_object(pg, obj: Any, dst: int, tag: int = BATCHES_TAG) -> int:
+    """Pickle `obj` and send it to bridge rank `dst` (a length, then the bytes); returns the bytes sent. Blocks
+    until the receiver takes it."""
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    send_tensor(pg, torch.tensor([len(data)], dtype=torch.int64), dst, tag)
+    send_tensor(pg, torch.frombuffer(bytearray(data), dtype=torch.uint8), dst, tag)
+    return len(data)
+
+
+def recv_object(pg, src: int, tag: int = BATCHES_TAG) -> Any:
+    """What send_object sent from bridge rank `src`."""
+    n = torch.zeros(1, dtype=torch.int64)
+    pg.recv([n], src, tag).wait()
+    buf = torch.empty(int(n.item()), dtype=torch.uint8)
+    pg.recv([buf], src, tag).wait()
+    return pickle.loads(buf.numpy().tobytes())
+
+
+class _BucketCollector:
+    """Stands in for an engine in WeightSync.sync on trainer rank 0: keeps each bucket as one flat byte buffer
+    (the sync's views are valid during its call only)."""
+
+    def __init__(self):
+        self.buckets: list[tuple[BucketLayout, torch.Tensor]] = []
+
+    def load_weights(self, pairs) -> None:
+        pairs = list(pairs)
+        layout = layout_bucket([(n, tuple(t.shape), t.dtype) for n, t in pairs])
+        flat = torch.empty(layout.nbytes, dtype=torch.uint8)
+        pack_bucket([t.detach().cpu() for _, t in pairs], layout, out=flat)
+        self.buckets.append((layout, flat))
+
+    def finish_weight_sync(self) -> None:
+        pass
+
+
+STOP = "stop"
+
+
+class WeightSender:
+    """The trainer side of the weights: `send(policy, version)` on every trainer rank gathers the weights
+    (WeightSync) and, on rank 0, hands the buckets to a thread that sends them to every rollout rank. Only the
+    newest unsent version waits (module doc). `close()` sends STOP to every rollout rank and joins the thread."""
+
+    def __init__(self, bridge: Bridge, bucket_bytes: int, dtype: Optional[torch.dtype]):
+        self.bridge, self.bucket_bytes, self.dtype = bridge, bucket_bytes, dtype
+        self.leader = bridge.bridge_rank == 0
+        self._pending: Optional[tuple] = None
+        self._cond = threading.Condition()
+        self._error: Optional[BaseException] = None
+        self._closing = False
+        self.last_send_seconds = 0.0
+        self.sent_versions: list[int] = []
+        self._thread = None
+        if self.leader:
+            self._thread = threading.Thread(target=self._run, name="weight-sender", daemon=True)
+            self._thread.start()
+
+    def send(self, policy, version: int) -> dict:
+        """Every trainer rank: gather `policy`'s weights; rank 0 queues them as `version`. Returns the
+        `sync/remote_*` metrics (without the prefix), the same on every trainer rank."""
+        self.raise_if_failed()
+        collector = _BucketCollector() if self.leader else None
+        stats = weight_sync.sync_weights(policy.model, collector, policy.mapping, bucket_bytes=self.bucket_bytes,
+                                         dtype=self.dtype, transport="auto")
+        if self.leader:
+            with self._cond:
+                self._pending = (version, collector.buckets)  # a version not sent yet is replaced: newest wins
+                self._cond.notify_all()
+        return {"remote_bytes": float(stats.bytes), "remote_buckets": float(stats.buckets),
+                "remote_gather_seconds": stats.seconds, "remote_version": float(version)}
+
+    def raise_if_failed(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"sending weights to the rollout ranks failed: {self._error}") from self._error
+
+    def _run(self) -> None:
+        pg, plan = self.bridge.weights, self.bridge.plan
+        try:
+            while True:
+                with self._cond:
+                    self._cond.wait_for(lambda: self._pending is not None or self._closing)
+                    item, self._pending = self._pending, None
+                if item is None:  # closing, nothing left to send
+                    break
+                version, buckets = item
+                start = time.perf_counter()
+                for dst in range(1, plan.rollout_ranks + 1):
+                    try:
+                        send_object(pg, {"version": version, "layouts": [lay for lay, _ in buckets]}, dst,
+                                    WEIGHTS_TAG)
+                        for _, flat in buckets:
+                            send_tensor(pg, flat, dst, WEIGHTS_TAG)
+                    except RuntimeError as e:
+                        raise RuntimeError(f"rollout rank {plan.global_rank(dst)} is gone ({e})") from e
+                self.last_send_seconds = time.perf_counter() - start
+                self.sent_versions.append(version)
+            for dst in range(1, plan.rollout_ranks + 1):
+                send_object(pg, STOP, dst, WEIGHTS_TAG)
+        except BaseException as e:  # noqa: BLE001 (reported to the trainer's thread by raise_if_failed)
+            self._error = e
+
+    def close(self, timeout: float = 60.0) -> None:
+        """Send what is pending, then STOP to every rollout rank (they finish and exit)."""
+        if self._thread is None:
+            return
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        self._thread.join(timeout=timeout)
+
+
+class WeightReceiver:
+    """The rollout side of the weights: a thread receives every version trainer rank 0 sends and keeps the newest
+    (host memory); the main thread loads it into its engine between generate calls (`apply`), so the engine is never
+    touched from two threads."""
+
+    def __init__(self, bridge: Bridge):
+        self.bridge = bridge
+        self._cond = threading.Condition()
+        self._latest: Optional[tuple[int, list]] = None
+        self._error: Optional[str] = None
+        self.stopped = False
+        self.applied_version = -1
+        self.received_bytes = 0
+        self._thread = threading.Thread(target=self._run, name="weight-receiver", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        pg = self.bridge.weights
+        try:
+            while True:
+                header = recv_object(pg, 0, WEIGHTS_TAG)
+                if header == STOP:
+                    with self._cond:
+                        self.stopped = True
+                        self._cond.notify_all()
+                    return
+                buckets = []
+                for layout in header["layouts"]:
+                    flat = torch.empty(layout.nbytes, dtype=torch.uint8)
+                    pg.recv([flat], 0, WEIGHTS_TAG).wait()
+                    buckets.append((layout, flat))
+                with self._cond:
+                    self._latest = (int(header["version"]), buckets)
+                    self.received_bytes += sum(lay.nbytes for lay, _ in buckets)
+                    self._cond.notify_all()
+        except BaseException as e:  # noqa: BLE001 (the main thread raises it)
+            with self._cond:
+                self._error = f"trainer rank 0 is gone ({type(e).__name__}: {e})"
+                self._cond.notify_all()
+
+    @property
+    def latest_version(self) -> int:
+        with self._cond:
+            return self._latest[0] if self._latest else -1
+
+    def wait_for(self, version: int, timeout: Optional[float] = None) -> bool:
+        """Block until a version >= `version` has arrived (True) or the trainer said STOP (False); raises
+        RuntimeError when the trainer's side is gone, TimeoutError after `timeout` seconds."""
+        with self._cond:
+            ok = self._cond.wait_for(lambda: (self._latest is not None and self._latest[0] >= version)
+                                     or self.stopped or self._error, timeout=timeout)
+            if self._error:
+                raise RuntimeError(self._error)
+            if not ok:
+                raise TimeoutError(f"no policy version >= {version} from the trainer within {timeout} s")
+            return not (self.stopped and (self._latest is None or self._latest[0] < version))
+
+    def apply(self, engine) -> Optional[tuple[int, list]]:
+        """Load the newest received version into `engine` if it is newer than the one applied: one load_weights
+        call per bucket, then finish_weight_sync. Returns (version, [(name, tensor)...]) of what was loaded (the
+        tensors are views into the received buckets), None when there was nothing new."""
+        with self._cond:
+            latest = self._latest
+        if latest is None or latest[0] <= self.applied_version:
+            return None
+        version, buckets = latest
+        pairs = []
+        for layout, flat in buckets:
+            bucket = unpack_bucket(flat, layout)
+            engine.load_weights(iter(bucket))
+            pairs.extend(bucket)
+        engine.finish_weight_sync()
+        self.applied_version = version
+        return version, pairs
+
+    def wait_stop(self, timeout: Optional[float] = None) -> None:
+        """Block until the trainer says STOP (the run's end); raises when the trainer's side is gone."""
+        with self._cond:
+            self._cond.wait_for(lambda: self.stopped or self._error, timeout=timeout)
+            if self._error and not self.stopped:
+                raise RuntimeError(self._error)

@@ -1,0 +1,296 @@
+"""Disaggregated, asynchronous RL: the last `parallel.rollout_ranks` ranks only generate, the others only train, at once.
+
+    torchrun --nproc_per_node 3 -m megatron_searchr1.train examples/grpo_tiny_cpu.yaml parallel.tp=2 \\
+        parallel.rollout_placement=disaggregated parallel.rollout_ranks=1 rollout.max_staleness=1 data.val_files=[]
+
+    run_disaggregated(cfg)      # train.py: each rank takes its role (rollout/remote_sync.py RolePlan)
+
+The trainer ranks run the ordinary Trainer (trainer/rl.py) with one change: its generate step takes a finished batch
+from the rollout ranks (RemoteRollout) instead of running an engine, and its weight sync sends the weights to them
+(remote_sync.WeightSender) instead of loading a local engine. So a step is:
+  1. send the weights (version t-1) to the rollout ranks: gathered here, sent by a thread on trainer rank 0;
+  2. take batch t-1 from the buffer (rollout/async_buffer.py: the staleness bound), waiting only when the rollout
+     ranks are behind; rank 0 receives it (a thread), every trainer rank gets it, each DP rank its share of groups;
+  3-7. as in the synchronous trainer: old / reference log-probs, advantages, updates (the engine's per-token
+     log-probs are the behaviour policy, so algo.rollout_correction applies to the off-policy gap), metrics.
+Meanwhile each rollout rank loops in `serve_rollouts`: wait until it holds a version recent enough for its next
+batch (async_buffer.required_version), load the newest weights it has, generate the batch with its vLLM engine and
+the retrieval client (the multi-turn search loop, rollout/loop.py), score it, send it to trainer rank 0. Batch b
+goes to rollout rank b mod K; every rollout rank draws the same prompt order (same seed), so the data cursor is the
+batch index: a run resumed at step t has its rollout ranks start at batch t, no prompt trained twice.
+
+Metrics per step (`async/*`): the generating version, the lag (async_buffer's definition), batches dropped as too
+old, the wait for the batch, and the wall-clock intervals of the batch's generation and of the step's training
+(seconds since trainer rank 0 started), from which overlap can be read; `sync/remote_*` for the weights, and
+`sync/remote_check_max_diff`, the largest difference between the weights a rollout rank's engine holds after
+loading a version and the weights sent (a few tensors, read back from the engine).
+
+A rollout rank that dies ends the run on every trainer rank with an error naming it (the receiving thread sees the
+closed connection; rank 0 tells the others in the step's broadcast); a trainer that dies makes the rollout ranks
+fail with "trainer rank 0 is gone". torchrun stops the remaining ranks either way.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+import time
+from typing import Optional
+
+import torch.distributed as dist
+
+from megatron_searchr1.data.rl_data import dp_shard
+from megatron_searchr1.rollout.async_buffer import (AsyncBuffer, BufferClosed, GeneratedBatch, lag,
+                                                    required_version)
+from megatron_searchr1.rollout.remote_sync import (BATCHES_TAG, ROLLOUT, Bridge, RolePlan, WeightReceiver,
+                                                   WeightSender, init_role_world, recv_object, send_object)
+from megatron_searchr1.trainer.rl import Trainer
+
+CHECKED_TENSORS = 4
+"""How many received tensors a rollout rank reads back from its engine after each load (sync/remote_check_*)."""
+
+
+def run_disaggregated(cfg) -> int:
+    """The whole job on this rank: join its role world, then train (AsyncTrainer) or generate (serve_rollouts)."""
+    from megatron_searchr1.megatron.initialize import resolve_device
+
+    world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    plan = RolePlan(world, cfg.parallel.rollout_ranks)
+    bridge = init_role_world(plan, rank, resolve_device(), cfg.parallel.timeout_minutes)
+    if bridge.role == ROLLOUT:
+        serve_rollouts(cfg, bridge)
+        return 0
+    trainer = AsyncTrainer(cfg, bridge)
+    try:
+        trainer.fit()
+    finally:
+        trainer.close()
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The trainer side
+# ----------------------------------------------------------------------------------------------------------------
+class RemoteRollout:
+    """The trainer ranks' stand-in for a RolloutWorker: `sync` sends the weights, `take(step)` returns this DP
+    rank's share of the step's batch; `sleep` / `mark_stale` have nothing to do (no local engine)."""
+
+    def __init__(self, cfg, bridge: Bridge, dp_rank: int, dp_size: int, t0: float):
+        from megatron_searchr1.models.convert import DTYPES
+
+        r = cfg.rollout
+        self.cfg, self.bridge, self.dp_rank, self.dp_size, self.t0 = cfg, bridge, dp_rank, dp_size, t0
+        self.leader = bridge.bridge_rank == 0
+        self.sender = WeightSender(bridge, bucket_bytes=r.sync_bucket_mb << 20,
+                                   dtype=DTYPES[cfg.model.dtype if r.dtype == "auto" else r.dtype])
+        self.buffer = AsyncBuffer(capacity=r.max_staleness + 1, max_staleness=r.max_staleness)
+        self._receiver: Optional[threading.Thread] = None
+        self.version = 0
+
+    def start(self, first_batch: int, first_version: int) -> None:
+        """Tell the rollout ranks where the run starts (after a resume: batch = version = the step reached) and
+        start receiving batches."""
+        self.version = first_version
+        if not self.leader:
+            return
+        plan = self.bridge.plan
+        for dst in range(1, plan.rollout_ranks + 1):
+            send_object(self.bridge.batches, {"first_batch": first_batch, "first_version": first_version,
+                                              "t0": self.t0}, dst, BATCHES_TAG)
+        self._receiver = threading.Thread(target=self._receive, args=(first_batch,), name="batch-receiver",
+                                          daemon=True)
+        self._receiver.start()
+
+    def _receive(self, first_batch: int) -> None:
+        plan, total = self.bridge.plan, self.cfg.trainer.total_steps
+        for b in range(first_batch, total):
+            src = 1 + b % plan.rollout_ranks
+            try:
+                msg = recv_object(self.bridge.batches, src, BATCHES_TAG)
+            except BaseException as e:  # noqa: BLE001 (handed to the trainer's thread through the buffer)
+                self.buffer.fail(f"rollout rank {plan.global_rank(src)} is gone while the trainer waited for batch "
+                                 f"{b} ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
+                return
+            if isinstance(msg, dict) and "error" in msg:
+                self.buffer.fail(f"rollout rank {plan.global_rank(src)} failed: {msg['error']}")
+                return
+            if not self.buffer.put(msg):
+                return
+
+    # -- what Trainer.step calls ----------------------------------------------------------------------------------
+    def sync(self, policy) -> dict:
+        """Send the current weights (version = updates so far) to the rollout ranks; every trainer rank gathers."""
+        stats = self.sender.send(policy, self.version)
+        return stats
+
+    def sleep(self) -> None:
+        pass
+
+    def mark_stale(self) -> None:
+        """An update happened: the next sync sends the next version."""
+        self.version += 1
+
+    def take(self, step: int) -> tuple[GeneratedBatch, float, int]:
+        """The batch step `step` trains, the same on every trainer rank: rank 0 takes it from the buffer and
+        broadcasts it (or the error that stops the run, so no rank is left waiting). Returns (batch, seconds
+        waited, batches dropped so far)."""
+        start = time.perf_counter()
+        box: list = [None]
+        if self.leader:
+            try:
+                batch = self.buffer.take(step, check=self.sender.raise_if_failed)
+                box[0] = (batch, self.buffer.dropped)
+            except (BufferClosed, RuntimeError) as e:
+                box[0] = ("error", str(e))
+        if dist.get_world_size() > 1:
+            dist.broadcast_object_list(box, src=0)
+        if box[0][0] == "error":
+            raise RuntimeError(f"step {step}: {box[0][1]}")
+        batch, dropped = box[0]
+        return batch, time.perf_counter() - start, dropped
+
+    def close(self) -> None:
+        self.buffer.close()
+        self.sender.close()
+
+
+class AsyncTrainer(Trainer):
+    """The Trainer on the trainer ranks of a disaggregated run (module doc): generation is RemoteRollout.take."""
+
+    def __init__(self, cfg, bridge: Bridge):
+        from megatron_searchr1.trainer.build import build_roles
+
+        roles = build_roles(cfg)  # the trainer world: Megatron's groups, the models; no engine (build.py)
+        t0 = [time.time()]
+        dist.broadcast_object_list(t0, src=0)
+        roles.worker = RemoteRollout(cfg, bridge, roles.dp_rank, roles.dp_size, t0[0])
+        super().__init__(cfg, roles)
+        self.remote: RemoteRollout = roles.worker
+        self.remote.start(first_batch=self.step_no, first_version=self.step_no)
+        self._train_start = 0.0
+
+    def generate_batch(self) -> tuple[list, list[dict], list[str], dict]:
+        """This DP rank's groups of batch step_no-1 (generated remotely), their scores, group ids and metrics."""
+        batch, waited, dropped = self.remote.take(self.step_no)
+        p = batch.payload
+        trajs = dp_shard(p["trajs"], self.roles.dp_rank, self.roles.dp_size)
+        scores = dp_shard(p["scores"], self.roles.dp_rank, self.roles.dp_size)
+        t0 = self.remote.t0
+        metrics = {**p["metrics"],
+                   "async/version": float(batch.version), "async/lag": float(lag(self.step_no, batch.version)),
+                   "async/batch": float(batch.index), "async/dropped": float(dropped), "async/wait_s": waited,
+                   "async/gen_start_s": batch.gen_start - t0, "async/gen_end_s": batch.gen_end - t0,
+                   **{f"sync/{k}": v for k, v in p.get("sync", {}).items()}}
+        self._train_start = time.time() - t0
+        return trajs, scores, [f"{batch.index}:{tr.uid}" for tr in trajs], metrics
+
+    def step(self) -> dict:
+        metrics = super().step()
+        metrics["async/train_start_s"] = self._train_start  # generate_batch returned: the training began
+        metrics["async/train_end_s"] = time.time() - self.remote.t0
+        return metrics
+
+    def validate(self) -> dict:
+        raise RuntimeError("validation is not run by the disaggregated placement (Config.check_placement)")
+
+    def close(self) -> None:
+        try:
+            self.remote.close()
+        finally:
+            super().close()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The rollout side
+# ----------------------------------------------------------------------------------------------------------------
+def _engine_tensors(worker, names: list[str]) -> dict:
+    """Inside the vLLM worker (this process): copies of the model's parameters of these HF names, where vLLM keeps
+    them under the same name (norms, o_proj, down_proj; not the stacked qkv / gate_up)."""
+    params = dict(worker.model_runner.model.named_parameters())
+    return {n: params[n].detach().float().clone() for n in names if n in params}
+
+
+def check_engine_weights(engine, pairs: list) -> tuple[float, int]:
+    """(largest |engine - sent| over up to CHECKED_TENSORS sent tensors the engine keeps under their HF names,
+    how many were compared). Only for the vLLM engine (nan, 0 otherwise)."""
+    llm = getattr(engine, "llm", None)
+    if llm is None:
+        return float("nan"), 0
+    sent = {n: t for n, t in pairs}
+    got = llm.collective_rpc(_engine_tensors, args=(list(sent),))[0]
+    names = [n for n in sent if n in got and tuple(got[n].shape) == tuple(sent[n].shape)][:CHECKED_TENSORS]
+    if not names:
+        return float("nan"), 0
+    return max(float((got[n] - sent[n].float()).abs().max()) for n in names), len(names)
+
+
+def serve_rollouts(cfg, bridge: Bridge) -> None:
+    """A rollout rank's whole run (module doc): its batches, each with the newest weights it has, within the bound."""
+    from megatron_searchr1.data.rl_data import PromptSampler
+    from megatron_searchr1.models.convert import load_hf_config
+    from megatron_searchr1.rollout import loop
+    from megatron_searchr1.rollout.engine_groups import SHARE_SEED_STRIDE
+    from megatron_searchr1.rollout.engines import make_engine
+    from megatron_searchr1.rollout.loop import LoopSettings
+    from megatron_searchr1.search.client import RetrievalClient, SearchGuard
+    from megatron_searchr1.trainer import losses
+    from megatron_searchr1.trainer.build import engine_kwargs, load_data, load_tokenizer
+    from megatron_searchr1.trainer.roles import RolloutWorker
+    from megatron_searchr1.trainer.sources import stop_token_ids
+
+    r, q, t = cfg.rollout, cfg.retrieval, cfg.trainer
+    plan, me = bridge.plan, bridge.bridge_rank - 1  # me: 0..K-1
+    hf_config = load_hf_config(cfg.model.path)
+    tokenizer = load_tokenizer(cfg.model.path, hf_config, cfg.data.chat_template)
+    data = load_data(cfg, tokenizer, log=False)
+    receiver = WeightReceiver(bridge)
+    engine = make_engine(r.engine, cfg.model.path, **engine_kwargs(cfg, dist.get_rank()))
+    client = RetrievalClient(q.url, topk=q.topk, timeout=q.timeout)
+    guard = SearchGuard(client.search, q.url, q.max_error_rate, q.max_failed_rounds)
+    settings = LoopSettings(max_turns=r.max_turns, max_tokens_per_turn=r.max_tokens_per_turn,
+                            max_response_length=r.max_response_length, max_obs_length=r.max_obs_length,
+                            stop_token_ids=tuple(stop_token_ids(tokenizer, cfg.model.path)),
+                            temperature=r.temperature, top_p=r.top_p if r.temperature > 0 else 1.0,
+                            top_k=r.top_k if r.temperature > 0 else -1)
+    start = recv_object(bridge.batches, 0, BATCHES_TAG)
+    first_batch, first_version = start["first_batch"], start["first_version"]
+    sampler = PromptSampler(len(data.train), cfg.data.train_batch_size, t.seed, cfg.data.shuffle)
+    for _ in range(first_batch):  # the data cursor: batch b is the b-th draw, whichever run drew the earlier ones
+        sampler.next_batch()
+    check = (float("nan"), 0)
+    try:
+        for b in range(first_batch, t.total_steps):
+            rows = [data.train[i] for i in sampler.next_batch()]
+            if b % plan.rollout_ranks != me:
+                continue
+            if not receiver.wait_for(required_version(b, r.max_staleness, first_version)):
+                break  # the trainer stopped early (e.g. trainer.stop_on_collapse)
+            loaded = receiver.apply(engine)
+            if loaded is not None:
+                check = check_engine_weights(engine, loaded[1])
+            version = receiver.applied_version
+            gen_start = time.time()
+            trajs = RolloutWorker.make_trajectories(rows, r.n)
+            seed = t.seed * 1_000_003 + (b + 1) * 7919 + me * SHARE_SEED_STRIDE  # Trainer.step_seed of step b+1
+            stats = loop.run_rollout(engine, tokenizer, guard, trajs, dataclasses.replace(settings, seed=seed))
+            scores = losses.score_trajectories(trajs, tokenizer, cfg.algo)
+            failed, searched, opened, last = guard.take()
+            guard.down(failed, searched, opened, last, f"batch {b} on rollout rank {bridge.rank}")  # raises to stop
+            metrics = {**stats.as_metrics(trajs), "rollout/search_error_rate": failed / max(searched, 1)}
+            payload = {"trajs": trajs, "scores": scores, "metrics": metrics,
+                       "sync": {"remote_check_max_diff": check[0], "remote_check_tensors": float(check[1]),
+                                "remote_applied_version": float(version)}}
+            send_object(bridge.batches, GeneratedBatch(index=b, version=version, payload=payload,
+                                                       gen_start=gen_start, gen_end=time.time(), rank=bridge.rank),
+                        0, BATCHES_TAG)
+    except BaseException as e:
+        # tell the trainer why, if it still listens; then fail this rank (torchrun stops the job)
+        try:
+            send_object(bridge.batches, {"error": f"{type(e).__name__}: {e}"}, 0, BATCHES_TAG)
+        except Exception:  # noqa: BLE001 (the trainer may be gone too)
+            pass
+        raise
+    receiver.wait_stop()
+    if hasattr(engine, "close"):
+        engine.close()
+    client.close()
