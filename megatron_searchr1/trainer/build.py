@@ -199,7 +199,7 @@ def engine_kwargs(cfg: Config, rank: int) -> dict:
     r, t = cfg.rollout, cfg.trainer
     kw: dict = dict(dtype=cfg.model.dtype if r.dtype == "auto" else r.dtype)
     if r.engine == "vllm":
-        # one seed per vLLM TP group: its ranks must sample alike (requests carry their own seeds anyway)
+        # one seed per vLLM TP group: its ranks must sample alike (generate() seeds one random stream per call from it)
         # load_format="dummy": random weights at start; the first weight sync (before any generate: RolloutWorker)
         # writes the actor's, so reading the checkpoint here would only cost start-up time and host memory
         kw.update(tensor_parallel_size=r.engine_tp, max_model_len=cfg.data.max_prompt_length + r.max_response_length,
