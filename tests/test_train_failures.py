@@ -92,3 +92,74 @@ def test_a_hung_then_a_killed_retrieval_server_stops_the_run_which_resumes_when_
         log, error, after_signal, _ = launch(server.url, pid, "kill")
         assert "at step 1" in log and re.search(r"CLIENT rank=0 step=2 requests=\d+", log), log[-6000:]
         assert "is the retrieval server" in error and after_signal < 60, (error, after_signal)
+
+
+def _session_processes(sid: int) -> list[str]:
+    """The live (not zombie) processes of session `sid`, as 'pid cmdline'."""
+    from megatron_searchr1.interrupt import _alive
+
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            if os.getsid(int(entry)) != sid or not _alive(int(entry)):
+                continue
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
+            out.append(f"{entry} {cmdline[:200]}")
+        except OSError:
+            continue
+    return out
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_every_rank_in_seconds_with_one_line_each(world, tiny_model, rl_root):
+    """Ctrl-C in a terminal: SIGINT to the whole job (torchrun, both ranks, the retrieval server a rank launched).
+    Each rank prints one line naming its step and last checkpoint and exits 130; no Python traceback of ours; the
+    job and every process it started are gone within seconds (torchrun's own SignalException report remains)."""
+    import subprocess
+    import sys
+
+    from tests.rl_fixtures import child_env
+    from tests.dist_utils import REPO
+
+    out = os.path.join(rl_root, "ctrl_c")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
+           "megatron_searchr1.train", f"model.path={tiny_model}", f"data.train_files=[{world}/train.parquet]",
+           f"data.val_files=[{world}/validation.parquet]", f"trainer.output_dir={out}", "rollout.engine=hf",
+           "parallel.tp=1", "data.train_batch_size=2", "algo.ppo_mini_batch_size=2", "rollout.n=2",
+           "rollout.max_turns=1", "rollout.max_tokens_per_turn=16", "rollout.max_response_length=96",
+           "rollout.max_obs_length=32", "data.max_prompt_length=512", "trainer.total_steps=500",
+           "trainer.val_before_train=false", "trainer.test_freq=0", "trainer.save_freq=1", "trainer.export_hf=false",
+           "logging.tensorboard=false", "algo.use_kl_loss=false", "retrieval.launch=true",
+           f"retrieval.server_args=[--index-dir,{world}/index_bm25]"]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    lines = []
+    try:
+        for line in proc.stdout:  # until step 2 is done: a checkpoint exists, the server has been asked
+            lines.append(line)
+            if line.startswith("step 2/"):
+                break
+        assert lines and lines[-1].startswith("step 2/"), "".join(lines)[-6000:]
+        assert len(_session_processes(proc.pid)) >= 4  # torchrun, two ranks, the server
+        t0 = time.time()
+        os.killpg(proc.pid, signal.SIGINT)
+        rest, _ = proc.communicate(timeout=60)
+        seconds = time.time() - t0
+        time.sleep(0.5)
+        left = _session_processes(proc.pid)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    log = "".join(lines) + rest
+    said = re.findall(r"^rank (\d): interrupted \(Ctrl-C\) (?:in step \d+ of 500|saving the checkpoint of step \d+); "
+                      r"last checkpoint: (\S+)$", rest, re.M)
+    assert sorted(r for r, _ in said) == ["0", "1"], rest[-6000:]
+    assert all(re.search(r"/checkpoints/step_\d{6}$", ckpt) and os.path.isdir(ckpt) for _, ckpt in said), said
+    assert "KeyboardInterrupt" not in log and "megatron_searchr1/" not in rest, rest[-6000:]  # no traceback of ours
+    assert proc.returncode != 0 and seconds < 10, (proc.returncode, seconds)
+    assert not left, f"left running after Ctrl-C: {left}"
