@@ -112,9 +112,9 @@ def check_parallel_fit(config: dict, tp: int, pp: int, ep: int = 1, world_size: 
         problems.append(f"EP={ep} needs a mixture-of-experts model; this one is dense: drop --ep")
     if world_size % (tp * pp * ep):
         n = tp * pp * ep
+        single = "--tp 1 --pp 1" + (" --ep 1" if ep > 1 else "")
         problems.append(f"world size {world_size} is not a multiple of tp*pp{'*ep' if ep > 1 else ''}={n}: launch with "
-                        f"`torchrun --nproc_per_node {n} {script} ...` (or use --tp 1 --pp 1{' --ep 1' if ep > 1 else ''} "
-                        "in one process)")
+                        f"`torchrun --nproc_per_node {n} {script} ...` (or use {single} in one process)")
     if problems:
         raise UsageError(f"{where}: " + "; ".join(problems))
 
