@@ -134,6 +134,8 @@ def console(main: Callable[[Optional[Sequence[str]]], Optional[int]]) -> Callabl
 def parse(argv: Optional[Sequence[str]], cls=None, prog_doc: str = "", translate=None):
     """`CONFIG.yaml KEY=VALUE ...` (or only overrides) -> a validated `cls` (default: the RL Config); a config
     mistake is a UsageError naming the field. `--help-config` prints every field with its default and exits.
+    Read from sys.argv (`argv` None, a real run), it also makes Ctrl-C end the process in a second or two with one
+    line (megatron_searchr1/interrupt.py).
     `translate`: reads a foreign YAML into ours (the SFT entry passes config/llamafactory.py's)."""
     # here, not at the top: the converters' and the server's command lines share this module and need no config
     from megatron_searchr1.config import Config, ConfigError, describe, load_config
@@ -157,6 +159,10 @@ def parse(argv: Optional[Sequence[str]], cls=None, prog_doc: str = "", translate
         cfg.validate(world_size=int(os.environ.get("WORLD_SIZE", "1")))
     except ConfigError as e:
         raise UsageError(str(e)) from None
+    if argv is None:  # a real command line: Ctrl-C is one line and exit 130 (callers passing argv keep Python's)
+        from megatron_searchr1 import interrupt
+
+        interrupt.enable()
     return cfg
 
 

@@ -3,9 +3,16 @@
     with ServerProcess(["--index-dir", "data/synthetic/index_bm25"]) as server:
         client = RetrievalClient(server.url)
 
-The child is `python -m megatron_searchr1.search.server --port 0 ...`: it picks a free port and prints
-"Retrieval server listening on http://HOST:PORT ..." once its batcher runs, so the URL we return is ready to serve.
-Stopping sends SIGINT (uvicorn shuts down gracefully) and kills it if it does not exit in time.
+The child is `python -m megatron_searchr1.search.launch PARENT_PID --port 0 ...`, which runs the server's main:
+it picks a free port and prints "Retrieval server listening on http://HOST:PORT ..." once its batcher runs, so the
+URL we return is ready to serve. Stopping sends SIGINT (uvicorn shuts down gracefully) and kills it if it does not
+exit in time.
+
+The child dies with its parent, however the parent dies: before anything else it asks the kernel for SIGKILL when
+its parent goes (Linux PR_SET_PDEATHSIG; a SIGKILLed or OOM-killed trainer rank runs no clean-up of its own, and a
+server holding a 65 GB index must not outlive it), then checks that PARENT_PID is still its parent (it may have
+died before the request). The kernel sends the signal when the parent *thread* that started the child ends, so
+start it from the main thread (the trainer does) or from a thread that lives as long as the server should.
 A reader thread drains the child's output for its whole life: a pipe nobody reads fills after ~64 KB of log
 lines and then blocks the server on its next write. The last lines are kept in `output` for error messages.
 
@@ -75,7 +82,7 @@ class ServerProcess:
         self._reader: threading.Thread | None = None
 
     def start(self) -> "ServerProcess":
-        cmd = [sys.executable, "-m", "megatron_searchr1.search.server", "--port", "0", *self.args]
+        cmd = [sys.executable, "-m", "megatron_searchr1.search.launch", str(os.getpid()), "--port", "0", *self.args]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=self.env)
         self._reader = threading.Thread(target=self._drain, name="retrieval-server-output", daemon=True)
         self._reader.start()
@@ -127,3 +134,21 @@ class ServerProcess:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _run_tied_to_parent(argv: list[str]) -> int:
+    """`python -m megatron_searchr1.search.launch PARENT_PID SERVER_ARGS...`: the server's main, in a process the
+    kernel kills when PARENT_PID (its parent) dies."""
+    from megatron_searchr1.cli import run_main
+    from megatron_searchr1.megatron.child_processes import die_with_parent
+    from megatron_searchr1.search.server import main
+
+    die_with_parent(signal.SIGKILL)
+    if os.getppid() != int(argv[0]):  # the parent died before the request: nobody would stop this server
+        print(f"error: parent process {argv[0]} is gone: not starting the retrieval server", file=sys.stderr)
+        return 1
+    return run_main(main, argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(_run_tied_to_parent(sys.argv[1:]))

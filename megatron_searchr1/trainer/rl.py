@@ -32,8 +32,10 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as mpu
 
-from megatron_searchr1 import algo
-from megatron_searchr1.checkpoint import RoleState, agreed_resume_target, latest_step, load_roles, save_roles
+from megatron_searchr1 import algo, interrupt
+from megatron_searchr1.checkpoint import (
+    RoleState, agreed_resume_target, latest_step, load_roles, save_roles, step_dir,
+)
 from megatron_searchr1.config import Config, save_config
 from megatron_searchr1.console import progress
 from megatron_searchr1.data.rl_data import dp_shard
@@ -49,6 +51,7 @@ class Trainer:
     def __init__(self, cfg: Config, roles: Roles | None = None):
         self.cfg = cfg
         self.roles = roles if roles is not None else build_roles(cfg)
+        interrupt.reassert()  # Ctrl-C: our one-line exit, whatever the engines built above installed
         self.policy, self.reference, self.critic = self.roles.policy, self.roles.reference, self.roles.critic
         self.worker, self.data = self.roles.worker, self.roles.data
         self.rank = self.roles.rank
@@ -72,6 +75,7 @@ class Trainer:
             while self.step_no < t.total_steps:
                 sampler_state = self.data.sampler.state_dict() if self.data.sampler is not None else None
                 self.step_no += 1
+                interrupt.note(f"in step {self.step_no} of {t.total_steps}")
                 try:
                     metrics = self.step()
                 except RetrievalDown:  # raised by the rollout, before any update: this step did not happen
@@ -99,6 +103,7 @@ class Trainer:
                 self.save()
             raise
         bar.close()
+        interrupt.note(f"after step {self.step_no} of {t.total_steps} (final save, validation, export)")
         self.save()
         final = self.validate() if self.data.val and (not t.test_freq or self.step_no % t.test_freq) else {}
         if t.export_hf:
@@ -274,6 +279,7 @@ class Trainer:
     def validate(self) -> dict:
         """Greedy rollouts on the validation rows (split over all engines), EM / sub-EM / F1 per data_source."""
         cfg, logger = self.cfg, self.roles.logger
+        interrupt.note(f"in validation at step {self.step_no}")
         self.worker.sync(self.policy)
         records, samples = self.worker.validate(self.data.val, cfg.data.val_batch_size,
                                                 cfg.logging.trajectories_per_step)
@@ -297,6 +303,7 @@ class Trainer:
         return states
 
     def save(self) -> None:
+        interrupt.note(f"saving the checkpoint of step {self.step_no}")
         states = self._states()
         sampler = self.data.sampler
         extra = {"step": self.step_no, "sampler": sampler.state_dict() if sampler else None,
@@ -304,6 +311,7 @@ class Trainer:
                  "ref_source": self.reference.source if self.reference is not None else None}
         save_roles(self.ckpt_root, self.step_no, states, extra, hf_dirs={name: self.policy.hf_dir for name in states},
                    keep_last=self.cfg.trainer.keep_last)
+        interrupt.note_checkpoint(step_dir(self.ckpt_root, self.step_no))
 
     def _resume(self) -> None:
         target = agreed_resume_target(self.cfg.trainer.resume, self.ckpt_root)  # rank 0 decides for every node
@@ -312,6 +320,7 @@ class Trainer:
         root, step = target
         extra = load_roles(root, step, self._states())
         self.step_no = int(extra["step"])
+        interrupt.note_checkpoint(step_dir(root, step))
         self.roles.logger.resume_at(self.step_no)  # rows a killed run logged after this checkpoint go
         if self.data.sampler is not None and extra.get("sampler"):
             self.data.sampler.load_state_dict(extra["sampler"])

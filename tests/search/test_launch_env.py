@@ -1,5 +1,6 @@
 """ServerProcess without a real server: the environment and command its child gets, and what it says when the
 child is not ready in time. A recording Popen stands in for the child."""
+import os
 import threading
 
 import pytest
@@ -61,7 +62,7 @@ def test_the_server_does_not_inherit_torchruns_single_openmp_thread(popen, monke
     with ServerProcess(["--index-dir", "IDX"]) as server:
         assert server.url == "http://127.0.0.1:4321"
     cmd, kwargs = popen["calls"][0]
-    assert cmd[1:] == ["-m", "megatron_searchr1.search.server", "--port", "0", "--index-dir", "IDX"]
+    assert cmd[1:] == ["-m", "megatron_searchr1.search.launch", str(os.getpid()), "--port", "0", "--index-dir", "IDX"]
     env = kwargs["env"]
     assert env["OMP_NUM_THREADS"] == str(available_cores())  # every core, as the server's own default
     assert env["SOME_USER_VAR"] == "kept" and env["PYTHONUNBUFFERED"] == "1"
