@@ -54,9 +54,9 @@ def _expected(candidates, scores, topk):
     return [candidates[j] for j in order[:topk]]
 
 
-@pytest.mark.parametrize("base", ["bm25", "dense"])
+@pytest.mark.parametrize("base", ["bm25", "dense", "hybrid"])
 def test_cross_rerank_returns_the_models_own_order(base, request, world, cross_encoder_dir):
-    """BM25 or MiniLM/Flat top-10 -> cross-encoder top-3 (Search-R1's e5 top-10 -> cross-encoder top-3 shape):
+    """BM25, MiniLM/Flat or hybrid top-10 -> cross-encoder top-3 (Search-R1's e5 top-10 -> cross-encoder top-3):
     the served top-3 is the top-3 of the candidates by sentence-transformers' own scores of the same pairs."""
     from sentence_transformers import CrossEncoder
 
