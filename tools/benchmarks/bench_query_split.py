@@ -93,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     index = faiss.IndexFlatIP(x.shape[1])
     index.add(x)
     rng = np.random.default_rng(0)
-    words = [corpus[int(i)]["contents"].split() for i in rng.choice(len(corpus), 256, replace=False)]
+    picked = rng.choice(len(corpus), min(256, len(corpus)), replace=False)
+    words = [corpus[int(i)]["contents"].split() for i in picked]
     serial = iter(range(10 ** 9))
 
     def fresh(n: int) -> list[str]:  # distinct, never seen: nothing is cached or deduplicated
