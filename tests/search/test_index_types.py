@@ -40,7 +40,8 @@ def test_a_corpus_too_small_for_the_type_is_one_error_line(tmp_path, world):
     errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "Traceback" not in r.stderr, r.stderr
     assert re.fullmatch(r"error: --index-type opq_ivf_pq needs at least 1000 passages to train, the corpus has "
-                        r"300: use --index-type flat / fp16 / sq8 / sq6 / hnsw / ivf_flat / ivf_sq8 / ivf_pq .*", errors[0])
+                        r"300: use --index-type flat / fp16 / sq8 / sq6 / hnsw / ivf_flat / ivf_sq8 / ivf_pq .*",
+                        errors[0])
 
 
 @pytest.mark.slow
