@@ -23,9 +23,9 @@ from megatron_searchr1.search.encoder import add_encoder_args, encoder_args_prob
 KINDS = ("bm25", "dense", "hybrid")  # = retrievers.KINDS, repeated so --help needs no faiss/bm25s import
 # = dense.FACTORY, written out for --help (tests/search check the two agree). N passages, d dims.
 INDEX_TYPE_HELP = """faiss index, by its index_factory string (inner product). flat: "Flat" (exact, 4d bytes per
-passage, Search-R1's e5_Flat.index); fp16: "SQfp16" (2d); sq8: "SQ8" (d); hnsw: "HNSW{hnsw_m},Flat" (4d + graph);
-ivf_flat: "IVF{nlist},Flat"; ivf_sq8: "IVF{nlist},SQ8"; ivf_pq: "IVF{nlist},PQ{pq_m}x{pq_nbits}" (pq_m bytes);
-opq_ivf_pq: "OPQ{pq_m},IVF{nlist},PQ{pq_m}x{pq_nbits}". Defaults follow N: nlist = min(4 sqrt(N), N/39),
+passage, Search-R1's e5_Flat.index); fp16: "SQfp16" (2d); sq8: "SQ8" (d); sq6: "SQ6" (3d/4);
+hnsw: "HNSW{hnsw_m},Flat" (4d + graph); ivf_flat: "IVF{nlist},Flat"; ivf_sq8: "IVF{nlist},SQ8";
+ivf_pq: "IVF{nlist},PQ{pq_m}x{pq_nbits}" (pq_m bytes); opq_ivf_pq: "OPQ{pq_m},IVF{nlist},PQ{pq_m}x{pq_nbits}". Defaults follow N: nlist = min(4 sqrt(N), N/39),
 pq_m = d/4, pq_nbits = 8 (fewer under ~10k passages), training sample = min(N, max(40 nlist, 10000)).
 ivf_pq / opq_ivf_pq also keep fp16 vectors (dense.vectors.npy, memory-mapped by the server) to re-score
 4 x topk candidates exactly."""
@@ -42,7 +42,7 @@ def build_arg_parser() -> ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     add_encoder_args(p)
     f = p.add_argument_group("faiss")
-    f.add_argument("--index-type", choices=["flat", "fp16", "sq8", "hnsw", "ivf_flat", "ivf_sq8", "ivf_pq",
+    f.add_argument("--index-type", choices=["flat", "fp16", "sq8", "sq6", "hnsw", "ivf_flat", "ivf_sq8", "ivf_pq",
                                             "opq_ivf_pq"], default="flat", help=INDEX_TYPE_HELP.replace("%", "%%"))
     f.add_argument("--hnsw-m", type=int, default=32)
     f.add_argument("--hnsw-ef-construction", type=int, default=200)

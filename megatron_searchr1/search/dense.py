@@ -23,11 +23,12 @@ logger = logging.getLogger(__name__)
 
 
 # faiss index_factory strings per --index-type; {nlist}, {pq_m}, {pq_nbits}, {hnsw_m} follow the corpus size
-# (see `resolve_build`). Bytes per passage at dim d: flat 4d, fp16 2d, sq8 d, pq pq_m (+8 for an IVF id).
+# (see `resolve_build`). Bytes per passage at dim d: flat 4d, fp16 2d, sq8 d, sq6 3d/4, pq pq_m (+8 for an IVF id).
 FACTORY = {
     "flat": "Flat",
     "fp16": "SQfp16",
     "sq8": "SQ8",
+    "sq6": "SQ6",
     "hnsw": "HNSW{hnsw_m},Flat",
     "ivf_flat": "IVF{nlist},Flat",
     "ivf_sq8": "IVF{nlist},SQ8",
@@ -51,7 +52,7 @@ class FaissConfig:
     """Which faiss index is built and how it is searched. 0 means "follow the corpus size" for the sizes."""
 
     index_type: str = "flat"
-    """flat | fp16 | sq8 | hnsw | ivf_flat | ivf_sq8 | ivf_pq | opq_ivf_pq (see FACTORY for the faiss strings)."""
+    """flat | fp16 | sq8 | sq6 | hnsw | ivf_flat | ivf_sq8 | ivf_pq | opq_ivf_pq (see FACTORY for the faiss strings)."""
     hnsw_m: int = 32
     """HNSW neighbours per node (build time)."""
     hnsw_ef_construction: int = 200
@@ -177,7 +178,7 @@ def index_type_of(index) -> str:
     if isinstance(index, faiss.IndexIVFFlat):
         return "ivf_flat"
     if isinstance(index, faiss.IndexScalarQuantizer):
-        return "fp16" if index.sq.qtype == faiss.ScalarQuantizer.QT_fp16 else "sq8"
+        return {faiss.ScalarQuantizer.QT_fp16: "fp16", faiss.ScalarQuantizer.QT_6bit: "sq6"}.get(index.sq.qtype, "sq8")
     return "flat"
 
 

@@ -4,6 +4,8 @@ r"""The retrieval server: Search-R1's `POST /retrieve` over any of our retriever
     python -m megatron_searchr1.search.server --faiss-index e5_Flat.index --corpus wiki-18.jsonl \
         --encoder /models/e5-base-v2 --port 8000        # an existing Search-R1 index, unchanged
     python -m megatron_searchr1.search.server --index-dir D --torch-threads 2   # beside a trainer: a thread budget
+    python -m megatron_searchr1.search.server --faiss-index e5_Flat.index --corpus wiki-18.jsonl \
+        --encoder /models/e5-base-v2 --rerank cross --rerank-model CE_DIR --rerank-candidates 10   # rerank.py
 
 What it promises: Search-R1's request and response, read as leniently as Search-R1's pydantic model reads them
 (protocol.py); concurrent requests searched together (batcher.py). What it refuses, and how: bad input gets a 4xx
@@ -34,6 +36,7 @@ from fastapi.responses import JSONResponse, Response
 
 from megatron_searchr1.cli import ArgumentParser, UsageError, at_least, console, run_main
 from megatron_searchr1.config.loader import field_docs
+from megatron_searchr1.search import rerank
 from megatron_searchr1.search.base import Retriever
 from megatron_searchr1.search.batcher import BatchStats, MicroBatcher, SearchTimeout  # noqa: F401  (re-exported)
 from megatron_searchr1.search.encoder import add_encoder_args, encoder_args_problem, encoder_options, set_cpu_threads
@@ -205,6 +208,7 @@ def build_arg_parser() -> ArgumentParser:
     rt.add_argument("--bm25-mmap", action="store_true", help="memory-map the BM25 arrays (large corpora)")
     rt.add_argument("--faiss-mmap", action="store_true",
                     help="memory-map the faiss vectors instead of reading them into RAM (a 65 GB e5_Flat.index)")
+    rerank.add_rerank_args(p)
     return p
 
 
@@ -295,6 +299,21 @@ def check_args(args) -> None:
     for flag in ("torch_threads", "faiss_threads", "query_cache_size", "nprobe", "refine_k_factor"):
         if (getattr(args, flag) or 0) < 0:
             raise UsageError(f"--{flag.replace('_', '-')} must be >= 0, got {getattr(args, flag)}")
+    problem = rerank.args_problem(args, *_index_encoder_and_kind(args))
+    if problem:
+        raise UsageError(problem)
+
+
+def _index_encoder_and_kind(args) -> tuple[str | None, str | None]:
+    """The served index's dense encoder model and kind, from index_meta.json (or the flags for --faiss-index)."""
+    if args.faiss_index:
+        return args.encoder, "dense"
+    try:
+        with open(os.path.join(args.index_dir, "index_meta.json")) as f:
+            meta = json.load(f)
+        return (meta.get("dense") or {}).get("encoder", {}).get("model"), meta.get("kind")
+    except (OSError, ValueError, AttributeError):
+        return None, None
 
 
 def load_from_args(args) -> Retriever:
@@ -306,12 +325,18 @@ def load_from_args(args) -> Retriever:
                "refine_k_factor": args.refine_k_factor}
     runtime = {k: v for k, v in runtime.items() if v is not None}
     if args.index_dir:
-        return load_retriever(args.index_dir, corpus_path=args.corpus, bm25_mmap=args.bm25_mmap, **runtime)
-    # The same meta and loading code as register_faiss_index + load_retriever (the corpus offsets are cached
-    # next to the corpus when its directory is writable, so wiki-18 is not rescanned on every start).
-    index_fields = {k: v for k, v in encoder_options(args).items()
-                    if k not in ("batch_size", "fp16", "device") and v is not None}
-    return open_faiss_index(args.faiss_index, args.corpus, runtime=runtime, **index_fields)
+        retriever = load_retriever(args.index_dir, corpus_path=args.corpus, bm25_mmap=args.bm25_mmap, **runtime)
+    else:
+        # The same meta and loading code as register_faiss_index + load_retriever (the corpus offsets are cached
+        # next to the corpus when its directory is writable, so wiki-18 is not rescanned on every start).
+        index_fields = {k: v for k, v in encoder_options(args).items()
+                        if k not in ("batch_size", "fp16", "device") and v is not None}
+        retriever = open_faiss_index(args.faiss_index, args.corpus, runtime=runtime, **index_fields)
+    config = rerank.config_from_args(args)
+    if config is None:
+        return retriever
+    scorer = rerank.make_scorer(config, device=args.device, fp16=args.fp16, backend=args.encoder_backend)
+    return rerank.RerankingRetriever(retriever, scorer, config)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -24,7 +24,7 @@ import numpy as np
 from megatron_searchr1.cli import ArgumentParser, UsageError, run_main
 
 WIKI18_DOCS, WIKI18_DIM = 21_000_000, 768
-TYPES = ("flat", "fp16", "sq8", "hnsw", "ivf_flat", "ivf_sq8", "ivf_pq", "opq_ivf_pq")
+TYPES = ("flat", "fp16", "sq8", "sq6", "hnsw", "ivf_flat", "ivf_sq8", "ivf_pq", "opq_ivf_pq")
 # OPQ's rotation trains for minutes even on a few thousand passages on 2 cores: measured only when asked for.
 DEFAULT_TYPES = TYPES[:-1]
 
