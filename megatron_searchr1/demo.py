@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -126,7 +127,7 @@ def _run(cmd: list[str], log_path: str, env: Optional[dict] = None, quiet: bool 
     _log(("" if quiet else " ".join(cmd) + "   ") + f"(log: {log_path})")
     full_env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", **(env or {})}
     bar_open = False  # a progress bar redraws one terminal line ("\r"); anything else starts a new line
-    with open(log_path, "w") as log:
+    with open(log_path, "w", buffering=1) as log:  # line-buffered: the log can be followed while it runs
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env)
         for line in proc.stdout:  # universal newlines: tqdm's "\r" redraws arrive as lines too
             log.write(line)
@@ -146,10 +147,18 @@ def _run(cmd: list[str], log_path: str, env: Optional[dict] = None, quiet: bool 
 
 
 def _worth_showing(line: str) -> bool:
-    """Progress bars, tables and our own messages; not the libraries' INFO/warning noise."""
+    """Progress bars, tables and our own messages, RL's per-step line at its first, every tenth and last step
+    (the log file keeps every one); not the libraries' INFO/warning noise.
+
+    >>> [_worth_showing(f"step {k}/50 reward=0.1") for k in (1, 2, 10, 49, 50)]
+    [True, False, True, False, True]
+    """
     noise = ("INFO", "WARNING", "warnings.warn", "UserWarning", "W1", "I1", "[W", "return func", "*****",
-             "Setting OMP_NUM_THREADS")
-    return not any(n in line for n in noise)
+             "Setting OMP_NUM_THREADS", "Triton is installed")
+    if any(n in line for n in noise):
+        return False
+    step = re.match(r"step (\d+)/(\d+) ", line)
+    return step is None or int(step[1]) in (1, int(step[2])) or int(step[1]) % 10 == 0
 
 
 def _torchrun(module: str, args: list[str]) -> list[str]:
