@@ -98,8 +98,8 @@ SIZES = {
                         "--n-train", "6000", "--n-validation", "300", "--n-test", "300"),
                  seed=3, sft_steps=3000, sft_batch=16, grpo_steps=50, grpo_batch=8, n=8, val_samples=300,
                  sft_worlds=4, grpo_test_freq=25, sft_stop_early=0.6, sft_val=64, sft_val_freq=100,
-                 sft_stop_at=0.6, eta_s=(("world", 80), ("model", 25), ("sft", 0.6), ("no_search", 40),
-                                         ("grpo", 7.5))),
+                 sft_stop_at=0.6, eta_s=(("world", 90), ("model", 15), ("sft", 0.6), ("no_search", 30),
+                                         ("grpo", 8.0))),
 }
 MODEL_ARGS = dict(hidden_size=128, intermediate_size=384, num_heads=4, num_kv_heads=2, tie_embeddings=True,
                   vocab_size=2000)
