@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# bash examples/cpu_demo.sh [--size full|ci] [--work-dir runs/cpu_demo] [--fresh]
+# bash examples/cpu_demo.sh [--size full|ci] [--seed N] [--work-dir runs/cpu_demo] [--fresh]
 # The one-command CPU demo (after `bash tools/install.sh cpu`): synthetic world -> BM25 server -> tiny model ->
 # Megatron SFT (DP=2) -> GRPO with vLLM rollouts (TP=2) -> evaluation -> HF export. See megatron_searchr1/demo.py.
 set -euo pipefail

@@ -1,27 +1,33 @@
 """The CPU demo, one command: a tiny model learns to search a fictional world, and RL measurably helps.
 
     bash examples/cpu_demo.sh                                  # = python -m megatron_searchr1.demo --size full
+    bash examples/cpu_demo.sh --seed 1 --work-dir runs/cpu_demo_1      # another world (the warm-up's move with it)
     python -m megatron_searchr1.demo --size ci --work-dir /tmp/demo     # the reduced run CI executes
 
 Stages (each skipped when its output exists, so an interrupted demo continues; --fresh starts over):
-  1. world      the RL world: a synthetic world (fictional entities: no model can know the answers) and its BM25
-                index; GRPO trains on its train questions, every evaluation asks its validation/test questions.
-                The warm-up's data are trajectories (written with the real retriever by a lazy demonstrator that
-                often answers a guess instead of searching again: `Size.sft_stop_early`) of other worlds
-                (`Size.sft_world_seeds`), so RL and evaluation only meet entities the warm-up never saw;
+  1. world      the RL world (seed --seed): a synthetic world (fictional entities: no model can know the answers)
+                and its BM25 index; GRPO trains on its train questions, every evaluation asks its validation/test
+                questions. The warm-up's data are trajectories (written with the real retriever by a lazy
+                demonstrator that often answers a guess instead of searching again: `Size.sft_stop_early`) of
+                other worlds (`world_seeds`), so RL and evaluation only meet entities the warm-up never saw; one
+                more world's single-hop trajectories are the warm-up's validation. The worlds build in parallel;
   2. model      a BPE tokenizer trained on the worlds' text and a random tiny Qwen2 (models/tiny.py);
   3. server     the retrieval server over the BM25 index, started here and stopped at the end;
-  4. sft        the supervised warm-up on Megatron (torchrun, 2 processes, data-parallel: megatron_searchr1/sft.py);
+  4. sft        the supervised warm-up on Megatron (torchrun, 2 processes, data-parallel: megatron_searchr1/sft.py),
+                validated every `Size.sft_val_freq` steps and stopped once it reads (`Size.sft_stop_at`);
   5. baseline   the warm-up model answering without search (rollout.max_turns=0) on the same questions;
   6. grpo       GRPO on Megatron (torchrun, 2 processes, TP=2) with vLLM rollouts fed by the weight sync,
                 validation before and after (megatron_searchr1/train.py), and the HF export.
-At the end: EM per split and hop count before/after RL and without search, mean searches, three validation
-trajectories turn by turn, where the TensorBoard logs are, and the exported model's path (also report.json).
+Each stage prints one line with its expected time as it starts. At the end: EM per split and hop count before/after
+RL and without search, mean searches, three validation trajectories turn by turn, where the TensorBoard logs and
+the pictures (the warm-up's loss, RL's training reward and validation EM by step) are, and the exported model's
+path (also report.json).
 """
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -35,9 +41,12 @@ from megatron_searchr1.cli import ArgumentParser, UsageError, run_main
 @dataclass(frozen=True)
 class Size:
     world: tuple[str, ...]
-    """make_synthetic_world.py arguments."""
+    """make_synthetic_world.py arguments, but the seed (`seed`, the demo's --seed)."""
+    seed: int
+    """The RL world's seed (the demo's --seed overrides it); the SFT worlds' and the validation world's seeds
+    follow from it (`world_seeds`)."""
     sft_steps: int
-    """SFT warm-up optimizer steps."""
+    """SFT warm-up optimizer steps: the cap when `sft_stop_at` is set."""
     sft_batch: int
     """SFT examples per step."""
     grpo_steps: int
@@ -50,11 +59,26 @@ class Size:
     """Questions per split for each evaluation."""
     grpo_test_freq: int = 0
     """Validate every this many GRPO steps as well (0: before and after only)."""
-    sft_world_seeds: tuple[int, ...] = ()
-    """Seeds of the worlds (same sizes as the RL world) whose gold trajectories are the SFT data. Several worlds:
-    more distinct names, so the warm-up learns to copy and read names rather than memorise a few thousand
-    trajectories over many epochs. None is the RL world: RL on questions the warm-up had memorised re-samples
-    memorised answers, while held-out questions need reading (examples/cpu_demo_sizes.md)."""
+    sft_worlds: int = 1
+    """How many worlds (same sizes as the RL world, other seeds) write the SFT data. Several worlds: more distinct
+    names, so the warm-up learns to copy and read names rather than memorise a few thousand trajectories over many
+    epochs. None is the RL world: RL on questions the warm-up had memorised re-samples memorised answers, while
+    held-out questions need reading (examples/cpu_demo_sizes.md)."""
+    sft_val: int = 0
+    """Single-hop gold trajectories of one more world (`world_seeds`) that the warm-up validates on (0: none): its
+    exact share (trainer/sft.py `validate`) says whether the model reads the answer from the retrieved passages."""
+    sft_val_freq: int = 100
+    """Validate the warm-up every this many steps."""
+    sft_stop_at: Optional[float] = None
+    """Stop the warm-up once its validation exact share reaches this (trainer.stop_at_val_exact), `sft_steps`
+    being the cap: when the answer-reading skill appears varies from seed to seed, and RL needs it."""
+    sft_lr: float = 1e-3
+    """The warm-up's learning rate (constant after a short warm-up: examples/sft_tiny_cpu.yaml)."""
+    model_layers: int = 4
+    """Decoder layers of the tiny model."""
+    eta_s: tuple[tuple[str, float], ...] = ()
+    """Expected seconds per stage on a free 2-core machine (measured: examples/cpu_demo.md), printed as each stage
+    starts; SFT's is per step, GRPO's per step including its validations."""
     sft_stop_early: float = 0.0
     """The SFT worlds' lazy demonstrator (make_world --stop-early): at each point where a multi-hop chain needs
     another search, its trajectory answers a guess instead with this probability. Above 0.5 the warm-up's greedy
@@ -64,34 +88,50 @@ class Size:
 
 SIZES = {
     # every stage runs for real at toy length (CI).
-    "ci": Size(world=("--seed", "0"), sft_steps=40, sft_batch=16, grpo_steps=3, grpo_batch=4, n=4, val_samples=32,
-               sft_world_seeds=(1,), grpo_test_freq=2, sft_stop_early=0.6),
+    "ci": Size(world=(), seed=0, sft_steps=40, sft_batch=16, grpo_steps=3, grpo_batch=4, n=4, val_samples=32,
+               sft_worlds=1, grpo_test_freq=2, sft_stop_early=0.6, sft_val=16, sft_val_freq=20,
+               eta_s=(("world", 20), ("model", 10), ("sft", 1.0), ("no_search", 40), ("grpo", 40))),
     # The README's run (examples/cpu_demo.md): a diverse world so the warm-up learns to copy unseen names into
     # queries; as short as the effect allows (the runs that chose these lengths: examples/cpu_demo_sizes.md).
-    "full": Size(world=("--seed", "3", "--n-people", "8000", "--n-companies", "2500", "--n-cities", "1500",
+    "full": Size(world=("--n-people", "8000", "--n-companies", "2500", "--n-cities", "1500",
                         "--n-products", "2500", "--n-universities", "800", "--n-distractors", "3000",
                         "--n-train", "6000", "--n-validation", "300", "--n-test", "300"),
-                 sft_steps=1500, sft_batch=16, grpo_steps=50, grpo_batch=8, n=8, val_samples=300,
-                 sft_world_seeds=(4, 5, 6, 7), grpo_test_freq=25, sft_stop_early=0.6),
+                 seed=3, sft_steps=3000, sft_batch=16, grpo_steps=50, grpo_batch=8, n=8, val_samples=300,
+                 sft_worlds=4, grpo_test_freq=25, sft_stop_early=0.6, sft_val=64, sft_val_freq=100,
+                 sft_stop_at=0.6, eta_s=(("world", 90), ("model", 15), ("sft", 0.6), ("no_search", 30),
+                                         ("grpo", 8.0))),
 }
-MODEL_ARGS = dict(hidden_size=128, intermediate_size=384, num_layers=4, num_heads=4, num_kv_heads=2,
-                  tie_embeddings=True, vocab_size=2000)
+MODEL_ARGS = dict(hidden_size=128, intermediate_size=384, num_heads=4, num_kv_heads=2, tie_embeddings=True,
+                  vocab_size=2000)
+SFT_SEED_OFFSET = 100_000
+"""The SFT worlds' seeds are seed + 100000 + i and the SFT validation world's seed + 200000: for any --seed below
+100000 neither is ever an RL world, so the warm-up never sees the questions RL trains and is evaluated on."""
+
+
+def world_seeds(seed: int, n_sft: int) -> tuple[list[int], int]:
+    """The SFT worlds' seeds and the SFT validation world's, for the RL world's `seed`.
+
+    >>> world_seeds(3, 2)
+    ([100003, 100004], 200003)
+    """
+    return [seed + SFT_SEED_OFFSET + i for i in range(n_sft)], seed + 2 * SFT_SEED_OFFSET
 
 
 def _log(msg: str) -> None:
     print(f"[cpu_demo {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def _run(cmd: list[str], log_path: str, env: Optional[dict] = None) -> None:
-    """Run a stage's command, its output teed to a log file; a failure shows the log's tail and stops the demo."""
-    _log(" ".join(cmd) + f"   (log: {log_path})")
+def _run(cmd: list[str], log_path: str, env: Optional[dict] = None, quiet: bool = False) -> None:
+    """Run a stage's command, its output teed to a log file (`quiet`: to the log file only); a failure shows the
+    log's tail and stops the demo."""
+    _log(("" if quiet else " ".join(cmd) + "   ") + f"(log: {log_path})")
     full_env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", **(env or {})}
     bar_open = False  # a progress bar redraws one terminal line ("\r"); anything else starts a new line
-    with open(log_path, "w") as log:
+    with open(log_path, "w", buffering=1) as log:  # line-buffered: the log can be followed while it runs
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env)
         for line in proc.stdout:  # universal newlines: tqdm's "\r" redraws arrive as lines too
             log.write(line)
-            if not _worth_showing(line):
+            if quiet or not _worth_showing(line):
                 continue
             is_bar = "/step" in line and "|" in line
             sys.stdout.write(("\r" + line.rstrip("\n")) if is_bar else (("\n" if bar_open else "") + line))
@@ -107,10 +147,18 @@ def _run(cmd: list[str], log_path: str, env: Optional[dict] = None) -> None:
 
 
 def _worth_showing(line: str) -> bool:
-    """Progress bars, tables and our own messages; not the libraries' INFO/warning noise."""
+    """Progress bars, tables and our own messages, RL's per-step line at its first, every tenth and last step
+    (the log file keeps every one); not the libraries' INFO/warning noise.
+
+    >>> [_worth_showing(f"step {k}/50 reward=0.1") for k in (1, 2, 10, 49, 50)]
+    [True, False, True, False, True]
+    """
     noise = ("INFO", "WARNING", "warnings.warn", "UserWarning", "W1", "I1", "[W", "return func", "*****",
-             "Setting OMP_NUM_THREADS")
-    return not any(n in line for n in noise)
+             "Setting OMP_NUM_THREADS", "Triton is installed")
+    if any(n in line for n in noise):
+        return False
+    step = re.match(r"step (\d+)/(\d+) ", line)
+    return step is None or int(step[1]) in (1, int(step[2])) or int(step[1]) % 10 == 0
 
 
 def _torchrun(module: str, args: list[str]) -> list[str]:
@@ -157,60 +205,97 @@ def _read_reports(path: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+def _make_worlds(worlds: list[tuple[str, tuple]], work: str, parallel: int = 2) -> None:
+    """Build the worlds that are not there yet, `parallel` at a time (each make_world is one process; its
+    index build and gold trajectories are single-threaded), each logging to <work>/<name>.log."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    todo = [(name, args) for name, args in worlds
+            if not os.path.isfile(os.path.join(work, name, "sft", "dataset_info.json"))]
+
+    def build(item):
+        name, args = item
+        _run([sys.executable, "-m", "megatron_searchr1.data.make_world", "--out-dir", os.path.join(work, name),
+              "--template", "short", "--oracle", "bm25", *args], os.path.join(work, f"{name}.log"), quiet=True)
+        _log(f"  {name} done")
+
+    with ThreadPoolExecutor(max_workers=parallel) as pool:
+        list(pool.map(build, todo))
+
+
+def _stage(no: int, name: str, what: str, eta_s: Optional[float]) -> None:
+    eta = f" (about {eta_s / 60:.1f} min on a free 2-core machine)" if eta_s else ""
+    _log(f"stage {no}/6 {name}: {what}{eta}")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--size", default="full", choices=sorted(SIZES), help="full: the measured run; ci: a short one")
+    p.add_argument("--seed", type=int, default=None,
+                   help="the RL world's seed (full: 3, ci: 0); the warm-up's worlds move with it")
     p.add_argument("--work-dir", default="runs/cpu_demo", help="where every stage writes")
     p.add_argument("--fresh", action="store_true", help="delete the work dir first instead of continuing")
-    p.add_argument("--sft-steps", type=int, default=None, help="override the size's SFT steps")
+    p.add_argument("--sft-steps", type=int, default=None, help="override the size's SFT steps (the cap)")
     p.add_argument("--grpo-steps", type=int, default=None, help="override the size's GRPO steps")
     a = p.parse_args(argv)
     for flag in ("sft_steps", "grpo_steps"):
         if getattr(a, flag) is not None and getattr(a, flag) < 1:
             raise UsageError(f"--{flag.replace('_', '-')} must be >= 1")
+    if a.seed is not None and not 0 <= a.seed < SFT_SEED_OFFSET:
+        raise UsageError(f"--seed must be in [0, {SFT_SEED_OFFSET}), got {a.seed}")
     size = SIZES[a.size]
     size = Size(**{**size.__dict__, **({"sft_steps": a.sft_steps} if a.sft_steps else {}),
-                   **({"grpo_steps": a.grpo_steps} if a.grpo_steps else {})})
+                   **({"grpo_steps": a.grpo_steps} if a.grpo_steps else {}),
+                   **({"seed": a.seed} if a.seed is not None else {})})
     work = os.path.abspath(a.work_dir)
     if a.fresh and os.path.isdir(work):
         shutil.rmtree(work)
     os.makedirs(work, exist_ok=True)
+    _check_same_seed(work, size.seed)
     t0 = time.time()
     timings: dict[str, float] = {}
+    eta = dict(size.eta_s)
     examples = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
 
-    # 1. world + index + gold trajectories
+    # 1. worlds + indexes + gold trajectories
     world = os.path.join(work, "world")
     start = time.time()
-    worlds = [("world", size.world)]  # the SFT worlds: the same sizes under another seed
-    for seed in size.sft_world_seeds:
-        args = list(size.world)
-        args[args.index("--seed") + 1] = str(seed)
-        worlds.append((f"world_sft_{seed}", (*args, "--stop-early", str(size.sft_stop_early))))
-    for name, args in worlds:
-        out = os.path.join(work, name)
-        if not os.path.isfile(os.path.join(out, "sft", "dataset_info.json")):
-            _run([sys.executable, "-m", "megatron_searchr1.data.make_world", "--out-dir", out, "--template", "short",
-                  "--oracle", "bm25", *args], os.path.join(work, f"{name}.log"))
-    sft_worlds = [os.path.join(work, name) for name, _ in worlds[1:]]
-    sft_data, sft_names = _sft_dataset_dir(sft_worlds, os.path.join(work, "sft_data"))
+    sft_seeds, val_seed = world_seeds(size.seed, size.sft_worlds)
+    worlds = [("world", ("--seed", str(size.seed), *size.world))]
+    worlds += [(f"world_sft_{seed}", ("--seed", str(seed), *size.world, "--stop-early", str(size.sft_stop_early)))
+               for seed in sft_seeds]
+    if size.sft_val:  # single-hop questions only, as many as the validation asks for, and a world that small
+        worlds.append((f"world_sftval_{val_seed}", ("--seed", str(val_seed), *size.world, "--hop-fractions", "1,0,0",
+                                                    "--n-train", str(size.sft_val), "--n-validation", "1",
+                                                    "--n-test", "1")))
+    _stage(1, "world", f"{len(worlds)} synthetic worlds (RL world seed {size.seed}; warm-up worlds "
+                       f"{', '.join(map(str, sft_seeds))}" + (f"; warm-up validation {val_seed}" if size.sft_val
+                                                              else "") + "), BM25 indexes, gold trajectories",
+           eta.get("world"))
+    _make_worlds(worlds, work)
+    sft_worlds = [os.path.join(work, f"world_sft_{seed}") for seed in sft_seeds]
+    val_worlds = [os.path.join(work, f"world_sftval_{val_seed}")] if size.sft_val else []
+    sft_data, names = _sft_dataset_dir(sft_worlds + val_worlds, os.path.join(work, "sft_data"))
+    sft_names, val_names = names[:len(sft_worlds)], names[len(sft_worlds):]
     timings["world"] = time.time() - start
 
     # 2. tokenizer + tiny model
     model = os.path.join(work, "tiny_model")
     start = time.time()
+    _stage(2, "model", f"a BPE tokenizer and a random {size.model_layers}-layer Qwen2", eta.get("model"))
     if not os.path.isfile(os.path.join(model, "model.safetensors")):
         from megatron_searchr1.models.tiny import TinyModelConfig, make_tiny_model
 
         text = os.path.join(work, "world_text.txt")
         world_text(world, text, sft_worlds)
-        _log("training the tokenizer on the world's text and writing a random tiny Qwen2")
-        make_tiny_model(TinyModelConfig(output_dir=model, text_files=[text], **MODEL_ARGS))
+        make_tiny_model(TinyModelConfig(output_dir=model, text_files=[text], num_layers=size.model_layers,
+                                        **MODEL_ARGS))
     timings["model"] = time.time() - start
 
     # 3. the retrieval server, for the whole demo
     from megatron_searchr1.search.launch import ServerProcess
 
+    _stage(3, "server", "the retrieval server over the RL world's BM25 index", None)
     with ServerProcess(["--index-dir", os.path.join(world, "index_bm25"), "--torch-threads", "1"]) as server:
         _log(f"retrieval server up at {server.url}")
         common = [f"model.path={model}", f"retrieval.url={server.url}"]
@@ -220,18 +305,27 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         # 4. SFT warm-up
         sft_dir = os.path.join(work, "sft")
         start = time.time()
+        stop = (f", stopping early once it reproduces {size.sft_stop_at:.0%} of {size.sft_val} held-out single-hop "
+                "trajectories" if size.sft_stop_at else "")
+        _stage(4, "sft", f"the warm-up, at most {size.sft_steps} steps of {size.sft_batch}{stop}",
+               eta.get("sft", 0) * size.sft_steps or None)
         if not os.path.isfile(os.path.join(sft_dir, "hf", "model.safetensors")):
+            val_args = ([f"data.val_datasets=[{','.join(val_names)}]", f"trainer.val_freq={size.sft_val_freq}"]
+                        if val_names else [])
+            if size.sft_stop_at:
+                val_args.append(f"trainer.stop_at_val_exact={size.sft_stop_at}")
             _run(_torchrun("megatron_searchr1.sft", [
                 os.path.join(examples, "sft_tiny_cpu.yaml"), f"model.path={model}",
                 f"data.dataset_dir={sft_data}", f"data.datasets=[{','.join(sft_names)}]",
-                f"trainer.output_dir={sft_dir}",
-                f"trainer.total_steps={size.sft_steps}", f"data.batch_size={size.sft_batch}"]),
+                f"trainer.output_dir={sft_dir}", f"optim.lr={size.sft_lr}", "logging.plot=true",
+                f"trainer.total_steps={size.sft_steps}", f"data.batch_size={size.sft_batch}", *val_args]),
                 os.path.join(work, "sft.log"))
         timings["sft"] = time.time() - start
 
         # 5. no-search baseline: the warm-up model must answer in its first turn
         base_dir = os.path.join(work, "no_search")
         start = time.time()
+        _stage(5, "no_search", "the warm-up model answering without search", eta.get("no_search"))
         if not os.path.isfile(os.path.join(base_dir, "val_report.jsonl")):
             _run(_torchrun("megatron_searchr1.train", [
                 os.path.join(examples, "grpo_tiny_cpu.yaml"), *common, *val, f"model.megatron_ckpt={sft_dir}",
@@ -242,32 +336,52 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         # 6. GRPO with validation before and after, then the HF export
         grpo_dir = os.path.join(work, "grpo")
         start = time.time()
+        _stage(6, "grpo", f"{size.grpo_steps} GRPO steps of {size.grpo_batch} prompts x {size.n} samples, "
+                          "validation before, during and after", eta.get("grpo", 0) * size.grpo_steps or None)
         if not os.path.isfile(os.path.join(grpo_dir, "hf", "model.safetensors")):
             _run(_torchrun("megatron_searchr1.train", [
                 os.path.join(examples, "grpo_tiny_cpu.yaml"), *common, *val, f"model.megatron_ckpt={sft_dir}",
                 f"data.train_files=[{world}/train.parquet]", f"trainer.output_dir={grpo_dir}",
                 f"trainer.total_steps={size.grpo_steps}", f"data.train_batch_size={size.grpo_batch}",
                 f"algo.ppo_mini_batch_size={size.grpo_batch}", f"rollout.n={size.n}",
-                f"trainer.test_freq={size.grpo_test_freq}"]),
+                f"trainer.test_freq={size.grpo_test_freq}", "logging.plot=true"]),
                 os.path.join(work, "grpo.log"))
         timings["grpo"] = time.time() - start
 
-    report = summarize(work, timings, time.time() - t0)
+    report = summarize(work, timings, time.time() - t0, seed=size.seed)
     print(render(report), flush=True)
     return 0
+
+
+def _check_same_seed(work: str, seed: int) -> None:
+    """A work dir belongs to one seed: continuing it under another would mix two seeds' stages."""
+    path = os.path.join(work, "seed.json")
+    if os.path.isfile(path):
+        with open(path) as f:
+            had = json.load(f)["seed"]
+        if had != seed:
+            raise UsageError(f"{work} holds a run of seed {had}: pass --seed {had} to continue it, --fresh to start "
+                             "over, or another --work-dir")
+    else:
+        with open(path, "w") as f:
+            json.dump({"seed": seed}, f)
 
 
 def _cells(table: dict) -> dict:
     return {k: {"n": v["n"], "em": v["em"], "searches": v["searches"]} for k, v in table.items()}
 
 
-def summarize(work: str, timings: dict, total: float) -> dict:
+def summarize(work: str, timings: dict, total: float, seed: Optional[int] = None) -> dict:
     """Before/after/no-search EM per split and hop count, sample trajectories, paths; written to report.json."""
     grpo = _read_reports(os.path.join(work, "grpo", "val_report.jsonl"))
     base = _read_reports(os.path.join(work, "no_search", "val_report.jsonl"))
     samples = _read_reports(os.path.join(work, "grpo", "val_trajectories.jsonl"))
     last_step = grpo[-1]["step"]
+    pictures = [os.path.join(work, d, f) for d, f in (("sft", "training_loss.png"), ("grpo", "training_reward.png"),
+                                                       ("grpo", "validation_em.png"))]
     report = {
+        "seed": seed, "sft_steps": _sft_steps(os.path.join(work, "sft")),
+        "pictures": [p for p in pictures if os.path.isfile(p)],
         "no_search": _cells(base[-1]["table"]), "before_rl": _cells(grpo[0]["table"]),
         "after_rl": _cells(grpo[-1]["table"]), "rl_steps": last_step,
         "em_by_rl_step": [[r["step"], r["table"]["all"]["em"]] for r in grpo],
@@ -280,10 +394,25 @@ def summarize(work: str, timings: dict, total: float) -> dict:
     return report
 
 
+def _sft_steps(sft_dir: str) -> dict:
+    """The warm-up's last step, and its last validation (a stopped-early run: the one that stopped it)."""
+    from megatron_searchr1.plots import read_metrics
+
+    m = read_metrics(sft_dir)
+    out = {"steps": m["sft/loss"][-1][0] if m.get("sft/loss") else None}
+    if m.get("val/exact"):
+        out["val_exact"] = m["val/exact"][-1][1]
+    return out
+
+
 def render(report: dict) -> str:
     rows = [k for k in report["after_rl"] if k.startswith("split:")] + sorted(
         k for k in report["after_rl"] if k.startswith("synthetic"))
-    lines = ["", f"CPU demo: exact match (EM) and mean searches, before and after {report['rl_steps']} GRPO steps",
+    sft = report.get("sft_steps", {})
+    warm = (f"{sft['steps']} warm-up steps" + (f" (held-out single-hop trajectories reproduced: {sft['val_exact']:.3f})"
+                                                if "val_exact" in sft else "") + ", ") if sft.get("steps") else ""
+    lines = ["", f"CPU demo, world seed {report.get('seed')}: exact match (EM) and mean searches, after {warm}"
+                 f"before and after {report['rl_steps']} GRPO steps",
              f"{'questions':<22}{'n':>5}{'no search':>11}{'SFT':>8}{'SFT+RL':>8}{'searches':>10}"]
     for k in rows:
         b, s, r = (report[x].get(k, {}) for x in ("no_search", "before_rl", "after_rl"))
@@ -297,6 +426,7 @@ def render(report: dict) -> str:
                       f"reward {sample['score']:.0f}, {sample['finish']})"]
         lines += [f"  [{kind}] {text.strip()}" for kind, text in sample["turns"]]
     lines += ["", f"TensorBoard: tensorboard --logdir {report['work_dir']}   ({', '.join(report['tensorboard'])})",
+              "Pictures: " + (", ".join(report.get("pictures", [])) or "none"),
               f"Exported model (transformers / vLLM): {report['hf_model']}",
               "Stage times: " + ", ".join(f"{k} {v:.0f}s" for k, v in report["timings_s"].items())
               + f"; total {report['total_s'] / 60:.1f} min"]

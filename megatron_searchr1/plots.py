@@ -49,9 +49,10 @@ def smooth(values: list[float]) -> list[float]:
 
 
 def plot_curves(path: str, curves: dict[str, list[tuple[int, float]]], title: str, ylabel: str,
-                smoothed: bool = False) -> Optional[str]:
-    """One figure, one line per curve (with `smoothed`: each raw curve faint, its smoothed version on top);
-    returns the path, or None when there is nothing to draw."""
+                smoothed: bool = False, xlabel: str = "step", ylim: Optional[tuple[float, float]] = None,
+                raw: tuple[str, ...] = ()) -> Optional[str]:
+    """One figure, one line per curve (with `smoothed`: each raw curve faint, its smoothed version on top, but the
+    curves named in `raw`, drawn as they are); returns the path, or None when there is nothing to draw."""
     curves = {k: v for k, v in curves.items() if v}
     if not curves:
         return None
@@ -63,13 +64,15 @@ def plot_curves(path: str, curves: dict[str, list[tuple[int, float]]], title: st
     fig, ax = plt.subplots(figsize=(8, 5), dpi=100)
     for name, points in curves.items():
         steps, values = [s for s, _ in points], [v for _, v in points]
-        if smoothed:
+        if smoothed and name not in raw:
             line, = ax.plot(steps, values, alpha=0.4, label=f"{name} (raw)")
             ax.plot(steps, smooth(values), color=line.get_color(), label=f"{name} (smoothed)")
         else:
             ax.plot(steps, values, marker="o" if len(steps) < 30 else None, label=name)
-    ax.set_xlabel("step")
+    ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
+    if ylim is not None:
+        ax.set_ylim(*ylim)
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend()
@@ -82,9 +85,11 @@ def plot_curves(path: str, curves: dict[str, list[tuple[int, float]]], title: st
 
 def plot_sft_loss(output_dir: str, key: str = "sft/loss") -> Optional[str]:
     """<output_dir>/training_loss.png from the run's logged loss."""
-    curve = read_metrics(output_dir).get(key, [])
-    return plot_curves(os.path.join(output_dir, "training_loss.png"), {"loss": curve}, "training loss", "loss",
-                       smoothed=True)
+    metrics = read_metrics(output_dir)
+    curves = {"loss": metrics.get(key, []), "held-out loss (data.val_datasets)": metrics.get("val/loss", [])}
+    return plot_curves(os.path.join(output_dir, "training_loss.png"), curves, "SFT loss",
+                       "loss (mean NLL per trained token, nats)", smoothed=True, xlabel="SFT step",
+                       raw=("held-out loss (data.val_datasets)",))
 
 
 def plot_rl_curves(output_dir: str) -> list[str]:
@@ -93,8 +98,10 @@ def plot_rl_curves(output_dir: str) -> list[str]:
     metrics = read_metrics(output_dir)
     written = [plot_curves(os.path.join(output_dir, "training_reward.png"),
                            {"reward": metrics.get("reward/mean", []), "EM": metrics.get("reward/em", [])},
-                           "training rollouts", "mean over the step's trajectories", smoothed=True),
+                           "training rollouts", "mean over the step's trajectories", smoothed=True,
+                           xlabel="RL step"),
                plot_curves(os.path.join(output_dir, "validation_em.png"),
                            {k.removeprefix("val/").removesuffix("/em"): v for k, v in metrics.items()
-                            if k.startswith("val/") and k.endswith("/em")}, "validation (greedy)", "EM")]
+                            if k.startswith("val/") and k.endswith("/em")}, "validation (greedy)",
+                           "exact match (share of questions)", xlabel="RL step", ylim=(0.0, 1.0))]
     return [p for p in written if p]

@@ -19,6 +19,30 @@ def test_bad_arguments_are_one_error_line():
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == ["error: --sft-steps must be >= 1"]
+    proc = subprocess.run([sys.executable, "-m", "megatron_searchr1.demo", "--seed", "100000"], cwd=REPO,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == ["error: --seed must be in [0, 100000), got 100000"]
+
+
+def test_a_work_dir_keeps_its_seed(tmp_path):
+    """Continuing a work dir under another --seed would mix two seeds' stages: one error line, nothing run."""
+    (tmp_path / "seed.json").write_text('{"seed": 1}')
+    proc = subprocess.run([sys.executable, "-m", "megatron_searchr1.demo", "--seed", "2", "--work-dir",
+                           str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        f"error: {tmp_path} holds a run of seed 1: pass --seed 1 to continue it, --fresh to start over, or another "
+        "--work-dir"]
+    assert sorted(os.listdir(tmp_path)) == ["seed.json"]
+
+
+def test_world_seeds_keep_the_warm_up_off_every_rl_world():
+    from megatron_searchr1.demo import SFT_SEED_OFFSET, world_seeds
+
+    for seed in (0, 3, SFT_SEED_OFFSET - 1):
+        sft, val = world_seeds(seed, 4)
+        assert len(set(sft) | {val}) == 5 and min(sft + [val]) >= SFT_SEED_OFFSET  # never an RL world's seed
 
 
 @pytest.mark.slow
@@ -36,6 +60,11 @@ def test_ci_sized_demo_runs_every_stage(tmp_path):
     for phase in ("no_search", "before_rl", "after_rl"):
         assert report[phase]["split:validation"]["n"] > 0 and report[phase]["split:test"]["n"] > 0
     assert report["rl_steps"] == 3 and len(report["samples"]) == 3
+    assert report["seed"] == 0 and report["sft_steps"]["steps"] == 40 and "val_exact" in report["sft_steps"]
+    assert [os.path.basename(p) for p in report["pictures"]] == [
+        "training_loss.png", "training_reward.png", "validation_em.png"]
+    assert all(os.path.getsize(p) > 1000 and p in proc.stdout for p in report["pictures"])  # named in the printout
+    assert all(f"stage {i}/6 " in proc.stdout for i in range(1, 7))
     assert [step for step, _ in report["em_by_rl_step"]] == [0, 2, 3]  # before, every test_freq steps, after
     assert "EM (all questions) by GRPO step: 0: " in proc.stdout
 
@@ -46,6 +75,8 @@ def test_ci_sized_demo_runs_every_stage(tmp_path):
     sft = read_scalars(str(work / "sft" / "tensorboard"))
     losses = [v for _, v in sft["sft/loss"]]
     assert losses[-1] < losses[0]  # the warm-up learned something
+    val_losses = [v for _, v in sft["val/loss"]]
+    assert len(val_losses) == 2 and val_losses[-1] < val_losses[0]  # validated at step 20 and at the end
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -21,6 +21,9 @@ What each key becomes (LLaMA-Factory's defaults when absent, so the same YAML tr
     template                    data.template
     cutoff_len                  data.max_length (default 2048); longer examples are DROPPED and counted, not cut
     max_samples                 data.max_samples
+    train_on_prompt             data.train_on_prompt (default false: the loss on the assistant's tokens only)
+    eval_dataset, eval_steps    data.val_datasets (comma-separated, in dataset_dir), trainer.val_freq: the held-out
+                                loss and exact share every eval_steps steps and at the end (trainer/sft.py)
     per_device_train_batch_size x gradient_accumulation_steps x DP size = data.batch_size (examples per optimizer
                                 step); the micro-batch token budget is per_device_train_batch_size * cutoff_len
     learning_rate               optim.lr (default 5e-5); weight_decay (0), adam_beta1/2, max_grad_norm (1.0)
@@ -48,7 +51,7 @@ from megatron_searchr1.config.loader import ConfigError
 SECTIONS = ("data", "model", "parallel", "optim", "trainer", "logging")
 KEYS = ("model_name_or_path", "stage", "do_train", "finetuning_type", "lora_rank", "lora_alpha", "lora_dropout",
         "lora_target", "freeze_trainable_layers", "freeze_trainable_modules", "freeze_extra_modules", "dataset",
-        "dataset_dir", "template", "cutoff_len", "max_samples",
+        "dataset_dir", "template", "cutoff_len", "max_samples", "train_on_prompt", "eval_dataset", "eval_steps",
         "per_device_train_batch_size", "gradient_accumulation_steps", "learning_rate", "weight_decay", "adam_beta1",
         "adam_beta2", "max_grad_norm", "num_train_epochs", "max_steps", "lr_scheduler_type", "warmup_ratio", "bf16",
         "fp16", "output_dir", "logging_steps", "save_steps", "save_total_limit", "seed", "plot_loss", "report_to",
@@ -155,6 +158,11 @@ def translate(raw: dict, world_size: int | None = None, say=print) -> dict:
     put("data.max_length", cutoff)
     if lf.get("max_samples") is not None:
         put("data.max_samples", lf["max_samples"])
+    put("data.train_on_prompt", _bool("train_on_prompt", lf.get("train_on_prompt", False)))
+    if lf.get("eval_dataset"):
+        put("data.val_datasets", _names(lf["eval_dataset"]))
+    if lf.get("eval_steps") is not None:
+        put("trainer.val_freq", _num("eval_steps", lf["eval_steps"], int))
     per_device = _num("per_device_train_batch_size", lf.get("per_device_train_batch_size", 8), int)
     accum = _num("gradient_accumulation_steps", lf.get("gradient_accumulation_steps", 1), int)
     if per_device < 1 or accum < 1:

@@ -35,6 +35,14 @@ class SFTDataConfig:
     qwen, default, alpaca."""
     max_samples: Optional[int] = None
     """Read at most this many records of each dataset, the first ones (LLaMA-Factory's max_samples)."""
+    train_on_prompt: bool = False
+    """Put the loss on every token (the prompt and the observations too), not only on the assistant's
+    (LLaMA-Factory's train_on_prompt)."""
+    val_datasets: list[str] = field(default_factory=list)
+    """Names in dataset_info.json held out for validation (LLaMA-Factory's eval_dataset): every trainer.val_freq
+    steps the trainer reports their loss and their exact share (trainer/sft.py); empty = no validation."""
+    val_max_samples: Optional[int] = None
+    """Validate on at most this many records of each validation dataset, the first ones."""
 
     def __post_init__(self):
         check(self.max_length >= 16, f"data.max_length must be >= 16, got {self.max_length}")
@@ -43,6 +51,8 @@ class SFTDataConfig:
               f"data.template={self.template!r} is not known: choose one of {', '.join(TEMPLATES)} (or leave it "
               "empty for the rollout layout)")
         check(self.max_samples is None or self.max_samples >= 1, "data.max_samples must be >= 1 (or null)")
+        check(self.val_max_samples is None or self.val_max_samples >= 1,
+              "data.val_max_samples must be >= 1 (or null)")
 
 
 @dataclass
@@ -65,11 +75,22 @@ class SFTTrainerConfig:
     """Train this many passes over the data instead (total_steps = ceil(num_epochs * examples // data.batch_size))."""
     log_every: int = 0
     """Print `step k: loss ...` on rank 0 every k steps (0 = the progress bar only)."""
+    val_freq: int = 0
+    """Validate on data.val_datasets every k steps and at the end (0 = at the end only, when there are any)."""
+    stop_at_val_exact: Optional[float] = None
+    """Stop early, at a validation, once the validation exact share (the share of held-out examples whose every
+    loss-mask token the model predicts greedily, trainer/sft.py) reaches this value; total_steps stays the cap.
+    A warm-up that must have learned a skill (reading an answer from the retrieved passages) before RL starts can
+    stop as soon as it has, instead of after a fixed step count that is too short on one seed and too long on
+    another. Null: train to total_steps."""
 
     def __post_init__(self):
         check(self.total_steps >= 1, "trainer.total_steps must be >= 1")
         check(self.num_epochs is None or self.num_epochs > 0, "trainer.num_epochs must be > 0 (or null)")
         check(self.log_every >= 0, "trainer.log_every must be >= 0")
+        check(self.val_freq >= 0, "trainer.val_freq must be >= 0")
+        check(self.stop_at_val_exact is None or 0.0 < self.stop_at_val_exact <= 1.0,
+              "trainer.stop_at_val_exact must be in (0, 1] (or null)")
         check(self.save_freq >= 0 and self.keep_last >= 1, "trainer.save_freq >= 0 and trainer.keep_last >= 1")
         check(self.resume in ("auto", "disable") or os.path.isdir(self.resume),
               f"trainer.resume must be auto, disable or an existing checkpoint dir, got {self.resume!r}")
@@ -90,6 +111,8 @@ class SFTConfig:
         if world_size is not None:
             dp = p.data_parallel_size(world_size)
             check(d.batch_size % dp == 0, f"data.batch_size={d.batch_size} must be a multiple of the DP size {dp}")
+        check(self.trainer.stop_at_val_exact is None or bool(d.val_datasets),
+              "trainer.stop_at_val_exact needs data.val_datasets (the held-out examples it is measured on)")
 
         if not check_files:
             return

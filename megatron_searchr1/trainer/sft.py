@@ -11,6 +11,12 @@ over each global batch, Adam with warmup/decay (the RL trainer's setup, trainer/
 trainer's (its actor subdir is what `model.megatron_ckpt` of the RL config points at), TensorBoard, and an HF
 export at the end.
 
+Validation (`data.val_datasets`): every `trainer.val_freq` steps and at the end, the held-out examples' loss and
+exact share (`validate`: the share greedy decoding would reproduce token for token, from one forward pass). With
+`trainer.stop_at_val_exact` the run stops at the first validation that reaches it: a warm-up that must have learned
+a skill before RL starts trains until it has, not for a step count guessed in advance. The stop is kept in the
+checkpoint, so a resumed run that had stopped stays stopped.
+
 LoRA (`model.lora.rank` > 0, LLaMA-Factory's `finetuning_type: lora`): adapters on the decoder's linears
 (models/lora.py) are added to the bare model right after its base weights load and before DDP and the optimizer see
 it, so only the adapters get gradient buffers and Adam state. Checkpoints hold only the adapters (with their Adam
@@ -89,7 +95,16 @@ class SFTTrainer:
             raise UsageError(f"{len(data)} SFT examples cannot fill one batch of data.batch_size={d.batch_size} "
                              "(LLaMA-Factory: per_device_train_batch_size * gradient_accumulation_steps * DP size): "
                              "lower it")
-        self.seqs = [sft_sequence(ex.input_ids, ex.loss_mask) for ex in data]
+        self.seqs = [sft_sequence(ex.input_ids, self._mask(ex)) for ex in data]
+        self.val_seqs = []
+        if d.val_datasets:
+            val = load_sft_dataset(d.dataset_dir, list(d.val_datasets), self.tokenizer, d.max_length,
+                                   template=d.template, max_samples=d.val_max_samples)
+            if not val:
+                raise UsageError(f"data.val_datasets={list(d.val_datasets)} hold no example of at most "
+                                 f"data.max_length={d.max_length} tokens")
+            self.val_seqs = [sft_sequence(ex.input_ids, ex.loss_mask) for ex in val]
+            self.say(f"SFT validation data: {len(val)} examples from {', '.join(d.val_datasets)}")
         self.sampler = PromptSampler(len(self.seqs), d.batch_size, t.seed, d.shuffle)
         # epochs: whole batches per pass (the sampler skips an epoch's tail that does not fill one, as drop_last does)
         self.total_steps = (t.total_steps if t.num_epochs is None
@@ -97,7 +112,12 @@ class SFTTrainer:
         self.policy = self._build_policy(hf_config, dtype)
         self.ckpt_root = os.path.join(t.output_dir, "checkpoints")
         self.step_no = 0
+        self.stopped_early: dict | None = None  # the validation that stopped the run early (kept in checkpoints)
         self._resume()
+
+    def _mask(self, ex) -> list:
+        """The example's loss mask: the assistant's tokens, or every token with data.train_on_prompt."""
+        return [1] * len(ex.input_ids) if self.cfg.data.train_on_prompt else ex.loss_mask
 
     def say(self, line: str) -> None:
         if self.rank == 0:
@@ -142,18 +162,34 @@ class SFTTrainer:
         bar = progress(total=self.total_steps, initial=self.step_no, desc="SFT steps", unit="step",
                        disable=self.rank != 0 or not cfg.logging.progress_bar)
         metrics: dict = {}
-        while self.step_no < self.total_steps:
+        while self.step_no < self.total_steps and self.stopped_early is None:
             self.step_no += 1
             metrics = self.step()
+            if self.val_seqs and t.val_freq and self.step_no % t.val_freq == 0 and self.step_no < self.total_steps:
+                metrics.update(self.validate())
+                if self.rank == 0:
+                    bar.write(self._val_line(metrics))
+                target = t.stop_at_val_exact
+                if target is not None and metrics["val/exact"] >= target:
+                    self.stopped_early = {"step": self.step_no, "val/exact": metrics["val/exact"], "target": target}
             logger.log(self.step_no, metrics)
             bar.update(1)
             bar.set_postfix(loss=f"{metrics['sft/loss']:.4f}")
             if t.log_every and self.step_no % t.log_every == 0 and self.rank == 0:
                 bar.write(f"step {self.step_no}/{self.total_steps} loss={metrics['sft/loss']:.4f} grad_norm="
                           f"{metrics['sft/grad_norm']:.3g} lr={metrics['sft/lr']:.3g}")
-            if t.save_freq and self.step_no % t.save_freq == 0 and self.step_no < self.total_steps:
+            if (t.save_freq and self.step_no % t.save_freq == 0 and self.step_no < self.total_steps
+                    and self.stopped_early is None):
                 self.save()
         bar.close()
+        if self.stopped_early is not None:
+            self.say(f"SFT stopped early at step {self.stopped_early['step']}: validation exact "
+                     f"{self.stopped_early['val/exact']:.3f} >= trainer.stop_at_val_exact={self.stopped_early['target']}")
+        elif self.val_seqs and metrics:  # the end of the run, unless it is a resumed, already finished one
+            final = self.validate()
+            metrics.update(final)
+            logger.log(self.step_no, final)
+            self.say(self._val_line(final))
         self.save()
         if t.export_hf:
             self.export(os.path.join(t.output_dir, "hf"))
@@ -178,10 +214,40 @@ class SFTTrainer:
                                 "sft/padding_share": padding_share(mbs), "time/step": t_step.seconds,
                                 "perf/tokens_per_s": tokens / max(t_step.seconds, 1e-9)})
 
+    def validate(self) -> dict:
+        """Loss and exact share on data.val_datasets, over all DP ranks (each scores a strided share).
+
+        `val/exact` is the share of examples whose every loss-mask token has probability > 1/2 given the gold
+        prefix, so greedy decoding would write it token for token (a token above 1/2 is the argmax), as long as
+        the observations are the gold ones: on search trajectories, the share the model would reproduce, query
+        and answer read from the passages included. A cheap stand-in for greedy EM (one forward pass, no rollout).
+        """
+        mine = self.val_seqs[self.dp_rank::self.dp_size]
+        totals = torch.zeros(4, dtype=torch.float64)  # nll sum, loss tokens, exact examples, examples
+        if mine:
+            log_probs = self.policy.log_probs(mine, self.cfg.optim.max_tokens_per_micro_batch,
+                                              pad_id=self.tokenizer.pad_token_id or 0)
+            for seq, lp in zip(mine, log_probs):
+                on = seq.loss_mask > 0
+                totals += torch.tensor([float(-lp[on].sum()), float(on.sum()),
+                                        float(bool((lp[on] > math.log(0.5)).all())), 1.0], dtype=torch.float64)
+        if self.dp_size > 1:
+            from megatron_searchr1 import collectives
+
+            totals = totals.to(collectives.collective_device())
+            dist.all_reduce(totals, group=mpu.get_data_parallel_group())
+            totals = totals.cpu()
+        nll, tokens, exact, n = totals.tolist()
+        return {"val/loss": nll / max(tokens, 1.0), "val/exact": exact / max(n, 1.0)}
+
+    def _val_line(self, metrics: dict) -> str:
+        return (f"validation at step {self.step_no}: loss {metrics['val/loss']:.4f}, exact {metrics['val/exact']:.3f} "
+                f"of {len(self.val_seqs)} held-out examples")
+
     # -- checkpoints and export --------------------------------------------------------------------------------
     def save(self) -> None:
         save_roles(self.ckpt_root, self.step_no, {"actor": self.policy.state()},
-                   {"step": self.step_no, "sampler": self.sampler.state_dict()},
+                   {"step": self.step_no, "sampler": self.sampler.state_dict(), "stopped_early": self.stopped_early},
                    hf_dirs={"actor": self.cfg.model.path}, keep_last=self.cfg.trainer.keep_last)
 
     def _resume(self) -> None:
@@ -196,6 +262,7 @@ class SFTTrainer:
                              "starts fresh)") from None
         self.step_no = int(extra["step"])
         self.sampler.load_state_dict(extra["sampler"])
+        self.stopped_early = extra.get("stopped_early")  # an early-stopped run stays stopped when resumed
 
     def export(self, out_dir: str) -> None:
         self.policy.export_hf(out_dir)  # LoRA: the merged model there, the PEFT adapter in <out>_adapter
