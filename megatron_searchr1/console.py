@@ -105,8 +105,9 @@ class PlainProgress:
         self._postfix = ", ".join(f"{k}={v}" for k, v in items.items())
 
     def write(self, text: str, file: Optional[TextIO] = None, end: str = "\n") -> None:
-        if not self.disable:
-            print(text, file=file or self._out(), end=end, flush=True)
+        # like tqdm.write, also when the bar is disabled: logging.progress_bar=false hides the bar, not the
+        # caller's step lines (callers print on rank 0 only)
+        print(text, file=file or self._out(), end=end, flush=True)
 
     def close(self) -> None:
         if not self.disable and self.n != self._last_n:

@@ -91,9 +91,9 @@ def test_non_tty_progress_over_an_iterable_resumed_and_disabled():
     bar = progress(total=5, disable=True, file=out)
     for _ in range(5):
         bar.update(1)
-    bar.write("hidden")
+    bar.write("a step line")
     bar.close()
-    assert out.getvalue() == ""
+    assert out.getvalue() == "a step line\n"  # the bar is hidden, the caller's lines are not (as tqdm.write)
 
 
 def test_progress_prints_after_every_seconds_even_between_steps(monkeypatch):

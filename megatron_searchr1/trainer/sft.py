@@ -38,7 +38,8 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as mpu
 
-from megatron_searchr1.checkpoint import CheckpointError, agreed_resume_target, load_roles, save_roles
+from megatron_searchr1 import interrupt
+from megatron_searchr1.checkpoint import CheckpointError, agreed_resume_target, load_roles, save_roles, step_dir
 from megatron_searchr1.cli import UsageError
 from megatron_searchr1.config import SFTConfig, save_config
 from megatron_searchr1.console import progress
@@ -164,6 +165,7 @@ class SFTTrainer:
         metrics: dict = {}
         while self.step_no < self.total_steps and self.stopped_early is None:
             self.step_no += 1
+            interrupt.note(f"in step {self.step_no} of {self.total_steps}")
             metrics = self.step()
             if self.val_seqs and t.val_freq and self.step_no % t.val_freq == 0 and self.step_no < self.total_steps:
                 metrics.update(self.validate())
@@ -249,6 +251,7 @@ class SFTTrainer:
         save_roles(self.ckpt_root, self.step_no, {"actor": self.policy.state()},
                    {"step": self.step_no, "sampler": self.sampler.state_dict(), "stopped_early": self.stopped_early},
                    hf_dirs={"actor": self.cfg.model.path}, keep_last=self.cfg.trainer.keep_last)
+        interrupt.note_checkpoint(step_dir(self.ckpt_root, self.step_no))
 
     def _resume(self) -> None:
         target = agreed_resume_target(self.cfg.trainer.resume, self.ckpt_root)  # rank 0 decides for every node
@@ -261,6 +264,7 @@ class SFTTrainer:
                              "model or model.lora setting? trainer.resume=disable, or overwrite_output_dir: true, "
                              "starts fresh)") from None
         self.step_no = int(extra["step"])
+        interrupt.note_checkpoint(step_dir(*target))
         self.sampler.load_state_dict(extra["sampler"])
         self.stopped_early = extra.get("stopped_early")  # an early-stopped run stays stopped when resumed
 
