@@ -271,12 +271,68 @@ def test_ppo_with_critic_pp2(world, sft_run, tiny_model, server, rl_root):
 
 
 @pytest.mark.slow
-def test_evaluate_cli_writes_the_table_and_json(grpo_run, world, tiny_model, server, rl_root):
-    """tools/evaluate.py on the GRPO checkpoint: EM / sub-EM / F1, searches and finish reasons per data_source and
-    split, as a table and JSON; rollout.max_turns=0 is the no-search baseline (no searches at all)."""
-    out, _ = grpo_run
+def answer_chain(tokenizer, answer: str) -> list[int] | None:
+    """The token ids of `<answer>{answer}</answer><|im_end|>`, or None when an id repeats (a model whose next token
+    depends on the current one alone would loop on it)."""
+    chain = [tokenizer.convert_tokens_to_ids("<answer>"), *tokenizer.encode(answer, add_special_tokens=False),
+             tokenizer.convert_tokens_to_ids("</answer>"), tokenizer.eos_token_id]
+    return chain if len(set(chain)) == len(chain) else None
+
+
+def constant_answer_model(src: str, out: str, answer: str) -> str:
+    """A copy of the tiny model at `src` that answers every question with `<answer>{answer}</answer>`, then its
+    end-of-turn token: attention and MLP outputs are zeroed (each position's hidden state is its own token's
+    embedding), so the next token depends on the current one alone, and the embedding and (untied) output layer make
+    that a chain: any token outside the answer -> `<answer>` -> the answer's tokens -> `</answer>` -> `<|im_end|>`.
+    The margin of every step is ~100 logits, so sampling at temperature 1 is still this chain."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(src)
+    chain = answer_chain(tok, answer)
+    assert chain is not None, f"{answer!r}: a token repeats in its chain, the model would loop"
+    model = AutoModelForCausalLM.from_pretrained(src, tie_word_embeddings=False, dtype=torch.float32)
+    hidden = model.config.hidden_size
+    assert len(chain) < hidden
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        emb, head = model.model.embed_tokens.weight, model.lm_head.weight
+        emb.zero_()
+        head.zero_()
+        emb[:, 0] = 1.0  # every token outside the chain: direction 0, followed by chain[0]
+        head[chain[0], 0] = 100.0
+        for i, (cur, nxt) in enumerate(zip(chain, chain[1:]), start=1):
+            emb[cur] = 0.0
+            emb[cur, i] = 1.0
+            head[nxt, i] = 100.0
+    model.config.tie_word_embeddings = False
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+@pytest.mark.slow
+def test_evaluate_cli_writes_the_table_and_json(world, tiny_model, server, rl_root):
+    """tools/evaluate.py on a run root (a checkpoint as training leaves it) of a model that gives one answer to every
+    question: EM / sub-EM / F1, searches and finish reasons per data_source and split, as a table and JSON; with
+    rollout.max_turns=0 (the no-search baseline) there are no searches. The answer is one of the evaluated questions'
+    gold answers, so the right EM is strictly between 0 and 1 and is counted here from the gold answers alone."""
+    import pandas as pd
+
+    from tests.test_two_nodes import start_root
+
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    rows = pd.read_parquet(os.path.join(world, "validation.parquet")).head(4)  # the 4 evaluated (val_max_samples)
+    answer = next(a for targets in rows["reward_model"] for a in targets["ground_truth"]["target"]
+                  if answer_chain(tok, a) is not None)
+    model = constant_answer_model(tiny_model, os.path.join(rl_root, "constant_model"), answer)
+    root = start_root(model, os.path.join(rl_root, "constant_root"))
     report_path = os.path.join(rl_root, "eval", "report.json")
-    args = [*rl_args(world, tiny_model, server, os.path.join(rl_root, "eval")), f"model.megatron_ckpt={out}",
+    args = [*rl_args(world, model, server, os.path.join(rl_root, "eval")), f"model.megatron_ckpt={root}",
             f"data.val_files=[{world}/validation.parquet,{world}/test.parquet]", "rollout.max_turns=0", "parallel.tp=1",
             "logging.trajectories_per_step=8", "--json", report_path]
     proc = run_module("megatron_searchr1.evaluate", args, nproc=1)
@@ -286,16 +342,14 @@ def test_evaluate_cli_writes_the_table_and_json(grpo_run, world, tiny_model, ser
     table = report["table"]
     assert table["split:validation"]["n"] == 4 and table["split:test"]["n"] == 4 and table["all"]["n"] == 8
     assert table["all"]["searches"] == 0.0  # no search turns at all
-    assert set(table["all"]["finish"]) <= {"answer", "invalid", "max_turns", "length"}
-    for key in ("em", "subem", "f1"):
-        assert 0.0 <= table["all"][key] <= 1.0
-    # EM counted again, independently of the trainer's records: every trajectory's generated turns as written to
-    # val_trajectories.jsonl, its answer extracted and checked against the targets by the reward's own functions
+    assert table["all"]["finish"] == {"answer": 1.0}, table["all"]
     with open(os.path.join(rl_root, "eval", "val_trajectories.jsonl")) as f:
         samples = [json.loads(line) for line in f]
     assert len(samples) == 8
-    hits = 0
-    for rec in samples:
-        answer = extract_solution("".join(text for kind, text in rec["turns"] if kind == "model"))
-        hits += answer is not None and em_check(answer, rec["target"]) == 1
+    for rec in samples:  # the model said what it was built to say
+        said = "".join(text for kind, text in rec["turns"] if kind == "model")
+        assert extract_solution(said) == answer, said
+    hits = sum(em_check(answer, rec["target"]) == 1 for rec in samples)
+    assert 0 < hits < 8, (answer, [rec["target"] for rec in samples])
     assert table["all"]["em"] == pytest.approx(hits / 8)
+    assert table["split:validation"]["em"] >= 0.25  # the question whose answer the model gives is there
