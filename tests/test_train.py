@@ -83,7 +83,7 @@ def test_bad_config_fails_fast_with_one_error_line(fake_run, case):
 
 
 # ------------------------------------------------------------------------------------------------ slow runs
-SCALARS = [  # issue 7's list: what every RL run must log
+SCALARS = [  # what every RL run must log
     "reward/mean", "reward/em", "rollout/response_length_mean", "rollout/turns_mean", "rollout/searches_mean",
     "rollout/finish_answer", "rollout/finish_length", "rollout/finish_max_turns", "rollout/finish_invalid",
     "rollout/valid_action_ratio", "actor/entropy", "actor/pg_clipfrac", "actor/grad_norm", "actor/pg_loss",
