@@ -2,16 +2,17 @@
 by tests/test_layout_sweep.py): Megatron's parallel state is torn down and rebuilt between layouts, so the
 processes start once.
 
-    torchrun --standalone --nproc_per_node 4 -m tests.layout_sweep_script --out OUT --layout 2,1,1 --layout 2,1,2 \
-        examples/grpo_tiny_cpu.yaml KEY=VALUE ...
+    torchrun --standalone --nproc_per_node 4 -m tests.layout_sweep_script --out OUT --layout 2,1,1 \
+        --layout 2,1,2,vllm examples/grpo_tiny_cpu.yaml KEY=VALUE ...
 
-Every rank runs the real Trainer (trainer/rl.py: Trainer.step) with the HF engine. So that every layout trains on the
-same data, each trajectory is sampled on its own with a seed of (step, uid, sample) instead of the engine's
-per-batch seeds, which depend on how the layout splits the trajectories between engines; with fp32 weights synced
-exactly, the samples are then the same at every layout. A random tiny model earns no EM reward (all advantages
+Every rank runs the real Trainer (trainer/rl.py: Trainer.step) with the layout's engine (`rollout.engine`: the
+fourth field, `hf` when left out). So that every layout trains on the same data, each trajectory is sampled on its
+own with a seed of (step, uid, sample) instead of the engine's per-batch seeds, which depend on how the layout
+splits the trajectories between engines; with fp32 weights synced exactly, the samples are then the same at every
+layout of one engine kind. A random tiny model earns no EM reward (all advantages
 would be 0 and the policy loss trivially equal), so the score is replaced by one that differs between samples: the
-share of generated tokens with an even id. Rank 0 writes OUT/tp<tp>_pp<pp>_dp<dp>_etp<engine_tp>.json: the two
-steps' metrics and the seconds the layout took.
+share of generated tokens with an even id. Rank 0 writes OUT/tp<tp>_pp<pp>_dp<dp>_etp<engine_tp>_<engine>.json: the
+two steps' metrics and the seconds the layout took.
 """
 import argparse
 import dataclasses
@@ -62,7 +63,8 @@ def main() -> None:
 
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
-    p.add_argument("--layout", action="append", required=True, help="tp,pp,engine_tp (repeat for more)")
+    p.add_argument("--layout", action="append", required=True,
+                   help="tp,pp,engine_tp[,engine] (repeat for more; engine hf or vllm, default hf)")
     p.add_argument("config")
     p.add_argument("overrides", nargs="*")
     args = p.parse_args()
@@ -71,10 +73,13 @@ def main() -> None:
     dist.init_process_group("gloo")
     world = dist.get_world_size()
     for layout in args.layout:
-        tp, pp, etp = map(int, layout.split(","))
-        name = f"tp{tp}_pp{pp}_dp{world // (tp * pp)}_etp{etp}"
-        cfg = load_config(args.config, [*args.overrides, f"parallel.tp={tp}", f"parallel.pp={pp}", f"rollout.engine_tp={etp}",
-                                 f"trainer.output_dir={os.path.join(args.out, name)}"])
+        fields = layout.split(",")
+        tp, pp, etp = map(int, fields[:3])
+        engine = fields[3] if len(fields) > 3 else "hf"
+        name = f"tp{tp}_pp{pp}_dp{world // (tp * pp)}_etp{etp}_{engine}"
+        cfg = load_config(args.config, [*args.overrides, f"parallel.tp={tp}", f"parallel.pp={pp}",
+                                        f"rollout.engine_tp={etp}", f"rollout.engine={engine}",
+                                        f"trainer.output_dir={os.path.join(args.out, name)}"])
         cfg.validate(world_size=world)
         start = time.time()
         trainer = Trainer(cfg)
@@ -87,8 +92,8 @@ def main() -> None:
         mpu.destroy_model_parallel()
         if dist.get_rank() == 0:
             with open(os.path.join(args.out, f"{name}.json"), "w") as f:
-                json.dump({"tp": tp, "pp": pp, "dp": world // (tp * pp), "engine_tp": etp, "steps": steps,
-                           "seconds": time.time() - start}, f)
+                json.dump({"tp": tp, "pp": pp, "dp": world // (tp * pp), "engine_tp": etp, "engine": engine,
+                           "steps": steps, "seconds": time.time() - start}, f)
         dist.barrier()
     dist.destroy_process_group()
 

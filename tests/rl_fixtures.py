@@ -51,39 +51,81 @@ def _world_text(world_dir: str, out_path: str) -> None:
     demo_world_text(world_dir, out_path)
 
 
+_BUILT: dict = {}
+"""What the fixtures below built, once per pytest process. Test modules import these fixtures, and pytest keeps one
+instance of a session fixture per module it is found in: without this cache every module that imports them would
+build its own world, tiny model and server (~40 s each time). Output directory names under rl_root are therefore
+unique across test modules."""
+
+
+def _once(key: str, build):
+    if key not in _BUILT:
+        _BUILT[key] = build()
+    return _BUILT[key]
+
+
 @pytest.fixture(scope="session")
 def rl_root(tmp_path_factory) -> str:
-    return str(tmp_path_factory.mktemp("rl"))
+    return _once("rl_root", lambda: str(tmp_path_factory.mktemp("rl")))
 
 
 @pytest.fixture(scope="session")
 def world(rl_root) -> str:
     """The synthetic world dir: {train,validation,test}.parquet, index_bm25/, sft/dataset_info.json."""
-    out = os.path.join(rl_root, "world")
-    run_module("megatron_searchr1.data.make_world", ["--out-dir", out, "--template", "short", "--oracle", "bm25",
-                                                    "--seed", "0"], timeout=300)
-    return out
+    def build():
+        out = os.path.join(rl_root, "world")
+        run_module("megatron_searchr1.data.make_world", ["--out-dir", out, "--template", "short", "--oracle", "bm25",
+                                                        "--seed", "0"], timeout=300)
+        return out
+
+    return _once("world", build)
 
 
 @pytest.fixture(scope="session")
 def tiny_model(world, rl_root) -> str:
     """HF dir of a random tiny Qwen2 whose tokenizer knows the world's words."""
-    from megatron_searchr1.models.tiny import TinyModelConfig, make_tiny_model
+    def build():
+        from megatron_searchr1.models.tiny import TinyModelConfig, make_tiny_model
 
-    out = os.path.join(rl_root, "tiny_model")
-    text = os.path.join(rl_root, "world_text.txt")
-    _world_text(world, text)
-    make_tiny_model(TinyModelConfig(output_dir=out, text_files=[text], **TINY_MODEL_ARGS))
-    return out
+        out = os.path.join(rl_root, "tiny_model")
+        text = os.path.join(rl_root, "world_text.txt")
+        _world_text(world, text)
+        make_tiny_model(TinyModelConfig(output_dir=out, text_files=[text], **TINY_MODEL_ARGS))
+        return out
+
+    return _once("tiny_model", build)
 
 
 @pytest.fixture(scope="session")
 def server(world):
-    """A live retrieval server over the world's BM25 index; yields its URL."""
+    """A live retrieval server over the world's BM25 index; yields its URL. The first module to ask starts it; it
+    stops when that instance is torn down, at the end of the session."""
     from megatron_searchr1.search.launch import ServerProcess
 
+    if "server" in _BUILT:
+        yield _BUILT["server"]
+        return
     with ServerProcess(["--index-dir", os.path.join(world, "index_bm25")]) as proc:
-        yield proc.url
+        _BUILT["server"] = proc.url
+        try:
+            yield proc.url
+        finally:
+            _BUILT.pop("server", None)
+
+
+@pytest.fixture(scope="session")
+def grpo_run(world, tiny_model, server, rl_root) -> tuple[str, str]:
+    """(output dir, console log) of tests/test_train.py's tiny GRPO run at TP=2: 3 steps with vLLM rollouts, a
+    checkpoint per step, the HF export and plots. Built once; other tests compare their runs' steps with its."""
+    def build():
+        from tests.test_train import rl_args
+
+        out = os.path.join(rl_root, "grpo")
+        proc = run_module("megatron_searchr1.train", rl_args(world, tiny_model, server, out, "trainer.total_steps=3",
+                                                             "logging.plot=true"), nproc=2)
+        return out, proc.stdout + proc.stderr
+
+    return _once("grpo_run", build)
 
 
 def wait_for(predicate, timeout: float, every: float = 0.2) -> bool:

@@ -91,6 +91,49 @@ def test_readme_requests_fail_on_http_errors():
     assert not bad, f"{readme}: add -f to these curl calls: " + "; ".join(f"line {ln}: {c}" for ln, c in bad)
 
 
+def _slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens.
+
+    >>> _slug("Mixture of experts (Qwen3-MoE, Qwen2-MoE)")
+    'mixture-of-experts-qwen3-moe-qwen2-moe'
+    """
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def broken_links(markdown_path) -> list[str]:
+    """The relative links of a markdown file whose file does not exist in the repository, or whose `#anchor` names
+    no heading of the file it points to (web links are not followed)."""
+    base = os.path.dirname(os.path.abspath(markdown_path))
+    text = open(markdown_path, encoding="utf-8").read()
+    bad = []
+    for target in re.findall(r"\]\(([^)\s]+)\)", text):
+        if re.match(r"[a-z]+://", target) or target.startswith("mailto:"):
+            continue
+        path, _, anchor = target.partition("#")
+        full = os.path.normpath(os.path.join(base, path)) if path else os.path.abspath(markdown_path)
+        if not os.path.exists(full):
+            bad.append(f"{target}: no such file")
+        elif anchor and full.endswith(".md"):
+            with open(full, encoding="utf-8") as f:
+                headings = {_slug(m) for m in re.findall(r"^#+ +(.+)$", f.read(), flags=re.M)}
+            if anchor not in headings:
+                bad.append(f"{target}: no heading with that anchor")
+    return bad
+
+
+def test_readme_links_point_at_files_and_headings_that_exist():
+    """Every guide the README's index names, and every section it points into, is in the repository."""
+    readme = os.environ.get("SEARCHR1_README") or str(REPO / "README.md")
+    assert not broken_links(readme), broken_links(readme)
+
+
+def test_link_check_spots_a_missing_file_and_a_missing_anchor(tmp_path):
+    (tmp_path / "a.md").write_text("# Top\n## Some section (x)\n")
+    (tmp_path / "b.md").write_text("[ok](a.md#some-section-x) [self](#top) [web](https://x.org/y) "
+                                   "[gone](c.md) [anchor](a.md#nope)\n# Top\n")
+    assert broken_links(tmp_path / "b.md") == ["c.md: no such file", "a.md#nope: no heading with that anchor"]
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -4,9 +4,10 @@ Quick: bad configs fail with one `error:` line, exit 2, in seconds (no model is 
 reward table. Slow (--runslow): on one synthetic world, tiny model and live BM25 server (tests/rl_fixtures.py),
   - SFT at TP=2 for 10 steps (loss falls, checkpoint + HF export; the RL runs below start from it);
   - GRPO at TP=2 for 3 steps with vLLM rollouts: TensorBoard scalars, checkpoints, engine-vs-trainer log-prob
-    gap, and the HF export gives the checkpoint's logits in transformers;
-  - resume: 2 steps, stop, resume to 3: step 3's metrics equal the uninterrupted run's; a save that died
-    mid-way (its `.tmp` directory left behind) does not stop the resume from the previous checkpoint;
+    gap, and the HF export gives the checkpoint's logits in transformers (one vLLM engine split over two ranks,
+    rollout.engine_tp=2, is checked by tests/test_layout_sweep.py and, through this entry point, by
+    tests/test_train_failures.py);
+  - tools/evaluate.py on a model that gives one answer to every question (EM strictly between 0 and 1);
   - PPO with a critic (GAE, KL in the reward) at PP=2 for 3 steps.
 """
 from __future__ import annotations
@@ -24,7 +25,9 @@ import pytest
 from megatron_searchr1.reward.qa_em import em_check, extract_solution
 from megatron_searchr1.trainer.reports import reward_table
 from tests.dist_utils import REPO
-from tests.rl_fixtures import child_env, rl_root, run_module, server, tiny_model, world  # noqa: F401 (fixtures)
+from tests.rl_fixtures import (  # noqa: F401 (fixtures)
+    child_env, grpo_run, rl_root, run_module, server, tiny_model, world,
+)
 
 
 # ------------------------------------------------------------------------------------------------ quick tests
@@ -83,7 +86,7 @@ def test_bad_config_fails_fast_with_one_error_line(fake_run, case):
 
 
 # ------------------------------------------------------------------------------------------------ slow runs
-SCALARS = [  # issue 7's list: what every RL run must log
+SCALARS = [  # what every RL run must log
     "reward/mean", "reward/em", "rollout/response_length_mean", "rollout/turns_mean", "rollout/searches_mean",
     "rollout/finish_answer", "rollout/finish_length", "rollout/finish_max_turns", "rollout/finish_invalid",
     "rollout/valid_action_ratio", "actor/entropy", "actor/pg_clipfrac", "actor/grad_norm", "actor/pg_loss",
@@ -123,14 +126,6 @@ def sft_run(world, tiny_model, rl_root):
                                         "trainer.total_steps=10", "data.batch_size=8", "optim.lr=3e-3",
                                         "logging.progress_bar=false"], nproc=2)
     return out
-
-
-@pytest.fixture(scope="module")
-def grpo_run(world, tiny_model, server, rl_root):
-    out = os.path.join(rl_root, "grpo")
-    proc = run_module("megatron_searchr1.train", rl_args(world, tiny_model, server, out, "trainer.total_steps=3",
-                                                         "logging.plot=true"), nproc=2)
-    return out, proc.stdout + proc.stderr
 
 
 @pytest.mark.slow
@@ -191,55 +186,6 @@ def test_hf_export_gives_the_checkpoint_logits(grpo_run):
 
 
 @pytest.mark.slow
-def test_resume_continues_exactly_and_survives_a_crashed_save(grpo_run, world, tiny_model, server, rl_root):
-    """2 steps, stop; a save of step 3 that died half-way; resume to step 3 == the uninterrupted run's step 3."""
-    from megatron_searchr1.checkpoint import latest_step
-
-    reference, _ = grpo_run
-    out = os.path.join(rl_root, "resumed")
-    run_module("megatron_searchr1.train", rl_args(world, tiny_model, server, out, "trainer.total_steps=2",
-                                                  "trainer.export_hf=false"), nproc=2)
-    ckpts = os.path.join(out, "checkpoints")
-    assert latest_step(ckpts) == 2
-    # What a process killed while saving step 3 leaves behind: a half-written temp directory, `latest` untouched.
-    crashed = os.path.join(ckpts, "step_000003.tmp", "actor")
-    os.makedirs(crashed)
-    with open(os.path.join(crashed, "__0_0.distcp"), "wb") as f:
-        f.write(b"\0" * 100)
-    assert latest_step(ckpts) == 2
-    proc = run_module("megatron_searchr1.train", rl_args(world, tiny_model, server, out, "trainer.total_steps=3",
-                                                         "trainer.export_hf=false"), nproc=2)
-    assert "at step 2" in proc.stdout + proc.stderr
-    assert latest_step(ckpts) == 3 and not os.path.exists(os.path.join(ckpts, "step_000003.tmp"))
-
-    want, got = step_metrics(reference), step_metrics(out)
-    assert sorted(got) == [1, 2, 3]
-    for step in (1, 2, 3):
-        keys = [k for k in want[step] if not k.startswith(STEP_FIELDS_THAT_VARY)]
-        diff = {k: (want[step][k], got[step].get(k)) for k in keys if want[step][k] != got[step].get(k)}
-        assert not diff, f"step {step} differs: {diff}"
-    # the steps really differ from each other (the updates move the policy), so equality above is not vacuous
-    assert want[3]["actor/entropy"] != want[1]["actor/entropy"]
-
-
-@pytest.mark.slow
-def test_grpo_with_one_tp2_engine_across_both_ranks(world, tiny_model, server, rl_root):
-    """rollout.engine_tp=2: one vLLM engine sharded over the two trainer ranks (external_launcher), fed by the
-    weight sync; after an update its log-probs are still the trainer's, so both shards got the new weights."""
-    from megatron_searchr1.metrics import read_scalars
-
-    out = os.path.join(rl_root, "engine_tp2")
-    run_module("megatron_searchr1.train", rl_args(world, tiny_model, server, out, "trainer.total_steps=2",
-                                                  "rollout.engine_tp=2", "trainer.save_freq=0",
-                                                  "trainer.export_hf=false"), nproc=2)
-    scalars = read_scalars(os.path.join(out, "tensorboard"))
-    assert [s for s, _ in scalars["reward/mean"]] == [1, 2]
-    assert scalars["rollout/response_length_mean"][0][1] > 0
-    # step 2 generates after step 1's update (lr 1e-3): a shard left with the old weights would show here
-    assert all(v < 1e-3 for _, v in scalars["train/logprob_gap_engine"]), scalars["train/logprob_gap_engine"]
-
-
-@pytest.mark.slow
 def test_ppo_with_critic_pp2(world, sft_run, tiny_model, server, rl_root):
     """GAE with a critic, KL in the reward, PP=2, starting from the SFT checkpoint (model.megatron_ckpt)."""
     from megatron_searchr1.checkpoint import latest_step
@@ -271,12 +217,68 @@ def test_ppo_with_critic_pp2(world, sft_run, tiny_model, server, rl_root):
 
 
 @pytest.mark.slow
-def test_evaluate_cli_writes_the_table_and_json(grpo_run, world, tiny_model, server, rl_root):
-    """tools/evaluate.py on the GRPO checkpoint: EM / sub-EM / F1, searches and finish reasons per data_source and
-    split, as a table and JSON; rollout.max_turns=0 is the no-search baseline (no searches at all)."""
-    out, _ = grpo_run
+def answer_chain(tokenizer, answer: str) -> list[int] | None:
+    """The token ids of `<answer>{answer}</answer><|im_end|>`, or None when an id repeats (a model whose next token
+    depends on the current one alone would loop on it)."""
+    chain = [tokenizer.convert_tokens_to_ids("<answer>"), *tokenizer.encode(answer, add_special_tokens=False),
+             tokenizer.convert_tokens_to_ids("</answer>"), tokenizer.eos_token_id]
+    return chain if len(set(chain)) == len(chain) else None
+
+
+def constant_answer_model(src: str, out: str, answer: str) -> str:
+    """A copy of the tiny model at `src` that answers every question with `<answer>{answer}</answer>`, then its
+    end-of-turn token: attention and MLP outputs are zeroed (each position's hidden state is its own token's
+    embedding), so the next token depends on the current one alone, and the embedding and (untied) output layer make
+    that a chain: any token outside the answer -> `<answer>` -> the answer's tokens -> `</answer>` -> `<|im_end|>`.
+    The margin of every step is ~100 logits, so sampling at temperature 1 is still this chain."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(src)
+    chain = answer_chain(tok, answer)
+    assert chain is not None, f"{answer!r}: a token repeats in its chain, the model would loop"
+    model = AutoModelForCausalLM.from_pretrained(src, tie_word_embeddings=False, dtype=torch.float32)
+    hidden = model.config.hidden_size
+    assert len(chain) < hidden
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        emb, head = model.model.embed_tokens.weight, model.lm_head.weight
+        emb.zero_()
+        head.zero_()
+        emb[:, 0] = 1.0  # every token outside the chain: direction 0, followed by chain[0]
+        head[chain[0], 0] = 100.0
+        for i, (cur, nxt) in enumerate(zip(chain, chain[1:]), start=1):
+            emb[cur] = 0.0
+            emb[cur, i] = 1.0
+            head[nxt, i] = 100.0
+    model.config.tie_word_embeddings = False
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+@pytest.mark.slow
+def test_evaluate_cli_writes_the_table_and_json(world, tiny_model, server, rl_root):
+    """tools/evaluate.py on a run root (a checkpoint as training leaves it) of a model that gives one answer to every
+    question: EM / sub-EM / F1, searches and finish reasons per data_source and split, as a table and JSON; with
+    rollout.max_turns=0 (the no-search baseline) there are no searches. The answer is one of the evaluated questions'
+    gold answers, so the right EM is strictly between 0 and 1 and is counted here from the gold answers alone."""
+    import pandas as pd
+
+    from tests.test_two_nodes import start_root
+
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    rows = pd.read_parquet(os.path.join(world, "validation.parquet")).head(4)  # the 4 evaluated (val_max_samples)
+    answer = next(a for targets in rows["reward_model"] for a in targets["ground_truth"]["target"]
+                  if answer_chain(tok, a) is not None)
+    model = constant_answer_model(tiny_model, os.path.join(rl_root, "constant_model"), answer)
+    root = start_root(model, os.path.join(rl_root, "constant_root"))
     report_path = os.path.join(rl_root, "eval", "report.json")
-    args = [*rl_args(world, tiny_model, server, os.path.join(rl_root, "eval")), f"model.megatron_ckpt={out}",
+    args = [*rl_args(world, model, server, os.path.join(rl_root, "eval")), f"model.megatron_ckpt={root}",
             f"data.val_files=[{world}/validation.parquet,{world}/test.parquet]", "rollout.max_turns=0", "parallel.tp=1",
             "logging.trajectories_per_step=8", "--json", report_path]
     proc = run_module("megatron_searchr1.evaluate", args, nproc=1)
@@ -286,16 +288,14 @@ def test_evaluate_cli_writes_the_table_and_json(grpo_run, world, tiny_model, ser
     table = report["table"]
     assert table["split:validation"]["n"] == 4 and table["split:test"]["n"] == 4 and table["all"]["n"] == 8
     assert table["all"]["searches"] == 0.0  # no search turns at all
-    assert set(table["all"]["finish"]) <= {"answer", "invalid", "max_turns", "length"}
-    for key in ("em", "subem", "f1"):
-        assert 0.0 <= table["all"][key] <= 1.0
-    # EM counted again, independently of the trainer's records: every trajectory's generated turns as written to
-    # val_trajectories.jsonl, its answer extracted and checked against the targets by the reward's own functions
+    assert table["all"]["finish"] == {"answer": 1.0}, table["all"]
     with open(os.path.join(rl_root, "eval", "val_trajectories.jsonl")) as f:
         samples = [json.loads(line) for line in f]
     assert len(samples) == 8
-    hits = 0
-    for rec in samples:
-        answer = extract_solution("".join(text for kind, text in rec["turns"] if kind == "model"))
-        hits += answer is not None and em_check(answer, rec["target"]) == 1
+    for rec in samples:  # the model said what it was built to say
+        said = "".join(text for kind, text in rec["turns"] if kind == "model")
+        assert extract_solution(said) == answer, said
+    hits = sum(em_check(answer, rec["target"]) == 1 for rec in samples)
+    assert 0 < hits < 8, (answer, [rec["target"] for rec in samples])
     assert table["all"]["em"] == pytest.approx(hits / 8)
+    assert table["split:validation"]["em"] >= 0.25  # the question whose answer the model gives is there

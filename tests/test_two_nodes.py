@@ -5,9 +5,12 @@ Quick: a node other than 0 without MASTER_ADDR fails at once with one `error:` l
 Slow (--runslow): the tiny GRPO recipe with vLLM (tests/test_train.py's `rl_args`, TP=2 over the two "nodes"),
 starting from a run root (`model.megatron_ckpt=<root>`, KL loss on, so a reference model is built from it):
   - an uninterrupted 3-step run;
-  - 2 steps, save, stop; the start root then gets a newer `latest` (a trained actor: other weights); resume
-    for a third step: its metrics equal the uninterrupted run's step 3, so the resumed reference is the pinned
-    step, not the root's new latest (its KL loss would differ), and every rank resumed the same step.
+  - 2 steps, save, stop; the start root then gets a newer `latest` (a trained actor: other weights), and the run
+    gets what a save killed half-way leaves (a `step_000003.tmp` directory); resume for a third step: its
+    metrics equal the uninterrupted run's step 3, so the resumed reference is the pinned step, not the root's new
+    latest (its KL loss would differ), every rank resumed the same step, and the stale temp directory neither
+    stopped the resume nor outlived the next save.
+This is the suite's one resume-exactly launch of the RL trainer (single-node runs resume through the same code).
 """
 from __future__ import annotations
 
@@ -106,8 +109,16 @@ def test_two_nodes_train_save_stop_and_resume_exactly(world, tiny_model, server,
     shutil.copytree(step_dir(os.path.join(out, "checkpoints"), 2), step_dir(moved, 2))
     with open(os.path.join(moved, LATEST_FILE), "w") as f:
         f.write("2\n")
+    # What a process killed while saving step 3 leaves behind: a half-written temp directory, `latest` untouched.
+    ckpts = os.path.join(out, "checkpoints")
+    crashed = os.path.join(step_dir(ckpts, 3) + ".tmp", "actor")
+    os.makedirs(crashed)
+    with open(os.path.join(crashed, "__0_0.distcp"), "wb") as f:
+        f.write(b"\0" * 100)
+    assert latest_step(ckpts) == 2
     log = run_two_nodes(args(out, 3))
     assert f"at step 2, reference {os.path.join(step_dir(moved, 1), 'actor')}" in log, log[-3000:]
+    assert latest_step(ckpts) == 3 and not os.path.exists(step_dir(ckpts, 3) + ".tmp")
 
     want, got = step_metrics(reference), step_metrics(out)
     assert sorted(got) == [1, 2, 3]

@@ -35,7 +35,7 @@ def test_masked_var_and_whiten():
 
 def test_fewer_than_two_entries_are_defined_not_an_error():
     """A DP rank whose every trajectory was dropped (all-zero mask) or a batch with one token must not raise: the
-    other ranks would wait for it in the next collective (issue 20, bug 2)."""
+    other ranks would wait for it in the next collective."""
     one, none = torch.tensor([[1, 0, 0], [0, 0, 0]]), torch.zeros(2, 3)
     assert masked_var(V, one).item() == 0.0 and masked_var(V, none).item() == 0.0
     assert masked_whiten(V, one).abs().sum() == 0 and masked_whiten(V, none).abs().sum() == 0
@@ -43,7 +43,7 @@ def test_fewer_than_two_entries_are_defined_not_an_error():
 
 
 def test_whitening_over_shards_equals_whitening_the_whole_batch():
-    """DP=2 with the statistics all-reduced gives DP=1's whitening (issue 20, bug 3)."""
+    """DP=2 with the statistics all-reduced gives DP=1's whitening."""
     torch.manual_seed(0)
     X, M = torch.randn(6, 5) * 3 + 1, (torch.rand(6, 5) > 0.3).int()
     M[4:] = 0  # the second shard has one row without tokens: it still takes part in the reductions
@@ -57,7 +57,7 @@ def test_whitening_over_shards_equals_whitening_the_whole_batch():
 
 @pytest.mark.slow
 def test_gae_whitening_over_two_gloo_ranks_equals_one_rank():
-    """The same check with a real all-reduce (trainer/losses.dp_sum over gloo) through GAE (issue 20, bug 3)."""
+    """The same check with a real all-reduce (trainer/losses.dp_sum over gloo) through GAE."""
     import os
 
     from tests.dist_utils import run_torchrun

@@ -134,7 +134,7 @@ def test_padded_to_a_multiple_of_tp_keeps_every_response_position_and_target():
 
 
 def test_a_misspelt_field_fails_where_it_is_written_not_silently():
-    """Sequences are records (issue 21): a typo is an AttributeError, a mapping with an unknown key a TypeError, and
+    """Sequences are records: a typo is an AttributeError, a mapping with an unknown key a TypeError, and
     asking a micro-batch for a field that does not exist a KeyError, where a dict would have taken a new key and the
     loss would have read nothing."""
     s = TrainSequence([1, 2], [3, 4], torch.ones(2))

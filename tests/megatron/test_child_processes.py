@@ -1,5 +1,5 @@
 """A SIGKILLed rank leaves no helper process behind: Megatron's checkpoint writer starts a multiprocessing manager
-at the first save, which used to outlive a killed rank forever."""
+at the first save, and nothing would end it when its rank is killed."""
 import os
 import signal
 import subprocess

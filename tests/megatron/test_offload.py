@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from megatron_searchr1.megatron.offload import GenerationOffload, Stash, offload_grads
-from tests.rl_fixtures import rl_root, run_module, server, tiny_model, world  # noqa: F401 (fixtures)
+from tests.rl_fixtures import grpo_run, rl_root, run_module, server, tiny_model, world  # noqa: F401 (fixtures)
 
 COMBOS = [(torch.float32, False), (torch.bfloat16, False), (torch.float32, True), (torch.bfloat16, True)]
 """(params dtype, distributed optimizer): FP32Optimizer, Float16Optimizer (fp32 masters), DistributedOptimizer
@@ -187,23 +187,23 @@ def test_offloading_twice_moves_nothing_more(megatron_world):
 
 
 @pytest.mark.slow
-def test_grpo_with_every_offload_flag_equals_the_run_without(world, tiny_model, server, rl_root):
+def test_grpo_with_every_offload_flag_equals_the_run_without(grpo_run, world, tiny_model, server, rl_root):
     """The trainer's wiring (trainer/roles.py RolloutWorker.sync / sleep) on the CPU demo's GRPO at TP=2 with the vllm
     engine and a reference model: 2 steps with every model.*_offload flag give the same metrics, bit for bit, as
-    2 steps without (the offload is exercised and changes nothing)."""
+    the first 2 steps of the same run without offload (tests/rl_fixtures.py's grpo_run, which other tests share):
+    the offload is exercised and changes nothing."""
     from tests.test_train import STEP_FIELDS_THAT_VARY, rl_args, step_metrics
 
-    runs, logs = {}, {}
-    for name, flags in (("plain", []), ("offload", ["model.param_offload=true", "model.grad_offload=true",
-                                                     "model.optimizer_offload=true", "model.ref_offload=true"])):
-        out = os.path.join(rl_root, f"offload_{name}")
-        proc = run_module("megatron_searchr1.train", rl_args(world, tiny_model, server, out, "trainer.total_steps=2",
-                                                             "trainer.save_freq=0", "trainer.export_hf=false", *flags),
-                          nproc=2)
-        runs[name], logs[name] = step_metrics(out), proc.stdout + proc.stderr
-    want, got = runs["plain"], runs["offload"]
-    assert "offloaded to host memory" not in logs["plain"]
-    line = [x for x in logs["offload"].splitlines() if "offloaded to host memory" in x][-1]
+    plain_out, plain_log = grpo_run
+    out = os.path.join(rl_root, "offload")
+    flags = ["model.param_offload=true", "model.grad_offload=true", "model.optimizer_offload=true",
+             "model.ref_offload=true"]
+    proc = run_module("megatron_searchr1.train", rl_args(world, tiny_model, server, out, "trainer.total_steps=2",
+                                                         "trainer.save_freq=0", "trainer.export_hf=false", *flags),
+                      nproc=2)
+    want, got = step_metrics(plain_out), step_metrics(out)
+    assert "offloaded to host memory" not in plain_log
+    line = [x for x in (proc.stdout + proc.stderr).splitlines() if "offloaded to host memory" in x][-1]
     assert all(kind in line for kind in ("grads", "optimizer", "params", "ref")), line
     assert sorted(got) == [1, 2]
     for step in (1, 2):

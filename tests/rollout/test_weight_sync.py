@@ -122,12 +122,20 @@ def test_sync_world_of_one(tiny_models):
 
 
 @pytest.mark.slow
-def test_sync_tp2_pp2(tiny_models):
-    """4 processes; ranks 0 and 2 (one per stage) feed engines, 1 and 3 pass engine=None and only relay."""
-    out = run_torchrun(SCRIPT, 4, "--hf-dirs", *tiny_models, "--tp", "2", "--pp", "2", timeout=600)
+def test_sync_tp2_pp2_into_both_engines(tiny_models):
+    """Megatron TP=2 x PP=2 (4 processes, one launch) into two kinds of engine:
+    - a `transformers` state dict on ranks 0 and 2 (one per stage; 1 and 3 pass engine=None and only relay), tied
+      and untied: names, exact tensors, log-probs, a second sync, bf16;
+    - a vLLM engine (fp32, CPU) on every rank, untied: its log-probs of its own greedy tokens equal Megatron's
+      (<= 1e-4) after the sync, were not before it, and follow a second sync."""
+    pytest.importorskip("vllm")
+    out = run_torchrun(SCRIPT, 4, "--hf-dirs", *tiny_models, "--tp", "2", "--pp", "2", "--engine", "both",
+                       timeout=900, env=dict(VLLM_ENABLE_V1_MULTIPROCESSING="0"))
     results = rank_results(out)
-    _check(results, ["names", "exact", "logprobs", "resync", "bf16"], [0, 2])
-    assert max(r["diff"] for r in results if r["check"] in ("logprobs", "resync")) <= 1e-4
+    state_dict = [r for r in results if r["engine"] == "state_dict"]
+    _check(state_dict, ["names", "exact", "logprobs", "resync", "bf16"], [0, 2])
+    assert max(r["diff"] for r in state_dict if r["check"] in ("logprobs", "resync")) <= 1e-4
+    _check([r for r in results if r["engine"] == "vllm"], ["logprobs", "resync"], [0, 1, 2, 3], archs=1)
 
 
 @pytest.mark.slow
@@ -139,18 +147,6 @@ def test_sync_uneven_pipeline_split(tiny_models):
     _check(results, ["names", "logprobs", "resync"], [0])
     layers = [r["layer_numbers"] for r in results if r["check"] == "layers"]
     assert layers == [[1], [1]], layers  # rank 0 = stage 0 holds only layer 1 (global index 0)
-
-
-@pytest.mark.slow
-def test_sync_into_vllm_tp2_pp2(tiny_models):
-    """Megatron TP=2 x PP=2 (4 processes) -> a vLLM engine (fp32, CPU) on every rank: its log-probs of its own
-    greedy tokens equal Megatron's (<= 1e-4) after the sync, were not before it, and follow a second sync."""
-    pytest.importorskip("vllm")
-    pytest.importorskip("megatron_searchr1.rollout.engines")
-    env = dict(VLLM_ENABLE_V1_MULTIPROCESSING="0")
-    out = run_torchrun(SCRIPT, 4, "--hf-dirs", tiny_models[0], "--tp", "2", "--pp", "2", "--engine", "vllm",
-                       timeout=900, env=env)
-    _check(rank_results(out), ["logprobs", "resync"], [0, 1, 2, 3], archs=1)
 
 
 @pytest.mark.slow

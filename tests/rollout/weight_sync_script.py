@@ -12,6 +12,7 @@ into its state dict) on the even ranks only (odd ranks pass engine=None and only
 - `bf16`: a sync with dtype=bf16 hands over bf16 tensors equal to the fp32 weights cast (cast at the source).
 With `--first-stage-layers N` the model is built with an uneven pipeline split (num_layers_in_first_pipeline_stage)
 from Megatron's own random init (no even-split loader is involved) and only `logprobs` and `resync` run.
+`--engine vllm` runs the vLLM checks instead (see vllm_checks), `--engine both` runs both kinds in one launch.
 """
 import argparse
 import json
@@ -82,27 +83,38 @@ def main():
     ap.add_argument("--ep", type=int, default=1, help="expert-parallel size (MoE models; vllm engine only)")
     ap.add_argument("--first-stage-layers", type=int, default=None)
     ap.add_argument("--bucket-bytes", type=int, default=16 << 10, help="small: many buckets, some single tensors")
-    ap.add_argument("--engine", default="state_dict", choices=["state_dict", "vllm"])
+    ap.add_argument("--engine", default="state_dict", choices=["state_dict", "vllm", "both"],
+                    help="both: the state-dict checks on every --hf-dirs model, then the vLLM checks on the first one, "
+                         "in the same processes (one launch)")
     a = ap.parse_args()
-    if a.engine == "vllm":
-        return vllm_main(a)
 
+    from megatron_searchr1.megatron.initialize import destroy_megatron, initialize_megatron
+
+    initialize_megatron(tp=a.tp, pp=a.pp, ep=a.ep)
+    if a.engine in ("state_dict", "both"):
+        state_dict_checks(a)
+    if a.engine in ("vllm", "both"):
+        vllm_checks(a, a.hf_dirs[:1] if a.engine == "both" else a.hf_dirs)
+    destroy_megatron()
+
+
+def state_dict_checks(a):
+    """The checks above, into a receiving `transformers` engine on the even ranks (rows tagged engine=state_dict)."""
     import torch.distributed as dist
     from safetensors.torch import load_file
     from transformers import AutoConfig
 
-    from megatron_searchr1.megatron.initialize import destroy_megatron, initialize_megatron
     from megatron_searchr1.models.convert import SafetensorsReader, bind_mapping, load_hf_weights
     from megatron_searchr1.models.gpt import build_gpt_model, transformer_config_from_hf
     from megatron_searchr1.rollout.weight_sync import WeightSync, sync_weights
 
-    initialize_megatron(tp=a.tp, pp=a.pp)
     rank = dist.get_rank()
     feeds_engine = rank % 2 == 0 or dist.get_world_size() == 1
 
     def report(arch, check, **kw):
         if feeds_engine:
-            print("RESULT " + json.dumps(dict(rank=rank, arch=arch, check=check, **kw)), flush=True)
+            row = dict(rank=rank, arch=arch, engine="state_dict", check=check, **kw)
+            print("RESULT " + json.dumps(row), flush=True)
 
     for hf_dir in a.hf_dirs:
         hf_config = AutoConfig.from_pretrained(hf_dir)
@@ -163,10 +175,9 @@ def main():
                 report(arch, "bf16", ok=dtypes == ["torch.bfloat16"] and not bad and len(bf.received) > 0,
                        dtypes=dtypes, bad=bad[:5], buckets_one=fp.calls)
         dist.barrier()
-    destroy_megatron()
 
 
-def vllm_main(a):
+def vllm_checks(a, hf_dirs):
     """Every rank runs its own vLLM engine (TP=1, fp32, external_launcher) fed by the sync from Megatron TP x PP.
 
     The engine greedily generates from fixed prompts; its log-probs of the generated tokens must equal the Megatron
@@ -176,17 +187,15 @@ def vllm_main(a):
     import torch.distributed as dist
     from transformers import AutoConfig
 
-    from megatron_searchr1.megatron.initialize import destroy_megatron, initialize_megatron
     from megatron_searchr1.models.convert import SafetensorsReader, bind_mapping, load_hf_weights
     from megatron_searchr1.models.gpt import build_gpt_model
     from megatron_searchr1.rollout.engine import SamplingParams
     from megatron_searchr1.rollout.engines import make_engine
     from megatron_searchr1.rollout.weight_sync import sync_weights
 
-    initialize_megatron(tp=a.tp, pp=a.pp, ep=a.ep)
     rank = dist.get_rank()
     g = torch.Generator().manual_seed(0)
-    for hf_dir in a.hf_dirs:
+    for hf_dir in hf_dirs:
         hf_config = AutoConfig.from_pretrained(hf_dir)
         arch = hf_config.architectures[0] + ("-tied" if hf_config.tie_word_embeddings else "")
         model = build_gpt_model(hf_config)
@@ -209,18 +218,17 @@ def vllm_main(a):
         before, _, stale = engine_vs_megatron()  # the engine still holds the checkpoint's weights
         sync_weights(model, engine, mapping, bucket_bytes=a.bucket_bytes)
         seqs, ref, diff = engine_vs_megatron()
-        print("RESULT " + json.dumps(dict(rank=rank, arch=arch, check="logprobs", diff=diff, stale=stale,
+        print("RESULT " + json.dumps(dict(rank=rank, arch=arch, engine="vllm", check="logprobs", diff=diff, stale=stale,
                                           ok=diff <= TOL and stale > 1e-2)), flush=True)
         old_lp = megatron_logprobs(model, seqs)
         perturb(model)
         moved = (megatron_logprobs(model, seqs) - old_lp).abs().max().item()
         sync_weights(model, engine, mapping, bucket_bytes=a.bucket_bytes)
         _, _, diff2 = engine_vs_megatron()
-        print("RESULT " + json.dumps(dict(rank=rank, arch=arch, check="resync", diff=diff2, moved=moved,
+        print("RESULT " + json.dumps(dict(rank=rank, arch=arch, engine="vllm", check="resync", diff=diff2, moved=moved,
                                           ok=diff2 <= TOL and moved > 1e-2)), flush=True)
         engine.close()
         dist.barrier()
-    destroy_megatron()
 
 
 if __name__ == "__main__":

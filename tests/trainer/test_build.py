@@ -28,8 +28,8 @@ def plain_optimizer(monkeypatch):
 @pytest.mark.parametrize("cls", [Config, SFTConfig])
 def test_the_first_step_trains_at_lr_over_warmup_not_zero(plain_optimizer, cls):
     """Megatron's warmup starts at LR 0: the shared setup steps the schedule once, so with 4 warmup steps the first
-    step trains at lr/4. SFT builds its optimizer here too (before, its first step had LR 0). The expected LRs are
-    counted by hand: warmup = 0.4 * 10 steps = 4, so steps 1..4 train at 1e-3 * k/4, then 1e-3 (constant)."""
+    step trains at lr/4. SFT builds its optimizer here too. The expected LRs are counted by hand: warmup =
+    0.4 * 10 steps = 4, so steps 1..4 train at 1e-3 * k/4, then 1e-3 (constant)."""
     cfg = load_config(None, ["optim.lr=1e-3", "optim.warmup_steps_ratio=0.4", "trainer.total_steps=10",
                              "optim.lr_decay=constant"], cls=cls)
     opt, sched = build.build_optimizer_from_config(plain_optimizer, cfg.optim, cfg.trainer.total_steps, cfg.optim.lr)

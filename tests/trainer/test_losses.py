@@ -122,7 +122,7 @@ def test_on_policy_loss_takes_its_own_log_probs_as_old_with_the_same_gradient():
     assert float(m_on["logprob_gap_engine"]) == pytest.approx(losses.logprob_gap(seqs), abs=1e-6)
 
 
-# ---------------------------------------------------------------------------------------- issue 20: DP and failures
+# ------------------------------------------------------------------------------------------------ DP and failures
 def _batch(seed=0, n=8):
     """n trajectories in groups of 2, random scores, values and old/ref log-probs."""
     g = torch.Generator().manual_seed(seed)
@@ -144,7 +144,7 @@ def _clone(seqs):
 @pytest.mark.parametrize("estimator", ["gae", "reinforce_plus_plus"])
 def test_dp2_whitened_advantages_equal_dp1_on_the_same_batch(estimator):
     """GAE / REINFORCE++ whiten over the whole batch: two DP ranks holding halves (statistics summed over DP)
-    give the advantages one rank gets for the whole batch (issue 20, bug 3)."""
+    give the advantages one rank gets for the whole batch."""
     trajs, seqs, scores = _batch()
     cfg = AlgoConfig(adv_estimator=estimator, use_kl_loss=False, use_kl_in_reward=True, gamma=0.9, lam=0.8)
     kl = algo.FixedKLController(0.1)
@@ -168,7 +168,7 @@ def test_dp2_whitened_advantages_equal_dp1_on_the_same_batch(estimator):
 @pytest.mark.parametrize("estimator", ["grpo", "rloo", "gae", "reinforce_plus_plus"])
 def test_a_rank_whose_searches_all_failed_logs_the_same_keys_and_takes_part(estimator):
     """Every trajectory of DP rank 1 ended search_error (dropped): no raise, the same metric keys on both ranks,
-    every reduction made by both (a skipped one would time out here), and the drop is counted (issue 20, bug 2)."""
+    every reduction made by both (a skipped one would time out here), and the drop is counted."""
     trajs, seqs, scores = _batch()
     for t in trajs[4:]:
         t.finish_reason = "search_error"
@@ -188,7 +188,7 @@ def test_a_rank_whose_searches_all_failed_logs_the_same_keys_and_takes_part(esti
 
 def test_a_sample_left_alone_in_its_group_gets_no_advantage():
     """GRPO / RLOO: the survivor of a group whose sibling's search failed has no baseline. verl would give it its
-    raw score (mean 0, std 1); here it gets 0 and is counted (issue 20, bug 8)."""
+    raw score (mean 0, std 1); here it gets 0 and is counted."""
     trajs = [_traj("a", [5, 6], [7]), _traj("a", [5, 6], [7], finish="search_error"),
              _traj("b", [5], [7]), _traj("b", [5], [7])]
     for est in ("grpo", "rloo"):
@@ -204,8 +204,8 @@ def test_a_sample_left_alone_in_its_group_gets_no_advantage():
 
 @pytest.mark.parametrize("mode", ["seq-mean-token-mean", "seq-mean-token-sum"])
 def test_seq_mean_losses_do_not_depend_on_packing_with_fully_masked_rows(mode):
-    """A dropped trajectory (all-zero mask) must not change the weight of the rows packed with it (issue 20,
-    bug 5): one micro-batch and one row per micro-batch give the same mini-batch loss, sum(per row) / rows."""
+    """A dropped trajectory (all-zero mask) must not change the weight of the rows packed with it:
+    one micro-batch and one row per micro-batch give the same mini-batch loss, sum(per row) / rows."""
     torch.manual_seed(0)
     trajs = [_traj("g", [5, 6, 7][: k % 3 + 1], [8] * (k + 1)) for k in range(4)]
     trajs[1].finish_reason = "search_error"
@@ -252,7 +252,7 @@ class _CharTok:
 
 def test_the_reward_reads_only_what_the_model_generated():
     """Invalid-action feedback (mask 0) spells out `<answer> and </answer>`: a trajectory that never answered must
-    not earn format_score for the 'answer' "and" (issue 20, bug 7); a real answer still scores."""
+    not earn format_score for the 'answer' "and"; a real answer still scores."""
     from megatron_searchr1.data.prompts import INVALID_ACTION_FEEDBACK
     from megatron_searchr1.rollout.loop import generated_text
 
@@ -312,7 +312,7 @@ def test_doctests():
     assert doctest.testmod(losses).failed == 0
 
 
-# ---------------------------------------------------------------------------------------- issue 31: the toolkit
+# ------------------------------------------------------------------------------------------------ the toolkit
 def _one_mb(seed=0):
     g = torch.Generator().manual_seed(seed)
     seqs = losses.to_sequences([_traj(f"g{k // 2}", [5, 6, 7][: k % 3 + 1], [8] * (k % 2 + 1)) for k in range(4)])

@@ -20,7 +20,7 @@ class _Sched:
 @pytest.mark.parametrize("warmup, actor_steps", [(0, [1, 2, 3]), (1, [1, 2, 3]), (2, [2, 3]), (3, [3])])
 def test_critic_warmup_matches_verl(monkeypatch, warmup, actor_steps):
     """verl (ray_trainer.fit, global_steps from 1) updates the actor when critic_warmup <= global_steps: warmup k
-    gives k - 1 critic-only steps; the critic trains every step (issue 20, bug 8)."""
+    gives k - 1 critic-only steps; the critic trains every step."""
     import megatron_searchr1.megatron.schedule as schedule
 
     calls = []
@@ -45,7 +45,7 @@ def test_critic_warmup_matches_verl(monkeypatch, warmup, actor_steps):
 @pytest.mark.parametrize("coeff", [0.0, 0.001])
 def test_the_actor_update_computes_a_differentiable_entropy_only_for_an_entropy_bonus(monkeypatch, coeff):
     """At entropy_coeff 0 the actor's update asks for the entropy as a detached metric (no second vocabulary-sized
-    tensor kept for backward, issue 19); with a bonus, for the entropy with its gradient."""
+    tensor kept for backward); with a bonus, for the entropy with its gradient."""
     import megatron_searchr1.megatron.schedule as schedule
 
     seen = {}
@@ -60,7 +60,7 @@ def test_the_actor_update_computes_a_differentiable_entropy_only_for_an_entropy_
     assert seen["actor"]["entropy_grad"] is (coeff != 0)
 
 
-# ---------------------------------------------------------------------------------------- issue 31: DAPO, collapse
+# ------------------------------------------------------------------------------------------------ DAPO, collapse
 class _Traj:
     def __init__(self, uid, score):
         self.uid, self.score = uid, score
