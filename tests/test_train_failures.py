@@ -1,5 +1,5 @@
-"""A DP rank whose searches all fail (issue 20, bug 2): the step completes on both ranks and reports the drop; above
-retrieval.max_error_rate the run stops on every rank together (issue 33 §1), also when the server dies or hangs.
+"""A DP rank whose searches all fail: the step completes on both ranks and reports the drop; above
+retrieval.max_error_rate the run stops on every rank together, also when the server dies or hangs.
 
 Slow: two torchrun ranks (DP=2, tiny model, scripted `hf` engine so every trajectory searches), GRPO and PPO
 (GAE with a critic). Before the fix GRPO raised in mean_over_ranks (rank 1 had no advantage keys) and GAE
@@ -36,7 +36,7 @@ def test_one_rank_whose_searches_all_fail_completes_the_step(estimator, world, t
         assert key in metrics and metrics[key] == metrics[key], key  # present and not NaN
     if estimator == "gae":
         assert "critic/vf_loss" in metrics
-    # the two DP ranks sampled with different seeds (issue 20, bug 6: on main both used the step's seed)
+    # the two DP ranks sampled with different seeds (each DP rank samples with its own seed)
     seeds = dict(re.findall(r"SEEDS dp_rank=(\d) (\[[^]]*\])", log))  # two ranks may share a line
     assert set(seeds) == {"0", "1"} and seeds["0"] != seeds["1"], seeds
     # a second step at the default max_error_rate: rank 1's failures (2 of the step's 4 searches) stop both ranks
@@ -47,7 +47,7 @@ def test_one_rank_whose_searches_all_fail_completes_the_step(estimator, world, t
 
 @pytest.mark.slow
 def test_a_hung_then_a_killed_retrieval_server_stops_the_run_which_resumes_when_it_is_back(world, tiny_model, rl_root):
-    """Issue 33 §1 and issue 30.3 in two launches of the real entry point at tp=2, rollout.engine_tp=2, against a
+    """Two launches of the real entry point at tp=2, rollout.engine_tp=2, against a
     real server: SIGSTOP after step 1 -> the run stops with exit 3 on both ranks within a bounded time; SIGCONT,
     resume -> step 2 runs from the step-1 checkpoint, SIGKILL after it -> the run stops again. Only the engine's
     first rank ever asks the server (the other one's client could only fail), once per search."""

@@ -84,7 +84,7 @@ def test_every_field_is_documented():
 
 
 def test_micro_batch_budget_must_hold_the_longest_trajectory():
-    """A trajectory of max_prompt_length + max_response_length tokens must fit one micro-batch (issue 20, bug 4):
+    """A trajectory of max_prompt_length + max_response_length tokens must fit one micro-batch:
     plan_micro_batches raises on such a sequence, on one rank, hours into a run."""
     from megatron_searchr1.megatron.batching import plan_micro_batches
 

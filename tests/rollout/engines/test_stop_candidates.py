@@ -54,5 +54,5 @@ def test_stop_candidates_small_bpe():
 
 @pytest.mark.slow
 def test_stop_candidates_on_a_150k_byte_level_bpe():
-    """Qwen2.5's size (151k): 1677 candidates when written, 2954 with the U+FFFD ids of before (issue 19, item 6)."""
+    """Qwen2.5's size (151k): 1677 candidates when written, 2954 with the U+FFFD ids."""
     _check(150_000, bound=2_000)  # 1677 when written (2954 with the U+FFFD ids)
