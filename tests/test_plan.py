@@ -260,6 +260,16 @@ def test_shipped_recipes_fit_on_80gb(megatron_world, name, nodes):
     assert result.host_bytes_per_node == 0 or cfg.model.grad_offload  # sleep level 2: no pinned vLLM copy
 
 
+@pytest.mark.parametrize("name", ["grpo_llds_qwen2.5-3b", "dapo_qwen2.5-3b", "gspo_qwen2.5-3b"])
+def test_toolkit_recipes_fit_on_one_node(megatron_world, name):
+    """The RL toolkit's recipes (LLDS, DAPO, GSPO on Qwen2.5-3B) fit one 8 x 80 GiB node in every phase, with room
+    for fragmentation."""
+    cfg, hf = recipe(name, nodes=1)
+    result, _, _ = plan.plan_config(cfg, hf, nodes=1)
+    assert result.fits and all(p.total <= result.gpu_bytes - 2 * plan.GiB for p in result.phases), \
+        [(p.name, (result.gpu_bytes - p.total) / plan.GiB) for p in result.phases]
+
+
 @pytest.mark.slow
 def test_30b_a3b_recipe_fits_with_margin_and_counts_the_reference_in_the_update(megatron_world):
     """The MoE recipe at TP 4 x EP 4 (expert-TP = TP, Megatron's default) with full recomputation fits two 8 x 80
