@@ -237,6 +237,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--fresh", action="store_true", help="delete the work dir first instead of continuing")
     p.add_argument("--sft-steps", type=int, default=None, help="override the size's SFT steps (the cap)")
     p.add_argument("--grpo-steps", type=int, default=None, help="override the size's GRPO steps")
+    p.add_argument("--rl", action="append", default=[], metavar="KEY=VALUE",
+                   help="a config override for the GRPO stage, after the demo's own (repeatable), e.g. "
+                        "--rl algo.llds.coef=0.1 --rl algo.ppo_mini_batch_size=4; a work dir whose GRPO stage ran "
+                        "skips it, so use a new --work-dir (the earlier stages can be copied over)")
     a = p.parse_args(argv)
     for flag in ("sft_steps", "grpo_steps"):
         if getattr(a, flag) is not None and getattr(a, flag) < 1:
@@ -247,6 +251,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     size = Size(**{**size.__dict__, **({"sft_steps": a.sft_steps} if a.sft_steps else {}),
                    **({"grpo_steps": a.grpo_steps} if a.grpo_steps else {}),
                    **({"seed": a.seed} if a.seed is not None else {})})
+    check_rl_overrides(size, a.rl)
     work = os.path.abspath(a.work_dir)
     if a.fresh and os.path.isdir(work):
         shutil.rmtree(work)
@@ -344,13 +349,30 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 f"data.train_files=[{world}/train.parquet]", f"trainer.output_dir={grpo_dir}",
                 f"trainer.total_steps={size.grpo_steps}", f"data.train_batch_size={size.grpo_batch}",
                 f"algo.ppo_mini_batch_size={size.grpo_batch}", f"rollout.n={size.n}",
-                f"trainer.test_freq={size.grpo_test_freq}", "logging.plot=true"]),
+                f"trainer.test_freq={size.grpo_test_freq}", "logging.plot=true", *a.rl]),
                 os.path.join(work, "grpo.log"))
         timings["grpo"] = time.time() - start
 
     report = summarize(work, timings, time.time() - t0, seed=size.seed)
     print(render(report), flush=True)
     return 0
+
+
+def check_rl_overrides(size: Size, overrides: Sequence[str]) -> None:
+    """Raise UsageError unless the GRPO stage's config with `overrides` (the --rl flags) is valid: checked before
+    any stage runs, not minutes later inside torchrun (the config layer imports no torch)."""
+    if not overrides:
+        return
+    from megatron_searchr1.config import ConfigError, load_config
+
+    examples = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+    try:
+        load_config(os.path.join(examples, "grpo_tiny_cpu.yaml"), [
+            f"trainer.total_steps={size.grpo_steps}", f"data.train_batch_size={size.grpo_batch}",
+            f"algo.ppo_mini_batch_size={size.grpo_batch}", f"rollout.n={size.n}", *overrides]
+        ).validate(world_size=2, check_files=False)
+    except (ConfigError, ValueError) as e:
+        raise UsageError(f"--rl: {e}") from None
 
 
 def _check_same_seed(work: str, seed: int) -> None:

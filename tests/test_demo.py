@@ -25,6 +25,23 @@ def test_bad_arguments_are_one_error_line():
     assert proc.stderr.strip().splitlines() == ["error: --seed must be in [0, 100000), got 100000"]
 
 
+def test_rl_overrides_are_checked_before_any_stage(tmp_path):
+    """--rl reaches the GRPO stage's config; a mistake in it is one error line before any stage runs (the demo's
+    own sizes count: LLDS needs a second update per step, which the demo's one mini-batch per step does not give)."""
+    from megatron_searchr1.cli import UsageError
+    from megatron_searchr1.demo import SIZES, check_rl_overrides
+
+    check_rl_overrides(SIZES["full"], ["algo.llds.coef=0.1", "algo.ppo_mini_batch_size=4"])  # valid: no raise
+    with pytest.raises(UsageError, match="algo.llds acts from a step's second update on"):
+        check_rl_overrides(SIZES["full"], ["algo.llds.coef=0.1"])
+    proc = subprocess.run([sys.executable, "-m", "megatron_searchr1.demo", "--rl", "algo.lds.coef=0.1",
+                           "--work-dir", str(tmp_path / "w")], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: --rl: unknown field algo.lds (did you mean algo.llds?)")
+    assert not (tmp_path / "w").exists()
+
+
 def test_a_work_dir_keeps_its_seed(tmp_path):
     """Continuing a work dir under another --seed would mix two seeds' stages: one error line, nothing run."""
     (tmp_path / "seed.json").write_text('{"seed": 1}')
