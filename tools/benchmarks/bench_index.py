@@ -11,7 +11,6 @@ one-query searches.
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import sys
@@ -27,14 +26,6 @@ WIKI18_DOCS, WIKI18_DIM = 21_000_000, 768
 TYPES = ("flat", "fp16", "sq8", "sq6", "hnsw", "ivf_flat", "ivf_sq8", "ivf_pq", "opq_ivf_pq")
 # OPQ's rotation trains for minutes even on a few thousand passages on 2 cores: measured only when asked for.
 DEFAULT_TYPES = TYPES[:-1]
-
-
-def _bench_retrieval():
-    spec = importlib.util.spec_from_file_location("bench_retrieval",
-                                                  os.path.join(os.path.dirname(__file__), "bench_retrieval.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 class _Vectors:
@@ -113,7 +104,9 @@ def main(argv: list[str] | None = None) -> int:
     threads = set_cpu_threads(args.torch_threads or None)
     tmp = tempfile.mkdtemp(prefix="bench_index_")
     corpus_path = os.path.join(tmp, "corpus.jsonl")
-    _bench_retrieval().make_corpus(corpus_path, args.docs)
+    from bench_retrieval import make_corpus  # a sibling script: run as a script, its folder is on sys.path
+
+    make_corpus(corpus_path, args.docs)
     corpus = open_corpus(corpus_path)
     encoder = Encoder(EncoderConfig())
     t0 = time.time()

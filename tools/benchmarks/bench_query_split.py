@@ -11,7 +11,6 @@ of --repeats batches. The two backends' query embeddings are also compared (max 
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import statistics
@@ -25,14 +24,6 @@ from megatron_searchr1.cli import ArgumentParser, UsageError, run_main
 # The demo's GRPO step: 8 prompts x rollout.n 8 = 64 searches a turn; Search-R1: train_batch_size 512 (x n_agent 5
 # repeats, which dedup and the cache remove); FlashRAG's measurement: 256.
 DEFAULT_BATCHES = "1,64,256,512"
-
-
-def _bench_retrieval():
-    spec = importlib.util.spec_from_file_location("bench_retrieval",
-                                                  os.path.join(os.path.dirname(__file__), "bench_retrieval.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def split(encoder, index, corpus, queries: list[str], topk: int = 3) -> dict:
@@ -82,7 +73,9 @@ def main(argv: list[str] | None = None) -> int:
     threads = set_cpu_threads(args.torch_threads or None)
     tmp = tempfile.mkdtemp(prefix="bench_split_")
     corpus_path = os.path.join(tmp, "corpus.jsonl")
-    _bench_retrieval().make_corpus(corpus_path, args.docs)
+    from bench_retrieval import make_corpus  # a sibling script: run as a script, its folder is on sys.path
+
+    make_corpus(corpus_path, args.docs)
     corpus = open_corpus(corpus_path)
     encoders = {b: Encoder(EncoderConfig(backend=b, device="cpu"), query_cache_size=0) for b in backends}
     first = encoders[backends[0]]
