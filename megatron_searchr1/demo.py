@@ -106,6 +106,7 @@ MODEL_ARGS = dict(hidden_size=128, intermediate_size=384, num_heads=4, num_kv_he
 SFT_SEED_OFFSET = 100_000
 """The SFT worlds' seeds are seed + 100000 + i and the SFT validation world's seed + 200000: for any --seed below
 100000 neither is ever an RL world, so the warm-up never sees the questions RL trains and is evaluated on."""
+EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
 
 
 def world_seeds(seed: int, n_sft: int) -> tuple[list[int], int]:
@@ -260,7 +261,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     t0 = time.time()
     timings: dict[str, float] = {}
     eta = dict(size.eta_s)
-    examples = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
 
     # 1. worlds + indexes + gold trajectories
     world = os.path.join(work, "world")
@@ -320,7 +320,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             if size.sft_stop_at:
                 val_args.append(f"trainer.stop_at_val_exact={size.sft_stop_at}")
             _run(_torchrun("megatron_searchr1.sft", [
-                os.path.join(examples, "sft_tiny_cpu.yaml"), f"model.path={model}",
+                os.path.join(EXAMPLES, "sft_tiny_cpu.yaml"), f"model.path={model}",
                 f"data.dataset_dir={sft_data}", f"data.datasets=[{','.join(sft_names)}]",
                 f"trainer.output_dir={sft_dir}", f"optim.lr={size.sft_lr}", "logging.plot=true",
                 f"trainer.total_steps={size.sft_steps}", f"data.batch_size={size.sft_batch}", *val_args]),
@@ -333,7 +333,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         _stage(5, "no_search", "the warm-up model answering without search", eta.get("no_search"))
         if not os.path.isfile(os.path.join(base_dir, "val_report.jsonl")):
             _run(_torchrun("megatron_searchr1.train", [
-                os.path.join(examples, "grpo_tiny_cpu.yaml"), *common, *val, f"model.megatron_ckpt={sft_dir}",
+                os.path.join(EXAMPLES, "grpo_tiny_cpu.yaml"), *common, *val, f"model.megatron_ckpt={sft_dir}",
                 "trainer.val_only=true", "rollout.max_turns=0", f"trainer.output_dir={base_dir}",
                 f"data.train_files=[{world}/train.parquet]"]), os.path.join(work, "no_search.log"))
         timings["no_search"] = time.time() - start
@@ -345,17 +345,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                           "validation before, during and after", eta.get("grpo", 0) * size.grpo_steps or None)
         if not os.path.isfile(os.path.join(grpo_dir, "hf", "model.safetensors")):
             _run(_torchrun("megatron_searchr1.train", [
-                os.path.join(examples, "grpo_tiny_cpu.yaml"), *common, *val, f"model.megatron_ckpt={sft_dir}",
+                os.path.join(EXAMPLES, "grpo_tiny_cpu.yaml"), *common, *val, f"model.megatron_ckpt={sft_dir}",
                 f"data.train_files=[{world}/train.parquet]", f"trainer.output_dir={grpo_dir}",
-                f"trainer.total_steps={size.grpo_steps}", f"data.train_batch_size={size.grpo_batch}",
-                f"algo.ppo_mini_batch_size={size.grpo_batch}", f"rollout.n={size.n}",
-                f"trainer.test_freq={size.grpo_test_freq}", "logging.plot=true", *a.rl]),
+                *grpo_sizes(size), f"trainer.test_freq={size.grpo_test_freq}", "logging.plot=true", *a.rl]),
                 os.path.join(work, "grpo.log"))
         timings["grpo"] = time.time() - start
 
     report = summarize(work, timings, time.time() - t0, seed=size.seed)
     print(render(report), flush=True)
     return 0
+
+
+def grpo_sizes(size: Size) -> list[str]:
+    """The GRPO stage's size overrides: its command and the --rl check use the same ones."""
+    return [f"trainer.total_steps={size.grpo_steps}", f"data.train_batch_size={size.grpo_batch}",
+            f"algo.ppo_mini_batch_size={size.grpo_batch}", f"rollout.n={size.n}"]
 
 
 def check_rl_overrides(size: Size, overrides: Sequence[str]) -> None:
@@ -365,12 +369,9 @@ def check_rl_overrides(size: Size, overrides: Sequence[str]) -> None:
         return
     from megatron_searchr1.config import ConfigError, load_config
 
-    examples = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
     try:
-        load_config(os.path.join(examples, "grpo_tiny_cpu.yaml"), [
-            f"trainer.total_steps={size.grpo_steps}", f"data.train_batch_size={size.grpo_batch}",
-            f"algo.ppo_mini_batch_size={size.grpo_batch}", f"rollout.n={size.n}", *overrides]
-        ).validate(world_size=2, check_files=False)
+        load_config(os.path.join(EXAMPLES, "grpo_tiny_cpu.yaml"), [*grpo_sizes(size), *overrides]
+                    ).validate(world_size=2, check_files=False)
     except (ConfigError, ValueError) as e:
         raise UsageError(f"--rl: {e}") from None
 
