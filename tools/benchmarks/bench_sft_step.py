@@ -8,9 +8,9 @@
 Builds `SFTTrainer` (trainer/sft.py) with examples/sft_tiny_cpu.yaml and the overrides, runs `--warmup` untimed
 steps, then `--steps` timed ones, and prints the median step, its split into the phases of a step (micro-batch
 packing, forward+backward, gradient all-reduce, optimizer, the per-step metric all-reduce) and the examples and
-tokens per second. A paired comparison of two settings is two runs of this script (farm-bench --vs times them in
-turn); `--ratio-vs KEY=VALUE` does it in-process: both settings alternate step by step on the same trainer data, and
-the script prints the ratio of their medians.
+tokens per second, and rank 0's CPU seconds per step (on a shared machine the wall time moves with the load, CPU time
+much less). A paired comparison of two settings is two runs of this script with different `--set`s, timed in turn
+(`farm-bench --vs`).
 """
 from __future__ import annotations
 
