@@ -327,9 +327,9 @@ class Trainer:
 
     def load(self, root: str, step: int) -> None:
         """Put the trainer in the state its checkpoint `step` under `root` holds (weights, optimizer, LR schedule,
-        RNG, step number, data order, KL coefficient, the pinned reference); the engine gets the weights at the
-        next sync. The logs are left alone (`_resume` trims them), so a running trainer can also go back to an
-        earlier step this way."""
+        RNG, step number, data order, KL coefficient, the pinned reference). The logs are left alone (`_resume`
+        trims them) and so is the rollout engine: a running trainer that goes back to an earlier step this way
+        calls `worker.mark_stale()` after it, so that the next sync sends the loaded weights."""
         extra = load_roles(root, step, self._states())
         self.step_no = int(extra["step"])
         interrupt.note_checkpoint(step_dir(root, step))
@@ -340,7 +340,6 @@ class Trainer:
         pinned = extra.get("ref_source")  # the reference this run started with, not today's latest of its root
         if ref is not None and pinned and pinned != ref.source:
             ref.load_weights(pinned)
-        self.worker.mark_stale()
 
     def export(self, out_dir: str) -> None:
         self.policy.export_hf(out_dir)

@@ -109,6 +109,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             if trainer.step_no == replay_from:
                 trainer.save()
         trainer.load(trainer.ckpt_root, replay_from)
+        trainer.worker.mark_stale()  # the next sync sends the loaded weights
         metrics = run_step(REPLAYED)
         if trainer.rank == 0:
             with open(os.path.join(cfg.trainer.output_dir, "replayed.jsonl"), "w") as f:
