@@ -39,6 +39,20 @@ def test_one_rank_whose_searches_all_fail_completes_the_step(estimator, world, t
     # the two DP ranks sampled with different seeds (each DP rank samples with its own seed)
     seeds = dict(re.findall(r"SEEDS dp_rank=(\d) (\[[^]]*\])", log))  # two ranks may share a line
     assert set(seeds) == {"0", "1"} and seeds["0"] != seeds["1"], seeds
+    if estimator == "grpo":
+        # DAPO's dynamic sampling at DP=2 (train_failures_script.dapo_step): DP rank 0's first group is informative,
+        # DP rank 1's only its third, so both ranks make three generate calls (one making fewer would leave the
+        # other waiting in a collective); every group's rollout.n=2 samples are made on one rank, never both
+        calls = {rank: json.loads(c) for rank, _, c in re.findall(r"DAPO rank=(\d) dp_rank=(\d) (\[\[.*?\]\]\])", log)}
+        assert sorted(calls) == ["0", "1"], log[-4000:]
+        assert len(calls["0"]) == len(calls["1"]) == 3, calls
+        groups = {rank: [uid for call in c for uid, samples in call if samples == 2] for rank, c in calls.items()}
+        assert [len(g) for g in groups.values()] == [3, 3], calls  # one prompt per rank per call, both samples
+        assert not set(groups["0"]) & set(groups["1"]), calls
+        dapo = json.loads(re.search(r"DAPO_METRICS (\{[^{}]*\})", log).group(1))  # a flat dict
+        assert dapo["dapo/generate_calls"] == 3 and dapo["dapo/groups_generated"] == 3, dapo
+        assert dapo["dapo/groups_kept"] == 1, dapo  # train_batch_size 2: one group per rank
+        assert dapo["actor/advantages_abs_mean"] > 0, dapo  # trained on the informative groups
     # a second step at the default max_error_rate: rank 1's failures (2 of the step's 4 searches) stop both ranks
     stopped = re.findall(r"STOPPED rank=(\d) (.*?)(?=STOPPED rank=|$)", log, re.M)  # two ranks may share a line
     assert sorted(r for r, _ in stopped) == ["0", "1"], log[-4000:]

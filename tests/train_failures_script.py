@@ -5,8 +5,10 @@
         URL SERVER_PID stop|kill AFTER_STEP [KEY=VALUE ...]
 
 ESTIMATOR (grpo, gae): one RL step at DP=2 where every search of DP rank 1 fails (retrieval.max_error_rate=1: the
-step completes); rank 0 prints the metrics. Then a second step at max_error_rate 0.2: both ranks raise RetrievalDown
-together and print it.
+step completes); rank 0 prints the metrics. grpo only: then one step of DAPO's dynamic sampling (algo.filter_groups)
+with every search answered, whose rewards are set so that DP rank 0's first group is informative and DP rank 1's
+only the third (`dapo_scores`): each rank prints the groups of each of its generate calls and rank 0 the step's
+metrics. Then a step at max_error_rate 0.2: both ranks raise RetrievalDown together and print it.
 
 The engine is the `hf` one with its generate replaced by a script (search, then answer after the observation)
 so every trajectory searches; the retrieval client is replaced by one that fails on DP rank 1 only. A rank that
@@ -24,6 +26,7 @@ import os
 import signal
 import sys
 import time
+from collections import Counter
 
 from megatron_searchr1.config import load_config
 from megatron_searchr1.megatron.initialize import initialize_megatron
@@ -45,6 +48,47 @@ def scripted_generate(tok, seeds=None):
             outs.append(Generation(token_ids=got, logprobs=[-1.0] * len(got), finish_reason="stop"))
         return outs
     return generate
+
+
+DAPO_INFORMATIVE_FROM = (1, 3)
+"""Per DP rank, the generate call (from 1) from which its groups score 1 on one sample, 0 on the rest (informative);
+before it every sample scores 0 (the group is dropped)."""
+
+
+def dapo_step(trainer) -> None:
+    """One step with algo.filter_groups on (algo.max_gen_batches=4), rewards by DAPO_INFORMATIVE_FROM: DP rank 0
+    is satisfied after its first generate call, DP rank 1 after its third, so both must make three (the ranks agree
+    after every call whether one is still short). Prints `DAPO rank=R [[uid, samples], ...] per call` on every rank
+    and `DAPO_METRICS {...}` on rank 0."""
+    import megatron_searchr1.trainer.losses as losses
+
+    cfg, rt, worker = trainer.cfg, trainer.roles, trainer.worker
+    calls: list = []  # per generate call on this rank: [[uid, samples of it], ...]
+    generate, score = worker.generate, losses.score_trajectories
+
+    def counting_generate(trajs, seed):
+        trajs, metrics = generate(trajs, seed)
+        calls.append(sorted([uid, k] for uid, k in Counter(str(t.uid) for t in trajs).items()))
+        return trajs, metrics
+
+    def dapo_scores(trajs, tokenizer, a):
+        scores = score(trajs, tokenizer, a)
+        informative = len(calls) >= DAPO_INFORMATIVE_FROM[rt.dp_rank]
+        for t, sc in zip(trajs, scores):
+            sc["score"] = 1.0 if informative and t.sample == 0 else 0.0
+        return scores
+
+    cfg.algo.filter_groups, cfg.algo.max_gen_batches = True, 4
+    worker.generate, losses.score_trajectories = counting_generate, dapo_scores
+    try:
+        trainer.step_no += 1
+        metrics = trainer.step()
+    finally:
+        worker.generate, losses.score_trajectories = generate, score
+        cfg.algo.filter_groups = False
+    print(f"DAPO rank={rt.rank} dp_rank={rt.dp_rank} {json.dumps(calls)}", flush=True)
+    if rt.rank == 0:
+        print("DAPO_METRICS " + json.dumps(metrics), flush=True)
 
 
 def retriever(model_dir: str, train_file: str, out: str, url: str, server_pid: str, action: str, after: str,
@@ -106,13 +150,17 @@ def main(estimator: str, model_dir: str, train_file: str, out: str) -> None:
 
     seeds = set()
     worker.engine.generate = scripted_generate(tok, seeds)
-    failing = rt.dp_rank == 1
-    worker.client.search = lambda queries: [(SearchFailure("injected") if failing else 'Doc 1(Title: "X") x\n')
-                                             for _ in queries]
+    failing = {"now": rt.dp_rank == 1}  # the DAPO step lets rank 1's searches through
+    worker.client.search = lambda queries: [SearchFailure("injected") if failing["now"] else 'Doc 1(Title: "X") x\n'
+                                            for _ in queries]
     metrics = trainer.step()
     print(f"SEEDS dp_rank={rt.dp_rank} {sorted(seeds)}", flush=True)  # RolloutWorker.generate's sampling seeds per turn
     if rt.rank == 0:
         print("METRICS " + json.dumps(metrics), flush=True)
+    if estimator == "grpo":
+        failing["now"] = False
+        dapo_step(trainer)
+        failing["now"] = rt.dp_rank == 1
     # at the default retrieval.max_error_rate the same failures (half the step's searches) stop both ranks together
     worker.guard.max_error_rate = 0.2
     try:

@@ -318,10 +318,21 @@ class Trainer:
         if target is None:
             return
         root, step = target
+        self.load(root, step)
+        self.roles.logger.resume_at(self.step_no)  # rows a killed run logged after this checkpoint go
+        if self.rank == 0:
+            ref = self.reference
+            note = f", reference {ref.source}" if ref is not None else ""
+            print(f"resumed from {root} at step {self.step_no}{note}", flush=True)
+
+    def load(self, root: str, step: int) -> None:
+        """Put the trainer in the state its checkpoint `step` under `root` holds (weights, optimizer, LR schedule,
+        RNG, step number, data order, KL coefficient, the pinned reference). The logs are left alone (`_resume`
+        trims them) and so is the rollout engine: a running trainer that goes back to an earlier step this way
+        calls `worker.mark_stale()` after it, so that the next sync sends the loaded weights."""
         extra = load_roles(root, step, self._states())
         self.step_no = int(extra["step"])
         interrupt.note_checkpoint(step_dir(root, step))
-        self.roles.logger.resume_at(self.step_no)  # rows a killed run logged after this checkpoint go
         if self.data.sampler is not None and extra.get("sampler"):
             self.data.sampler.load_state_dict(extra["sampler"])
         self.roles.kl_ctrl.load_state_dict(extra["kl_ctrl"])
@@ -329,9 +340,6 @@ class Trainer:
         pinned = extra.get("ref_source")  # the reference this run started with, not today's latest of its root
         if ref is not None and pinned and pinned != ref.source:
             ref.load_weights(pinned)
-        if self.rank == 0:
-            note = f", reference {ref.source}" if ref is not None else ""
-            print(f"resumed from {root} at step {self.step_no}{note}", flush=True)
 
     def export(self, out_dir: str) -> None:
         self.policy.export_hf(out_dir)

@@ -12,9 +12,16 @@ on every 4th generated token, the engine's log-prob is GAP nats lower in traject
 pi_old / pi_engine = e^GAP), GAP nats higher in trajectories 1, 4, 7, ... (ratio e^-GAP), unchanged in the rest.
 Each step's metrics go to metrics.jsonl as the trainer's do (step k ran MODES[k - 1]), with the shares of the
 trainer's loss-mask tokens that the gap makes each mode touch (`gap/*`, `expected_shares`).
+
+Then the resume, in the same start-up: the step before REPLAYED's was checkpointed; after the last mode (the weights,
+optimizer, data order and RNG have all moved on) the trainer loads that checkpoint (Trainer.load, what a restarted
+run does at start-up) and runs REPLAYED's step again. Its metrics go to replayed.jsonl: a resumed run reproduces the
+step exactly when they equal that step's row in metrics.jsonl.
 """
 from __future__ import annotations
 
+import json
+import os
 import sys
 from typing import Optional, Sequence
 
@@ -25,6 +32,10 @@ GAP = 1.0
 """Nats moved on the moved tokens: e^1 > 2 (the TIS cap, the MIS and IcePop upper bound) and e^-1 < 0.5 (IcePop's
 lower bound)."""
 
+
+REPLAYED = "seq_tis"
+"""The mode whose step is run again from the previous step's checkpoint (a sequence-level one: the weight of a row
+depends on all its tokens)."""
 
 SIGNS = (-1.0, 1.0, 0.0)
 """How trajectory k's moved engine log-probs move: SIGNS[k % 3] * GAP."""
@@ -79,16 +90,31 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return trajs, metrics
 
     trainer.worker.generate = generate_with_gap
+    replay_from = MODES.index(REPLAYED)  # the step whose checkpoint the replay loads (steps count from 1)
+
+    def run_step(mode: str) -> dict:
+        cfg.algo.rollout_correction = mode  # read by the actor loss each step (Trainer.update)
+        trainer.step_no += 1
+        metrics = trainer.step()
+        metrics.update(mean_over_ranks(expected_shares(last, cfg.rollout.drop_search_errors)))
+        return metrics
+
     try:
         for mode in MODES:
-            cfg.algo.rollout_correction = mode  # read by the actor loss each step (Trainer.update)
-            trainer.step_no += 1
-            metrics = trainer.step()
-            metrics.update(mean_over_ranks(expected_shares(last, cfg.rollout.drop_search_errors)))
+            metrics = run_step(mode)
             trainer.roles.logger.log(trainer.step_no, metrics)
             if trainer.rank == 0:
                 print(f"MODE {mode} step {trainer.step_no}: masked {metrics.get('actor/rc_masked_frac')}, "
                       f"clipped {metrics.get('actor/rc_clipped_frac')}", flush=True)
+            if trainer.step_no == replay_from:
+                trainer.save()
+        trainer.load(trainer.ckpt_root, replay_from)
+        trainer.worker.mark_stale()  # the next sync sends the loaded weights
+        metrics = run_step(REPLAYED)
+        if trainer.rank == 0:
+            with open(os.path.join(cfg.trainer.output_dir, "replayed.jsonl"), "w") as f:
+                f.write(json.dumps({"step": trainer.step_no, **metrics}) + "\n")
+            print(f"REPLAYED {REPLAYED} step {trainer.step_no} from the checkpoint of step {replay_from}", flush=True)
     finally:
         trainer.close()
     return 0

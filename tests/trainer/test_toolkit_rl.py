@@ -3,7 +3,9 @@ retrieval server) with CISPO + token-level TIS + LLDS (action gate) + DAPO dynam
 updates per step (ppo_epochs=2, so the old log-probs come from their own pass and LLDS has a likelihood change to act
 on); then a resume from its step-2 checkpoint that reproduces step 3 exactly. At rollout.temperature 0.8, so the
 engine's log-probs must be those of the sampling temperature. Then GSPO with every rollout correction mode, one step
-each (rollout_correction_modes.py). Three launches in all."""
+each, and a sequence-level mode's step run again from its predecessor's checkpoint in the same start-up, which it
+reproduces exactly (rollout_correction_modes.py). Three launches in all."""
+import json
 import math
 import os
 
@@ -61,8 +63,12 @@ def test_gspo_runs_with_every_rollout_correction_mode(world, tiny_model, server,
     mode, with a known gap between the engine's log-probs and the trainer's): GSPO's one ratio per response
     (seq-mean-token-mean), two updates per step so the ratios leave 1. Each mode masks or clips what its definition
     says, and the loss still reaches the weights. (Not the overlong filter: a random model's responses all run to
-    the length limit, so it would mask every token.)"""
-    from tests.trainer.rollout_correction_modes import GAP, MODES
+    the length limit, so it would mask every token.)
+
+    The resume: after the last mode the trainer loads the checkpoint of the step before REPLAYED's (seq_tis) and
+    runs that step again; it must reproduce the step's metrics exactly, as the CISPO run above does after a
+    restart."""
+    from tests.trainer.rollout_correction_modes import GAP, MODES, REPLAYED
 
     out = os.path.join(rl_root, "toolkit_gspo")
     proc = run_module("tests.trainer.rollout_correction_modes", rl_args(
@@ -95,3 +101,11 @@ def test_gspo_runs_with_every_rollout_correction_mode(world, tiny_model, server,
     # the ratio the token modes look at spans e^-GAP .. e^GAP
     assert abs(m["token_tis"]["actor/rc_ratio_max"] - math.exp(GAP)) < 0.01, m["token_tis"]
     assert abs(m["icepop"]["actor/rc_ratio_min"] - math.exp(-GAP)) < 0.01, m["icepop"]
+
+    with open(os.path.join(out, "replayed.jsonl")) as f:
+        replayed = json.loads(f.readline())
+    step = MODES.index(REPLAYED) + 1
+    assert replayed["step"] == step and replayed["actor/rc_clipped_frac"] > 0, replayed
+    keys = [k for k in got[step] if not k.startswith(STEP_FIELDS_THAT_VARY)]
+    diff = {k: (got[step][k], replayed.get(k)) for k in keys if got[step][k] != replayed.get(k)}
+    assert not diff, diff
