@@ -196,6 +196,22 @@ def test_megatron_to_hf_checks_the_checkpoint_files(hf_dir, tmp_path, bare_secon
 
 # ---- the torch-free copies agree with the torch side ------------------------------------------------------------
 
+def test_read_json_object_names_the_file_and_ends_in_the_callers_remedy(tmp_path):
+    """Both converters read their JSON (config.json, the checkpoint's metadata) through one helper; each message
+    names the file and ends in the remedy its caller gave."""
+    good, cut, listed = tmp_path / "good.json", tmp_path / "cut.json", tmp_path / "list.json"
+    good.write_text('{"a": 1}')
+    cut.write_text('{"a": ')
+    listed.write_text("[1]")
+    assert hf_files.read_json_object(str(good), "x") == {"a": 1}
+    with pytest.raises(UsageError, match=rf"^{cut} is not valid JSON \(.*\): convert the model again$"):
+        hf_files.read_json_object(str(cut), "convert the model again")
+    with pytest.raises(UsageError, match=rf"^{listed} holds a JSON list, not an object: copy it again$"):
+        hf_files.read_json_object(str(listed), "copy it again")
+    with pytest.raises(UsageError, match=rf"^{tmp_path} cannot be read \(.*\): check its permissions or copy it"):
+        hf_files.read_json_object(str(tmp_path), "copy it again")  # a directory: open() raises an OSError
+
+
 def test_architecture_table_matches_the_families():
     from megatron_searchr1.models.families import FAMILIES
 
