@@ -48,8 +48,8 @@ def run_module(module: str, args: list[str], nproc: int = 1, timeout: float = 60
 _BUILT: dict = {}
 """What the fixtures below built, once per pytest process. Test modules import these fixtures, and pytest keeps one
 instance of a session fixture per module it is found in: without this cache every module that imports them would
-build its own world, tiny model and server (~40 s each time). Output directory names under rl_root are therefore
-unique across test modules."""
+build its own world, tiny model and server. Output directory names under rl_root are therefore unique across test
+modules."""
 
 
 def _once(key: str, build):
