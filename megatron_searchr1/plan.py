@@ -29,6 +29,11 @@ from megatron_searchr1.planner.memory import (CUDA_CONTEXT, DTYPE_BYTES, GiB, NC
                                               vllm_residue, with_overrides)
 from megatron_searchr1.planner.render import SUMMARY_HEADER, render, summary_row  # noqa: F401
 
+# The config.json files shipped for planning before a download, named as the error message names them.
+REAL_CONFIGS_DIR = "tests/models/real_configs"
+REAL_CONFIGS = ("Qwen2.5-3B-Instruct.json", "Qwen2.5-7B-Instruct.json", "Qwen3-4B-Instruct-2507.json",
+                "Qwen3-8B.json", "Qwen3-30B-A3B.json", "Llama-3.1-8B.json")
+
 
 def load_plan_inputs(config_path: str, overrides: Sequence[str], world: int, model_config: Optional[str]):
     """(cfg, hf config dict): the run config validated for `world` GPUs and the model's config.json; UsageError
@@ -43,8 +48,8 @@ def load_plan_inputs(config_path: str, overrides: Sequence[str], world: int, mod
     path = model_config or os.path.join(cfg.model.path, "config.json")
     if not os.path.isfile(path):
         raise UsageError(f"model config {path!r} does not exist: download model.path={cfg.model.path!r}, or pass "
-                         "--model-config FILE (a config.json; tests/models/real_configs/ holds Qwen2.5-3B/7B, "
-                         "Qwen3-4B/8B, Qwen3-30B-A3B and Llama-3.1-8B)")
+                         f"--model-config FILE (a config.json; {REAL_CONFIGS_DIR}/ holds "
+                         f"{', '.join(REAL_CONFIGS)})")
     try:
         with open(path) as f:
             hf = json.load(f)

@@ -45,17 +45,11 @@ def run_module(module: str, args: list[str], nproc: int = 1, timeout: float = 60
     return proc
 
 
-def _world_text(world_dir: str, out_path: str) -> None:
-    from megatron_searchr1.demo import world_text as demo_world_text
-
-    demo_world_text(world_dir, out_path)
-
-
 _BUILT: dict = {}
 """What the fixtures below built, once per pytest process. Test modules import these fixtures, and pytest keeps one
 instance of a session fixture per module it is found in: without this cache every module that imports them would
-build its own world, tiny model and server (~40 s each time). Output directory names under rl_root are therefore
-unique across test modules."""
+build its own world, tiny model and server. Output directory names under rl_root are therefore unique across test
+modules."""
 
 
 def _once(key: str, build):
@@ -81,6 +75,19 @@ def world(rl_root) -> str:
     return _once("world", build)
 
 
+def world_text_file(world: str, rl_root: str) -> str:
+    """The world's text (what the tiny models' BPE tokenizers are trained on), written once per session. A plain
+    function, not a fixture: a fixture's dependencies must be imported into every module that uses it."""
+    def build():
+        from megatron_searchr1.demo import world_text
+
+        out = os.path.join(rl_root, "world_text.txt")
+        world_text(world, out)
+        return out
+
+    return _once("world_text", build)
+
+
 @pytest.fixture(scope="session")
 def tiny_model(world, rl_root) -> str:
     """HF dir of a random tiny Qwen2 whose tokenizer knows the world's words."""
@@ -88,9 +95,8 @@ def tiny_model(world, rl_root) -> str:
         from megatron_searchr1.models.tiny import TinyModelConfig, make_tiny_model
 
         out = os.path.join(rl_root, "tiny_model")
-        text = os.path.join(rl_root, "world_text.txt")
-        _world_text(world, text)
-        make_tiny_model(TinyModelConfig(output_dir=out, text_files=[text], **TINY_MODEL_ARGS))
+        make_tiny_model(TinyModelConfig(output_dir=out, text_files=[world_text_file(world, rl_root)],
+                                        **TINY_MODEL_ARGS))
         return out
 
     return _once("tiny_model", build)

@@ -411,6 +411,22 @@ def test_cli_errors_are_one_line_and_fast_and_need_no_torch(args, message):
     assert seconds < 10
 
 
+def test_the_missing_config_message_names_files_that_open():
+    """The files the error message offers are the shipped ones: each opens as a config.json of its model, and the
+    folder holds no config the message leaves out."""
+    import json
+    import re
+
+    proc, _ = _run("examples/grpo_qwen2.5-7b.yaml", block_torch=True)
+    assert proc.returncode == 2, proc.stderr
+    named = re.findall(r"[\w.-]+\.json", proc.stderr.split(" holds ", 1)[1])
+    assert sorted(named) == sorted(f for f in os.listdir(CONFIGS) if f.endswith(".json")), proc.stderr
+    for name in named:
+        with open(os.path.join(CONFIGS, name)) as f:
+            hf = json.load(f)
+        assert hf["architectures"][0].endswith("ForCausalLM") and hf["num_hidden_layers"] > 0, name
+
+
 def test_the_torch_block_bites():
     """The block above is real: a config that gets past every check needs torch, and fails without it."""
     proc, _ = _run("examples/grpo_qwen2.5-3b.yaml", "--model-config", "tests/models/real_configs/"

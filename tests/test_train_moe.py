@@ -7,7 +7,7 @@ import os
 import pytest
 
 from tests.dist_utils import REPO
-from tests.rl_fixtures import TINY_MODEL_ARGS, _world_text, rl_root, run_module, server, world  # noqa: F401
+from tests.rl_fixtures import TINY_MODEL_ARGS, rl_root, run_module, server, world, world_text_file  # noqa: F401
 from tests.test_train import STEP_FIELDS_THAT_VARY, rl_args, step_metrics
 
 
@@ -16,10 +16,8 @@ def tiny_moe(world, rl_root):
     from megatron_searchr1.models.tiny import TinyModelConfig, make_tiny_model
 
     out = os.path.join(rl_root, "tiny_moe")
-    text = os.path.join(rl_root, "world_text_moe.txt")
-    _world_text(world, text)
-    make_tiny_model(TinyModelConfig(output_dir=out, text_files=[text], arch="qwen3_moe", num_experts=4,
-                                    moe_intermediate_size=64, **TINY_MODEL_ARGS))
+    make_tiny_model(TinyModelConfig(output_dir=out, text_files=[world_text_file(world, rl_root)], arch="qwen3_moe",
+                                    num_experts=4, moe_intermediate_size=64, **TINY_MODEL_ARGS))
     return out
 
 

@@ -14,13 +14,12 @@ checks next, and reports the same way.
 """
 from __future__ import annotations
 
-import json
 import os
 from typing import Optional, Sequence
 
 from megatron_searchr1.cli import ArgumentParser, UsageError, at_least, console
 from megatron_searchr1.models.hf_files import (
-    check_architecture, check_hf_files, check_parallel_fit, check_writable_dir, read_config,
+    check_architecture, check_hf_files, check_parallel_fit, check_writable_dir, read_config, read_json_object,
 )
 
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")  # convert.DTYPES, plus auto (a test keeps them equal)
@@ -69,15 +68,10 @@ def check_checkpoint_files(ckpt_dir: str, flag: str = "--ckpt-dir") -> dict:
     if not os.path.isfile(path):
         raise UsageError(f"{flag} {ckpt_dir!r} has no {META_FILE}: not a checkpoint written by hf_to_megatron, or its "
                          "conversion did not finish (convert the model again)")
-    try:
-        with open(path, encoding="utf-8") as f:
-            meta = json.load(f)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise UsageError(f"{path} is not valid JSON ({e}): convert the model again") from None
-    if not isinstance(meta, dict) or meta.get("format") != META_FORMAT:
-        got = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
-        raise UsageError(f"{path} has format {got!r}, expected {META_FORMAT!r}: not a checkpoint written by "
-                         "hf_to_megatron")
+    meta = read_json_object(path, "convert the model again")
+    if meta.get("format") != META_FORMAT:
+        raise UsageError(f"{path} has format {meta.get('format')!r}, expected {META_FORMAT!r}: not a checkpoint "
+                         "written by hf_to_megatron")
     for name in (".metadata", "metadata.json"):
         if not os.path.isfile(os.path.join(ckpt_dir, name)):
             raise UsageError(f"{flag} {ckpt_dir!r} has no {name}: the Megatron dist checkpoint is incomplete "

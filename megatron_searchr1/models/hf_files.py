@@ -33,6 +33,21 @@ ARCHITECTURES = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "Llam
                  "Qwen2MoeForCausalLM": "qwen2_moe"}
 
 
+def read_json_object(path: str, remedy: str) -> dict:
+    """The JSON object in `path`; a UsageError naming the file and ending in `remedy` (what the user should do, e.g.
+    "copy the model's config.json again") when it cannot be read, is not JSON, or holds another JSON value."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f)
+    except (OSError, UnicodeDecodeError) as e:
+        raise UsageError(f"{path} cannot be read ({e}): check its permissions or {remedy}") from None
+    except ValueError as e:
+        raise UsageError(f"{path} is not valid JSON ({e}): {remedy}") from None
+    if not isinstance(value, dict):
+        raise UsageError(f"{path} holds a JSON {type(value).__name__}, not an object: {remedy}")
+    return value
+
+
 def read_config(model_dir: str, flag: str = "--hf-dir") -> dict:
     """config.json of `model_dir` as a dict; a UsageError naming the file when it is missing, unreadable, not JSON
     or not a JSON object."""
@@ -40,17 +55,7 @@ def read_config(model_dir: str, flag: str = "--hf-dir") -> dict:
     if not os.path.isfile(path):
         raise UsageError(f"{flag} {model_dir!r} has no config.json: not a Hugging Face model directory (give the "
                          "directory save_pretrained wrote: config.json, *.safetensors, tokenizer files)")
-    try:
-        with open(path, encoding="utf-8") as f:
-            config = json.load(f)
-    except (OSError, UnicodeDecodeError) as e:
-        raise UsageError(f"{path} cannot be read ({e}): check its permissions or copy it again") from None
-    except ValueError as e:
-        raise UsageError(f"{path} is not valid JSON ({e}): copy the model's config.json again") from None
-    if not isinstance(config, dict):
-        raise UsageError(f"{path} holds a JSON {type(config).__name__}, not an object: copy the model's config.json "
-                         "again")
-    return config
+    return read_json_object(path, "copy the model's config.json again")
 
 
 def check_architecture(config: dict, where: str) -> str:

@@ -128,7 +128,7 @@ def test_expert_parallel_against_an_moe_config(tmp_path, bare_seconds):
 
 def test_tokenizer_config_alone_is_no_tokenizer(hf_dir, tmp_path, bare_seconds):
     """transformers turns a lone tokenizer_config.json into a tokenizer of its added tokens: every text encodes to
-    []. The converter used to accept such a directory (exit 0)."""
+    [], so such a directory must be refused, not converted."""
     only_cfg = copy_with(hf_dir, tmp_path / "only_cfg", drop=["tokenizer.json", "chat_template.jinja"])
     assert (only_cfg / "tokenizer_config.json").is_file()
     fails_fast(HF_TO_MEGATRON, ["--hf-dir", only_cfg, "--out-dir", tmp_path / "out"], "has no tokenizer files",
@@ -150,6 +150,13 @@ def test_a_shard_listed_in_the_index_but_missing(hf_dir, tmp_path, bare_seconds)
 
 
 def test_output_directory_that_cannot_be_written(hf_dir, tmp_path, bare_seconds):
+    full = tmp_path / "full"
+    full.mkdir()
+    (full / "something").write_text("x")
+    fails_fast(HF_TO_MEGATRON, ["--hf-dir", hf_dir, "--out-dir", full], "is not empty", "--overwrite",
+               bare=bare_seconds)
+    fails_fast(HF_TO_MEGATRON, ["--hf-dir", hf_dir, "--out-dir", hf_dir, "--overwrite"], "is the input directory",
+               bare=bare_seconds)
     fails_fast(HF_TO_MEGATRON, ["--hf-dir", hf_dir, "--out-dir", hf_dir / "config.json" / "sub"],
                f"{hf_dir}/config.json is a file", bare=bare_seconds)
     # /proc takes no new files, also for root (whose permission bits say nothing)
@@ -195,6 +202,22 @@ def test_megatron_to_hf_checks_the_checkpoint_files(hf_dir, tmp_path, bare_secon
 
 
 # ---- the torch-free copies agree with the torch side ------------------------------------------------------------
+
+def test_read_json_object_names_the_file_and_ends_in_the_callers_remedy(tmp_path):
+    """Both converters read their JSON (config.json, the checkpoint's metadata) through one helper; each message
+    names the file and ends in the remedy its caller gave."""
+    good, cut, listed = tmp_path / "good.json", tmp_path / "cut.json", tmp_path / "list.json"
+    good.write_text('{"a": 1}')
+    cut.write_text('{"a": ')
+    listed.write_text("[1]")
+    assert hf_files.read_json_object(str(good), "x") == {"a": 1}
+    with pytest.raises(UsageError, match=rf"^{cut} is not valid JSON \(.*\): convert the model again$"):
+        hf_files.read_json_object(str(cut), "convert the model again")
+    with pytest.raises(UsageError, match=rf"^{listed} holds a JSON list, not an object: copy it again$"):
+        hf_files.read_json_object(str(listed), "copy it again")
+    with pytest.raises(UsageError, match=rf"^{tmp_path} cannot be read \(.*\): check its permissions or copy it"):
+        hf_files.read_json_object(str(tmp_path), "copy it again")  # a directory: open() raises an OSError
+
 
 def test_architecture_table_matches_the_families():
     from megatron_searchr1.models.families import FAMILIES

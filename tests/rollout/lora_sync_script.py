@@ -1,13 +1,12 @@
-# torchrun --nproc_per_node 2 tests/rollout/lora_sync_script.py --hf-dir HF --tp 2 [--engine vllm]
+# torchrun --nproc_per_node 2 tests/rollout/lora_sync_script.py --hf-dir HF --tp 2
 """The weight sync of a LoRA actor (test_lora_sync.py's worker): a Megatron model at TP x 1 from the HF dir, LoRA on
-every projection with random nonzero adapters, synced into an engine on every rank. Prints one `RESULT {json}` line
-per check per rank:
+every projection with random nonzero adapters, synced into a `transformers` engine on every rank (the sync into
+vLLM runs end to end in tests/trainer/test_lora_rl.py). Prints one `RESULT {json}` line per check per rank:
 
-- `names` (state_dict engine): the engine receives exactly the HF model's tensor names, no adapter tensor, in the
-  planned buckets;
+- `names`: the engine receives exactly the HF model's tensor names, no adapter tensor, in the planned buckets;
 - `exact`: each received tensor is the merged export's (base + scale * B A) bit for bit;
 - `logprobs`: the engine's log-probs equal the Megatron model's with its adapters on (<= 1e-4), and differ from the
-  base's (the merge mattered); with `--engine vllm` the engine is vLLM and the sequences its own greedy ones;
+  base's (the merge mattered);
 - `base`: every base parameter is bit-identical after the syncs (the merge is a new tensor, never in place);
 - `resync`: after the adapters change, a second sync makes the engine follow them.
 """
@@ -25,7 +24,6 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--hf-dir", required=True)
     ap.add_argument("--tp", type=int, default=1)
-    ap.add_argument("--engine", default="state_dict", choices=["state_dict", "vllm"])
     ap.add_argument("--bucket-bytes", type=int, default=16 << 10, help="small: many buckets")
     a = ap.parse_args()
 
@@ -58,41 +56,23 @@ def main():
     base = {n: p.detach().clone() for n, p in model.named_parameters() if not is_lora_param(n)}
     g = torch.Generator().manual_seed(0)
 
-    if a.engine == "vllm":
-        from megatron_searchr1.rollout.engine import SamplingParams
-        from megatron_searchr1.rollout.engines import make_engine
+    engine = StateDictEngine(hf_config, seed=100 + rank)
+    ids = torch.randint(0, hf_config.vocab_size, (3, 12), generator=g)
 
-        engine = make_engine("vllm", a.hf_dir, dtype="float32", kv_cache_gib=0.05, max_model_len=64, seed=0)
-        prompts = torch.randint(0, hf_config.vocab_size, (3, 6), generator=g)
-        params = SamplingParams(max_tokens=6, temperature=0.0)
-
-        def engine_vs_megatron():
-            outs = engine.generate([p.tolist() for p in prompts], params)
-            seqs = torch.cat([prompts, torch.tensor([o.token_ids for o in outs])], dim=1)
-            got = torch.tensor([o.logprobs for o in outs])
-            lp = megatron_logprobs(model, seqs)[:, prompts.shape[1] - 1:]
-            with disable_adapters(model):
-                base_lp = megatron_logprobs(model, seqs)[:, prompts.shape[1] - 1:]
-            return (got - lp).abs().max().item(), (lp - base_lp).abs().max().item()
-    else:
-        engine = StateDictEngine(hf_config, seed=100 + rank)
-        ids = torch.randint(0, hf_config.vocab_size, (3, 12), generator=g)
-
-        def engine_vs_megatron():
-            lp = megatron_logprobs(model, ids)
-            with disable_adapters(model):
-                base_lp = megatron_logprobs(model, ids)
-            return (engine.logprobs(ids) - lp).abs().max().item(), (lp - base_lp).abs().max().item()
+    def engine_vs_megatron():
+        lp = megatron_logprobs(model, ids)
+        with disable_adapters(model):
+            base_lp = megatron_logprobs(model, ids)
+        return (engine.logprobs(ids) - lp).abs().max().item(), (lp - base_lp).abs().max().item()
 
     stats = sync_weights(model, engine, mapping, bucket_bytes=a.bucket_bytes)
-    if a.engine == "state_dict":
-        names = sorted(engine.received)
-        expected = sorted(n for n in engine.state if not (hf_config.tie_word_embeddings and n == "lm_head.weight"))
-        report("names", ok=names == expected and stats.buckets > 1 and engine.calls == stats.buckets,
-               buckets=stats.buckets, extra=sorted(set(names) - set(expected))[:5])
-        merged = merged_hf_tensors(model, hf_config)
-        bad = [n for n in expected if not torch.equal(engine.received[n], merged[n])]
-        report("exact", ok=not bad and set(merged) == set(expected), bad=bad[:5])
+    names = sorted(engine.received)
+    expected = sorted(n for n in engine.state if not (hf_config.tie_word_embeddings and n == "lm_head.weight"))
+    report("names", ok=names == expected and stats.buckets > 1 and engine.calls == stats.buckets,
+           buckets=stats.buckets, extra=sorted(set(names) - set(expected))[:5])
+    merged = merged_hf_tensors(model, hf_config)
+    bad = [n for n in expected if not torch.equal(engine.received[n], merged[n])]
+    report("exact", ok=not bad and set(merged) == set(expected), bad=bad[:5])
     diff, merge_effect = engine_vs_megatron()
     report("logprobs", diff=diff, merge_effect=merge_effect, ok=diff <= TOL and merge_effect > 1e-3)
 
@@ -102,8 +82,6 @@ def main():
     report("resync", diff=diff2, ok=diff2 <= TOL)
     now = dict(model.named_parameters())
     report("base", ok=all(torch.equal(now[n].detach(), t) for n, t in base.items()) and len(base) > 0)
-    if hasattr(engine, "close"):
-        engine.close()
     dist.barrier()
     destroy_megatron()
 

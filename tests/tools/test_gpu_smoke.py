@@ -34,7 +34,7 @@ def _probe_wheel(dest) -> str:
 
 @pytest.mark.slow
 def test_the_dry_run_passes_every_phase_and_installs_only_missing_wheels(tmp_path):
-    """~2-3 minutes on 2 cores: world, retriever, tiny model, SFT, GRPO (hf engine, as on the GPU machine, where
+    """Every phase on the CPU: world, retriever, tiny model, SFT, GRPO (hf engine, as on the GPU machine, where
     vLLM is not carried), the conversion round trip."""
     wheels = tmp_path / "wheels"
     wheels.mkdir()

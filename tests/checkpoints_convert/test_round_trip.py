@@ -1,5 +1,11 @@
-"""checkpoints_convert/megatron_to_hf.py: HF -> Megatron -> HF is bit-exact and loads in transformers, at TP=1 and
-from a checkpoint saved at TP=2 x PP=2 (real torchrun); partial or foreign checkpoints are refused."""
+"""checkpoints_convert/hf_to_megatron.py and megatron_to_hf.py as users run them, the launches that need torch: HF ->
+Megatron -> HF is bit-exact, keeps the dtype and loads in transformers, at TP=1 and from a checkpoint saved at
+TP=2 x PP=2 (real torchrun); inputs whose tensors disagree with their config, and partial checkpoints, are refused
+with one error line. The checks the files alone decide (no torch) are tests/checkpoints_convert/test_fast_checks.py.
+
+One conversion serves the module: a tied Llama in bf16 (the usual release dtype) converted at TP=1; each test runs
+one more launch of its own.
+"""
 import json
 import os
 import shutil
@@ -40,21 +46,50 @@ def assert_same_model(src, dst):
     assert tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False).startswith("<|im_start|>")
 
 
+def bf16_model(path, seed=3):
+    """A tiny tied Llama whose safetensors and config.json say bf16."""
+    from safetensors.torch import save_file
+
+    hf = tiny(path, arch="llama", tie=True, seed=seed)
+    tensors = load_file(os.path.join(hf, "model.safetensors"))
+    save_file({k: v.to(torch.bfloat16) for k, v in tensors.items()}, os.path.join(hf, "model.safetensors"),
+              metadata={"format": "pt"})
+    cfg = json.loads(open(os.path.join(hf, "config.json")).read())
+    cfg.pop("torch_dtype", None)
+    cfg["dtype"] = "bfloat16"
+    with open(os.path.join(hf, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return hf
+
+
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
-    """A tied Llama and its TP=1 checkpoint."""
-    root = tmp_path_factory.mktemp("m2h")
-    hf = tiny(root / "llama", arch="llama", tie=True)
+    """A tied bf16 Llama and its TP=1 checkpoint."""
+    root = tmp_path_factory.mktemp("round_trip")
+    hf = bf16_model(root / "llama")
     rc, out = run_cli(HF_TO_MEGATRON, "--hf-dir", hf, "--out-dir", root / "ckpt")
     assert rc == 0, out
     return hf, root / "ckpt"
 
 
-def test_round_trip_tp1_bit_exact(converted, tmp_path):
+def test_round_trip_tp1_bit_exact_in_bf16(converted, tmp_path):
+    """bf16 stays bf16 in the metadata, in every tensor of the dist checkpoint (torch norms included) and back in
+    HF; tied embeddings stay tied; the tensors and logits come back equal."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
     hf, ckpt = converted
+    assert json.load(open(ckpt / "searchr1_checkpoint.json"))["dtype"] == "bfloat16"
+    saved = {k: m.properties.dtype for k, m in dcp.FileSystemReader(str(ckpt)).read_metadata()
+             .state_dict_metadata.items() if isinstance(m, TensorStorageMetadata)}
+    assert any("layernorm" in k for k in saved)
+    assert set(saved.values()) == {torch.bfloat16}, {k: d for k, d in saved.items() if d != torch.bfloat16}
     rc, out = run_cli(MEGATRON_TO_HF, "--ckpt-dir", ckpt, "--out-dir", tmp_path / "back")
     assert rc == 0, out
-    assert "lm_head.weight" not in hf_tensors(tmp_path / "back")  # tied stays tied
+    back = hf_tensors(tmp_path / "back")
+    assert "lm_head.weight" not in back  # tied stays tied
+    assert all(t.dtype == torch.bfloat16 for t in back.values())
+    assert json.load(open(tmp_path / "back" / "config.json"))["dtype"] == "bfloat16"
     assert_same_model(hf, tmp_path / "back")
 
 
@@ -84,9 +119,9 @@ def _fails_with(args, *needles):
 
 
 def test_refuses_bad_checkpoints(converted, tmp_path):
-    hf, ckpt = converted
-    _fails_with(["--ckpt-dir", tmp_path / "nope", "--out-dir", tmp_path / "o"], "does not exist")
-    _fails_with(["--ckpt-dir", hf, "--out-dir", tmp_path / "o"], "searchr1_checkpoint.json")  # an HF dir
+    """What needs the tensors or Megatron's index: a missing shard, a config that no longer fits the tensors, a TP
+    that does not fit the model. (A missing directory or an HF directory: test_fast_checks.py, test_cli.py.)"""
+    _, ckpt = converted
     partial = tmp_path / "partial"
     shutil.copytree(ckpt, partial)
     shard = sorted(f for f in os.listdir(partial) if f.endswith(".distcp"))[-1]
@@ -101,34 +136,14 @@ def test_refuses_bad_checkpoints(converted, tmp_path):
     _fails_with(["--ckpt-dir", ckpt, "--out-dir", tmp_path / "o", "--tp", "3"], "TP=3 does not divide")
 
 
-@pytest.mark.slow
-def test_round_trip_bf16_bit_exact(tmp_path):
-    """A bf16 checkpoint (the usual release dtype) stays bf16 and bit-exact through HF -> Megatron -> HF."""
-    from safetensors.torch import save_file
-
-    hf = tiny(tmp_path / "llama", arch="llama", tie=True, seed=3)
-    tensors = load_file(os.path.join(hf, "model.safetensors"))
-    save_file({k: v.to(torch.bfloat16) for k, v in tensors.items()}, os.path.join(hf, "model.safetensors"),
-              metadata={"format": "pt"})
-    cfg = json.loads(open(os.path.join(hf, "config.json")).read())
-    cfg.pop("torch_dtype", None)
-    cfg["dtype"] = "bfloat16"
-    with open(os.path.join(hf, "config.json"), "w") as f:
-        json.dump(cfg, f)
-    rc, out = run_cli(HF_TO_MEGATRON, "--hf-dir", hf, "--out-dir", tmp_path / "ckpt")
-    assert rc == 0, out
-    assert json.load(open(tmp_path / "ckpt" / "searchr1_checkpoint.json"))["dtype"] == "bfloat16"
-    # ... and the dist checkpoint holds what the metadata says: every tensor bf16 (torch norms included)
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    saved = {k: m.properties.dtype for k, m in dcp.FileSystemReader(str(tmp_path / "ckpt")).read_metadata()
-             .state_dict_metadata.items() if isinstance(m, TensorStorageMetadata)}
-    assert any("layernorm" in k for k in saved)
-    assert set(saved.values()) == {torch.bfloat16}, {k: d for k, d in saved.items() if d != torch.bfloat16}
-    rc, out = run_cli(MEGATRON_TO_HF, "--ckpt-dir", tmp_path / "ckpt", "--out-dir", tmp_path / "back")
-    assert rc == 0, out
-    back = hf_tensors(tmp_path / "back")
-    assert all(t.dtype == torch.bfloat16 for t in back.values())
-    assert json.load(open(tmp_path / "back" / "config.json"))["dtype"] == "bfloat16"
-    assert_same_model(hf, tmp_path / "back")
+def test_hf_to_megatron_refuses_tensors_that_disagree_with_the_config(converted, tmp_path):
+    hf, _ = converted
+    bad = tmp_path / "wrong-ffn"
+    shutil.copytree(hf, bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["intermediate_size"] = 96
+    (bad / "config.json").write_text(json.dumps(cfg))
+    rc, out = run_cli(HF_TO_MEGATRON, "--hf-dir", bad, "--out-dir", tmp_path / "out")
+    assert rc != 0, out
+    last = out.strip().splitlines()[-1]
+    assert last.startswith("error: ") and "gate_proj.weight" in last and "disagree" in last, out[-3000:]
