@@ -33,17 +33,21 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 import threading
 import time
 from typing import Optional
 
 import torch.distributed as dist
 
+from megatron_searchr1 import interrupt
 from megatron_searchr1.data.rl_data import dp_shard
 from megatron_searchr1.rollout.async_buffer import (AsyncBuffer, BufferClosed, GeneratedBatch, lag,
                                                     required_version)
-from megatron_searchr1.rollout.remote_sync import (BATCHES_TAG, ROLLOUT, Bridge, RolePlan, WeightReceiver,
-                                                   WeightSender, init_role_world, recv_object, send_object)
+from megatron_searchr1.rollout.remote_sync import (BATCHES_TAG, DONE, ROLLOUT, Bridge, Heartbeat, RolePlan,
+                                                   WeightReceiver, WeightSender, init_role_world, name_ranks,
+                                                   recv_object, send_object)
+from megatron_searchr1.search.client import RetrievalDown
 from megatron_searchr1.trainer.rl import Trainer
 
 CHECKED_TENSORS = 4
@@ -51,21 +55,68 @@ CHECKED_TENSORS = 4
 
 
 def run_disaggregated(cfg) -> int:
-    """The whole job on this rank: join its role world, then train (AsyncTrainer) or generate (serve_rollouts)."""
+    """The whole job on this rank: join its role world, then train (AsyncTrainer) or generate (serve_rollouts).
+    A failure here is reported with the ranks that are gone, when a peer's death caused it (`stopping_line`)."""
     from megatron_searchr1.megatron.initialize import resolve_device
 
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     plan = RolePlan(world, cfg.parallel.rollout_ranks)
     bridge = init_role_world(plan, rank, resolve_device(), cfg.parallel.timeout_minutes)
-    if bridge.role == ROLLOUT:
-        serve_rollouts(cfg, bridge)
-        return 0
-    trainer = AsyncTrainer(cfg, bridge)
+    heartbeat = Heartbeat(bridge.store, rank)
     try:
-        trainer.fit()
-    finally:
-        trainer.close()
+        if bridge.role == ROLLOUT:
+            serve_rollouts(cfg, bridge)
+        else:
+            trainer = AsyncTrainer(cfg, bridge)
+            try:
+                trainer.fit()
+            except BaseException as e:
+                trainer.close(reason=stopping_line(bridge, heartbeat, e) or type(e).__name__)  # rollout ranks stop
+                raise
+            trainer.close()
+    except Exception as e:  # not Ctrl-C (interrupt.py's line) nor a lost retrieval server (cli.run_main's)
+        line = stopping_line(bridge, heartbeat, e)
+        if line is None:
+            raise
+        print(line, file=sys.stderr, flush=True)
+        raise RuntimeError(line) from e
+    heartbeat.done()
     return 0
+
+
+def stopping_line(bridge: Bridge, heartbeat: Heartbeat, error: BaseException) -> Optional[str]:
+    """One line for the failure `error` on this rank, naming the ranks that are gone when there are any
+    (heartbeats; found once, kept on the error); None for Ctrl-C and a lost retrieval server, which have lines of
+    their own (interrupt.py, cli.run_main)."""
+    if isinstance(error, (KeyboardInterrupt, RetrievalDown)):
+        return None
+    if getattr(error, "stopping_line", None):
+        return error.stopping_line
+    me = f"rank {bridge.rank} ({bridge.role})"
+    text = str(error).splitlines()[0] if str(error) else ""
+    gone = heartbeat.gone(range(bridge.plan.world))
+    line = (f"{me}: {name_ranks(bridge.plan, gone)} is gone; stopping ({type(error).__name__}: {text})" if gone
+            else f"{me}: stopping on {type(error).__name__}: {text}")
+    try:
+        error.stopping_line = line
+    except AttributeError:
+        pass
+    return line
+
+
+def staleness_metrics(lags: list[int], max_staleness: int) -> dict[str, float]:
+    """The staleness histogram of one batch as scalars: the share of its samples at each lag 0..k+1 (the bound:
+    the same keys at every step), their mean and max.
+
+    >>> staleness_metrics([1, 1, 0, 1], max_staleness=0)
+    {'async/staleness_mean': 0.75, 'async/staleness_max': 1.0, 'async/staleness_share_lag0': 0.25, \
+'async/staleness_share_lag1': 0.75}
+    """
+    n = max(len(lags), 1)
+    out = {"async/staleness_mean": sum(lags) / n, "async/staleness_max": float(max(lags, default=0))}
+    for j in range(max_staleness + 2):
+        out[f"async/staleness_share_lag{j}"] = sum(1 for x in lags if x == j) / n
+    return out
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -85,6 +136,7 @@ class RemoteRollout:
                                    dtype=DTYPES[cfg.model.dtype if r.dtype == "auto" else r.dtype])
         self.buffer = AsyncBuffer(capacity=r.max_staleness + 1, max_staleness=r.max_staleness)
         self._receiver: Optional[threading.Thread] = None
+        self._closed = False
         self.version = 0
 
     def start(self, first_batch: int, first_version: int) -> None:
@@ -102,7 +154,10 @@ class RemoteRollout:
         self._receiver.start()
 
     def _receive(self, first_batch: int) -> None:
+        """Batches in order into the buffer; once the buffer is closed (the run's end, or an error), drain
+        (`_drain`)."""
         plan, total = self.bridge.plan, self.cfg.trainer.total_steps
+        finished: set[int] = set()  # rollout ranks that said DONE or failed: nothing more comes from them
         for b in range(first_batch, total):
             src = 1 + b % plan.rollout_ranks
             try:
@@ -110,12 +165,30 @@ class RemoteRollout:
             except BaseException as e:  # noqa: BLE001 (handed to the trainer's thread through the buffer)
                 self.buffer.fail(f"rollout rank {plan.global_rank(src)} is gone while the trainer waited for batch "
                                  f"{b} ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
-                return
+                finished.add(src)
+                break
+            if msg == DONE:  # it stopped early: only after the trainer said STOP, so the run is closing
+                finished.add(src)
+                break
             if isinstance(msg, dict) and "error" in msg:
                 self.buffer.fail(f"rollout rank {plan.global_rank(src)} failed: {msg['error']}")
-                return
+                finished.add(src)
+                break
             if not self.buffer.put(msg):
-                return
+                break
+        self._drain(finished)
+
+    def _drain(self, finished: set) -> None:
+        """Receive (and discard) from every rollout rank until it says DONE: a rollout rank that was sending a batch
+        when the trainer stopped completes its send and exits instead of failing (remote_sync's end of a run)."""
+        for src in range(1, self.bridge.plan.rollout_ranks + 1):
+            while src not in finished:
+                try:
+                    msg = recv_object(self.bridge.batches, src, BATCHES_TAG)
+                except BaseException:  # noqa: BLE001 (it is gone: nothing to drain)
+                    break
+                if msg == DONE or (isinstance(msg, dict) and "error" in msg):
+                    break
 
     # -- what Trainer.step calls ----------------------------------------------------------------------------------
     def sync(self, policy) -> dict:
@@ -149,9 +222,15 @@ class RemoteRollout:
         batch, dropped = box[0]
         return batch, time.perf_counter() - start, dropped
 
-    def close(self) -> None:
+    def close(self, reason: Optional[str] = None) -> None:
+        """Stop the rollout ranks (STOP with `reason`, an error line or None) and wait until each said DONE."""
+        if self._closed:
+            return
+        self._closed = True
         self.buffer.close()
-        self.sender.close()
+        self.sender.close(reason=reason)
+        if self._receiver is not None:
+            self._receiver.join(timeout=self.bridge.timeout.total_seconds())
 
 
 class AsyncTrainer(Trainer):
@@ -176,10 +255,13 @@ class AsyncTrainer(Trainer):
         trajs = dp_shard(p["trajs"], self.roles.dp_rank, self.roles.dp_size)
         scores = dp_shard(p["scores"], self.roles.dp_rank, self.roles.dp_size)
         t0 = self.remote.t0
+        lags = [lag(self.step_no, tr.meta.get("policy_version", batch.version)) for tr in p["trajs"]]
+        self.roles.logger.histogram(self.step_no, "async/staleness", lags)  # the whole batch: rank 0 logs
         metrics = {**p["metrics"],
                    "async/version": float(batch.version), "async/lag": float(lag(self.step_no, batch.version)),
                    "async/batch": float(batch.index), "async/dropped": float(dropped), "async/wait_s": waited,
                    "async/gen_start_s": batch.gen_start - t0, "async/gen_end_s": batch.gen_end - t0,
+                   **staleness_metrics(lags, self.cfg.rollout.max_staleness),
                    **{f"sync/{k}": v for k, v in p.get("sync", {}).items()}}
         self._train_start = time.time() - t0
         return trajs, scores, [f"{batch.index}:{tr.uid}" for tr in trajs], metrics
@@ -193,9 +275,9 @@ class AsyncTrainer(Trainer):
     def validate(self) -> dict:
         raise RuntimeError("validation is not run by the disaggregated placement (Config.check_placement)")
 
-    def close(self) -> None:
+    def close(self, reason: Optional[str] = None) -> None:
         try:
-            self.remote.close()
+            self.remote.close(reason=reason)
         finally:
             super().close()
 
@@ -254,6 +336,7 @@ def serve_rollouts(cfg, bridge: Bridge) -> None:
                             top_k=r.top_k if r.temperature > 0 else -1)
     start = recv_object(bridge.batches, 0, BATCHES_TAG)
     first_batch, first_version = start["first_batch"], start["first_version"]
+    interrupt.reassert()  # Ctrl-C: our one-line exit, whatever vLLM installed while the engine was built
     sampler = PromptSampler(len(data.train), cfg.data.train_batch_size, t.seed, cfg.data.shuffle)
     for _ in range(first_batch):  # the data cursor: batch b is the b-th draw, whichever run drew the earlier ones
         sampler.next_batch()
@@ -263,14 +346,17 @@ def serve_rollouts(cfg, bridge: Bridge) -> None:
             rows = [data.train[i] for i in sampler.next_batch()]
             if b % plan.rollout_ranks != me:
                 continue
-            if not receiver.wait_for(required_version(b, r.max_staleness, first_version)):
-                break  # the trainer stopped early (e.g. trainer.stop_on_collapse)
+            interrupt.note(f"generating batch {b} of {t.total_steps}")
+            if receiver.stopped or not receiver.wait_for(required_version(b, r.max_staleness, first_version)):
+                break  # the trainer stopped early (trainer.stop_on_collapse, or an error: stop_reason)
             loaded = receiver.apply(engine)
             if loaded is not None:
                 check = check_engine_weights(engine, loaded[1])
             version = receiver.applied_version
             gen_start = time.time()
             trajs = RolloutWorker.make_trajectories(rows, r.n)
+            for tr in trajs:
+                tr.meta["policy_version"] = version  # per sample: the staleness histogram reads it
             seed = t.seed * 1_000_003 + (b + 1) * 7919 + me * SHARE_SEED_STRIDE  # Trainer.step_seed of step b+1
             stats = loop.run_rollout(engine, tokenizer, guard, trajs, dataclasses.replace(settings, seed=seed))
             scores = losses.score_trajectories(trajs, tokenizer, cfg.algo)
@@ -283,6 +369,8 @@ def serve_rollouts(cfg, bridge: Bridge) -> None:
             send_object(bridge.batches, GeneratedBatch(index=b, version=version, payload=payload,
                                                        gen_start=gen_start, gen_end=time.time(), rank=bridge.rank),
                         0, BATCHES_TAG)
+        interrupt.note("waiting for the trainer's stop")
+        receiver.wait_stop()
     except BaseException as e:
         # tell the trainer why, if it still listens; then fail this rank (torchrun stops the job)
         try:
@@ -290,7 +378,11 @@ def serve_rollouts(cfg, bridge: Bridge) -> None:
         except Exception:  # noqa: BLE001 (the trainer may be gone too)
             pass
         raise
-    receiver.wait_stop()
+    send_object(bridge.batches, DONE, 0, BATCHES_TAG)  # trainer rank 0 drains until it hears this
     if hasattr(engine, "close"):
         engine.close()
     client.close()
+    if receiver.stop_reason:
+        err = RuntimeError(f"rank {bridge.rank} (rollout): trainer rank 0 stopped the run: {receiver.stop_reason}")
+        err.stopping_line = str(err)  # run_disaggregated prints it as it is
+        raise err
