@@ -267,10 +267,10 @@ class WeightSender:
     def __init__(self, bridge: Bridge, bucket_bytes: int, dtype: Optional[torch.dtype]):
         self.bridge, self.bucket_bytes, self.dtype = bridge, bucket_bytes, dtype
         self.leader = bridge.bridge_rank == 0
-        self._pending: Optional[tuple] = None
         self._cond = threading.Condition()
         self._error: Optional[BaseException] = None
         self._closing = False
+        self._pending: Optional[list] = None  # [(version, buckets, validate)]: at most the validated one + newest
         self._reason: Optional[str] = None
         self.last_send_seconds = 0.0
         self.sent_versions: list[int] = []
@@ -279,16 +279,22 @@ class WeightSender:
             self._thread = threading.Thread(target=self._run, name="weight-sender", daemon=True)
             self._thread.start()
 
-    def send(self, policy, version: int) -> dict:
-        """Every trainer rank: gather `policy`'s weights; rank 0 queues them as `version`. Returns the
-        `sync/remote_*` metrics (without the prefix), the same on every trainer rank."""
+    def send(self, policy, version: int, validate: bool = False) -> dict:
+        """Every trainer rank: gather `policy`'s weights; rank 0 queues them as `version`, marked for validation
+        on the first rollout rank when `validate` (that mark survives a newer version queued behind it: the
+        validated version is then sent first). Returns the `sync/remote_*` metrics (without the prefix), the same
+        on every trainer rank."""
         self.raise_if_failed()
         collector = _BucketCollector() if self.leader else None
         stats = weight_sync.sync_weights(policy.model, collector, policy.mapping, bucket_bytes=self.bucket_bytes,
                                          dtype=self.dtype, transport="auto")
         if self.leader:
             with self._cond:
-                self._pending = (version, collector.buckets)  # a version not sent yet is replaced: newest wins
+                # a version not sent yet is replaced (newest wins), unless it is to be validated
+                waiting = self._pending or []
+                validate = validate or any(v == version and val for v, _, val in waiting)
+                self._pending = [it for it in waiting if it[2] and it[0] != version] + \
+                    [(version, collector.buckets, validate)]
                 self._cond.notify_all()
         return {"remote_bytes": float(stats.bytes), "remote_buckets": float(stats.buckets),
                 "remote_gather_seconds": stats.seconds, "remote_version": float(version)}
@@ -303,21 +309,21 @@ class WeightSender:
             while True:
                 with self._cond:
                     self._cond.wait_for(lambda: self._pending is not None or self._closing)
-                    item, self._pending = self._pending, None
-                if item is None:  # closing, nothing left to send
+                    items, self._pending = self._pending, None
+                if items is None:  # closing, nothing left to send
                     break
-                version, buckets = item
-                start = time.perf_counter()
-                for dst in range(1, plan.rollout_ranks + 1):
-                    try:
-                        send_object(pg, {"version": version, "layouts": [lay for lay, _ in buckets]}, dst,
-                                    WEIGHTS_TAG)
-                        for _, flat in buckets:
-                            send_tensor(pg, flat, dst, WEIGHTS_TAG)
-                    except RuntimeError as e:
-                        raise RuntimeError(f"rollout rank {plan.global_rank(dst)} is gone ({e})") from e
-                self.last_send_seconds = time.perf_counter() - start
-                self.sent_versions.append(version)
+                for version, buckets, validate in items:
+                    start = time.perf_counter()
+                    for dst in range(1, plan.rollout_ranks + 1):
+                        try:
+                            send_object(pg, {"version": version, "layouts": [lay for lay, _ in buckets],
+                                             "validate": validate and dst == 1}, dst, WEIGHTS_TAG)
+                            for _, flat in buckets:
+                                send_tensor(pg, flat, dst, WEIGHTS_TAG)
+                        except RuntimeError as e:
+                            raise RuntimeError(f"rollout rank {plan.global_rank(dst)} is gone ({e})") from e
+                    self.last_send_seconds = time.perf_counter() - start
+                    self.sent_versions.append(version)
             for dst in range(1, plan.rollout_ranks + 1):
                 send_object(pg, {"stop": self._reason}, dst, WEIGHTS_TAG)
         except BaseException as e:  # noqa: BLE001 (reported to the trainer's thread by raise_if_failed)
@@ -351,6 +357,8 @@ class WeightReceiver:
         self.stop_reason: Optional[str] = None
         """Why the trainer stopped, when an error stopped it (STOP's reason)."""
         self.applied_version = -1
+        self.due: Optional[tuple[int, list]] = None
+        """A version the trainer asked this rank to validate (its own buckets: newer versions do not replace it)."""
         self.received_bytes = 0
         self._thread = threading.Thread(target=self._run, name="weight-receiver", daemon=True)
         self._thread.start()
@@ -373,6 +381,8 @@ class WeightReceiver:
                     buckets.append((layout, flat))
                 with self._cond:
                     self._latest = (int(header["version"]), buckets)
+                    if header.get("validate"):
+                        self.due = self._latest
                     self.received_bytes += sum(lay.nbytes for lay, _ in buckets)
                     self._cond.notify_all()
         except BaseException as e:  # noqa: BLE001 (the main thread raises it)
@@ -406,6 +416,24 @@ class WeightReceiver:
         if latest is None or latest[0] <= self.applied_version:
             return None
         version, buckets = latest
+        return version, self.load(engine, version, buckets)
+
+    def take_due(self) -> Optional[tuple[int, list]]:
+        """The version to validate, if one is due (it is no longer due after this call)."""
+        with self._cond:
+            due, self.due = self.due, None
+            return due
+
+    def wait_due_or_stop(self) -> None:
+        """Block until a validation is due or the trainer says STOP; raises when the trainer's side is gone."""
+        with self._cond:
+            self._cond.wait_for(lambda: self.due is not None or self.stopped or self._error)
+            if self._error and not self.stopped:
+                raise RuntimeError(self._error)
+
+    def load(self, engine, version: int, buckets: list) -> list:
+        """Load `buckets` (of `version`) into `engine`: one load_weights call per bucket, then finish_weight_sync.
+        Returns the (name, tensor) pairs loaded (views into the buckets)."""
         pairs = []
         for layout, flat in buckets:
             bucket = unpack_bucket(flat, layout)
@@ -413,7 +441,7 @@ class WeightReceiver:
             pairs.extend(bucket)
         engine.finish_weight_sync()
         self.applied_version = version
-        return version, pairs
+        return pairs
 
     def wait_stop(self, timeout: Optional[float] = None) -> None:
         """Block until the trainer says STOP (the run's end); raises when the trainer's side is gone."""

@@ -32,6 +32,7 @@ fail with "trainer rank 0 is gone". torchrun stops the remaining ranks either wa
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import sys
 import threading
@@ -138,6 +139,11 @@ class RemoteRollout:
         self._receiver: Optional[threading.Thread] = None
         self._closed = False
         self.version = 0
+        self._sent: Optional[tuple[int, dict]] = None  # (version, its sync stats): a version is gathered once
+        self._reports: list[dict] = []  # validation reports received (rank 0), not yet logged
+        self._requested: list[int] = []  # versions whose validation was asked for (rank 0)
+        self._reports_cond = threading.Condition()
+        self._receiving = False
 
     def start(self, first_batch: int, first_version: int) -> None:
         """Tell the rollout ranks where the run starts (after a resume: batch = version = the step reached) and
@@ -149,19 +155,38 @@ class RemoteRollout:
         for dst in range(1, plan.rollout_ranks + 1):
             send_object(self.bridge.batches, {"first_batch": first_batch, "first_version": first_version,
                                               "t0": self.t0}, dst, BATCHES_TAG)
+        self._receiving = True
         self._receiver = threading.Thread(target=self._receive, args=(first_batch,), name="batch-receiver",
                                           daemon=True)
         self._receiver.start()
 
+    def _recv(self, src: int):
+        """The next message from bridge rank `src` that is not a validation report (those are kept for `reports`)."""
+        while True:
+            msg = recv_object(self.bridge.batches, src, BATCHES_TAG)
+            if not (isinstance(msg, dict) and "val" in msg):
+                return msg
+            with self._reports_cond:
+                self._reports.append(msg)
+                self._reports_cond.notify_all()
+
     def _receive(self, first_batch: int) -> None:
         """Batches in order into the buffer; once the buffer is closed (the run's end, or an error), drain
         (`_drain`)."""
+        try:
+            self._receive_batches(first_batch)
+        finally:
+            with self._reports_cond:
+                self._receiving = False
+                self._reports_cond.notify_all()
+
+    def _receive_batches(self, first_batch: int) -> None:
         plan, total = self.bridge.plan, self.cfg.trainer.total_steps
         finished: set[int] = set()  # rollout ranks that said DONE or failed: nothing more comes from them
         for b in range(first_batch, total):
             src = 1 + b % plan.rollout_ranks
             try:
-                msg = recv_object(self.bridge.batches, src, BATCHES_TAG)
+                msg = self._recv(src)
             except BaseException as e:  # noqa: BLE001 (handed to the trainer's thread through the buffer)
                 self.buffer.fail(f"rollout rank {plan.global_rank(src)} is gone while the trainer waited for batch "
                                  f"{b} ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
@@ -184,7 +209,7 @@ class RemoteRollout:
         for src in range(1, self.bridge.plan.rollout_ranks + 1):
             while src not in finished:
                 try:
-                    msg = recv_object(self.bridge.batches, src, BATCHES_TAG)
+                    msg = self._recv(src)
                 except BaseException:  # noqa: BLE001 (it is gone: nothing to drain)
                     break
                 if msg == DONE or (isinstance(msg, dict) and "error" in msg):
@@ -192,9 +217,30 @@ class RemoteRollout:
 
     # -- what Trainer.step calls ----------------------------------------------------------------------------------
     def sync(self, policy) -> dict:
-        """Send the current weights (version = updates so far) to the rollout ranks; every trainer rank gathers."""
-        stats = self.sender.send(policy, self.version)
-        return stats
+        """Send the current weights (version = updates so far) to the rollout ranks; every trainer rank gathers.
+        A version already sent (for a validation) is not gathered again."""
+        if self._sent is None or self._sent[0] != self.version:
+            self._sent = (self.version, self.sender.send(policy, self.version))
+        return self._sent[1]
+
+    def request_validation(self, policy) -> None:
+        """Send the current weights marked for validation: the first rollout rank validates this version between
+        two of its batches and sends the report back (`reports`); nobody waits for it here."""
+        self._sent = (self.version, self.sender.send(policy, self.version, validate=True))
+        if self.leader:
+            with self._reports_cond:
+                self._requested.append(self.version)
+
+    def reports(self, wait: bool = False) -> list[dict]:
+        """The validation reports received so far (rank 0; [] elsewhere); with `wait`, first wait until every
+        requested one arrived, or the receiver stopped (an error: the run is ending anyway)."""
+        with self._reports_cond:
+            if wait:
+                self._reports_cond.wait_for(lambda: len(self._reports) >= len(self._requested)
+                                            or not self._receiving)
+            out, self._reports = self._reports, []
+            del self._requested[:len(out)]
+            return out
 
     def sleep(self) -> None:
         pass
@@ -267,13 +313,39 @@ class AsyncTrainer(Trainer):
         return trajs, scores, [f"{batch.index}:{tr.uid}" for tr in trajs], metrics
 
     def step(self) -> dict:
+        self.log_reports()
         metrics = super().step()
         metrics["async/train_start_s"] = self._train_start  # generate_batch returned: the training began
         metrics["async/train_end_s"] = time.time() - self.remote.t0
         return metrics
 
+    def fit(self) -> dict:
+        out = super().fit()
+        self.log_reports(wait=True)  # the last validation (the final one) before the rollout ranks stop
+        return out
+
     def validate(self) -> dict:
-        raise RuntimeError("validation is not run by the disaggregated placement (Config.check_placement)")
+        """Ask for a validation of the current version on the first rollout rank (between its batches); its report
+        is logged under this step when it arrives (`log_reports`), so training does not wait for it."""
+        interrupt.note(f"asking for validation at step {self.step_no}")
+        self.remote.request_validation(self.policy)
+        return {}
+
+    def log_reports(self, wait: bool = False) -> None:
+        """Log the validation reports that arrived (trainer rank 0 holds them): val/* metrics at the step of their
+        version, the table on the console, val_report.jsonl, val_trajectories.jsonl (Trainer.validate's outputs)."""
+        from megatron_searchr1.trainer.reports import format_eval_table, summarize_eval
+
+        cfg, logger = self.cfg, self.roles.logger
+        for msg in self.remote.reports(wait=wait):
+            step = int(msg["val"])
+            report = summarize_eval(msg["records"], max_error_rate=cfg.retrieval.max_error_rate)
+            logger.log(step, {f"val/{k}": v for k, v in report["metrics"].items()})
+            logger.trajectories(step, msg["samples"], name="val_trajectories.jsonl")
+            print(format_eval_table(report, title=f"validation at step {step} (rollout rank "
+                                                  f"{self.remote.bridge.plan.global_rank(1)})"), flush=True)
+            with open(os.path.join(cfg.trainer.output_dir, "val_report.jsonl"), "a") as f:
+                f.write(json.dumps({"step": step, **report}) + "\n")
 
     def close(self, reason: Optional[str] = None) -> None:
         try:
@@ -315,7 +387,7 @@ def serve_rollouts(cfg, bridge: Bridge) -> None:
     from megatron_searchr1.rollout.engines import make_engine
     from megatron_searchr1.rollout.loop import LoopSettings
     from megatron_searchr1.search.client import RetrievalClient, SearchGuard
-    from megatron_searchr1.trainer import losses
+    from megatron_searchr1.trainer import losses, reports
     from megatron_searchr1.trainer.build import engine_kwargs, load_data, load_tokenizer
     from megatron_searchr1.trainer.roles import RolloutWorker
     from megatron_searchr1.trainer.sources import stop_token_ids
@@ -329,11 +401,33 @@ def serve_rollouts(cfg, bridge: Bridge) -> None:
     engine = make_engine(r.engine, cfg.model.path, **engine_kwargs(cfg, dist.get_rank()))
     client = RetrievalClient(q.url, topk=q.topk, timeout=q.timeout)
     guard = SearchGuard(client.search, q.url, q.max_error_rate, q.max_failed_rounds)
-    settings = LoopSettings(max_turns=r.max_turns, max_tokens_per_turn=r.max_tokens_per_turn,
-                            max_response_length=r.max_response_length, max_obs_length=r.max_obs_length,
-                            stop_token_ids=tuple(stop_token_ids(tokenizer, cfg.model.path)),
-                            temperature=r.temperature, top_p=r.top_p if r.temperature > 0 else 1.0,
+    common = dict(max_turns=r.max_turns, max_tokens_per_turn=r.max_tokens_per_turn,
+                  max_response_length=r.max_response_length, max_obs_length=r.max_obs_length,
+                  stop_token_ids=tuple(stop_token_ids(tokenizer, cfg.model.path)))
+    settings = LoopSettings(**common, temperature=r.temperature, top_p=r.top_p if r.temperature > 0 else 1.0,
                             top_k=r.top_k if r.temperature > 0 else -1)
+    val_settings = LoopSettings(**common, temperature=r.val_temperature, seed=t.seed)  # RolloutWorker's
+
+    def validate_due() -> None:
+        """Validate the version the trainer marked (only the first rollout rank gets marks), send the report."""
+        due = receiver.take_due()
+        if due is None:
+            return
+        version, buckets = due
+        interrupt.note(f"validating version {version}")
+        if receiver.applied_version != version:
+            receiver.load(engine, version, buckets)
+        records, samples = [], []
+        for start in range(0, len(data.val), cfg.data.val_batch_size):
+            trajs = RolloutWorker.make_trajectories(data.val[start:start + cfg.data.val_batch_size], 1)
+            loop.run_rollout(engine, tokenizer, guard, trajs, val_settings)
+            for tr, sc in zip(trajs, losses.score_trajectories(trajs, tokenizer, cfg.algo)):
+                if len(samples) < cfg.logging.trajectories_per_step:
+                    samples.append(reports.eval_sample(tokenizer, tr, sc))
+                records.append(reports.eval_record(tr, sc))
+        guard.take()  # validation's searches are in the report's records, not in the next batch's error rate
+        send_object(bridge.batches, {"val": version, "records": records, "samples": samples}, 0, BATCHES_TAG)
+
     start = recv_object(bridge.batches, 0, BATCHES_TAG)
     first_batch, first_version = start["first_batch"], start["first_version"]
     interrupt.reassert()  # Ctrl-C: our one-line exit, whatever vLLM installed while the engine was built
@@ -349,6 +443,7 @@ def serve_rollouts(cfg, bridge: Bridge) -> None:
             interrupt.note(f"generating batch {b} of {t.total_steps}")
             if receiver.stopped or not receiver.wait_for(required_version(b, r.max_staleness, first_version)):
                 break  # the trainer stopped early (trainer.stop_on_collapse, or an error: stop_reason)
+            validate_due()
             loaded = receiver.apply(engine)
             if loaded is not None:
                 check = check_engine_weights(engine, loaded[1])
@@ -370,7 +465,11 @@ def serve_rollouts(cfg, bridge: Bridge) -> None:
                                                        gen_start=gen_start, gen_end=time.time(), rank=bridge.rank),
                         0, BATCHES_TAG)
         interrupt.note("waiting for the trainer's stop")
-        receiver.wait_stop()
+        while True:  # a validation asked for after the last batch (the final one) comes before STOP
+            validate_due()
+            if receiver.stopped:
+                break
+            receiver.wait_due_or_stop()
     except BaseException as e:
         # tell the trainer why, if it still listens; then fail this rank (torchrun stops the job)
         try:
