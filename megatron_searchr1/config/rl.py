@@ -590,9 +590,6 @@ class Config:
                                    "prompts mid-step, which the disaggregated placement does not do: set "
                                    "algo.filter_groups=false or parallel.rollout_placement=colocated")
         check(not t.val_only, "trainer.val_only runs no training: use parallel.rollout_placement=colocated")
-        check(not self.retrieval.launch, "retrieval.launch=true starts the server from a trainer rank; with "
-                                         "parallel.rollout_placement=disaggregated start it yourself and pass "
-                                         "retrieval.url")
         check(t.total_steps >= 1, "parallel.rollout_placement=disaggregated needs trainer.total_steps >= 1")
 
     def validate(self, world_size: Optional[int] = None, check_files: bool = True) -> None:

@@ -388,7 +388,7 @@ def serve_rollouts(cfg, bridge: Bridge) -> None:
     from megatron_searchr1.rollout.loop import LoopSettings
     from megatron_searchr1.search.client import RetrievalClient, SearchGuard
     from megatron_searchr1.trainer import losses, reports
-    from megatron_searchr1.trainer.build import engine_kwargs, load_data, load_tokenizer
+    from megatron_searchr1.trainer.build import engine_kwargs, launch_server, load_data, load_tokenizer
     from megatron_searchr1.trainer.roles import RolloutWorker
     from megatron_searchr1.trainer.sources import stop_token_ids
 
@@ -398,9 +398,15 @@ def serve_rollouts(cfg, bridge: Bridge) -> None:
     tokenizer = load_tokenizer(cfg.model.path, hf_config, cfg.data.chat_template)
     data = load_data(cfg, tokenizer, log=False)
     receiver = WeightReceiver(bridge)
+    server, url = None, q.url
+    if q.launch:  # the rollout ranks are the only clients: the first of them on each node starts its server
+        server, url = launch_server(cfg)
+        if server is not None:
+            print(f"rank {bridge.rank} (rollout): started the retrieval server {url} for this node's rollout ranks",
+                  flush=True)
     engine = make_engine(r.engine, cfg.model.path, **engine_kwargs(cfg, dist.get_rank()))
-    client = RetrievalClient(q.url, topk=q.topk, timeout=q.timeout)
-    guard = SearchGuard(client.search, q.url, q.max_error_rate, q.max_failed_rounds)
+    client = RetrievalClient(url, topk=q.topk, timeout=q.timeout)
+    guard = SearchGuard(client.search, url, q.max_error_rate, q.max_failed_rounds)
     common = dict(max_turns=r.max_turns, max_tokens_per_turn=r.max_tokens_per_turn,
                   max_response_length=r.max_response_length, max_obs_length=r.max_obs_length,
                   stop_token_ids=tuple(stop_token_ids(tokenizer, cfg.model.path)))
@@ -481,6 +487,8 @@ def serve_rollouts(cfg, bridge: Bridge) -> None:
     if hasattr(engine, "close"):
         engine.close()
     client.close()
+    if server is not None:
+        server.stop()
     if receiver.stop_reason:
         err = RuntimeError(f"rank {bridge.rank} (rollout): trainer rank 0 stopped the run: {receiver.stop_reason}")
         err.stopping_line = str(err)  # run_disaggregated prints it as it is

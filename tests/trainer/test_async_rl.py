@@ -5,12 +5,14 @@ a live BM25 server, rollout.max_staleness 0 and 2. What each run must show, step
 - the weights arrived: after each load the rollout engine's weights equal the ones sent (read back), its version is
   the batch's, and at step 1 (lag 0) the engine's log-probs are the trainer's;
 - the loss is finite and the weights move;
+- at k = 2, validation runs on the rollout rank (steps 2 and 4) and trainer rank 0 logs its reports;
 - the staleness histogram (per sample, TensorBoard and the async/staleness_* scalars) is the batch's lag, and the
   rollout correction's mismatch metrics (actor/rc_*) measure the off-policy gap: ~0 on policy, > 0 one step off.
 Also slow: a rank that dies mid-run (async_kill_script.py: the rollout rank, or trainer rank 1) stops every other
 rank with an error naming it; a run whose trainer stops early at step 2 (async_stop_script.py, as
-trainer.stop_on_collapse does) exits cleanly on every rank while its rollout rank generates, and resumed to 4 keeps
-the data cursor (each step trains its own draw) and the versions.
+trainer.stop_on_collapse does) exits cleanly on every rank while its rollout rank generates, and resumed to 4 (with
+retrieval.launch: the rollout rank starts the server) keeps the data cursor (each step trains its own draw) and the
+versions.
 Plus the pure pieces: RolePlan and the object / bucket messages over a real gloo pair."""
 from __future__ import annotations
 
@@ -61,7 +63,11 @@ def step_records(out: str) -> dict[int, dict]:
 @pytest.mark.parametrize("k", [0, 2])
 def test_disaggregated_grpo_keeps_the_bound_overlaps_and_syncs(world, tiny_model, server, tmp_path, k):
     out = str(tmp_path / f"async_k{k}")
-    proc = run_module("megatron_searchr1.train", async_args(world, tiny_model, server, out, k), nproc=3, timeout=900)
+    args = async_args(world, tiny_model, server, out, k)
+    if k == 2:  # validation on the rollout rank at steps 2 and 4 (the last one, awaited before the end)
+        args = [a for a in args if not a.startswith("data.val_files")] + [
+            f"data.val_files=[{world}/validation.parquet]", "data.val_max_samples=4", "trainer.test_freq=2"]
+    proc = run_module("megatron_searchr1.train", args, nproc=3, timeout=900)
     log = proc.stdout + proc.stderr
     steps = step_records(out)
     assert sorted(steps) == list(range(1, STEPS + 1)), log[-3000:]
@@ -104,6 +110,15 @@ def test_disaggregated_grpo_keeps_the_bound_overlaps_and_syncs(world, tiny_model
     off = [t for t in steps if steps[t]["async/lag"] > 0]
     assert all(math.isfinite(steps[t]["actor/rc_mismatch_kl"]) for t in steps)
     assert max(steps[t]["actor/rc_mismatch_kl"] for t in off) > 1e-6, [steps[t]["actor/rc_mismatch_kl"] for t in off]
+    if k == 2:
+        with open(os.path.join(out, "val_report.jsonl")) as f:
+            reports = [json.loads(line) for line in f]
+        assert [r["step"] for r in reports] == [2, 4], log[-3000:]
+        assert all(r["table"]["all"]["n"] == 4 and "all/em" in r["metrics"] for r in reports), reports
+        with open(os.path.join(out, "metrics.jsonl")) as f:
+            val_rows = [json.loads(line) for line in f if '"val/all/em"' in line]
+        assert sorted(r["step"] for r in val_rows) == [2, 4]
+        assert "validation at step 4 (rollout rank 2)" in log
 
 
 @pytest.mark.slow
@@ -143,8 +158,11 @@ def test_a_resumed_run_continues_the_data_cursor_and_the_versions(world, tiny_mo
     assert first.returncode == 0, (first.stdout + first.stderr)[-5000:]
     assert "Traceback" not in first.stdout + first.stderr, (first.stdout + first.stderr)[-5000:]
     assert sorted(step_records(out)) == [1, 2]
-    proc = run_module("megatron_searchr1.train", args, nproc=3, timeout=900)
+    # resumed with retrieval.launch: the rollout rank starts its node's server (and stops it at the end)
+    proc = run_module("megatron_searchr1.train", [a for a in args if not a.startswith("retrieval.url")] + [
+        "retrieval.launch=true", f"retrieval.server_args=[--index-dir,{world}/index_bm25]"], nproc=3, timeout=900)
     assert "at step 2" in proc.stdout + proc.stderr
+    assert "rank 2 (rollout): started the retrieval server http://" in proc.stdout + proc.stderr
     steps = step_records(out)
     assert sorted(steps) == [1, 2, 3, 4]
     assert [steps[t]["async/batch"] for t in (3, 4)] == [2, 3]
