@@ -75,7 +75,7 @@ def run_disaggregated(cfg) -> int:
                 trainer.close(reason=stopping_line(bridge, heartbeat, e) or type(e).__name__)  # rollout ranks stop
                 raise
             trainer.close()
-    except Exception as e:  # not Ctrl-C (interrupt.py's line) nor a lost retrieval server (cli.run_main's)
+    except Exception as e:
         line = stopping_line(bridge, heartbeat, e)
         if line is None:
             raise
@@ -87,9 +87,11 @@ def run_disaggregated(cfg) -> int:
 
 def stopping_line(bridge: Bridge, heartbeat: Heartbeat, error: BaseException) -> Optional[str]:
     """One line for the failure `error` on this rank, naming the ranks that are gone when there are any
-    (heartbeats; found once, kept on the error); None for Ctrl-C and a lost retrieval server, which have lines of
-    their own (interrupt.py, cli.run_main)."""
-    if isinstance(error, (KeyboardInterrupt, RetrievalDown)):
+    (heartbeats; found once, kept on the error); None for Ctrl-C, a lost retrieval server and a user mistake,
+    which have lines of their own (interrupt.py, cli.run_main)."""
+    from megatron_searchr1.cli import UsageError
+
+    if isinstance(error, (KeyboardInterrupt, RetrievalDown, UsageError)):
         return None
     if getattr(error, "stopping_line", None):
         return error.stopping_line
@@ -144,6 +146,7 @@ class RemoteRollout:
         self._requested: list[int] = []  # versions whose validation was asked for (rank 0)
         self._reports_cond = threading.Condition()
         self._receiving = False
+        self._failed: Optional[str] = None  # why the receiver stopped early (a rollout rank failed or is gone)
 
     def start(self, first_batch: int, first_version: int) -> None:
         """Tell the rollout ranks where the run starts (after a resume: batch = version = the step reached) and
@@ -180,6 +183,13 @@ class RemoteRollout:
                 self._receiving = False
                 self._reports_cond.notify_all()
 
+    def _fail(self, message: str) -> None:
+        """The run cannot go on: the trainer's thread hears it from the buffer, a wait for reports from here."""
+        self.buffer.fail(message)
+        with self._reports_cond:
+            self._failed = self._failed or message
+            self._reports_cond.notify_all()
+
     def _receive_batches(self, first_batch: int) -> None:
         plan, total = self.bridge.plan, self.cfg.trainer.total_steps
         finished: set[int] = set()  # rollout ranks that said DONE or failed: nothing more comes from them
@@ -188,15 +198,15 @@ class RemoteRollout:
             try:
                 msg = self._recv(src)
             except BaseException as e:  # noqa: BLE001 (handed to the trainer's thread through the buffer)
-                self.buffer.fail(f"rollout rank {plan.global_rank(src)} is gone while the trainer waited for batch "
-                                 f"{b} ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
+                self._fail(f"rollout rank {plan.global_rank(src)} is gone while the trainer waited for batch "
+                           f"{b} ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
                 finished.add(src)
                 break
             if msg == DONE:  # it stopped early: only after the trainer said STOP, so the run is closing
                 finished.add(src)
                 break
             if isinstance(msg, dict) and "error" in msg:
-                self.buffer.fail(f"rollout rank {plan.global_rank(src)} failed: {msg['error']}")
+                self._fail(f"rollout rank {plan.global_rank(src)} failed: {msg['error']}")
                 finished.add(src)
                 break
             if not self.buffer.put(msg):
@@ -204,15 +214,21 @@ class RemoteRollout:
         self._drain(finished)
 
     def _drain(self, finished: set) -> None:
-        """Receive (and discard) from every rollout rank until it says DONE: a rollout rank that was sending a batch
-        when the trainer stopped completes its send and exits instead of failing (remote_sync's end of a run)."""
-        for src in range(1, self.bridge.plan.rollout_ranks + 1):
+        """Receive from every rollout rank until it says DONE, keeping validation reports and discarding batches: a
+        rollout rank that was sending a batch when the trainer stopped completes its send and exits instead of
+        failing (remote_sync's end of a run)."""
+        plan = self.bridge.plan
+        for src in range(1, plan.rollout_ranks + 1):
             while src not in finished:
                 try:
                     msg = self._recv(src)
-                except BaseException:  # noqa: BLE001 (it is gone: nothing to drain)
+                except BaseException as e:  # noqa: BLE001 (gone without a word: nothing more to drain)
+                    self._fail(f"rollout rank {plan.global_rank(src)} is gone ({type(e).__name__})")
                     break
-                if msg == DONE or (isinstance(msg, dict) and "error" in msg):
+                if isinstance(msg, dict) and "error" in msg:
+                    self._fail(f"rollout rank {plan.global_rank(src)} failed: {msg['error']}")
+                    break
+                if msg == DONE:
                     break
 
     # -- what Trainer.step calls ----------------------------------------------------------------------------------
@@ -237,7 +253,10 @@ class RemoteRollout:
         with self._reports_cond:
             if wait:
                 self._reports_cond.wait_for(lambda: len(self._reports) >= len(self._requested)
-                                            or not self._receiving)
+                                            or not self._receiving or self._failed)
+                if self._failed and len(self._reports) < len(self._requested):
+                    raise RuntimeError(f"validation of version {self._requested[len(self._reports)]}: "
+                                       f"{self._failed}")
             out, self._reports = self._reports, []
             del self._requested[:len(out)]
             return out
@@ -321,6 +340,7 @@ class AsyncTrainer(Trainer):
 
     def fit(self) -> dict:
         out = super().fit()
+        self.remote.buffer.close()  # no batch is trained any more: the receiver only drains (and keeps reports)
         self.log_reports(wait=True)  # the last validation (the final one) before the rollout ranks stop
         return out
 
@@ -447,7 +467,8 @@ def serve_rollouts(cfg, bridge: Bridge) -> None:
             if b % plan.rollout_ranks != me:
                 continue
             interrupt.note(f"generating batch {b} of {t.total_steps}")
-            if receiver.stopped or not receiver.wait_for(required_version(b, r.max_staleness, first_version)):
+            if (receiver.stopped or not receiver.wait_for(required_version(b, r.max_staleness, first_version))
+                    or receiver.stopped):
                 break  # the trainer stopped early (trainer.stop_on_collapse, or an error: stop_reason)
             validate_due()
             loaded = receiver.apply(engine)
