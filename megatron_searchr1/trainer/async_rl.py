@@ -1,7 +1,7 @@
 """Disaggregated, asynchronous RL: the last `parallel.rollout_ranks` ranks only generate, the others only train, at once.
 
     torchrun --nproc_per_node 3 -m megatron_searchr1.train examples/grpo_tiny_cpu.yaml parallel.tp=2 \\
-        parallel.rollout_placement=disaggregated parallel.rollout_ranks=1 rollout.max_staleness=1 data.val_files=[]
+        parallel.rollout_placement=disaggregated parallel.rollout_ranks=1 rollout.max_staleness=1
 
     run_disaggregated(cfg)      # train.py: each rank takes its role (rollout/remote_sync.py RolePlan)
 
@@ -25,9 +25,16 @@ old, the wait for the batch, and the wall-clock intervals of the batch's generat
 `sync/remote_check_max_diff`, the largest difference between the weights a rollout rank's engine holds after
 loading a version and the weights sent (a few tensors, read back from the engine).
 
-A rollout rank that dies ends the run on every trainer rank with an error naming it (the receiving thread sees the
-closed connection; rank 0 tells the others in the step's broadcast); a trainer that dies makes the rollout ranks
-fail with "trainer rank 0 is gone". torchrun stops the remaining ranks either way.
+Validation runs on the first rollout rank between two of its batches (`validate` marks the version it sends; the
+report comes back on the batches channel and trainer rank 0 logs it under that step when it arrives). Each
+trajectory carries the version that generated it, which the staleness histogram (`async/staleness`) reads.
+
+The end of a run and failures (remote_sync's module doc): trainer rank 0 sends STOP with a reason and drains the
+batches channel until every rollout rank said DONE, so an early stop (trainer.stop_on_collapse) is a clean exit on
+every rank. A rank whose collective, send or receive fails names the ranks that are gone (heartbeats in torchrun's
+store) in one line; trainer rank 0 passes its line to the rollout ranks with STOP; a dead rollout rank is named by
+the trainer's receiving thread ("rollout rank 2 is gone"), a dead trainer rank 0 by the rollout ranks' weight
+receivers ("trainer rank 0 is gone").
 """
 from __future__ import annotations
 
