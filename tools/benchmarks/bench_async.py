@@ -109,7 +109,7 @@ def run(name: str, nproc: int, extra: list[str], world: str, model: str, url: st
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--work-dir", default="/tmp/bench_async", help="world, model and runs (world and model reused)")
-    p.add_argument("--steps", type=int, default=6, help="RL steps per run (steps 2.. are timed)")
+    p.add_argument("--steps", type=int, default=5, help="RL steps per run (steps 2.. are timed)")
     p.add_argument("--max-staleness", type=int, default=1, help="rollout.max_staleness of the async run")
     p.add_argument("--tail-alpha", type=float, default=1.5, help="Pareto shape of the per-batch tail (smaller: longer)")
     p.add_argument("--tail-scale", type=float, default=1.0, help="Pareto scale: the shortest tail, seconds")
