@@ -259,6 +259,24 @@ def name_ranks(plan: RolePlan, ranks: list[int]) -> str:
     return ("rank " if len(parts) == 1 else "ranks ") + ", ".join(parts)
 
 
+def queue_version(pending: list, item: tuple) -> list:
+    """The sender's queue of unsent versions after `item` = (version, buckets, validate) arrives: it replaces every
+    unsent version (newest wins) except those marked for validation, which stay ahead of it in order; a version
+    queued twice keeps its mark.
+
+    >>> def show(q): return [(v, val) for v, _, val in q]
+    >>> show(queue_version([(1, None, False)], (2, None, False)))
+    [(2, False)]
+    >>> show(queue_version([(1, None, True), (2, None, False)], (3, None, False)))
+    [(1, True), (3, False)]
+    >>> show(queue_version([(2, None, True)], (2, None, False)))
+    [(2, True)]
+    """
+    version, buckets, validate = item
+    validate = validate or any(v == version and val for v, _, val in pending)
+    return [it for it in pending if it[2] and it[0] != version] + [(version, buckets, validate)]
+
+
 class WeightSender:
     """The trainer side of the weights: `send(policy, version)` on every trainer rank gathers the weights
     (WeightSync) and, on rank 0, hands the buckets to a thread that sends them to every rollout rank. Only the
@@ -290,11 +308,7 @@ class WeightSender:
                                          dtype=self.dtype, transport="auto")
         if self.leader:
             with self._cond:
-                # a version not sent yet is replaced (newest wins), unless it is to be validated
-                waiting = self._pending or []
-                validate = validate or any(v == version and val for v, _, val in waiting)
-                self._pending = [it for it in waiting if it[2] and it[0] != version] + \
-                    [(version, collector.buckets, validate)]
+                self._pending = queue_version(self._pending or [], (version, collector.buckets, validate))
                 self._cond.notify_all()
         return {"remote_bytes": float(stats.bytes), "remote_buckets": float(stats.buckets),
                 "remote_gather_seconds": stats.seconds, "remote_version": float(version)}
