@@ -44,11 +44,13 @@ def async_args(world_dir: str, model_dir: str, url: str, out: str, k: int) -> li
             f"rollout.max_staleness={k}"]
 
 
-def script_run(script: str, args: list[str], env: dict, timeout: float) -> subprocess.CompletedProcess:
-    """torchrun of tests/trainer/<script> over 3 ranks, torchrun's monitor slowed to 30 s: a rank that fails must be
-    noticed by the others, not by torchrun ending them."""
+def script_run(script: str, args: list[str], env: dict, timeout: float, monitor_s: int = 30
+               ) -> subprocess.CompletedProcess:
+    """torchrun of tests/trainer/<script> over 3 ranks, torchrun's monitor slowed to `monitor_s`: a rank that fails
+    must be noticed by the others, not by torchrun ending them (torchrun checks its workers once per interval, from
+    their start: a death that falls on a tick is ended by torchrun first)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3",
-           "--monitor-interval=30", os.path.join(REPO, "tests", "trainer", script), *args]
+           f"--monitor-interval={monitor_s}", os.path.join(REPO, "tests", "trainer", script), *args]
     return subprocess.run(cmd, cwd=REPO, env={**child_env(), **env}, capture_output=True, text=True,
                           timeout=timeout)
 
@@ -130,7 +132,9 @@ def test_a_dead_rank_stops_every_other_rank_with_its_name(world, tiny_model, ser
     out = str(tmp_path / f"killed_{die}")
     env = {"ASYNC_DIE_RANK": "2" if die == "rollout" else "1"}
     start = time.time()
-    proc = script_run("async_kill_script.py", async_args(world, tiny_model, server, out, k=0), env, timeout=600)
+    # trainer rank 1 dies ~30 s after the start, on torchrun's first tick at 30 s: its monitor waits 90 s there
+    proc = script_run("async_kill_script.py", async_args(world, tiny_model, server, out, k=0), env, timeout=600,
+                      monitor_s=30 if die == "rollout" else 90)
     log = proc.stdout + proc.stderr
     assert proc.returncode != 0, log[-3000:]
     if die == "rollout":
