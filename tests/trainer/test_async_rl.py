@@ -201,6 +201,7 @@ def test_heartbeat_names_a_rank_that_stopped_beating_not_one_that_said_done():
     beats = [Heartbeat(store, r, interval=0.05) for r in range(3)]
     assert beats[0].gone(range(3)) == []
     beats[1]._stop.set()  # dies: no more beats, no done()
+    beats[1]._thread.join()  # (a beat it was about to make when stopped lands now, not in gone()'s window)
     beats[2].done()       # leaves cleanly
     assert beats[0].gone(range(3)) == [1]
 
