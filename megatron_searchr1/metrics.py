@@ -2,6 +2,7 @@
 
     logger = RunLogger(output_dir, enabled=rank == 0, tensorboard=True)
     logger.log(step, metrics)                      # scalars + console line
+    logger.histogram(step, "async/staleness", values)  # a TensorBoard histogram (nothing in metrics.jsonl)
     logger.trajectories(step, records)             # appended to <output_dir>/trajectories.jsonl
     logger.resume_at(step)                         # after a resume: rows of later (lost) steps are dropped
 
@@ -69,6 +70,13 @@ class RunLogger:
             self._writer.flush()
         with open(os.path.join(self.output_dir, "metrics.jsonl"), "a") as f:
             f.write(json.dumps({"step": step, **{prefix + k: v for k, v in metrics.items()}}) + "\n")
+
+    def histogram(self, step: int, tag: str, values) -> None:
+        """A TensorBoard histogram of `values` at `step` (the per-sample spread behind a mean, e.g. staleness)."""
+        if not self.enabled or self._writer is None or len(values) == 0:
+            return
+        self._writer.add_histogram(tag, torch.as_tensor(values, dtype=torch.float64), step)
+        self._writer.flush()
 
     def console(self, step: int, total: int, metrics: dict[str, float], write=print) -> None:
         if not self.enabled or step % self.console_every:
@@ -138,6 +146,16 @@ def read_scalars(tb_dir: str) -> dict[str, list[tuple[int, float]]]:
     acc = EventAccumulator(tb_dir, size_guidance={"scalars": 0})
     acc.Reload()
     return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def read_histograms(tb_dir: str) -> dict[str, list[tuple[int, float, float, float]]]:
+    """tag -> [(step, count, min, max)] of the TensorBoard histograms of a run."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(tb_dir, size_guidance={"histograms": 0})
+    acc.Reload()
+    return {tag: [(e.step, e.histogram_value.num, e.histogram_value.min, e.histogram_value.max)
+                  for e in acc.Histograms(tag)] for tag in acc.Tags()["histograms"]}
 
 
 def timer():

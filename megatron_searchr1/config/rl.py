@@ -569,7 +569,7 @@ class Config:
     def check_placement(self, world_size: int) -> None:
         """The disaggregated placement's rules (trainer/async_rl.py), each refusal naming what to change: nothing
         to check when colocated."""
-        p, r, a, t, d = self.parallel, self.rollout, self.algo, self.trainer, self.data
+        p, r, a, t = self.parallel, self.rollout, self.algo, self.trainer
         if p.rollout_placement != "disaggregated":
             return
         check(world_size > p.rollout_ranks,
@@ -589,13 +589,7 @@ class Config:
         check(not a.filter_groups, "algo.filter_groups (DAPO's dynamic sampling) needs the trainer to ask for more "
                                    "prompts mid-step, which the disaggregated placement does not do: set "
                                    "algo.filter_groups=false or parallel.rollout_placement=colocated")
-        check(not d.val_files, "validation is not run by the disaggregated placement yet: set data.val_files=[] "
-                               "(validate the exported model with tools/evaluate.py), or "
-                               "parallel.rollout_placement=colocated")
         check(not t.val_only, "trainer.val_only runs no training: use parallel.rollout_placement=colocated")
-        check(not self.retrieval.launch, "retrieval.launch=true starts the server from a trainer rank; with "
-                                         "parallel.rollout_placement=disaggregated start it yourself and pass "
-                                         "retrieval.url")
         check(t.total_steps >= 1, "parallel.rollout_placement=disaggregated needs trainer.total_steps >= 1")
 
     def validate(self, world_size: Optional[int] = None, check_files: bool = True) -> None:

@@ -28,6 +28,14 @@ Weights travel as WeightSync's buckets (rollout/weight_sync.py: TP gather, HF na
 every trainer rank runs the gather, rank 0 keeps each bucket as one flat byte buffer and a thread sends them
 (header, then one message per bucket) to every rollout rank. Only the newest unsent version is kept: a rollout
 rank wants the newest weights, never a queue of old ones. `sync/remote_*` metrics count bytes and seconds.
+
+The end of a run, clean or not. Trainer rank 0 ends the weights channel with a STOP message that carries why (None:
+the run is over, or the trainer stopped early; a string: the error that stopped it); each rollout rank finishes or
+abandons its batch and answers on the batches channel with DONE, and trainer rank 0 drains the batches channel
+until every rollout rank said DONE, so a rollout rank in the middle of sending a batch is never left blocked (its
+send completes, into the drain). A peer that dies without a word is found by the heartbeats (`Heartbeat`): every
+rank bumps a counter in torchrun's store once a second, and a rank whose collective or send failed names the ranks
+whose counter stood still ("rank 1 (trainer) is gone") instead of reporting a socket error.
 """
 from __future__ import annotations
 
@@ -99,6 +107,8 @@ class Bridge:
     weights: Any = None
     batches: Any = None
     timeout: datetime.timedelta = datetime.timedelta(minutes=30)
+    store: Any = None
+    """torchrun's store (the heartbeats live under their own prefix in it)."""
 
     @property
     def role(self) -> str:
@@ -127,7 +137,7 @@ def init_role_world(plan: RolePlan, rank: int, device: str, timeout_minutes: int
     dist.init_process_group(**process_group_kwargs(device, local_rank, timeout_minutes),
                             store=dist.PrefixStore(f"{STORE_PREFIX}/{role}", store),
                             rank=plan.role_rank(rank), world_size=size)
-    bridge = Bridge(plan, rank, timeout=timeout)
+    bridge = Bridge(plan, rank, timeout=timeout, store=store)
     b = plan.bridge_rank(rank)
     if b is not None:
         n = plan.rollout_ranks + 1
@@ -182,6 +192,89 @@ class _BucketCollector:
 
 
 STOP = "stop"
+"""The weights channel's last message (with a reason: {"stop": None | error text})."""
+DONE = "done"
+"""A rollout rank's last message on the batches channel, its answer to STOP."""
+
+
+def is_stop(msg) -> bool:
+    return msg == STOP or (isinstance(msg, dict) and "stop" in msg)
+
+
+class Heartbeat:
+    """Liveness of every rank of the job, through torchrun's store (which the agent holds, so it outlives any
+    worker): a daemon thread adds 1 to this rank's counter every `interval` seconds; `gone(ranks)` reads the
+    counters twice, `wait` seconds apart, and returns the ranks whose counter did not move and which did not say
+    `done()` (a clean exit). Counters, not clocks: nodes need not agree on the time."""
+
+    def __init__(self, store, rank: int, interval: float = 1.0):
+        self.store = dist.PrefixStore(f"{STORE_PREFIX}/heartbeat", store)
+        self.rank, self.interval = rank, interval
+        self._stop = threading.Event()
+        self._beat()
+        self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
+        self._thread.start()
+
+    def _beat(self) -> None:
+        self.store.add(f"beat/{self.rank}", 1)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self._beat()
+            except Exception:  # noqa: BLE001 (the store is gone: the job is ending; nothing to report here)
+                return
+
+    def _counts(self, ranks) -> dict[int, tuple[int, int]]:
+        return {r: (self.store.add(f"beat/{r}", 0), self.store.add(f"done/{r}", 0)) for r in ranks}
+
+    def gone(self, ranks, wait: Optional[float] = None) -> list[int]:
+        """Which of `ranks` stopped beating without saying done (blocks `wait` seconds, default 3 intervals);
+        [] when the store itself cannot be read."""
+        ranks = [r for r in ranks if r != self.rank]
+        try:
+            before = self._counts(ranks)
+            time.sleep(3 * self.interval if wait is None else wait)
+            after = self._counts(ranks)
+        except Exception:  # noqa: BLE001
+            return []
+        return [r for r in ranks if after[r][0] == before[r][0] and not after[r][1]]
+
+    def done(self) -> None:
+        """This rank leaves cleanly: it stops beating and is not reported as gone."""
+        self._stop.set()
+        try:
+            self.store.add(f"done/{self.rank}", 1)
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def name_ranks(plan: RolePlan, ranks: list[int]) -> str:
+    """"rank 1 (trainer)", "ranks 1 (trainer), 2 (rollout)".
+
+    >>> name_ranks(RolePlan(world=3, rollout_ranks=1), [1, 2])
+    'ranks 1 (trainer), 2 (rollout)'
+    """
+    parts = [f"{r} ({plan.role(r)})" for r in ranks]
+    return ("rank " if len(parts) == 1 else "ranks ") + ", ".join(parts)
+
+
+def queue_version(pending: list, item: tuple) -> list:
+    """The sender's queue of unsent versions after `item` = (version, buckets, validate) arrives: it replaces every
+    unsent version (newest wins) except those marked for validation, which stay ahead of it in order; a version
+    queued twice keeps its mark.
+
+    >>> def show(q): return [(v, val) for v, _, val in q]
+    >>> show(queue_version([(1, None, False)], (2, None, False)))
+    [(2, False)]
+    >>> show(queue_version([(1, None, True), (2, None, False)], (3, None, False)))
+    [(1, True), (3, False)]
+    >>> show(queue_version([(2, None, True)], (2, None, False)))
+    [(2, True)]
+    """
+    version, buckets, validate = item
+    validate = validate or any(v == version and val for v, _, val in pending)
+    return [it for it in pending if it[2] and it[0] != version] + [(version, buckets, validate)]
 
 
 class WeightSender:
@@ -192,10 +285,11 @@ class WeightSender:
     def __init__(self, bridge: Bridge, bucket_bytes: int, dtype: Optional[torch.dtype]):
         self.bridge, self.bucket_bytes, self.dtype = bridge, bucket_bytes, dtype
         self.leader = bridge.bridge_rank == 0
-        self._pending: Optional[tuple] = None
         self._cond = threading.Condition()
         self._error: Optional[BaseException] = None
         self._closing = False
+        self._pending: Optional[list] = None  # [(version, buckets, validate)]: at most the validated one + newest
+        self._reason: Optional[str] = None
         self.last_send_seconds = 0.0
         self.sent_versions: list[int] = []
         self._thread = None
@@ -203,16 +297,18 @@ class WeightSender:
             self._thread = threading.Thread(target=self._run, name="weight-sender", daemon=True)
             self._thread.start()
 
-    def send(self, policy, version: int) -> dict:
-        """Every trainer rank: gather `policy`'s weights; rank 0 queues them as `version`. Returns the
-        `sync/remote_*` metrics (without the prefix), the same on every trainer rank."""
+    def send(self, policy, version: int, validate: bool = False) -> dict:
+        """Every trainer rank: gather `policy`'s weights; rank 0 queues them as `version`, marked for validation
+        on the first rollout rank when `validate` (that mark survives a newer version queued behind it: the
+        validated version is then sent first). Returns the `sync/remote_*` metrics (without the prefix), the same
+        on every trainer rank."""
         self.raise_if_failed()
         collector = _BucketCollector() if self.leader else None
         stats = weight_sync.sync_weights(policy.model, collector, policy.mapping, bucket_bytes=self.bucket_bytes,
                                          dtype=self.dtype, transport="auto")
         if self.leader:
             with self._cond:
-                self._pending = (version, collector.buckets)  # a version not sent yet is replaced: newest wins
+                self._pending = queue_version(self._pending or [], (version, collector.buckets, validate))
                 self._cond.notify_all()
         return {"remote_bytes": float(stats.bytes), "remote_buckets": float(stats.buckets),
                 "remote_gather_seconds": stats.seconds, "remote_version": float(version)}
@@ -227,31 +323,35 @@ class WeightSender:
             while True:
                 with self._cond:
                     self._cond.wait_for(lambda: self._pending is not None or self._closing)
-                    item, self._pending = self._pending, None
-                if item is None:  # closing, nothing left to send
+                    items, self._pending = self._pending, None
+                if items is None:  # closing, nothing left to send
                     break
-                version, buckets = item
-                start = time.perf_counter()
-                for dst in range(1, plan.rollout_ranks + 1):
-                    try:
-                        send_object(pg, {"version": version, "layouts": [lay for lay, _ in buckets]}, dst,
-                                    WEIGHTS_TAG)
-                        for _, flat in buckets:
-                            send_tensor(pg, flat, dst, WEIGHTS_TAG)
-                    except RuntimeError as e:
-                        raise RuntimeError(f"rollout rank {plan.global_rank(dst)} is gone ({e})") from e
-                self.last_send_seconds = time.perf_counter() - start
-                self.sent_versions.append(version)
+                for version, buckets, validate in items:
+                    start = time.perf_counter()
+                    for dst in range(1, plan.rollout_ranks + 1):
+                        try:
+                            send_object(pg, {"version": version, "layouts": [lay for lay, _ in buckets],
+                                             "validate": validate and dst == 1}, dst, WEIGHTS_TAG)
+                            for _, flat in buckets:
+                                send_tensor(pg, flat, dst, WEIGHTS_TAG)
+                        except RuntimeError as e:
+                            raise RuntimeError(f"rollout rank {plan.global_rank(dst)} is gone ({e})") from e
+                    self.last_send_seconds = time.perf_counter() - start
+                    self.sent_versions.append(version)
             for dst in range(1, plan.rollout_ranks + 1):
-                send_object(pg, STOP, dst, WEIGHTS_TAG)
+                send_object(pg, {"stop": self._reason}, dst, WEIGHTS_TAG)
         except BaseException as e:  # noqa: BLE001 (reported to the trainer's thread by raise_if_failed)
             self._error = e
 
-    def close(self, timeout: float = 60.0) -> None:
-        """Send what is pending, then STOP to every rollout rank (they finish and exit)."""
+    def close(self, reason: Optional[str] = None, timeout: float = 60.0) -> None:
+        """Send what is pending (nothing when `reason`, an error, is given), then STOP with `reason` to every
+        rollout rank (they finish or abandon their batch and exit)."""
         if self._thread is None:
             return
         with self._cond:
+            self._reason = reason
+            if reason is not None:
+                self._pending = None
             self._closing = True
             self._cond.notify_all()
         self._thread.join(timeout=timeout)
@@ -268,7 +368,11 @@ class WeightReceiver:
         self._latest: Optional[tuple[int, list]] = None
         self._error: Optional[str] = None
         self.stopped = False
+        self.stop_reason: Optional[str] = None
+        """Why the trainer stopped, when an error stopped it (STOP's reason)."""
         self.applied_version = -1
+        self.due: Optional[tuple[int, list]] = None
+        """A version the trainer asked this rank to validate (its own buckets: newer versions do not replace it)."""
         self.received_bytes = 0
         self._thread = threading.Thread(target=self._run, name="weight-receiver", daemon=True)
         self._thread.start()
@@ -278,8 +382,9 @@ class WeightReceiver:
         try:
             while True:
                 header = recv_object(pg, 0, WEIGHTS_TAG)
-                if header == STOP:
+                if is_stop(header):
                     with self._cond:
+                        self.stop_reason = header.get("stop") if isinstance(header, dict) else None
                         self.stopped = True
                         self._cond.notify_all()
                     return
@@ -290,6 +395,8 @@ class WeightReceiver:
                     buckets.append((layout, flat))
                 with self._cond:
                     self._latest = (int(header["version"]), buckets)
+                    if header.get("validate"):
+                        self.due = self._latest
                     self.received_bytes += sum(lay.nbytes for lay, _ in buckets)
                     self._cond.notify_all()
         except BaseException as e:  # noqa: BLE001 (the main thread raises it)
@@ -323,6 +430,24 @@ class WeightReceiver:
         if latest is None or latest[0] <= self.applied_version:
             return None
         version, buckets = latest
+        return version, self.load(engine, version, buckets)
+
+    def take_due(self) -> Optional[tuple[int, list]]:
+        """The version to validate, if one is due (it is no longer due after this call)."""
+        with self._cond:
+            due, self.due = self.due, None
+            return due
+
+    def wait_due_or_stop(self) -> None:
+        """Block until a validation is due or the trainer says STOP; raises when the trainer's side is gone."""
+        with self._cond:
+            self._cond.wait_for(lambda: self.due is not None or self.stopped or self._error)
+            if self._error and not self.stopped:
+                raise RuntimeError(self._error)
+
+    def load(self, engine, version: int, buckets: list) -> list:
+        """Load `buckets` (of `version`) into `engine`: one load_weights call per bucket, then finish_weight_sync.
+        Returns the (name, tensor) pairs loaded (views into the buckets)."""
         pairs = []
         for layout, flat in buckets:
             bucket = unpack_bucket(flat, layout)
@@ -330,7 +455,7 @@ class WeightReceiver:
             pairs.extend(bucket)
         engine.finish_weight_sync()
         self.applied_version = version
-        return version, pairs
+        return pairs
 
     def wait_stop(self, timeout: Optional[float] = None) -> None:
         """Block until the trainer says STOP (the run's end); raises when the trainer's side is gone."""

@@ -1,7 +1,7 @@
 """Disaggregated, asynchronous RL: the last `parallel.rollout_ranks` ranks only generate, the others only train, at once.
 
     torchrun --nproc_per_node 3 -m megatron_searchr1.train examples/grpo_tiny_cpu.yaml parallel.tp=2 \\
-        parallel.rollout_placement=disaggregated parallel.rollout_ranks=1 rollout.max_staleness=1 data.val_files=[]
+        parallel.rollout_placement=disaggregated parallel.rollout_ranks=1 rollout.max_staleness=1
 
     run_disaggregated(cfg)      # train.py: each rank takes its role (rollout/remote_sync.py RolePlan)
 
@@ -25,25 +25,37 @@ old, the wait for the batch, and the wall-clock intervals of the batch's generat
 `sync/remote_check_max_diff`, the largest difference between the weights a rollout rank's engine holds after
 loading a version and the weights sent (a few tensors, read back from the engine).
 
-A rollout rank that dies ends the run on every trainer rank with an error naming it (the receiving thread sees the
-closed connection; rank 0 tells the others in the step's broadcast); a trainer that dies makes the rollout ranks
-fail with "trainer rank 0 is gone". torchrun stops the remaining ranks either way.
+Validation runs on the first rollout rank between two of its batches (`validate` marks the version it sends; the
+report comes back on the batches channel and trainer rank 0 logs it under that step when it arrives). Each
+trajectory carries the version that generated it, which the staleness histogram (`async/staleness`) reads.
+
+The end of a run and failures (remote_sync's module doc): trainer rank 0 sends STOP with a reason and drains the
+batches channel until every rollout rank said DONE, so an early stop (trainer.stop_on_collapse) is a clean exit on
+every rank. A rank whose collective, send or receive fails names the ranks that are gone (heartbeats in torchrun's
+store) in one line; trainer rank 0 passes its line to the rollout ranks with STOP; a dead rollout rank is named by
+the trainer's receiving thread ("rollout rank 2 is gone"), a dead trainer rank 0 by the rollout ranks' weight
+receivers ("trainer rank 0 is gone").
 """
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+import sys
 import threading
 import time
 from typing import Optional
 
 import torch.distributed as dist
 
+from megatron_searchr1 import interrupt
 from megatron_searchr1.data.rl_data import dp_shard
 from megatron_searchr1.rollout.async_buffer import (AsyncBuffer, BufferClosed, GeneratedBatch, lag,
                                                     required_version)
-from megatron_searchr1.rollout.remote_sync import (BATCHES_TAG, ROLLOUT, Bridge, RolePlan, WeightReceiver,
-                                                   WeightSender, init_role_world, recv_object, send_object)
+from megatron_searchr1.rollout.remote_sync import (BATCHES_TAG, DONE, ROLLOUT, Bridge, Heartbeat, RolePlan,
+                                                   WeightReceiver, WeightSender, init_role_world, name_ranks,
+                                                   recv_object, send_object)
+from megatron_searchr1.search.client import RetrievalDown
 from megatron_searchr1.trainer.rl import Trainer
 
 CHECKED_TENSORS = 4
@@ -51,21 +63,70 @@ CHECKED_TENSORS = 4
 
 
 def run_disaggregated(cfg) -> int:
-    """The whole job on this rank: join its role world, then train (AsyncTrainer) or generate (serve_rollouts)."""
+    """The whole job on this rank: join its role world, then train (AsyncTrainer) or generate (serve_rollouts).
+    A failure here is reported with the ranks that are gone, when a peer's death caused it (`stopping_line`)."""
     from megatron_searchr1.megatron.initialize import resolve_device
 
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     plan = RolePlan(world, cfg.parallel.rollout_ranks)
     bridge = init_role_world(plan, rank, resolve_device(), cfg.parallel.timeout_minutes)
-    if bridge.role == ROLLOUT:
-        serve_rollouts(cfg, bridge)
-        return 0
-    trainer = AsyncTrainer(cfg, bridge)
+    heartbeat = Heartbeat(bridge.store, rank)
     try:
-        trainer.fit()
-    finally:
-        trainer.close()
+        if bridge.role == ROLLOUT:
+            serve_rollouts(cfg, bridge)
+        else:
+            trainer = AsyncTrainer(cfg, bridge)
+            try:
+                trainer.fit()
+            except BaseException as e:
+                trainer.close(reason=stopping_line(bridge, heartbeat, e) or type(e).__name__)  # rollout ranks stop
+                raise
+            trainer.close()
+    except Exception as e:
+        line = stopping_line(bridge, heartbeat, e)
+        if line is None:
+            raise
+        print(line, file=sys.stderr, flush=True)
+        raise RuntimeError(line) from e
+    heartbeat.done()
     return 0
+
+
+def stopping_line(bridge: Bridge, heartbeat: Heartbeat, error: BaseException) -> Optional[str]:
+    """One line for the failure `error` on this rank, naming the ranks that are gone when there are any
+    (heartbeats; found once, kept on the error); None for Ctrl-C, a lost retrieval server and a user mistake,
+    which have lines of their own (interrupt.py, cli.run_main)."""
+    from megatron_searchr1.cli import UsageError
+
+    if isinstance(error, (KeyboardInterrupt, RetrievalDown, UsageError)):
+        return None
+    if getattr(error, "stopping_line", None):
+        return error.stopping_line
+    me = f"rank {bridge.rank} ({bridge.role})"
+    text = str(error).splitlines()[0] if str(error) else ""
+    gone = heartbeat.gone(range(bridge.plan.world))
+    line = (f"{me}: {name_ranks(bridge.plan, gone)} is gone; stopping ({type(error).__name__}: {text})" if gone
+            else f"{me}: stopping on {type(error).__name__}: {text}")
+    try:
+        error.stopping_line = line
+    except AttributeError:
+        pass
+    return line
+
+
+def staleness_metrics(lags: list[int], max_staleness: int) -> dict[str, float]:
+    """The staleness histogram of one batch as scalars: the share of its samples at each lag 0..k+1 (the bound:
+    the same keys at every step), their mean and max.
+
+    >>> staleness_metrics([1, 1, 0, 1], max_staleness=0)
+    {'async/staleness_mean': 0.75, 'async/staleness_max': 1.0, 'async/staleness_share_lag0': 0.25, \
+'async/staleness_share_lag1': 0.75}
+    """
+    n = max(len(lags), 1)
+    out = {"async/staleness_mean": sum(lags) / n, "async/staleness_max": float(max(lags, default=0))}
+    for j in range(max_staleness + 2):
+        out[f"async/staleness_share_lag{j}"] = sum(1 for x in lags if x == j) / n
+    return out
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -85,7 +146,14 @@ class RemoteRollout:
                                    dtype=DTYPES[cfg.model.dtype if r.dtype == "auto" else r.dtype])
         self.buffer = AsyncBuffer(capacity=r.max_staleness + 1, max_staleness=r.max_staleness)
         self._receiver: Optional[threading.Thread] = None
+        self._closed = False
         self.version = 0
+        self._sent: Optional[tuple[int, dict]] = None  # (version, its sync stats): a version is gathered once
+        self._reports: list[dict] = []  # validation reports received (rank 0), not yet logged
+        self._requested: list[int] = []  # versions whose validation was asked for (rank 0)
+        self._reports_cond = threading.Condition()
+        self._receiving = False
+        self._failed: Optional[str] = None  # why the receiver stopped early (a rollout rank failed or is gone)
 
     def start(self, first_batch: int, first_version: int) -> None:
         """Tell the rollout ranks where the run starts (after a resume: batch = version = the step reached) and
@@ -97,31 +165,108 @@ class RemoteRollout:
         for dst in range(1, plan.rollout_ranks + 1):
             send_object(self.bridge.batches, {"first_batch": first_batch, "first_version": first_version,
                                               "t0": self.t0}, dst, BATCHES_TAG)
+        self._receiving = True
         self._receiver = threading.Thread(target=self._receive, args=(first_batch,), name="batch-receiver",
                                           daemon=True)
         self._receiver.start()
 
+    def _recv(self, src: int):
+        """The next message from bridge rank `src` that is not a validation report (those are kept for `reports`)."""
+        while True:
+            msg = recv_object(self.bridge.batches, src, BATCHES_TAG)
+            if not (isinstance(msg, dict) and "val" in msg):
+                return msg
+            with self._reports_cond:
+                self._reports.append(msg)
+                self._reports_cond.notify_all()
+
     def _receive(self, first_batch: int) -> None:
+        """Batches in order into the buffer; once the buffer is closed (the run's end, or an error), drain
+        (`_drain`)."""
+        try:
+            self._receive_batches(first_batch)
+        finally:
+            with self._reports_cond:
+                self._receiving = False
+                self._reports_cond.notify_all()
+
+    def _fail(self, message: str) -> None:
+        """The run cannot go on: the trainer's thread hears it from the buffer, a wait for reports from here."""
+        self.buffer.fail(message)
+        with self._reports_cond:
+            self._failed = self._failed or message
+            self._reports_cond.notify_all()
+
+    def _receive_batches(self, first_batch: int) -> None:
         plan, total = self.bridge.plan, self.cfg.trainer.total_steps
+        finished: set[int] = set()  # rollout ranks that said DONE or failed: nothing more comes from them
         for b in range(first_batch, total):
             src = 1 + b % plan.rollout_ranks
             try:
-                msg = recv_object(self.bridge.batches, src, BATCHES_TAG)
+                msg = self._recv(src)
             except BaseException as e:  # noqa: BLE001 (handed to the trainer's thread through the buffer)
-                self.buffer.fail(f"rollout rank {plan.global_rank(src)} is gone while the trainer waited for batch "
-                                 f"{b} ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
-                return
+                self._fail(f"rollout rank {plan.global_rank(src)} is gone while the trainer waited for batch "
+                           f"{b} ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
+                finished.add(src)
+                break
+            if msg == DONE:  # it stopped early: only after the trainer said STOP, so the run is closing
+                finished.add(src)
+                break
             if isinstance(msg, dict) and "error" in msg:
-                self.buffer.fail(f"rollout rank {plan.global_rank(src)} failed: {msg['error']}")
-                return
+                self._fail(f"rollout rank {plan.global_rank(src)} failed: {msg['error']}")
+                finished.add(src)
+                break
             if not self.buffer.put(msg):
-                return
+                break
+        self._drain(finished)
+
+    def _drain(self, finished: set) -> None:
+        """Receive from every rollout rank until it says DONE, keeping validation reports and discarding batches: a
+        rollout rank that was sending a batch when the trainer stopped completes its send and exits instead of
+        failing (remote_sync's end of a run)."""
+        plan = self.bridge.plan
+        for src in range(1, plan.rollout_ranks + 1):
+            while src not in finished:
+                try:
+                    msg = self._recv(src)
+                except BaseException as e:  # noqa: BLE001 (gone without a word: nothing more to drain)
+                    self._fail(f"rollout rank {plan.global_rank(src)} is gone ({type(e).__name__})")
+                    break
+                if isinstance(msg, dict) and "error" in msg:
+                    self._fail(f"rollout rank {plan.global_rank(src)} failed: {msg['error']}")
+                    break
+                if msg == DONE:
+                    break
 
     # -- what Trainer.step calls ----------------------------------------------------------------------------------
     def sync(self, policy) -> dict:
-        """Send the current weights (version = updates so far) to the rollout ranks; every trainer rank gathers."""
-        stats = self.sender.send(policy, self.version)
-        return stats
+        """Send the current weights (version = updates so far) to the rollout ranks; every trainer rank gathers.
+        A version already sent (for a validation) is not gathered again."""
+        if self._sent is None or self._sent[0] != self.version:
+            self._sent = (self.version, self.sender.send(policy, self.version))
+        return self._sent[1]
+
+    def request_validation(self, policy) -> None:
+        """Send the current weights marked for validation: the first rollout rank validates this version between
+        two of its batches and sends the report back (`reports`); nobody waits for it here."""
+        self._sent = (self.version, self.sender.send(policy, self.version, validate=True))
+        if self.leader:
+            with self._reports_cond:
+                self._requested.append(self.version)
+
+    def reports(self, wait: bool = False) -> list[dict]:
+        """The validation reports received so far (rank 0; [] elsewhere); with `wait`, first wait until every
+        requested one arrived, or the receiver stopped (an error: the run is ending anyway)."""
+        with self._reports_cond:
+            if wait:
+                self._reports_cond.wait_for(lambda: len(self._reports) >= len(self._requested)
+                                            or not self._receiving or self._failed)
+                if self._failed and len(self._reports) < len(self._requested):
+                    raise RuntimeError(f"validation of version {self._requested[len(self._reports)]}: "
+                                       f"{self._failed}")
+            out, self._reports = self._reports, []
+            del self._requested[:len(out)]
+            return out
 
     def sleep(self) -> None:
         pass
@@ -149,9 +294,15 @@ class RemoteRollout:
         batch, dropped = box[0]
         return batch, time.perf_counter() - start, dropped
 
-    def close(self) -> None:
+    def close(self, reason: Optional[str] = None) -> None:
+        """Stop the rollout ranks (STOP with `reason`, an error line or None) and wait until each said DONE."""
+        if self._closed:
+            return
+        self._closed = True
         self.buffer.close()
-        self.sender.close()
+        self.sender.close(reason=reason)
+        if self._receiver is not None:
+            self._receiver.join(timeout=self.bridge.timeout.total_seconds())
 
 
 class AsyncTrainer(Trainer):
@@ -176,26 +327,56 @@ class AsyncTrainer(Trainer):
         trajs = dp_shard(p["trajs"], self.roles.dp_rank, self.roles.dp_size)
         scores = dp_shard(p["scores"], self.roles.dp_rank, self.roles.dp_size)
         t0 = self.remote.t0
+        lags = [lag(self.step_no, tr.meta.get("policy_version", batch.version)) for tr in p["trajs"]]
+        self.roles.logger.histogram(self.step_no, "async/staleness", lags)  # the whole batch: rank 0 logs
         metrics = {**p["metrics"],
                    "async/version": float(batch.version), "async/lag": float(lag(self.step_no, batch.version)),
                    "async/batch": float(batch.index), "async/dropped": float(dropped), "async/wait_s": waited,
                    "async/gen_start_s": batch.gen_start - t0, "async/gen_end_s": batch.gen_end - t0,
+                   **staleness_metrics(lags, self.cfg.rollout.max_staleness),
                    **{f"sync/{k}": v for k, v in p.get("sync", {}).items()}}
         self._train_start = time.time() - t0
         return trajs, scores, [f"{batch.index}:{tr.uid}" for tr in trajs], metrics
 
     def step(self) -> dict:
+        self.log_reports()
         metrics = super().step()
         metrics["async/train_start_s"] = self._train_start  # generate_batch returned: the training began
         metrics["async/train_end_s"] = time.time() - self.remote.t0
         return metrics
 
-    def validate(self) -> dict:
-        raise RuntimeError("validation is not run by the disaggregated placement (Config.check_placement)")
+    def fit(self) -> dict:
+        out = super().fit()
+        self.remote.buffer.close()  # no batch is trained any more: the receiver only drains (and keeps reports)
+        self.log_reports(wait=True)  # the last validation (the final one) before the rollout ranks stop
+        return out
 
-    def close(self) -> None:
+    def validate(self) -> dict:
+        """Ask for a validation of the current version on the first rollout rank (between its batches); its report
+        is logged under this step when it arrives (`log_reports`), so training does not wait for it."""
+        interrupt.note(f"asking for validation at step {self.step_no}")
+        self.remote.request_validation(self.policy)
+        return {}
+
+    def log_reports(self, wait: bool = False) -> None:
+        """Log the validation reports that arrived (trainer rank 0 holds them): val/* metrics at the step of their
+        version, the table on the console, val_report.jsonl, val_trajectories.jsonl (Trainer.validate's outputs)."""
+        from megatron_searchr1.trainer.reports import format_eval_table, summarize_eval
+
+        cfg, logger = self.cfg, self.roles.logger
+        for msg in self.remote.reports(wait=wait):
+            step = int(msg["val"])
+            report = summarize_eval(msg["records"], max_error_rate=cfg.retrieval.max_error_rate)
+            logger.log(step, {f"val/{k}": v for k, v in report["metrics"].items()})
+            logger.trajectories(step, msg["samples"], name="val_trajectories.jsonl")
+            print(format_eval_table(report, title=f"validation at step {step} (rollout rank "
+                                                  f"{self.remote.bridge.plan.global_rank(1)})"), flush=True)
+            with open(os.path.join(cfg.trainer.output_dir, "val_report.jsonl"), "a") as f:
+                f.write(json.dumps({"step": step, **report}) + "\n")
+
+    def close(self, reason: Optional[str] = None) -> None:
         try:
-            self.remote.close()
+            self.remote.close(reason=reason)
         finally:
             super().close()
 
@@ -233,8 +414,8 @@ def serve_rollouts(cfg, bridge: Bridge) -> None:
     from megatron_searchr1.rollout.engines import make_engine
     from megatron_searchr1.rollout.loop import LoopSettings
     from megatron_searchr1.search.client import RetrievalClient, SearchGuard
-    from megatron_searchr1.trainer import losses
-    from megatron_searchr1.trainer.build import engine_kwargs, load_data, load_tokenizer
+    from megatron_searchr1.trainer import losses, reports
+    from megatron_searchr1.trainer.build import engine_kwargs, launch_server, load_data, load_tokenizer
     from megatron_searchr1.trainer.roles import RolloutWorker
     from megatron_searchr1.trainer.sources import stop_token_ids
 
@@ -244,16 +425,45 @@ def serve_rollouts(cfg, bridge: Bridge) -> None:
     tokenizer = load_tokenizer(cfg.model.path, hf_config, cfg.data.chat_template)
     data = load_data(cfg, tokenizer, log=False)
     receiver = WeightReceiver(bridge)
+    server, url = None, q.url
+    if q.launch:  # the rollout ranks are the only clients: the first of them on each node starts its server
+        server, url = launch_server(cfg)
+        if server is not None:
+            print(f"rank {bridge.rank} (rollout): started the retrieval server {url} for this node's rollout ranks",
+                  flush=True)
     engine = make_engine(r.engine, cfg.model.path, **engine_kwargs(cfg, dist.get_rank()))
-    client = RetrievalClient(q.url, topk=q.topk, timeout=q.timeout)
-    guard = SearchGuard(client.search, q.url, q.max_error_rate, q.max_failed_rounds)
-    settings = LoopSettings(max_turns=r.max_turns, max_tokens_per_turn=r.max_tokens_per_turn,
-                            max_response_length=r.max_response_length, max_obs_length=r.max_obs_length,
-                            stop_token_ids=tuple(stop_token_ids(tokenizer, cfg.model.path)),
-                            temperature=r.temperature, top_p=r.top_p if r.temperature > 0 else 1.0,
+    client = RetrievalClient(url, topk=q.topk, timeout=q.timeout)
+    guard = SearchGuard(client.search, url, q.max_error_rate, q.max_failed_rounds)
+    common = dict(max_turns=r.max_turns, max_tokens_per_turn=r.max_tokens_per_turn,
+                  max_response_length=r.max_response_length, max_obs_length=r.max_obs_length,
+                  stop_token_ids=tuple(stop_token_ids(tokenizer, cfg.model.path)))
+    settings = LoopSettings(**common, temperature=r.temperature, top_p=r.top_p if r.temperature > 0 else 1.0,
                             top_k=r.top_k if r.temperature > 0 else -1)
+    val_settings = LoopSettings(**common, temperature=r.val_temperature, seed=t.seed)  # RolloutWorker's
+
+    def validate_due() -> None:
+        """Validate the version the trainer marked (only the first rollout rank gets marks), send the report."""
+        due = receiver.take_due()
+        if due is None:
+            return
+        version, buckets = due
+        interrupt.note(f"validating version {version}")
+        if receiver.applied_version != version:
+            receiver.load(engine, version, buckets)
+        records, samples = [], []
+        for start in range(0, len(data.val), cfg.data.val_batch_size):
+            trajs = RolloutWorker.make_trajectories(data.val[start:start + cfg.data.val_batch_size], 1)
+            loop.run_rollout(engine, tokenizer, guard, trajs, val_settings)
+            for tr, sc in zip(trajs, losses.score_trajectories(trajs, tokenizer, cfg.algo)):
+                if len(samples) < cfg.logging.trajectories_per_step:
+                    samples.append(reports.eval_sample(tokenizer, tr, sc))
+                records.append(reports.eval_record(tr, sc))
+        guard.take()  # validation's searches are in the report's records, not in the next batch's error rate
+        send_object(bridge.batches, {"val": version, "records": records, "samples": samples}, 0, BATCHES_TAG)
+
     start = recv_object(bridge.batches, 0, BATCHES_TAG)
     first_batch, first_version = start["first_batch"], start["first_version"]
+    interrupt.reassert()  # Ctrl-C: our one-line exit, whatever vLLM installed while the engine was built
     sampler = PromptSampler(len(data.train), cfg.data.train_batch_size, t.seed, cfg.data.shuffle)
     for _ in range(first_batch):  # the data cursor: batch b is the b-th draw, whichever run drew the earlier ones
         sampler.next_batch()
@@ -263,14 +473,19 @@ def serve_rollouts(cfg, bridge: Bridge) -> None:
             rows = [data.train[i] for i in sampler.next_batch()]
             if b % plan.rollout_ranks != me:
                 continue
-            if not receiver.wait_for(required_version(b, r.max_staleness, first_version)):
-                break  # the trainer stopped early (e.g. trainer.stop_on_collapse)
+            interrupt.note(f"generating batch {b} of {t.total_steps}")
+            if (receiver.stopped or not receiver.wait_for(required_version(b, r.max_staleness, first_version))
+                    or receiver.stopped):
+                break  # the trainer stopped early (trainer.stop_on_collapse, or an error: stop_reason)
+            validate_due()
             loaded = receiver.apply(engine)
             if loaded is not None:
                 check = check_engine_weights(engine, loaded[1])
             version = receiver.applied_version
             gen_start = time.time()
             trajs = RolloutWorker.make_trajectories(rows, r.n)
+            for tr in trajs:
+                tr.meta["policy_version"] = version  # per sample: the staleness histogram reads it
             seed = t.seed * 1_000_003 + (b + 1) * 7919 + me * SHARE_SEED_STRIDE  # Trainer.step_seed of step b+1
             stats = loop.run_rollout(engine, tokenizer, guard, trajs, dataclasses.replace(settings, seed=seed))
             scores = losses.score_trajectories(trajs, tokenizer, cfg.algo)
@@ -283,6 +498,12 @@ def serve_rollouts(cfg, bridge: Bridge) -> None:
             send_object(bridge.batches, GeneratedBatch(index=b, version=version, payload=payload,
                                                        gen_start=gen_start, gen_end=time.time(), rank=bridge.rank),
                         0, BATCHES_TAG)
+        interrupt.note("waiting for the trainer's stop")
+        while True:  # a validation asked for after the last batch (the final one) comes before STOP
+            validate_due()
+            if receiver.stopped:
+                break
+            receiver.wait_due_or_stop()
     except BaseException as e:
         # tell the trainer why, if it still listens; then fail this rank (torchrun stops the job)
         try:
@@ -290,7 +511,13 @@ def serve_rollouts(cfg, bridge: Bridge) -> None:
         except Exception:  # noqa: BLE001 (the trainer may be gone too)
             pass
         raise
-    receiver.wait_stop()
+    send_object(bridge.batches, DONE, 0, BATCHES_TAG)  # trainer rank 0 drains until it hears this
     if hasattr(engine, "close"):
         engine.close()
     client.close()
+    if server is not None:
+        server.stop()
+    if receiver.stop_reason:
+        err = RuntimeError(f"rank {bridge.rank} (rollout): trainer rank 0 stopped the run: {receiver.stop_reason}")
+        err.stopping_line = str(err)  # run_disaggregated prints it as it is
+        raise err

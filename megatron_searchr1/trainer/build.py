@@ -126,18 +126,22 @@ def actor_settings(cfg, hf_config, dtype: torch.dtype) -> dict:
 
 
 def launch_server(cfg: Config):
-    """One retrieval server per node (local rank 0 starts it); every rank gets its node's URL."""
+    """One retrieval server per node, started by the rank of the default world with the lowest local rank on that
+    node (local rank 0 when every rank is a client; in the disaggregated placement the rollout ranks' world, whose
+    lowest local rank on a node need not be 0); every rank gets its node's URL. Returns (the server this rank
+    started or None, the URL)."""
+    host, local_rank = socket.gethostname(), int(os.environ.get("LOCAL_RANK", "0"))
+    ranks = [None] * dist.get_world_size()
+    dist.all_gather_object(ranks, (host, local_rank))
     server, url = None, None
-    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+    if local_rank == min(lr for h, lr in ranks if h == host):
         server = ServerProcess(list(cfg.retrieval.server_args), start_timeout=cfg.retrieval.launch_timeout,
                                timeout_hint="raise retrieval.launch_timeout").start()
         url = server.url
     urls = [None] * dist.get_world_size()
-    dist.all_gather_object(urls, (socket.gethostname(), url))
-    mine = [u for host, u in urls if host == socket.gethostname() and u]
+    dist.all_gather_object(urls, (host, url))
+    mine = [u for h, u in urls if h == host and u]
     return server, mine[0]
-
-
 
 
 def load_tokenizer(path: str, hf_config, chat_template: str = "auto"):

@@ -28,6 +28,17 @@ def test_disaggregated_trains_on_the_ranks_left():
     c.validate(world_size=3, check_files=False)  # 2 trainer ranks at TP=2 (DP=1) + 1 rollout rank
 
 
+def test_disaggregated_validates_on_its_rollout_ranks():
+    # validation runs on the first rollout rank between versions (trainer/async_rl.py): val files are accepted
+    cfg(*DISAGG[:2], "data.val_files=[v.parquet]", "trainer.test_freq=2").validate(world_size=3, check_files=False)
+
+
+def test_disaggregated_launches_retrieval_from_its_rollout_ranks():
+    # the first rollout rank on each node starts the server (trainer/async_rl.py serve_rollouts)
+    cfg(*DISAGG, "retrieval.launch=true", "retrieval.server_args=[--index-dir,x]").validate(world_size=3,
+                                                                                             check_files=False)
+
+
 @pytest.mark.parametrize("overrides, world, message", [
     (["parallel.rollout_placement=disaggregated"], 3, "parallel.rollout_ranks >= 1"),
     (["parallel.rollout_ranks=1"], 3, "parallel.rollout_placement=disaggregated"),
@@ -38,8 +49,7 @@ def test_disaggregated_trains_on_the_ranks_left():
     ([*DISAGG, "parallel.pp=2"], 3, "parallel.pp=1"),
     ([*DISAGG, "model.lora.rank=8"], 3, "model.lora.rank=0"),
     ([*DISAGG, "algo.filter_groups=true"], 3, "algo.filter_groups=false"),
-    ([*DISAGG[:2], "data.val_files=[v.parquet]"], 3, "data.val_files=[]"),
-    ([*DISAGG, "retrieval.launch=true", "retrieval.server_args=[--index-dir,x]"], 3, "retrieval.url"),
+    ([*DISAGG, "trainer.val_only=true"], 3, "parallel.rollout_placement=colocated"),
     # the DP checks apply to the trainer's world: 3 ranks - 1 = 2 trainer ranks at TP=1 is DP=2
     ([*DISAGG, "data.train_batch_size=3", "algo.ppo_mini_batch_size=3"], 3, "multiple of the DP size 2"),
     ([*DISAGG, "parallel.tp=2"], 4, "leaves 3 trainer ranks of 4"),

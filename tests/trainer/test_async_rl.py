@@ -4,9 +4,15 @@ a live BM25 server, rollout.max_staleness 0 and 2. What each run must show, step
 - overlap: the batch step t+1 trains was generated while step t trained (the intervals intersect);
 - the weights arrived: after each load the rollout engine's weights equal the ones sent (read back), its version is
   the batch's, and at step 1 (lag 0) the engine's log-probs are the trainer's;
-- the loss is finite and the weights move.
-Also slow: a rollout rank that dies mid-run (async_kill_script.py) stops the trainer ranks with an error naming it;
-a run stopped at step 2 and resumed to 4 keeps the data cursor (each step trains its own draw) and the versions.
+- the loss is finite and the weights move;
+- at k = 2, validation runs on the rollout rank (steps 2 and 4) and trainer rank 0 logs its reports;
+- the staleness histogram (per sample, TensorBoard and the async/staleness_* scalars) is the batch's lag, and the
+  rollout correction's mismatch metrics (actor/rc_*) measure the off-policy gap: ~0 on policy, > 0 one step off.
+Also slow: a rank that dies mid-run (async_kill_script.py: the rollout rank, or trainer rank 1) stops every other
+rank with an error naming it; a run whose trainer stops early at step 2 (async_stop_script.py, as
+trainer.stop_on_collapse does) exits cleanly on every rank while its rollout rank generates, and resumed to 4 (with
+retrieval.launch: the rollout rank starts the server) keeps the data cursor (each step trains its own draw) and the
+versions.
 Plus the pure pieces: RolePlan and the object / bucket messages over a real gloo pair."""
 from __future__ import annotations
 
@@ -19,6 +25,7 @@ import time
 
 import pytest
 
+from megatron_searchr1.metrics import read_histograms
 from tests.dist_utils import REPO
 from tests.rl_fixtures import child_env, rl_root, run_module, server, tiny_model, world  # noqa: F401 (fixtures)
 
@@ -37,6 +44,17 @@ def async_args(world_dir: str, model_dir: str, url: str, out: str, k: int) -> li
             f"rollout.max_staleness={k}"]
 
 
+def script_run(script: str, args: list[str], env: dict, timeout: float, monitor_s: int = 30
+               ) -> subprocess.CompletedProcess:
+    """torchrun of tests/trainer/<script> over 3 ranks, torchrun's monitor slowed to `monitor_s`: a rank that fails
+    must be noticed by the others, not by torchrun ending them (torchrun checks its workers once per interval, from
+    their start: a death that falls on a tick is ended by torchrun first)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3",
+           f"--monitor-interval={monitor_s}", os.path.join(REPO, "tests", "trainer", script), *args]
+    return subprocess.run(cmd, cwd=REPO, env={**child_env(), **env}, capture_output=True, text=True,
+                          timeout=timeout)
+
+
 def step_records(out: str) -> dict[int, dict]:
     with open(os.path.join(out, "metrics.jsonl")) as f:
         recs = [json.loads(line) for line in f]
@@ -47,7 +65,11 @@ def step_records(out: str) -> dict[int, dict]:
 @pytest.mark.parametrize("k", [0, 2])
 def test_disaggregated_grpo_keeps_the_bound_overlaps_and_syncs(world, tiny_model, server, tmp_path, k):
     out = str(tmp_path / f"async_k{k}")
-    proc = run_module("megatron_searchr1.train", async_args(world, tiny_model, server, out, k), nproc=3, timeout=900)
+    args = async_args(world, tiny_model, server, out, k)
+    if k == 2:  # validation on the rollout rank at steps 2 and 4 (the last one, awaited before the end)
+        args = [a for a in args if not a.startswith("data.val_files")] + [
+            f"data.val_files=[{world}/validation.parquet]", "data.val_max_samples=4", "trainer.test_freq=2"]
+    proc = run_module("megatron_searchr1.train", args, nproc=3, timeout=900)
     log = proc.stdout + proc.stderr
     steps = step_records(out)
     assert sorted(steps) == list(range(1, STEPS + 1)), log[-3000:]
@@ -73,21 +95,54 @@ def test_disaggregated_grpo_keeps_the_bound_overlaps_and_syncs(world, tiny_model
         assert all(steps[t]["async/lag"] == 1 for t in range(2, STEPS + 1))  # exactly one step off policy
     # the weights moved: where the batch's policy is older than the trainer's, the engine's log-probs differ
     assert any(steps[t]["train/logprob_gap_engine"] > 1e-4 for t in steps if steps[t]["async/lag"] > 0)
+    # staleness per sample: every sample of a batch carries its batch's version (no partial rollouts), so the
+    # histogram is one bar at the batch's lag; the shares cover lags 0..k+1 at every step
+    hist = read_histograms(os.path.join(out, "tensorboard"))["async/staleness"]
+    assert [h[0] for h in hist] == list(range(1, STEPS + 1)), hist
+    for step, count, lo, hi in hist:
+        m = steps[step]
+        assert count == 8 and lo == hi == m["async/lag"], (step, count, lo, hi)  # 4 prompts x rollout.n 2
+        assert m["async/staleness_mean"] == m["async/staleness_max"] == m["async/lag"]
+        assert m[f"async/staleness_share_lag{int(m['async/lag'])}"] == 1.0
+        assert sorted(k for k in m if k.startswith("async/staleness_share_lag")) == \
+            [f"async/staleness_share_lag{j}" for j in range(k + 2)]
+    # the rollout correction's mismatch metrics (behaviour = the engine's version, proximal = the trainer's):
+    # on policy at step 1 the two agree; off policy they part
+    assert steps[1]["actor/rc_mismatch_kl"] < 1e-4
+    off = [t for t in steps if steps[t]["async/lag"] > 0]
+    assert all(math.isfinite(steps[t]["actor/rc_mismatch_kl"]) for t in steps)
+    assert max(steps[t]["actor/rc_mismatch_kl"] for t in off) > 1e-6, [steps[t]["actor/rc_mismatch_kl"] for t in off]
+    if k == 2:
+        with open(os.path.join(out, "val_report.jsonl")) as f:
+            reports = [json.loads(line) for line in f]
+        assert [r["step"] for r in reports] == [2, 4], log[-3000:]
+        assert all(r["table"]["all"]["n"] == 4 and "all/em" in r["metrics"] for r in reports), reports
+        with open(os.path.join(out, "metrics.jsonl")) as f:
+            val_rows = [json.loads(line) for line in f if '"val/all/em"' in line]
+        assert sorted(r["step"] for r in val_rows) == [2, 4]
+        assert "validation at step 4 (rollout rank 2)" in log
 
 
 @pytest.mark.slow
-def test_a_dead_rollout_rank_stops_the_trainer_ranks_with_its_name(world, tiny_model, server, tmp_path):
-    # the rollout rank (rank 2) exits with code 9 as it starts batch 1; torchrun's monitor is slowed to 30 s so the
-    # trainer ranks must find out by themselves (the closed connection), not by being killed
-    out = str(tmp_path / "killed")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3", "--monitor-interval=30",
-           os.path.join(REPO, "tests", "trainer", "async_kill_script.py"),
-           *async_args(world, tiny_model, server, out, k=0)]
+@pytest.mark.parametrize("die", ["rollout", "trainer"])
+def test_a_dead_rank_stops_every_other_rank_with_its_name(world, tiny_model, server, tmp_path, die):
+    # rollout: the rollout rank (rank 2) exits with code 9 as it starts batch 1; the trainer ranks find out by the
+    # closed connection. trainer: trainer rank 1 exits with code 9 as it takes its second batch; rank 0 finds out in
+    # the next collective and names it (heartbeats), then stops the rollout rank with that reason
+    out = str(tmp_path / f"killed_{die}")
+    env = {"ASYNC_DIE_RANK": "2" if die == "rollout" else "1"}
     start = time.time()
-    proc = subprocess.run(cmd, cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=600)
+    # trainer rank 1 dies ~30 s after the start, on torchrun's first tick at 30 s: its monitor waits 90 s there
+    proc = script_run("async_kill_script.py", async_args(world, tiny_model, server, out, k=0), env, timeout=600,
+                      monitor_s=30 if die == "rollout" else 90)
     log = proc.stdout + proc.stderr
     assert proc.returncode != 0, log[-3000:]
-    assert log.count("rollout rank 2 is gone") >= 2, log[-5000:]  # both trainer ranks say it
+    if die == "rollout":
+        assert log.count("rollout rank 2 is gone") >= 2, log[-5000:]  # both trainer ranks say it
+    else:
+        assert "rank 0 (trainer): rank 1 (trainer) is gone" in log, log[-5000:]
+        assert "rank 2 (rollout): trainer rank 0 stopped the run: rank 0 (trainer): rank 1 (trainer) is gone" \
+            in log, log[-5000:]
     assert time.time() - start < 300, log[-3000:]
 
 
@@ -99,12 +154,19 @@ def test_a_resumed_run_continues_the_data_cursor_and_the_versions(world, tiny_mo
 
     from megatron_searchr1.data.rl_data import PromptSampler, load_prompts
 
+    # the first run stops itself at step 2 of 4 (as trainer.stop_on_collapse would) while its rollout rank
+    # generates batch 2: every rank exits cleanly
     out = str(tmp_path / "resumed")
     args = async_args(world, tiny_model, server, out, k=0)
-    run_module("megatron_searchr1.train", [a for a in args if not a.startswith("trainer.total_steps")]
-               + ["trainer.total_steps=2"], nproc=3, timeout=900)
-    proc = run_module("megatron_searchr1.train", args, nproc=3, timeout=900)
+    first = script_run("async_stop_script.py", args, {"ASYNC_STOP_AT": "2"}, timeout=900)
+    assert first.returncode == 0, (first.stdout + first.stderr)[-5000:]
+    assert "Traceback" not in first.stdout + first.stderr, (first.stdout + first.stderr)[-5000:]
+    assert sorted(step_records(out)) == [1, 2]
+    # resumed with retrieval.launch: the rollout rank starts its node's server (and stops it at the end)
+    proc = run_module("megatron_searchr1.train", [a for a in args if not a.startswith("retrieval.url")] + [
+        "retrieval.launch=true", f"retrieval.server_args=[--index-dir,{world}/index_bm25]"], nproc=3, timeout=900)
     assert "at step 2" in proc.stdout + proc.stderr
+    assert "rank 2 (rollout): started the retrieval server http://" in proc.stdout + proc.stderr
     steps = step_records(out)
     assert sorted(steps) == [1, 2, 3, 4]
     assert [steps[t]["async/batch"] for t in (3, 4)] == [2, 3]
@@ -128,3 +190,27 @@ def test_role_plan():
     assert [p.global_rank(b) for b in range(3)] == [0, 3, 4]
     with pytest.raises(ValueError):
         RolePlan(world=2, rollout_ranks=2)
+
+
+def test_heartbeat_names_a_rank_that_stopped_beating_not_one_that_said_done():
+    import torch.distributed as dist
+
+    from megatron_searchr1.rollout.remote_sync import Heartbeat
+
+    store = dist.HashStore()
+    beats = [Heartbeat(store, r, interval=0.05) for r in range(3)]
+    assert beats[0].gone(range(3)) == []
+    beats[1]._stop.set()  # dies: no more beats, no done()
+    beats[1]._thread.join()  # (a beat it was about to make when stopped lands now, not in gone()'s window)
+    beats[2].done()       # leaves cleanly
+    assert beats[0].gone(range(3)) == [1]
+
+
+def test_run_logger_histogram_reads_back(tmp_path):
+    from megatron_searchr1.metrics import RunLogger
+
+    logger = RunLogger(str(tmp_path), enabled=True)
+    logger.histogram(3, "async/staleness", [1, 1, 2, 0])
+    logger.histogram(4, "async/staleness", [])  # nothing to draw: no event
+    logger.close()
+    assert read_histograms(logger.tb_dir) == {"async/staleness": [(3, 4.0, 0.0, 2.0)]}

@@ -1,0 +1,152 @@
+# PYTHONPATH=$PWD python tools/benchmarks/bench_async.py --work-dir /tmp/bench_async
+# (~6-8 min on 2 cores: world + tiny model once, cached in --work-dir; then two torchrun runs of the RL trainer)
+"""Samples per second of the synchronous colocated trainer vs the disaggregated asynchronous one, side by side.
+
+The same RL work twice, one run after the other on this machine, the tiny recipe (`examples/grpo_tiny_cpu.yaml`
+scaled down: the test suite's tiny Qwen2, 4 prompts x 2 samples per step, vLLM on the CPU, a live BM25 server):
+  (a) colocated: `torchrun --nproc_per_node 2`, TP=2; every rank generates, then every rank trains;
+  (b) disaggregated: `torchrun --nproc_per_node 3`, the same 2 trainer ranks at TP=2 plus 1 rollout rank,
+      `rollout.max_staleness` k (default 1): the rollout rank generates batch t+1 while the trainer trains batch t.
+Throughput = samples trained in steps 2..S over the sum of those steps' `time/step` (step 1 holds start-up costs
+that differ between the two: the first weights, vLLM's warm-up).
+
+The long tail. A multi-turn search step waits for its slowest trajectory (one question needs four searches,
+another none); a random tiny model on the CPU has no such tail of its own. So every generate call (one per step in
+(a), one per batch in (b); the k-th call of a run is batch k in both) is followed by a sleep drawn from a Pareto
+distribution (shape --tail-alpha, scale --tail-scale seconds; the same seeded sequence in both runs): the time the
+batch's slowest trajectory adds. A sleep takes no CPU, which models what disaggregation has on real hardware and
+this 2-core VM has not: generation on devices of its own. What the generation and the update really compute still
+shares the two cores in (b), so the ratio is a lower bound of what separate devices give for the same tail.
+
+Prints one table: per run the steps timed, mean step time, samples/s, and the ratio (b)/(a).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TINY_MODEL = dict(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=2, num_kv_heads=2, vocab_size=1000,
+                  tie_embeddings=True)
+
+
+def tail_delays(n: int, alpha: float, scale: float, seed: int = 0) -> list[float]:
+    """The k-th generate call's extra seconds: Pareto(alpha) x scale, seeded.
+
+    >>> d = tail_delays(1000, alpha=1.5, scale=0.5); min(d) >= 0.5, max(d) > 10 * sorted(d)[500]
+    (True, True)
+    """
+    rng = random.Random(seed)
+    return [scale * rng.paretovariate(alpha) for _ in range(n)]
+
+
+def child() -> int:
+    """Inside a torchrun rank: the trainer with the tail added after each generate call (module doc)."""
+    from megatron_searchr1.rollout import loop
+
+    alpha, scale = float(os.environ["BENCH_TAIL_ALPHA"]), float(os.environ["BENCH_TAIL_SCALE"])
+    delays = tail_delays(10_000, alpha, scale)
+    real, calls = loop.run_rollout, []
+
+    def slow_tail_run_rollout(*args, **kw):
+        out = real(*args, **kw)
+        import time
+
+        time.sleep(delays[len(calls)])
+        calls.append(1)
+        return out
+
+    loop.run_rollout = slow_tail_run_rollout
+    from megatron_searchr1.train import cli
+
+    sys.argv = [sys.argv[0], *sys.argv[2:]]  # drop --child
+    return cli()
+
+
+def build_inputs(work: str) -> tuple[str, str]:
+    """(world dir, tiny model dir) under `work`, made once."""
+    world, model = os.path.join(work, "world"), os.path.join(work, "tiny_model")
+    if not os.path.isfile(os.path.join(world, "train.parquet")):
+        subprocess.run([sys.executable, "-m", "megatron_searchr1.data.make_world", "--out-dir", world, "--template",
+                        "short", "--oracle", "bm25", "--seed", "0"], check=True, cwd=REPO)
+    if not os.path.isfile(os.path.join(model, "config.json")):
+        from megatron_searchr1.demo import world_text
+        from megatron_searchr1.models.tiny import TinyModelConfig, make_tiny_model
+
+        text = os.path.join(work, "world_text.txt")
+        world_text(world, text)
+        make_tiny_model(TinyModelConfig(output_dir=model, text_files=[text], **TINY_MODEL))
+    return world, model
+
+
+def run(name: str, nproc: int, extra: list[str], world: str, model: str, url: str, out: str, steps: int,
+        env: dict) -> dict:
+    args = [os.path.join(REPO, "examples", "grpo_tiny_cpu.yaml"), f"model.path={model}", "model.megatron_ckpt=null",
+            f"retrieval.url={url}", f"data.train_files=[{world}/train.parquet]", "data.val_files=[]",
+            "data.train_batch_size=4", "algo.ppo_mini_batch_size=4", "rollout.temperature=1.0", "rollout.n=2",
+            "rollout.max_turns=2", "rollout.max_tokens_per_turn=24", "rollout.max_response_length=160",
+            "rollout.max_obs_length=64", "rollout.kv_cache_gib=0.25", "trainer.save_freq=0",
+            "trainer.val_before_train=false", "trainer.export_hf=false", "logging.progress_bar=false",
+            f"trainer.total_steps={steps}", f"trainer.output_dir={out}", "parallel.tp=2", *extra]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           os.path.abspath(__file__), "--child", *args]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.exit(f"error: the {name} run failed (rc {proc.returncode}):\n{(proc.stdout + proc.stderr)[-4000:]}")
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        recs = [json.loads(line) for line in f]
+    timed = [r for r in recs if "time/step" in r and r["step"] >= 2]
+    seconds = sum(r["time/step"] for r in timed)
+    samples = 4 * 2 * len(timed)
+    return {"name": name, "steps": len(timed), "step_s": seconds / len(timed), "samples_per_s": samples / seconds,
+            "lag": [r.get("async/lag") for r in timed]}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--work-dir", default="/tmp/bench_async", help="world, model and runs (world and model reused)")
+    p.add_argument("--steps", type=int, default=5, help="RL steps per run (steps 2.. are timed)")
+    p.add_argument("--max-staleness", type=int, default=1, help="rollout.max_staleness of the async run")
+    p.add_argument("--tail-alpha", type=float, default=1.5, help="Pareto shape of the per-batch tail (smaller: longer)")
+    p.add_argument("--tail-scale", type=float, default=1.0, help="Pareto scale: the shortest tail, seconds")
+    args = p.parse_args(argv)
+    if args.steps < 2:
+        sys.exit("error: --steps must be >= 2 (step 1 is not timed)")
+    from megatron_searchr1.search.launch import ServerProcess
+
+    os.makedirs(args.work_dir, exist_ok=True)
+    world, model = build_inputs(args.work_dir)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
+           "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "BENCH_TAIL_ALPHA": str(args.tail_alpha), "BENCH_TAIL_SCALE": str(args.tail_scale)}
+    delays = tail_delays(args.steps, args.tail_alpha, args.tail_scale)
+    print(f"tail per generate call (s): {', '.join(f'{d:.1f}' for d in delays)}", flush=True)
+    with ServerProcess(["--index-dir", os.path.join(world, "index_bm25")]) as server:
+        runs = []
+        for name, nproc, extra in [
+            ("colocated, synchronous", 2, []),
+            (f"disaggregated, async k={args.max_staleness}", 3,
+             ["parallel.rollout_placement=disaggregated", "parallel.rollout_ranks=1",
+              f"rollout.max_staleness={args.max_staleness}"]),
+        ]:
+            out = os.path.join(args.work_dir, "colocated" if nproc == 2 else "disaggregated")
+            subprocess.run(["rm", "-rf", out], check=True)
+            runs.append(run(name, nproc, extra, world, model, server.url, out, args.steps, env))
+            print(f"{name}: done", flush=True)
+    base = runs[0]["samples_per_s"]
+    print(f"\n| run | steps timed | mean step (s) | samples/s | vs colocated |\n|---|---|---|---|---|")
+    for r in runs:
+        print(f"| {r['name']} | {r['steps']} | {r['step_s']:.2f} | {r['samples_per_s']:.3f} | "
+              f"{r['samples_per_s'] / base:.2f}x |")
+    print(f"async lags per timed step: {runs[1]['lag']}")
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--child":
+        sys.exit(child())
+    sys.exit(main())
