@@ -14,30 +14,28 @@ much less). A paired comparison of two settings is two runs of this script with 
 """
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
 import tempfile
 import time
 
+from megatron_searchr1.cli import ArgumentParser, at_least  # stdlib-only: no heavy import
+
 EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "examples")
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("dataset_dir", help="a directory with dataset_info.json (the demo's <work>/sft_data)")
     p.add_argument("--datasets", required=True, help="comma-separated dataset names of dataset_info.json")
     p.add_argument("--model", required=True, help="HF model directory (the demo's <work>/tiny_model)")
-    p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--steps", type=at_least(1), default=30, help="timed steps")
+    p.add_argument("--warmup", type=at_least(0), default=3, help="untimed steps before them")
+    p.add_argument("--batch", type=at_least(1), default=16, help="examples per optimizer step (all ranks)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="an SFT config override")
     p.add_argument("--profile", action="store_true", help="cProfile rank 0's timed steps")
     a = p.parse_args(argv)
-    if a.steps < 1 or a.warmup < 0 or a.batch < 1:
-        print("error: --steps and --batch must be >= 1, --warmup >= 0", file=sys.stderr)
-        raise SystemExit(2)
     if not os.path.isfile(os.path.join(a.dataset_dir, "dataset_info.json")):
         print(f"error: {a.dataset_dir} has no dataset_info.json", file=sys.stderr)
         raise SystemExit(2)
