@@ -9,6 +9,9 @@ import pytest
 
 from megatron_searchr1.search.dense import FACTORY, FaissConfig, IndexTooSmall
 
+# opq_ivf_pq is served by its own test below (it needs 1000 passages); its PQ size and recall bound: a
+# smaller PQ trains the rotation faster, the bound is bench_index's measured recall@3 less a margin.
+OPQ_TEST_PQ_M, OPQ_TEST_MIN_RECALL3 = "16", 0.80
 SERVED = ["flat", "fp16", "sq8", "sq6", "hnsw", "ivf_flat", "ivf_sq8", "ivf_pq"]  # opq_ivf_pq needs 1000 passages
 
 
@@ -140,3 +143,92 @@ def test_sq6_writes_three_quarter_bytes_per_dim_and_reads_back_as_sq6(tmp_path):
     got = back.search(q, 3)[1]
     assert np.mean(got[:, 0] == exact[:, 0]) >= 0.95
     assert np.mean([len(set(a) & set(b)) / 3 for a, b in zip(got, exact)]) >= 0.9
+
+
+def test_flat_file_vectors_are_mapped_from_the_file_and_bad_files_are_named(tmp_path):
+    """The vectors of an IndexFlatIP file, read by offset from its header: equal to what was added, backed by the
+    file (nothing copied), and a file that is not an inner-product Flat index is one IndexFileError naming it."""
+    import faiss
+
+    from megatron_searchr1.search.dense import IndexFileError, flat_file_layout, open_flat_vectors
+
+    x = np.random.default_rng(0).standard_normal((500, 24)).astype(np.float32)
+    flat = faiss.IndexFlatIP(24)
+    flat.add(x)
+    path = tmp_path / "e5_Flat.index"
+    faiss.write_index(flat, str(path))
+    v = open_flat_vectors(path)
+    assert v.shape == (500, 24) and v.dtype == np.float32 and not v.flags.writeable and not v.flags.owndata
+    assert np.array_equal(v, x)
+    assert flat_file_layout(path)[2] + 4 * x.size == path.stat().st_size
+    l2 = faiss.IndexFlatL2(24)
+    l2.add(x)
+    faiss.write_index(l2, str(tmp_path / "l2.index"))
+    with pytest.raises(IndexFileError, match="L2 metric"):
+        open_flat_vectors(tmp_path / "l2.index")
+    sq = faiss.index_factory(24, "SQ8", faiss.METRIC_INNER_PRODUCT)
+    sq.train(x)
+    faiss.write_index(sq, str(tmp_path / "sq8.index"))
+    with pytest.raises(IndexFileError, match="not a faiss Flat index"):
+        open_flat_vectors(tmp_path / "sq8.index")
+    (tmp_path / "cut.index").write_bytes(path.read_bytes()[:-100])
+    with pytest.raises(IndexFileError, match="truncated"):
+        open_flat_vectors(tmp_path / "cut.index")
+
+
+def test_ivf_pq_training_skips_polysemous_codes():
+    """index_factory turns on polysemous training for IVF-PQ; nothing here searches by Hamming distance, so the
+    built index must not pay for it (it was most of the training time)."""
+    import faiss
+
+    from megatron_searchr1.search.dense import make_faiss_index
+
+    for kind in ("ivf_pq", "opq_ivf_pq"):
+        index = make_faiss_index(64, FaissConfig(index_type=kind).resolve_build(5000, 64))
+        assert faiss.downcast_index(faiss.extract_index_ivf(index)).do_polysemous_training is False, kind
+
+
+@pytest.mark.slow
+def test_opq_from_a_flat_file_served_with_exact_refine_from_that_file(tmp_path):
+    """Search-R1's situation: a Flat index file exists (built here by the CLI, like e5_Flat.index). An opq_ivf_pq
+    index built from its vectors (no second encoding) and served on loopback: without refine its top-3 agree with
+    Flat's at the level bench_index measured; with exact re-scoring from the Flat file, memory-mapped, at every
+    list probed, its ranking is Flat's, and /health names the file it re-scores from."""
+    from megatron_searchr1.search.build_index import main as build
+    from megatron_searchr1.search.corpus import write_corpus
+    from megatron_searchr1.search.server import BackgroundServer, ServerConfig, build_arg_parser, load_from_args
+    from tests.search.conftest import make_world
+
+    docs, queries, _ = make_world(1000)  # OPQ trains 256 centroids per sub-space: 1000 passages at least
+    corpus = tmp_path / "corpus.jsonl"
+    write_corpus(docs, corpus)
+    queries = queries[::5]
+    build(["--corpus", str(corpus), "--out-dir", str(tmp_path / "flat"), "--kind", "dense", "--quiet"])
+    flat_file = tmp_path / "flat" / "dense.index"
+    build(["--corpus", str(corpus), "--out-dir", str(tmp_path / "opq"), "--kind", "dense", "--index-type",
+           "opq_ivf_pq", "--from-flat", str(flat_file), "--pq-m", OPQ_TEST_PQ_M, "--quiet"])
+    assert not (tmp_path / "opq" / "dense.vectors.npy").exists()  # the Flat file is the refine source
+    flat = load_from_args(build_arg_parser().parse_args(["--index-dir", str(tmp_path / "flat")]))
+    exact_ids, exact_scores = flat.search_ids(queries, 3)
+    want = [[docs[i]["id"] for i in row] for row in exact_ids]
+
+    def served(*flags):
+        retriever = load_from_args(build_arg_parser().parse_args(["--index-dir", str(tmp_path / "opq"), *flags]))
+        with BackgroundServer(retriever, ServerConfig(port=0)) as srv:
+            knobs = httpx.get(f"{srv.url}/health", timeout=30).json()["search"]
+            body = httpx.post(f"{srv.url}/retrieve", json={"queries": queries, "topk": 3, "return_scores": True},
+                              timeout=120).json()["result"]
+        return knobs, [[hit["document"]["id"] for hit in row] for row in body], [[hit["score"] for hit in row]
+                                                                                for row in body]
+
+    knobs, got, _ = served("--refine-k-factor", "0")
+    assert knobs["index_type"] == "opq_ivf_pq" and knobs["factory"].startswith(f"OPQ{OPQ_TEST_PQ_M},IVF")
+    assert knobs["refine_k_factor"] == 0 and "refine_from" not in knobs
+    recall3 = np.mean([len(set(a) & set(b)) / 3 for a, b in zip(got, want)])
+    assert recall3 >= OPQ_TEST_MIN_RECALL3, recall3
+
+    knobs, got, scores = served("--nprobe", str(knobs["nlist"]), "--refine-k-factor", "10")
+    assert knobs["refine_from"] == {"kind": "flat_file", "path": str(flat_file.resolve())}
+    assert knobs["refine_k_factor"] == 10 and knobs["nprobe"] == knobs["nlist"]
+    assert got == want
+    np.testing.assert_allclose(scores, exact_scores, rtol=1e-5, atol=1e-5)
