@@ -279,7 +279,8 @@ def _open(meta: dict, index_dir, corpus_file: str, lazy_corpus: bool | None, off
     bad = set(runtime) - allowed
     if bad:
         raise TypeError(f"load_retriever cannot change {sorted(bad)} (fixed at build time); "
-                        f"runtime options: {sorted(allowed | {'bm25_mmap', 'faiss_mmap', 'query_cache_size', 'refine_flat'})}")
+                        f"runtime options: "
+                        f"{sorted(allowed | {'bm25_mmap', 'faiss_mmap', 'query_cache_size', 'refine_flat'})}")
     check_index_files(index_dir, meta)
     if os.path.isfile(corpus_file):
         check_corpus_file(corpus_file)

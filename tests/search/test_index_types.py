@@ -232,3 +232,26 @@ def test_opq_from_a_flat_file_served_with_exact_refine_from_that_file(tmp_path):
     assert knobs["refine_k_factor"] == 10 and knobs["nprobe"] == knobs["nlist"]
     assert got == want
     np.testing.assert_allclose(scores, exact_scores, rtol=1e-5, atol=1e-5)
+
+
+def test_a_file_that_is_not_an_inner_product_flat_index_is_one_error_line(tmp_path, world):
+    """--from-flat (build) and --refine-flat (server) read a Flat file's header before anything heavy loads: a
+    file that is not an IndexFlatIP is refused with one line naming it, and building a flat index from one is
+    pointed at --faiss-index."""
+    bogus = tmp_path / "e5_Flat.index"
+    bogus.write_bytes(b"IxF2" + bytes(60))
+    runs = {
+        "build": ["tools/build_index.py", "--corpus", world["path"], "--out-dir", str(tmp_path / "o"), "--kind",
+                  "dense", "--index-type", "sq6", "--from-flat", str(bogus)],
+        "flat": ["tools/build_index.py", "--corpus", world["path"], "--out-dir", str(tmp_path / "o"), "--kind",
+                 "dense", "--from-flat", str(bogus)],
+        "server": ["-m", "megatron_searchr1.search.server", "--faiss-index", str(bogus), "--corpus", world["path"],
+                   "--refine-flat", str(tmp_path / "missing.index")],
+    }
+    want = {"build": "is a Flat index with the L2 metric", "flat": "serve it as it is with --faiss-index",
+            "server": "--refine-flat '" + str(tmp_path / "missing.index") + "' is not a file"}
+    for name, argv in runs.items():
+        r = subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=120)
+        errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+        assert r.returncode == 2 and len(errors) == 1 and "Traceback" not in r.stderr, (name, r.stderr)
+        assert want[name] in errors[0], (name, errors[0])
