@@ -56,7 +56,10 @@ def test_every_index_type_builds_loads_and_serves_search_r1_requests(tmp_path, w
     ranked = {}
     for kind in SERVED:
         out = tmp_path / kind
-        build(["--corpus", world["path"], "--out-dir", str(out), "--kind", "dense", "--index-type", kind, "--quiet"])
+        flags = ["--corpus", world["path"], "--out-dir", str(out), "--kind", "dense", "--index-type", kind, "--quiet"]
+        if kind not in ("flat", "ivf_pq"):  # flat and ivf_pq encode; the rest index flat's vectors (no encoding),
+            flags += ["--from-flat", str(tmp_path / "flat" / "dense.index"), "--refine-k-factor", "0"]  # unrefined
+        build(flags)
         flags = ["--index-dir", str(out), "--faiss-mmap"]
         if kind == "ivf_pq":  # the knobs as server flags, reported by /health
             flags += ["--nprobe", "6", "--refine-k-factor", "8"]
@@ -255,3 +258,51 @@ def test_a_file_that_is_not_an_inner_product_flat_index_is_one_error_line(tmp_pa
         errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
         assert r.returncode == 2 and len(errors) == 1 and "Traceback" not in r.stderr, (name, r.stderr)
         assert want[name] in errors[0], (name, errors[0])
+
+
+def test_build_from_a_flat_file_writes_no_copy_and_refines_from_it(tmp_path):
+    """DenseRetriever.build with from_flat: the Flat file's vectors are indexed (the encoder is never asked to
+    encode a passage), no fp16 copy is written, the saved meta names the file, and a reopened index re-scoring
+    from it gives the exact top-3 although its own coarse PQ codes do not."""
+    import faiss
+
+    from megatron_searchr1.search.dense import DenseRetriever
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((1000, 16)).astype(np.float32)
+    x /= np.linalg.norm(x, axis=1, keepdims=True)
+    flat = faiss.IndexFlatIP(16)
+    flat.add(x)
+    faiss.write_index(flat, str(tmp_path / "e5_Flat.index"))
+
+    class Enc:  # queries are row numbers of x; passages are never encoded
+        dim = 16
+
+        class config:
+            model = "rows"
+
+            @staticmethod
+            def index_fields():
+                return {"model": "rows"}
+
+        def encode_unique_queries(self, qs):
+            return x[[int(q) for q in qs]] + 0.05, np.arange(len(qs))
+
+    corpus = [{"id": str(i), "contents": ""} for i in range(1000)]
+    cfg = FaissConfig(index_type="ivf_pq", pq_m=2, nlist=8)
+    built = DenseRetriever.build(corpus, encoder=Enc(), faiss_config=cfg, show_progress=False,
+                                 from_flat=tmp_path / "e5_Flat.index", vectors_path=tmp_path / "dense.vectors.npy",
+                                 shard_dir=tmp_path / "shards")
+    assert not (tmp_path / "dense.vectors.npy").exists() and not (tmp_path / "shards").exists()
+    meta = built.save(tmp_path / "dense.index")
+    assert meta["refine_flat"] == str(tmp_path / "e5_Flat.index") and "vectors" not in meta
+    qs = [str(i) for i in range(0, 1000, 10)]
+    want = np.argsort(-(x[[int(q) for q in qs]] + 0.05) @ x.T, axis=1)[:, :3]
+    exact = FaissConfig(index_type="ivf_pq", nprobe=8, refine_k_factor=400)  # candidates: every row
+    reopened = DenseRetriever.from_faiss(tmp_path / "dense.index", corpus, encoder=Enc(), faiss_config=exact,
+                                         refine_flat=meta["refine_flat"])
+    assert reopened.search_knobs()["refine_from"] == {"kind": "flat_file", "path": meta["refine_flat"]}
+    assert (reopened.search_ids(qs, 3)[0] == want).all()
+    coarse = DenseRetriever.from_faiss(tmp_path / "dense.index", corpus, encoder=Enc(),
+                                       faiss_config=FaissConfig(index_type="ivf_pq", nprobe=8, refine_k_factor=0))
+    assert (coarse.search_ids(qs, 3)[0] == want).mean() < 0.8
