@@ -10,8 +10,9 @@ import pytest
 from megatron_searchr1.search.dense import FACTORY, FaissConfig, IndexTooSmall
 
 # opq_ivf_pq is served by its own test below (it needs 1000 passages); its PQ size and recall bound: a
-# smaller PQ trains the rotation faster, the bound is bench_index's measured recall@3 less a margin.
-OPQ_TEST_PQ_M, OPQ_TEST_MIN_RECALL3 = "16", 0.80
+# smaller PQ (16 bytes a passage) trains the rotation faster; unrefined at the default nprobe it measured recall@3
+# 0.688 against Flat on these queries (examples/retrieval.md), the bound leaves a margin under that.
+OPQ_TEST_PQ_M, OPQ_TEST_MIN_RECALL3 = "16", 0.6
 SERVED = ["flat", "fp16", "sq8", "sq6", "hnsw", "ivf_flat", "ivf_sq8", "ivf_pq"]  # opq_ivf_pq needs 1000 passages
 
 
