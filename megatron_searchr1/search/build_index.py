@@ -8,6 +8,9 @@ r"""CLI: build a retrieval index directory from a corpus JSONL, or register an e
         --faiss-index e5_Flat.index --encoder /models/e5-base-v2    # reuse Search-R1's index: no encoding at all
     python tools/build_index.py --corpus wiki-18.jsonl --out-dir index/pq --kind dense --index-type ivf_pq \
         --encoder /models/e5-base-v2       # compressed: ~200 bytes per passage + memory-mapped refine vectors
+    python tools/build_index.py --corpus wiki-18.jsonl --out-dir index/sq6 --kind dense --index-type sq6 \
+        --from-flat e5_Flat.index --encoder /models/e5-base-v2   # from e5_Flat.index's vectors: no encoding, and
+                                                                # exact re-scoring from that file, memory-mapped
 Then: python -m megatron_searchr1.search.server --index-dir index/bm25
 """
 from __future__ import annotations
@@ -28,7 +31,7 @@ hnsw: "HNSW{hnsw_m},Flat" (4d + graph); ivf_flat: "IVF{nlist},Flat"; ivf_sq8: "I
 ivf_pq: "IVF{nlist},PQ{pq_m}x{pq_nbits}" (pq_m bytes); opq_ivf_pq: "OPQ{pq_m},IVF{nlist},PQ{pq_m}x{pq_nbits}". Defaults follow N: nlist = min(4 sqrt(N), N/39),
 pq_m = d/4, pq_nbits = 8 (fewer under ~10k passages), training sample = min(N, max(40 nlist, 10000)).
 ivf_pq / opq_ivf_pq also keep fp16 vectors (dense.vectors.npy, memory-mapped by the server) to re-score
-4 x topk candidates exactly."""
+4 x topk candidates exactly; with --from-flat every lossy type re-scores from the Flat file instead."""
 
 
 def build_arg_parser() -> ArgumentParser:
@@ -52,7 +55,13 @@ def build_arg_parser() -> ArgumentParser:
     f.add_argument("--pq-nbits", type=int, default=0, help="bits per PQ code (0 = 8, fewer on small corpora)")
     f.add_argument("--train-size", type=int, default=0, help="passages sampled to train IVF/PQ/SQ (0 = auto)")
     f.add_argument("--refine-k-factor", type=int, default=-1,
-                   help="keep exact vectors to re-score this many x topk candidates (0 = off, -1 = 4 for PQ types)")
+                   help="keep exact vectors to re-score this many x topk candidates (0 = off, -1 = 4 for PQ types, "
+                        "and for every lossy type with --from-flat)")
+    f.add_argument("--from-flat", metavar="FLAT_INDEX",
+                   help="a faiss Flat (inner product) index of this corpus made by this encoder, e.g. Search-R1's "
+                        "e5_Flat.index: its vectors are indexed instead of encoding the corpus, and candidates are "
+                        "re-scored exactly from it, memory-mapped (no fp16 copy written; the index refers to the "
+                        "file by its absolute path)")
     b = p.add_argument_group("bm25")
     b.add_argument("--k1", type=float, default=0.9)
     b.add_argument("--b", type=float, default=0.4)
@@ -73,6 +82,20 @@ def main(argv: list[str] | None = None) -> int:
         raise UsageError("--faiss-index registers a dense index: add --kind dense")
     if args.faiss_index and not os.path.isfile(args.faiss_index):
         raise UsageError(f"--faiss-index {args.faiss_index!r} is not a file")
+    if args.from_flat:
+        if args.kind == "bm25" or args.faiss_index:
+            raise UsageError("--from-flat builds a dense index from a Flat file's vectors: use it with --kind dense "
+                             "(or hybrid), without --faiss-index")
+        if args.index_type == "flat":
+            raise UsageError(f"--from-flat with --index-type flat would copy {args.from_flat}: serve it as it is "
+                             f"with --faiss-index {args.from_flat}, or pick a compressed --index-type")
+        if not os.path.isfile(args.from_flat):
+            raise UsageError(f"--from-flat {args.from_flat!r} is not a file")
+        from megatron_searchr1.search.dense import IndexFileError, flat_file_layout
+        try:
+            flat_file_layout(args.from_flat)
+        except IndexFileError as e:
+            raise UsageError(str(e)) from None
     if problem := encoder_args_problem(args):
         raise UsageError(problem)
     for flag in ("nlist", "pq_m", "pq_nbits", "train_size"):
@@ -95,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.kind != "bm25":
         set_cpu_threads(args.torch_threads)
-    from megatron_searchr1.search.dense import IndexTooSmall
+    from megatron_searchr1.search.dense import IndexFileError, IndexTooSmall
 
     t0 = time.time()
     try:
@@ -104,8 +127,9 @@ def main(argv: list[str] | None = None) -> int:
             **encoder, index_type=args.index_type, hnsw_m=args.hnsw_m, hnsw_ef_construction=args.hnsw_ef_construction,
             hnsw_ef_search=args.hnsw_ef_search, nlist=args.nlist, pq_m=args.pq_m, pq_nbits=args.pq_nbits,
             train_size=args.train_size, refine_k_factor=args.refine_k_factor, k1=args.k1, b=args.b,
-            stopwords=args.stopwords, stemmer=args.stemmer, rrf_k=args.rrf_k, depth=args.depth)
-    except IndexTooSmall as e:
+            stopwords=args.stopwords, stemmer=args.stemmer, rrf_k=args.rrf_k, depth=args.depth,
+            from_flat=args.from_flat)
+    except (IndexTooSmall, IndexFileError) as e:
         raise UsageError(str(e)) from None
     print(f"built a {args.kind} index over {len(retriever)} docs in {args.out_dir} ({time.time() - t0:.1f}s); "
           f"serve it with: python -m megatron_searchr1.search.server --index-dir {args.out_dir}")

@@ -9,7 +9,9 @@ sharded, as Search-R1 does); HNSW has no GPU version in faiss and stays on the C
 from __future__ import annotations
 
 import logging
+import mmap
 import os
+import struct
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -41,6 +43,8 @@ INDEX_TYPES = tuple(FACTORY)
 MIN_PASSAGES = {"ivf_flat": 100, "ivf_sq8": 100, "ivf_pq": 100, "opq_ivf_pq": 1000}
 # Types whose scores are approximate enough that exact re-scoring of a few times topk candidates pays.
 REFINED_BY_DEFAULT = ("ivf_pq", "opq_ivf_pq")
+# Types that store the vectors lossily: re-scoring from an exact Flat file (no extra disk) is on by default for them.
+LOSSY = ("fp16", "sq8", "sq6", "ivf_sq8", "ivf_pq", "opq_ivf_pq")
 
 
 class IndexTooSmall(ValueError):
@@ -96,10 +100,13 @@ class FaissConfig:
         """Whether the index needs a training sample before vectors are added."""
         return self.index_type not in ("flat", "hnsw", "fp16")
 
-    def effective_refine(self) -> int:
+    def effective_refine(self, exact_source: bool = False) -> int:
+        """The refine factor in force; -1 means 4 for the PQ types, and for every lossy type when the exact
+        vectors come from a Flat file that exists anyway (`exact_source`), else off."""
         if self.refine_k_factor >= 0:
             return self.refine_k_factor
-        return 4 if self.index_type in REFINED_BY_DEFAULT else 0
+        refined = LOSSY if exact_source else REFINED_BY_DEFAULT
+        return 4 if self.index_type in refined else 0
 
     def effective_nprobe(self) -> int:
         if self.nprobe:
@@ -161,7 +168,12 @@ def make_faiss_index(dim: int, config: FaissConfig):
         index.hnsw.efConstruction = config.hnsw_ef_construction
         index.hnsw.efSearch = config.hnsw_ef_search
         return index
-    return faiss.index_factory(dim, config.factory, faiss.METRIC_INNER_PRODUCT)
+    index = faiss.index_factory(dim, config.factory, faiss.METRIC_INNER_PRODUCT)
+    if "pq" in config.index_type:
+        # index_factory turns on polysemous training for IVF-PQ: a permutation of the codes for Hamming-distance
+        # filtering, which a search uses only with polysemous_ht set (never here). It costs most of the training.
+        faiss.downcast_index(faiss.extract_index_ivf(index)).do_polysemous_training = False
+    return index
 
 
 def index_type_of(index) -> str:
@@ -214,6 +226,55 @@ def _is_ivf_file(path) -> bool:
 
 
 VECTORS_FILE_SUFFIX = ".vectors.npy"
+# A faiss IndexFlat file: fourcc (IxFI inner product, IxF2 L2), d (int32), ntotal, two unused int64s, is_trained
+# (1 byte), metric (int32), metric_arg (float32, only for metrics past L2), then its vectors as a vector<float>:
+# a uint64 count followed by count float32s, row-major. The same layout since faiss 1.5 (e5_Flat.index included).
+_FLAT_HEADER = struct.Struct("<4siqqq?i")
+
+
+def flat_file_layout(path: str | os.PathLike) -> tuple[int, int, int]:
+    """(ntotal, d, byte offset of the vectors) of a faiss IndexFlatIP file; IndexFileError for anything else.
+    Reads the header only (a few dozen bytes), so the server checks a 65 GB e5_Flat.index before loading anything."""
+    path = os.fspath(path)
+    with open(path, "rb") as f:
+        head = f.read(_FLAT_HEADER.size)
+        if len(head) < _FLAT_HEADER.size or head[:4] not in (b"IxFI", b"IxF2"):
+            raise IndexFileError(f"{path} is not a faiss Flat index (it starts with {head[:4]!r}, not IxFI): "
+                                 f"exact re-scoring reads the vectors of a Flat file such as Search-R1's "
+                                 f"e5_Flat.index")
+        fourcc, d, ntotal, _, _, _, metric = _FLAT_HEADER.unpack(head)
+        if fourcc != b"IxFI" or metric != 0:
+            raise IndexFileError(f"{path} is a Flat index with the L2 metric: re-scoring ranks by inner product; "
+                                 f"pass an inner-product Flat file (faiss.IndexFlatIP)")
+        (count,) = struct.unpack("<Q", f.read(8))
+        offset = f.tell()
+    if d <= 0 or ntotal < 0 or count != d * ntotal:
+        raise IndexFileError(f"{path}: its header says {ntotal} vectors of dim {d} but holds {count} floats: "
+                             f"the file is damaged; copy it again")
+    need = offset + 4 * count
+    if os.path.getsize(path) < need:
+        raise IndexFileError(f"{path} is truncated: {os.path.getsize(path)} bytes, its header needs {need}; "
+                             f"copy it again")
+    return ntotal, d, offset
+
+
+def open_flat_vectors(path: str | os.PathLike) -> np.ndarray:
+    """The (ntotal, d) float32 vectors of a faiss IndexFlatIP file, memory-mapped read-only: row i is vector i.
+
+    Nothing is read until a row is used, and the mapping is advised as random access, so re-scoring a query's
+    candidates reads their pages and not the kernel's read-ahead around each one. The pages are the page cache's:
+    shared between processes and dropped under memory pressure, never this process's own memory."""
+    ntotal, d, offset = flat_file_layout(path)
+    with open(path, "rb") as f:
+        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    _advise_random(mapped)
+    return np.frombuffer(mapped, dtype=np.float32, count=ntotal * d, offset=offset).reshape(ntotal, d)
+
+
+def _advise_random(mapped) -> None:
+    """MADV_RANDOM on a mapping where the platform has it (Linux, Python >= 3.8)."""
+    if mapped is not None and hasattr(mapped, "madvise") and hasattr(mmap, "MADV_RANDOM"):
+        mapped.madvise(mmap.MADV_RANDOM)
 
 
 def _to_gpu(index):
@@ -235,10 +296,12 @@ class DenseRetriever(Retriever):
     kind = "dense"
 
     def __init__(self, corpus: Sequence[dict], index, encoder: Encoder, faiss_config: FaissConfig | None = None,
-                 keep_cpu_index: bool = True, vectors: np.ndarray | None = None):
+                 keep_cpu_index: bool = True, vectors: np.ndarray | None = None, refine_flat: str | None = None):
         """keep_cpu_index: with use_gpu, keep the exact CPU index beside the GPU copy (fp16) so `save` writes the
         vectors as built. False for an index read from a file: it is on disk already, and keeping it would hold
-        the whole index (65 GB for wiki-18's e5_Flat.index) in RAM for nothing."""
+        the whole index (65 GB for wiki-18's e5_Flat.index) in RAM for nothing.
+        vectors: the exact vectors the refine stage re-scores from (fp16 .npy or a Flat file, memory-mapped);
+        refine_flat: the Flat file they were mapped from, when they were (it turns refine on for every lossy type)."""
         self.faiss_config = faiss_config or FaissConfig()
         if index.ntotal != len(corpus):
             raise ValueError(f"faiss index has {index.ntotal} vectors but the corpus has {len(corpus)} docs: "
@@ -254,7 +317,7 @@ class DenseRetriever(Retriever):
         # None once the index lives on the GPUs only; save() then copies it back (see keep_cpu_index).
         self.cpu_index = index if keep_cpu_index or not self.on_gpu else None
         self.corpus, self.encoder = corpus, encoder
-        self.vectors = vectors
+        self.vectors, self.refine_flat = vectors, refine_flat
         self.ivf = None
         try:
             self.ivf = faiss.extract_index_ivf(index)
@@ -263,14 +326,15 @@ class DenseRetriever(Retriever):
         if self.ivf is not None:
             self.faiss_config.nlist = int(self.ivf.nlist)
             self.ivf.nprobe = self.faiss_config.effective_nprobe()  # set once: searches only read it
-        self.refine = self.faiss_config.effective_refine() if vectors is not None else 0
+        self.refine = self.faiss_config.effective_refine(refine_flat is not None) if vectors is not None else 0
 
     @classmethod
     def build(cls, corpus: Sequence[dict], encoder_config: EncoderConfig | None = None,
               faiss_config: FaissConfig | None = None, encoder: Encoder | None = None,
               show_progress: bool = True, chunk_docs: int = 16384,
               shard_dir: str | os.PathLike | None = None,
-              vectors_path: str | os.PathLike | None = None) -> "DenseRetriever":
+              vectors_path: str | os.PathLike | None = None,
+              from_flat: str | os.PathLike | None = None) -> "DenseRetriever":
         """Encode every doc's `contents` (with the passage prefix) and add it to a new faiss index.
 
         The corpus goes in chunks of `chunk_docs`: only one chunk's texts and vectors are alive at once, a second
@@ -279,6 +343,9 @@ class DenseRetriever(Retriever):
         previous, interrupted build left, so a wiki-scale build resumes where it stopped instead of starting over.
         A trained type (IVF, PQ, SQ) is trained on `train_size` passages sampled from all chunks, then filled.
         vectors_path: where the fp16 vectors for the refine stage go (when the config refines); the server maps it.
+        from_flat: a faiss IndexFlatIP file of this corpus made by this encoder (Search-R1's e5_Flat.index): its
+        vectors are indexed instead of encoding the corpus (minutes instead of GPU-hours at wiki-18 scale), and the
+        refine stage re-scores from it, memory-mapped, so no fp16 copy is written.
         """
         from concurrent.futures import ThreadPoolExecutor
 
@@ -288,6 +355,14 @@ class DenseRetriever(Retriever):
         encoder = encoder or Encoder(encoder_config or EncoderConfig())
         n = len(corpus)
         faiss_config = faiss_config.resolve_build(n, encoder.dim)
+        source = None
+        if from_flat is not None:
+            source = open_flat_vectors(from_flat)
+            if source.shape != (n, encoder.dim):
+                raise IndexFileError(f"{from_flat} holds {source.shape[0]} vectors of dim {source.shape[1]} but the "
+                                     f"corpus has {n} passages and {encoder.config.model!r} outputs dim "
+                                     f"{encoder.dim}: pass the Flat file made from this corpus by this encoder")
+            shard_dir = vectors_path = None  # nothing to resume or to copy: the file is the vectors
         index = make_faiss_index(encoder.dim, faiss_config)
         bounds = [(s, min(s + chunk_docs, n)) for s in range(0, n, chunk_docs)]
         # A trained index needs every vector before the first add (the training sample spans the corpus), so its
@@ -302,6 +377,8 @@ class DenseRetriever(Retriever):
 
         def tokenize(k: int):
             s, e = bounds[k]
+            if source is not None:
+                return np.array(source[s:e])  # read from the Flat file, off the adding thread
             return encoder.tokenize([corpus[i]["contents"] for i in range(s, e)], is_query=False)
 
         def chunk(k: int) -> np.ndarray:
@@ -322,7 +399,11 @@ class DenseRetriever(Retriever):
                     later = [j for j in todo if j > k]
                     if later:  # tokenize the next chunk on the other thread while the model encodes this one
                         ahead[later[0]] = pool.submit(tokenize, later[0])
-                    vectors = encoder.encode_tokens(tokens, bar)
+                    if source is not None:
+                        vectors = tokens
+                        bar.update(e - s)
+                    else:
+                        vectors = encoder.encode_tokens(tokens, bar)
                     if shards is not None:
                         shards.save(k, vectors)
                 if stored is not None:
@@ -345,7 +426,10 @@ class DenseRetriever(Retriever):
             stored.flush()
             del stored
         vectors = np.load(vectors_path, mmap_mode="r") if keep_vectors else None
-        return cls(corpus, index, encoder, faiss_config, vectors=vectors)
+        if source is not None and faiss_config.effective_refine(exact_source=True) > 0:
+            vectors = source
+        return cls(corpus, index, encoder, faiss_config, vectors=vectors,
+                   refine_flat=os.path.abspath(from_flat) if source is not None else None)
 
     def save(self, path: str | os.PathLike) -> dict:
         """Write the (CPU) faiss index to `path`; returns the index_meta.json entry."""
@@ -354,7 +438,9 @@ class DenseRetriever(Retriever):
         faiss.write_index(cpu_index, os.fspath(path))
         meta = {"faiss": asdict(self.faiss_config), "encoder": self.encoder.config.index_fields(),
                 "dim": self.encoder.dim}
-        if self.vectors is not None:
+        if self.refine_flat is not None:
+            meta["refine_flat"] = self.refine_flat
+        elif self.vectors is not None:
             meta["vectors"] = os.path.basename(os.fspath(self.vectors.filename))
         return meta
 
@@ -362,11 +448,14 @@ class DenseRetriever(Retriever):
     def from_faiss(cls, faiss_index_path: str | os.PathLike, corpus: Sequence[dict],
                    encoder_config: EncoderConfig | None = None, faiss_config: FaissConfig | None = None,
                    encoder: Encoder | None = None, mmap: bool = False,
-                   query_cache_size: int = 0, vectors_path: str | os.PathLike | None = None) -> "DenseRetriever":
+                   query_cache_size: int = 0, vectors_path: str | os.PathLike | None = None,
+                   refine_flat: str | os.PathLike | None = None) -> "DenseRetriever":
         """Open any faiss index file (e.g. Search-R1's e5_Flat.index) over a corpus whose row i is vector i.
 
         mmap: map the vectors from the file (the OS page cache holds them) instead of copying them into this
-        process's memory; see `read_faiss_index`. query_cache_size: query embeddings kept in the encoder's LRU."""
+        process's memory; see `read_faiss_index`. query_cache_size: query embeddings kept in the encoder's LRU.
+        vectors_path: fp16 refine vectors (.npy) written by `build`; refine_flat: a Flat index file of the same
+        corpus and encoder (e5_Flat.index) to re-score from instead, memory-mapped (`open_flat_vectors`)."""
         faiss = _faiss()
         if not os.path.exists(faiss_index_path):
             raise FileNotFoundError(f"faiss index not found: {faiss_index_path}")
@@ -376,12 +465,22 @@ class DenseRetriever(Retriever):
             index.hnsw.efSearch = faiss_config.hnsw_ef_search
         encoder = encoder or Encoder(encoder_config or EncoderConfig(), query_cache_size=query_cache_size)
         vectors = None
-        if vectors_path is not None and faiss_config.effective_refine() > 0:
+        if refine_flat is not None:
+            refine_flat = os.path.abspath(refine_flat)
+            if faiss_config.effective_refine(exact_source=True) > 0:
+                vectors = open_flat_vectors(refine_flat)
+                if vectors.shape != (index.ntotal, index.d):
+                    raise IndexFileError(f"{refine_flat} holds {vectors.shape[0]} vectors of dim {vectors.shape[1]} "
+                                         f"but the index has {index.ntotal} of dim {index.d}: pass the Flat file of "
+                                         f"the same corpus and encoder")
+        elif vectors_path is not None and faiss_config.effective_refine() > 0:
             vectors = np.load(os.fspath(vectors_path), mmap_mode="r")  # pages are read on demand, shared
+            _advise_random(getattr(vectors, "_mmap", None))  # only the candidates' rows, no read-ahead around them
             if vectors.shape != (index.ntotal, index.d):
                 raise ValueError(f"{vectors_path} holds {vectors.shape} vectors but the index has "
                                  f"({index.ntotal}, {index.d}): rebuild the index")
-        return cls(corpus, index, encoder, faiss_config, keep_cpu_index=False, vectors=vectors)
+        return cls(corpus, index, encoder, faiss_config, keep_cpu_index=False, vectors=vectors,
+                   refine_flat=refine_flat if vectors is not None else None)
 
     def search_ids(self, queries: list[str], topk: int) -> tuple[np.ndarray, np.ndarray]:
         emb, inverse = self.encoder.encode_unique_queries(queries)  # (U, H) distinct queries, (B,) row of each
@@ -412,6 +511,10 @@ class DenseRetriever(Retriever):
         """The search-time settings in force (reported by the server's /health)."""
         knobs = {"index_type": self.faiss_config.index_type, "factory": self.faiss_config.factory or None,
                  "refine_k_factor": self.refine}
+        if self.refine:  # where the exact vectors are read from
+            knobs["refine_from"] = ({"kind": "flat_file", "path": self.refine_flat} if self.refine_flat else
+                                    {"kind": "fp16_vectors", "path": os.fspath(getattr(self.vectors, "filename", "")
+                                                                              or "") or None})
         if self.ivf is not None:
             knobs.update(nlist=int(self.ivf.nlist), nprobe=int(self.ivf.nprobe))
         if isinstance(self.index, _faiss().IndexHNSW):

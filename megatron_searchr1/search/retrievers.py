@@ -57,13 +57,16 @@ def _split_options(options: dict) -> tuple[EncoderConfig, FaissConfig, BM25Confi
 
 
 def index_corpus(corpus_path: str | os.PathLike, out_dir: str | os.PathLike, kind: str = "bm25",
-                copy_corpus: bool = False, show_progress: bool = True, **options) -> Retriever:
+                copy_corpus: bool = False, show_progress: bool = True, from_flat: str | os.PathLike | None = None,
+                **options) -> Retriever:
     """Index a corpus JSONL into `out_dir` and return the ready retriever.
 
     kind: bm25 | dense | hybrid. options: any field of EncoderConfig (model, pooling, normalize, query_prefix,
     passage_prefix, max_length, batch_size, fp16, device, backend), FaissConfig (index_type, hnsw_m, ...), BM25Config
     (k1, b, method, stopwords, stemmer) or HybridConfig (rrf_k, depth). copy_corpus puts the corpus inside
-    out_dir so the directory can be moved as a whole.
+    out_dir so the directory can be moved as a whole. from_flat: a Flat index file of this corpus by this encoder
+    (e5_Flat.index) whose vectors are indexed instead of encoding, and re-scored from by the refine stage (see
+    `DenseRetriever.build`); the index then refers to that file by its absolute path.
     """
     if kind not in KINDS:
         raise ValueError(f"index kind must be one of {KINDS}, got {kind!r}")
@@ -90,7 +93,8 @@ def index_corpus(corpus_path: str | os.PathLike, out_dir: str | os.PathLike, kin
         # Chunk vectors go to dense_shards/ as they are made, so an interrupted build resumes; gone once saved.
         shard_dir = os.path.join(out_dir, "dense_shards")
         dense = DenseRetriever.build(corpus, encoder_cfg, faiss_cfg, show_progress=show_progress, shard_dir=shard_dir,
-                                     vectors_path=os.path.join(out_dir, "dense" + VECTORS_FILE_SUFFIX))
+                                     vectors_path=os.path.join(out_dir, "dense" + VECTORS_FILE_SUFFIX),
+                                     from_flat=from_flat)
         meta["dense"] = {"faiss_index": "dense.index", **dense.save(os.path.join(out_dir, "dense.index"))}
         shutil.rmtree(shard_dir, ignore_errors=True)
     if kind == "hybrid":
@@ -216,7 +220,7 @@ def index_file_problems(index_dir, meta: dict) -> list[str]:
                     problems.append(f"{path}: {problem}")
     if meta.get("kind") in ("dense", "hybrid") and isinstance(meta.get("dense"), dict):
         m = meta["dense"]
-        for key in ("faiss_index", "vectors"):
+        for key in ("faiss_index", "vectors", "refine_flat"):
             if not m.get(key):
                 continue
             path = _in_dir(index_dir, m[key])
@@ -252,8 +256,9 @@ def load_retriever(index_dir: str | os.PathLike, corpus_path: str | os.PathLike 
     runtime: settings that may differ from build time: EncoderConfig device/fp16/batch_size/backend, FaissConfig
     use_gpu/num_threads/hnsw_ef_search/nprobe/refine_k_factor, HybridConfig rrf_k/depth, bm25_mmap (memory-map the BM25 arrays) and
     faiss_mmap (memory-map the faiss vectors: the page cache holds them instead of a private copy; with use_gpu
-    they go from the file to the GPUs without a full CPU copy) and query_cache_size (query embeddings kept in an
-    LRU, for a server that sees repeated queries).
+    they go from the file to the GPUs without a full CPU copy), query_cache_size (query embeddings kept in an
+    LRU, for a server that sees repeated queries) and refine_flat (a Flat index file of the same corpus and encoder
+    to re-score candidates from, memory-mapped, instead of the index's fp16 refine vectors).
     """
     meta = read_index_meta(index_dir)
     corpus_file = os.fspath(corpus_path) if corpus_path else _in_dir(index_dir, meta["corpus"])
@@ -268,12 +273,14 @@ def _open(meta: dict, index_dir, corpus_file: str, lazy_corpus: bool | None, off
     bm25_mmap = bool(runtime.pop("bm25_mmap", False))
     faiss_mmap = bool(runtime.pop("faiss_mmap", False))
     query_cache_size = int(runtime.pop("query_cache_size", 0) or 0)
+    refine_flat = runtime.pop("refine_flat", None)
     allowed = {"device", "fp16", "batch_size", "backend", "use_gpu", "num_threads", "hnsw_ef_search", "nprobe",
                "refine_k_factor", "rrf_k", "depth"}
     bad = set(runtime) - allowed
     if bad:
         raise TypeError(f"load_retriever cannot change {sorted(bad)} (fixed at build time); "
-                        f"runtime options: {sorted(allowed | {'bm25_mmap', 'faiss_mmap', 'query_cache_size'})}")
+                        f"runtime options: "
+                        f"{sorted(allowed | {'bm25_mmap', 'faiss_mmap', 'query_cache_size', 'refine_flat'})}")
     check_index_files(index_dir, meta)
     if os.path.isfile(corpus_file):
         check_corpus_file(corpus_file)
@@ -295,8 +302,10 @@ def _open(meta: dict, index_dir, corpus_file: str, lazy_corpus: bool | None, off
         enc_cfg = EncoderConfig(**{**m["encoder"], **_pick(EncoderConfig, runtime)})
         faiss_cfg = FaissConfig(**{**_pick(FaissConfig, m.get("faiss", {})), **_pick(FaissConfig, runtime)})
         vectors = _in_dir(index_dir, m["vectors"]) if m.get("vectors") else None
+        flat = refine_flat or (_in_dir(index_dir, m["refine_flat"]) if m.get("refine_flat") else None)
         dense = DenseRetriever.from_faiss(_in_dir(index_dir, m["faiss_index"]), corpus, enc_cfg, faiss_cfg,
-                                          mmap=faiss_mmap, query_cache_size=query_cache_size, vectors_path=vectors)
+                                          mmap=faiss_mmap, query_cache_size=query_cache_size, vectors_path=vectors,
+                                          refine_flat=flat)
     if kind == "bm25":
         return bm25
     if kind == "dense":

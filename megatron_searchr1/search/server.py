@@ -205,6 +205,10 @@ def build_arg_parser() -> ArgumentParser:
     rt.add_argument("--refine-k-factor", type=int, default=None,
                     help="re-score this many x topk candidates exactly from the stored vectors (0 = off; "
                          "needs an index built with refine vectors)")
+    rt.add_argument("--refine-flat", metavar="FLAT_INDEX",
+                    help="re-score candidates exactly from this faiss Flat (inner product) file of the same corpus "
+                         "and encoder, e.g. e5_Flat.index, memory-mapped: nothing of it is read into RAM but the "
+                         "candidates' rows (default refine: 4 x topk for lossy types; /health shows the source)")
     rt.add_argument("--bm25-mmap", action="store_true", help="memory-map the BM25 arrays (large corpora)")
     rt.add_argument("--faiss-mmap", action="store_true",
                     help="memory-map the faiss vectors instead of reading them into RAM (a 65 GB e5_Flat.index)")
@@ -284,9 +288,16 @@ def check_args(args) -> None:
             raise UsageError(f"{meta_path} is damaged (not JSON: {e}): rebuild the index with "
                              f"tools/build_index.py --out-dir {args.index_dir}") from None
     check_index_contents(args)
-    for flag, path in (("--faiss-index", args.faiss_index), ("--corpus", args.corpus)):
+    for flag, path in (("--faiss-index", args.faiss_index), ("--corpus", args.corpus),
+                       ("--refine-flat", args.refine_flat)):
         if path and not os.path.isfile(path):
             raise UsageError(f"{flag} {path!r} is not a file")
+    if args.refine_flat:
+        from megatron_searchr1.search.dense import IndexFileError, flat_file_layout
+        try:
+            flat_file_layout(args.refine_flat)  # the header only: a wrong file is refused before anything loads
+        except IndexFileError as e:
+            raise UsageError(str(e)) from None
     if args.ef_search is not None and args.ef_search < 1:
         raise UsageError(f"--ef-search must be >= 1, got {args.ef_search}")
     if args.nprobe == 0:
@@ -322,7 +333,7 @@ def load_from_args(args) -> Retriever:
     runtime = {**encoder_options(args, runtime_only=True), "use_gpu": args.faiss_gpu,
                "num_threads": args.faiss_threads or None, "faiss_mmap": args.faiss_mmap or None,
                "query_cache_size": args.query_cache_size, "nprobe": args.nprobe, "hnsw_ef_search": args.ef_search,
-               "refine_k_factor": args.refine_k_factor}
+               "refine_k_factor": args.refine_k_factor, "refine_flat": args.refine_flat}
     runtime = {k: v for k, v in runtime.items() if v is not None}
     if args.index_dir:
         retriever = load_retriever(args.index_dir, corpus_path=args.corpus, bm25_mmap=args.bm25_mmap, **runtime)

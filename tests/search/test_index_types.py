@@ -9,6 +9,10 @@ import pytest
 
 from megatron_searchr1.search.dense import FACTORY, FaissConfig, IndexTooSmall
 
+# opq_ivf_pq is served by its own test below (it needs 1000 passages); its PQ size and recall bound: a
+# smaller PQ (16 bytes a passage) trains the rotation faster; unrefined at the default nprobe it measured recall@3
+# 0.688 against Flat on these queries (examples/retrieval.md), the bound leaves a margin under that.
+OPQ_TEST_PQ_M, OPQ_TEST_MIN_RECALL3 = "16", 0.6
 SERVED = ["flat", "fp16", "sq8", "sq6", "hnsw", "ivf_flat", "ivf_sq8", "ivf_pq"]  # opq_ivf_pq needs 1000 passages
 
 
@@ -53,7 +57,10 @@ def test_every_index_type_builds_loads_and_serves_search_r1_requests(tmp_path, w
     ranked = {}
     for kind in SERVED:
         out = tmp_path / kind
-        build(["--corpus", world["path"], "--out-dir", str(out), "--kind", "dense", "--index-type", kind, "--quiet"])
+        flags = ["--corpus", world["path"], "--out-dir", str(out), "--kind", "dense", "--index-type", kind, "--quiet"]
+        if kind not in ("flat", "ivf_pq"):  # flat and ivf_pq encode; the rest index flat's vectors (no encoding),
+            flags += ["--from-flat", str(tmp_path / "flat" / "dense.index"), "--refine-k-factor", "0"]  # unrefined
+        build(flags)
         flags = ["--index-dir", str(out), "--faiss-mmap"]
         if kind == "ivf_pq":  # the knobs as server flags, reported by /health
             flags += ["--nprobe", "6", "--refine-k-factor", "8"]
@@ -140,3 +147,163 @@ def test_sq6_writes_three_quarter_bytes_per_dim_and_reads_back_as_sq6(tmp_path):
     got = back.search(q, 3)[1]
     assert np.mean(got[:, 0] == exact[:, 0]) >= 0.95
     assert np.mean([len(set(a) & set(b)) / 3 for a, b in zip(got, exact)]) >= 0.9
+
+
+def test_flat_file_vectors_are_mapped_from_the_file_and_bad_files_are_named(tmp_path):
+    """The vectors of an IndexFlatIP file, read by offset from its header: equal to what was added, backed by the
+    file (nothing copied), and a file that is not an inner-product Flat index is one IndexFileError naming it."""
+    import faiss
+
+    from megatron_searchr1.search.dense import IndexFileError, flat_file_layout, open_flat_vectors
+
+    x = np.random.default_rng(0).standard_normal((500, 24)).astype(np.float32)
+    flat = faiss.IndexFlatIP(24)
+    flat.add(x)
+    path = tmp_path / "e5_Flat.index"
+    faiss.write_index(flat, str(path))
+    v = open_flat_vectors(path)
+    assert v.shape == (500, 24) and v.dtype == np.float32 and not v.flags.writeable and not v.flags.owndata
+    assert np.array_equal(v, x)
+    assert flat_file_layout(path)[2] + 4 * x.size == path.stat().st_size
+    l2 = faiss.IndexFlatL2(24)
+    l2.add(x)
+    faiss.write_index(l2, str(tmp_path / "l2.index"))
+    with pytest.raises(IndexFileError, match="L2 metric"):
+        open_flat_vectors(tmp_path / "l2.index")
+    sq = faiss.index_factory(24, "SQ8", faiss.METRIC_INNER_PRODUCT)
+    sq.train(x)
+    faiss.write_index(sq, str(tmp_path / "sq8.index"))
+    with pytest.raises(IndexFileError, match="not a faiss Flat index"):
+        open_flat_vectors(tmp_path / "sq8.index")
+    (tmp_path / "cut.index").write_bytes(path.read_bytes()[:-100])
+    with pytest.raises(IndexFileError, match="truncated"):
+        open_flat_vectors(tmp_path / "cut.index")
+
+
+def test_ivf_pq_training_skips_polysemous_codes():
+    """index_factory turns on polysemous training for IVF-PQ; nothing here searches by Hamming distance, so the
+    built index must not pay for it (it was most of the training time)."""
+    import faiss
+
+    from megatron_searchr1.search.dense import make_faiss_index
+
+    for kind in ("ivf_pq", "opq_ivf_pq"):
+        index = make_faiss_index(64, FaissConfig(index_type=kind).resolve_build(5000, 64))
+        assert faiss.downcast_index(faiss.extract_index_ivf(index)).do_polysemous_training is False, kind
+
+
+@pytest.mark.slow
+def test_opq_from_a_flat_file_served_with_exact_refine_from_that_file(tmp_path):
+    """Search-R1's situation: a Flat index file exists (built here by the CLI, like e5_Flat.index). An opq_ivf_pq
+    index built from its vectors (no second encoding) and served on loopback: without refine its top-3 agree with
+    Flat's at the level bench_index measured; with exact re-scoring from the Flat file, memory-mapped, at every
+    list probed, its ranking is Flat's, and /health names the file it re-scores from."""
+    from megatron_searchr1.search.build_index import main as build
+    from megatron_searchr1.search.corpus import write_corpus
+    from megatron_searchr1.search.server import BackgroundServer, ServerConfig, build_arg_parser, load_from_args
+    from tests.search.conftest import make_world
+
+    docs, queries, _ = make_world(1000)  # OPQ trains 256 centroids per sub-space: 1000 passages at least
+    corpus = tmp_path / "corpus.jsonl"
+    write_corpus(docs, corpus)
+    queries = queries[::5]
+    build(["--corpus", str(corpus), "--out-dir", str(tmp_path / "flat"), "--kind", "dense", "--quiet"])
+    flat_file = tmp_path / "flat" / "dense.index"
+    build(["--corpus", str(corpus), "--out-dir", str(tmp_path / "opq"), "--kind", "dense", "--index-type",
+           "opq_ivf_pq", "--from-flat", str(flat_file), "--pq-m", OPQ_TEST_PQ_M, "--quiet"])
+    assert not (tmp_path / "opq" / "dense.vectors.npy").exists()  # the Flat file is the refine source
+    flat = load_from_args(build_arg_parser().parse_args(["--index-dir", str(tmp_path / "flat")]))
+    exact_ids, exact_scores = flat.search_ids(queries, 3)
+    want = [[docs[i]["id"] for i in row] for row in exact_ids]
+
+    def served(*flags):
+        retriever = load_from_args(build_arg_parser().parse_args(["--index-dir", str(tmp_path / "opq"), *flags]))
+        with BackgroundServer(retriever, ServerConfig(port=0)) as srv:
+            knobs = httpx.get(f"{srv.url}/health", timeout=30).json()["search"]
+            body = httpx.post(f"{srv.url}/retrieve", json={"queries": queries, "topk": 3, "return_scores": True},
+                              timeout=120).json()["result"]
+        return knobs, [[hit["document"]["id"] for hit in row] for row in body], [[hit["score"] for hit in row]
+                                                                                for row in body]
+
+    knobs, got, _ = served("--refine-k-factor", "0")
+    assert knobs["index_type"] == "opq_ivf_pq" and knobs["factory"].startswith(f"OPQ{OPQ_TEST_PQ_M},IVF")
+    assert knobs["refine_k_factor"] == 0 and "refine_from" not in knobs
+    recall3 = np.mean([len(set(a) & set(b)) / 3 for a, b in zip(got, want)])
+    assert recall3 >= OPQ_TEST_MIN_RECALL3, recall3
+
+    knobs, got, scores = served("--nprobe", str(knobs["nlist"]), "--refine-k-factor", "10")
+    assert knobs["refine_from"] == {"kind": "flat_file", "path": str(flat_file.resolve())}
+    assert knobs["refine_k_factor"] == 10 and knobs["nprobe"] == knobs["nlist"]
+    assert got == want
+    np.testing.assert_allclose(scores, exact_scores, rtol=1e-5, atol=1e-5)
+
+
+def test_a_file_that_is_not_an_inner_product_flat_index_is_one_error_line(tmp_path, world):
+    """--from-flat (build) and --refine-flat (server) read a Flat file's header before anything heavy loads: a
+    file that is not an IndexFlatIP is refused with one line naming it, and building a flat index from one is
+    pointed at --faiss-index."""
+    bogus = tmp_path / "e5_Flat.index"
+    bogus.write_bytes(b"IxF2" + bytes(60))
+    runs = {
+        "build": ["tools/build_index.py", "--corpus", world["path"], "--out-dir", str(tmp_path / "o"), "--kind",
+                  "dense", "--index-type", "sq6", "--from-flat", str(bogus)],
+        "flat": ["tools/build_index.py", "--corpus", world["path"], "--out-dir", str(tmp_path / "o"), "--kind",
+                 "dense", "--from-flat", str(bogus)],
+        "server": ["-m", "megatron_searchr1.search.server", "--faiss-index", str(bogus), "--corpus", world["path"],
+                   "--refine-flat", str(tmp_path / "missing.index")],
+    }
+    want = {"build": "is a Flat index with the L2 metric", "flat": "serve it as it is with --faiss-index",
+            "server": "--refine-flat '" + str(tmp_path / "missing.index") + "' is not a file"}
+    for name, argv in runs.items():
+        r = subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=120)
+        errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+        assert r.returncode == 2 and len(errors) == 1 and "Traceback" not in r.stderr, (name, r.stderr)
+        assert want[name] in errors[0], (name, errors[0])
+
+
+def test_build_from_a_flat_file_writes_no_copy_and_refines_from_it(tmp_path):
+    """DenseRetriever.build with from_flat: the Flat file's vectors are indexed (the encoder is never asked to
+    encode a passage), no fp16 copy is written, the saved meta names the file, and a reopened index re-scoring
+    from it gives the exact top-3 although its own coarse PQ codes do not."""
+    import faiss
+
+    from megatron_searchr1.search.dense import DenseRetriever
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((1000, 16)).astype(np.float32)
+    x /= np.linalg.norm(x, axis=1, keepdims=True)
+    flat = faiss.IndexFlatIP(16)
+    flat.add(x)
+    faiss.write_index(flat, str(tmp_path / "e5_Flat.index"))
+
+    class Enc:  # queries are row numbers of x; passages are never encoded
+        dim = 16
+
+        class config:
+            model = "rows"
+
+            @staticmethod
+            def index_fields():
+                return {"model": "rows"}
+
+        def encode_unique_queries(self, qs):
+            return x[[int(q) for q in qs]] + 0.05, np.arange(len(qs))
+
+    corpus = [{"id": str(i), "contents": ""} for i in range(1000)]
+    cfg = FaissConfig(index_type="ivf_pq", pq_m=2, nlist=8)
+    built = DenseRetriever.build(corpus, encoder=Enc(), faiss_config=cfg, show_progress=False,
+                                 from_flat=tmp_path / "e5_Flat.index", vectors_path=tmp_path / "dense.vectors.npy",
+                                 shard_dir=tmp_path / "shards")
+    assert not (tmp_path / "dense.vectors.npy").exists() and not (tmp_path / "shards").exists()
+    meta = built.save(tmp_path / "dense.index")
+    assert meta["refine_flat"] == str(tmp_path / "e5_Flat.index") and "vectors" not in meta
+    qs = [str(i) for i in range(0, 1000, 10)]
+    want = np.argsort(-(x[[int(q) for q in qs]] + 0.05) @ x.T, axis=1)[:, :3]
+    exact = FaissConfig(index_type="ivf_pq", nprobe=8, refine_k_factor=400)  # candidates: every row
+    reopened = DenseRetriever.from_faiss(tmp_path / "dense.index", corpus, encoder=Enc(), faiss_config=exact,
+                                         refine_flat=meta["refine_flat"])
+    assert reopened.search_knobs()["refine_from"] == {"kind": "flat_file", "path": meta["refine_flat"]}
+    assert (reopened.search_ids(qs, 3)[0] == want).all()
+    coarse = DenseRetriever.from_faiss(tmp_path / "dense.index", corpus, encoder=Enc(),
+                                       faiss_config=FaissConfig(index_type="ivf_pq", nprobe=8, refine_k_factor=0))
+    assert (coarse.search_ids(qs, 3)[0] == want).mean() < 0.8

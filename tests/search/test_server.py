@@ -247,7 +247,7 @@ SERVER_FLAGS = {  # every server flag and its default before the settings were d
 OTHER_FLAGS = ["--index-dir", "--faiss-index", "--corpus", "--encoder", "--pooling", "--no-normalize", "--query-prefix",
                "--passage-prefix", "--max-length", "--encoder-batch-size", "--fp16", "--device", "--encoder-backend",
                "--torch-threads", "--faiss-gpu", "--faiss-threads", "--bm25-mmap", "--faiss-mmap", "--nprobe",
-               "--ef-search", "--refine-k-factor", "--rerank", "--rerank-model", "--rerank-candidates",
+               "--ef-search", "--refine-k-factor", "--refine-flat", "--rerank", "--rerank-model", "--rerank-candidates",
                "--rerank-batch-size", "--rerank-max-length"]
 
 

@@ -1,18 +1,27 @@
 # python tools/benchmarks/bench_index.py                     (20,000 generated passages, real MiniLM, ~5 min on 2 cores)
 # python tools/benchmarks/bench_index.py --docs 2000 --queries 200 --types flat,ivf_pq
+# python tools/benchmarks/bench_index.py --corpus pydoc --docs 4000   (real English: the stdlib's docs, no internet)
 """Every dense index type side by side on one corpus: bytes per passage, build time, QPS at 1 and 32 clients,
 recall@1/3/10 against Flat on the same queries, the memory each would need for wiki-18 (21M passages, 768 dims),
 and where a query's time goes (encode vs search vs rendering the JSON) at the demo's and Search-R1's batch sizes.
 
 The passages are encoded once with the real MiniLM; each index is then built from those vectors with the same code
 the CLI uses (`FaissConfig.resolve_build` + `make_faiss_index`) and searched through `DenseRetriever` (nprobe and
-the refine stage as the server applies them), so the figures isolate the index. Clients are threads sending
-one-query searches.
+the refine stage as the server applies them), so the figures isolate the index. "QPS 32" there is 32 threads
+sending one-query searches to the index. "served QPS 32" is 32 HTTP clients sending fresh one-query requests to the
+real server (a separate process, query cache off) over each index: encoding included, the figure a trainer sees.
+--sweep adds recall@3 and one-thread QPS per nprobe (IVF types) and per efSearch (HNSW).
+
+--corpus synthetic: invented-people passages (bench_retrieval.make_corpus); --corpus pydoc: real English text
+found on any Python install, the docstrings of the standard library's source files and the reference manual's
+topics (pydoc_data.topics), cut into passages of at most 120 words.
 """
 from __future__ import annotations
 
+import ast
 import json
 import os
+import random
 import sys
 import tempfile
 import threading
@@ -56,6 +65,77 @@ def qps(retriever, n_queries: int, clients: int, seconds: float) -> float:
     return sum(done) / (time.time() - t0)
 
 
+def make_text_corpus(path: str, n: int, seed: int = 0) -> int:
+    """Up to n passages of real English from this Python install: the docstrings of the stdlib's source files
+    (parsed, not imported) and pydoc_data.topics, each cut into pieces of at most 120 words, pieces under 20 words
+    and repeats dropped, a seeded sample of n written as {id, contents}; returns the count written."""
+    import sysconfig
+
+    from pydoc_data.topics import topics
+
+    texts = [(f"topic {name}", text) for name, text in sorted(topics.items())]
+    root = sysconfig.get_paths()["stdlib"]
+    for dirpath, dirnames, files in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in ("test", "tests", "idle_test", "site-packages"))
+        for name in sorted(f for f in files if f.endswith(".py")):
+            try:
+                with open(os.path.join(dirpath, name), encoding="utf-8") as f:
+                    tree = ast.parse(f.read())
+            except (SyntaxError, UnicodeDecodeError, ValueError):
+                continue
+            module = os.path.relpath(os.path.join(dirpath, name), root)[:-3].replace(os.sep, ".")
+            for node in [tree, *ast.walk(tree)]:
+                if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                    doc = ast.get_docstring(node)
+                    if doc:
+                        texts.append((f"{module}.{getattr(node, 'name', '')}".rstrip("."), doc))
+    passages, seen = [], set()
+    for title, text in texts:
+        words = text.split()
+        for s in range(0, len(words), 120):
+            piece = " ".join(words[s:s + 120])
+            if len(words[s:s + 120]) >= 20 and piece not in seen:
+                seen.add(piece)
+                passages.append((title, piece))
+    random.Random(seed).shuffle(passages)
+    with open(path, "w") as f:
+        for i, (title, piece) in enumerate(passages[:n]):
+            f.write(json.dumps({"id": str(i), "contents": f'"{title}"\n{piece}'}) + "\n")
+    return min(n, len(passages))
+
+
+def knob_sweep(r, index_type: str, n_queries: int, exact: np.ndarray, values: list[int], seconds: float) -> list:
+    """recall@3 against Flat and one-thread QPS of `r` at each nprobe (IVF) or efSearch (HNSW) in `values`."""
+    rows = []
+    for v in values:
+        if r.ivf is not None:
+            if v > r.ivf.nlist:
+                continue
+            r.ivf.nprobe, knob = v, "nprobe"
+        else:
+            r.faiss_config.hnsw_ef_search, knob = v, "ef_search"
+        ids = r.search_ids([str(i) for i in range(n_queries)], 3)[0]
+        recall3 = float(np.mean([len(set(a[:3]) & set(b[:3])) / 3 for a, b in zip(ids, exact)]))
+        rows.append({"type": index_type, "knob": knob, "value": v, "recall@3": recall3,
+                     "qps_1": qps(r, n_queries, 1, seconds)})
+    return rows
+
+
+def served_qps(index_dir: str, flags: list[str], clients: int, seconds: float, threads: int) -> dict:
+    """`clients` HTTP clients sending fresh one-query requests to the real server over `index_dir` (a separate
+    process, query cache off, `threads` CPU threads): QPS and p99 latency (bench_retrieval's load generator)."""
+    import asyncio
+
+    from bench_retrieval import Queries, batches, closed_loop
+
+    from megatron_searchr1.search.launch import ServerProcess
+
+    with ServerProcess(["--index-dir", index_dir, "--log-level", "warning", "--query-cache-size", "0",
+                        "--torch-threads", str(threads), *flags]) as srv:
+        batches(srv.url, Queries(seed=99).fresh, 8, 3, 1.0)  # warm: pages, thread pools
+        return asyncio.run(closed_loop(srv.url, Queries(seed=0), clients, seconds, 3))
+
+
 def wiki18_gb(index_type: str, bytes_per_doc: float, dim: int, cfg) -> float:
     """Bytes per passage (fixed parts left out) at 768 dims times 21M: per-dimension storage scales by 768/dim;
     PQ codes follow pq_m = dim/4 (also x 768/dim); IVF ids (8 bytes) and HNSW links (8 M bytes) do not scale.
@@ -88,6 +168,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seconds", type=float, default=3.0, help="per QPS measurement")
     p.add_argument("--torch-threads", type=int, default=0, help="0 = every core")
     p.add_argument("--out", help="also write the rows as JSON here")
+    p.add_argument("--corpus", choices=("synthetic", "pydoc"), default="synthetic",
+                   help="generated passages, or real English from this Python's own documentation")
+    p.add_argument("--sweep", default="", help="comma-separated knob values: recall@3 and QPS per nprobe (IVF "
+                                               "types) and per efSearch (HNSW), e.g. 1,2,4,8,16,32,64,128")
+    p.add_argument("--served-clients", type=int, default=0,
+                   help="also measure this many HTTP clients against the real server per type (0 = off)")
     args = p.parse_args(argv)
     types = [t for t in args.types.split(",") if t]
     bad = [t for t in types if t not in TYPES]
@@ -95,6 +181,12 @@ def main(argv: list[str] | None = None) -> int:
         raise UsageError(f"--types: unknown {bad}; choose from {','.join(TYPES)}")
     if args.docs < 1 or args.queries < 1:
         raise UsageError("--docs and --queries must be >= 1")
+    try:
+        sweep = [int(v) for v in args.sweep.split(",") if v]
+    except ValueError:
+        raise UsageError(f"--sweep takes comma-separated integers, got {args.sweep!r}") from None
+    if any(v < 1 for v in sweep) or args.served_clients < 0:
+        raise UsageError("--sweep values must be >= 1 and --served-clients >= 0")
     import faiss
 
     from megatron_searchr1.search.corpus import open_corpus
@@ -106,7 +198,10 @@ def main(argv: list[str] | None = None) -> int:
     corpus_path = os.path.join(tmp, "corpus.jsonl")
     from bench_retrieval import make_corpus  # a sibling script: run as a script, its folder is on sys.path
 
-    make_corpus(corpus_path, args.docs)
+    if args.corpus == "pydoc":
+        make_text_corpus(corpus_path, args.docs)
+    else:
+        make_corpus(corpus_path, args.docs)
     corpus = open_corpus(corpus_path)
     encoder = Encoder(EncoderConfig())
     t0 = time.time()
@@ -117,9 +212,10 @@ def main(argv: list[str] | None = None) -> int:
     questions = [" ".join(corpus[int(i)]["contents"].split()[:8]) for i in rows]  # a passage's opening words
     q = encoder.encode(questions, is_query=True)
     stub = _Vectors(q)
-    print(f"{len(corpus)} passages encoded in {encode_s:.1f}s ({threads} threads); {len(q)} queries", flush=True)
+    print(f"{len(corpus)} {args.corpus} passages encoded in {encode_s:.1f}s ({threads} threads); {len(q)} queries",
+          flush=True)
     exact = None
-    results = []
+    results, sweeps = [], []
     for kind in types:
         try:
             cfg = FaissConfig(index_type=kind).resolve_build(len(corpus), x.shape[1])
@@ -153,24 +249,45 @@ def main(argv: list[str] | None = None) -> int:
                "qps_1": qps(r, len(q), 1, args.seconds), "qps_32": qps(r, len(q), 32, args.seconds), **recall}
         row["wiki18_ram_gb"] = wiki18_gb(kind, row["bytes_per_doc"], x.shape[1], cfg)
         row["wiki18_refine_disk_gb"] = 2 * WIKI18_DIM * WIKI18_DOCS / 1e9 if vectors is not None else 0.0
+        if sweep and (r.ivf is not None or kind == "hnsw"):
+            sweeps += knob_sweep(r, kind, len(q), exact[:, :3], sweep, args.seconds)
+            r = DenseRetriever(corpus, index, stub, cfg, vectors=vectors)  # the defaults again
+        if args.served_clients:
+            # The real server over this index file; refine (PQ types) re-scores from the Flat file, as a user
+            # with e5_Flat.index would serve it.
+            from megatron_searchr1.search.retrievers import register_faiss_index
+
+            register_faiss_index(path, corpus_path, os.path.join(tmp, f"{kind}_dir"))
+            flags = ["--refine-flat", os.path.join(tmp, "flat.index"), "--refine-k-factor", str(r.refine)]
+            if r.ivf is not None:
+                flags += ["--nprobe", str(r.ivf.nprobe)]
+            served = served_qps(os.path.join(tmp, f"{kind}_dir"), flags, args.served_clients, args.seconds, threads)
+            row.update(served_qps_32=served["qps"], served_p99_s=served["p99"], served_errors=served["errors"])
         results.append(row)
         print(json.dumps(row), flush=True)
     flat = DenseRetriever(corpus, faiss.read_index(os.path.join(tmp, "flat.index")), encoder, FaissConfig())
     split = [encode_split(encoder, flat, [f"{s} {b}" for s in questions * 64][: max(256, b)], b) for b in (8, 256)]
-    print("| type | factory | bytes/passage | build s | QPS 1 | QPS 32 | R@1 | R@3 | R@10 | wiki-18 RAM GB |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    served_head = f" served QPS {args.served_clients} (HTTP) |" if args.served_clients else ""
+    print(f"| type | factory | bytes/passage | build s | QPS 1 | QPS 32 (threads on the index) |{served_head} R@1 | "
+          f"R@3 | R@10 | wiki-18 RAM GB |")
+    print("|---|---|---|---|---|---|" + ("---|" if args.served_clients else "") + "---|---|---|---|")
     for r in results:
         extra = f" (+{r['wiki18_refine_disk_gb']:.0f} GB fp16 on disk, mapped)" if r["wiki18_refine_disk_gb"] else ""
+        served = f" {r['served_qps_32']:.0f} |" if args.served_clients else ""
         print(f"| {r['type']} | `{r['factory']}` | {r['bytes_per_doc']:.0f} | {r['build_s']:.1f} | {r['qps_1']:.0f} | "
-              f"{r['qps_32']:.0f} | {r['recall@1']:.3f} | {r['recall@3']:.3f} | {r['recall@10']:.3f} | "
+              f"{r['qps_32']:.0f} |{served} {r['recall@1']:.3f} | {r['recall@3']:.3f} | {r['recall@10']:.3f} | "
               f"{r['wiki18_ram_gb']:.1f}{extra} |")
+    if sweeps:
+        print("\n| type | knob | value | R@3 | QPS 1 |\n|---|---|---|---|---|")
+        for s in sweeps:
+            print(f"| {s['type']} | {s['knob']} | {s['value']} | {s['recall@3']:.3f} | {s['qps_1']:.0f} |")
     print("\n| batch | encode s | search s (flat) | render s |\n|---|---|---|---|")
     for s in split:
         print(f"| {s['batch']} | {s['encode_s']:.3f} | {s['search_s']:.4f} | {s['render_s']:.4f} |")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"docs": len(corpus), "dim": int(x.shape[1]), "encode_s": encode_s, "rows": results,
-                       "split": split}, f, indent=1)
+            json.dump({"docs": len(corpus), "corpus": args.corpus, "dim": int(x.shape[1]), "encode_s": encode_s,
+                       "rows": results, "sweeps": sweeps, "split": split}, f, indent=1)
     return 0
 
 
