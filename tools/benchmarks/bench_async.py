@@ -22,7 +22,6 @@ Prints one table: per run the steps timed, mean step time, samples/s, and the ra
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
@@ -107,15 +106,15 @@ def run(name: str, nproc: int, extra: list[str], world: str, model: str, url: st
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    from megatron_searchr1.cli import ArgumentParser, above, at_least  # stdlib-only: no heavy import
+
+    p = ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--work-dir", default="/tmp/bench_async", help="world, model and runs (world and model reused)")
-    p.add_argument("--steps", type=int, default=5, help="RL steps per run (steps 2.. are timed)")
-    p.add_argument("--max-staleness", type=int, default=1, help="rollout.max_staleness of the async run")
-    p.add_argument("--tail-alpha", type=float, default=1.5, help="Pareto shape of the per-batch tail (smaller: longer)")
-    p.add_argument("--tail-scale", type=float, default=1.0, help="Pareto scale: the shortest tail, seconds")
+    p.add_argument("--steps", type=at_least(2), default=5, help="RL steps per run (steps 2.. are timed)")
+    p.add_argument("--max-staleness", type=at_least(0), default=1, help="rollout.max_staleness of the async run")
+    p.add_argument("--tail-alpha", type=above(0), default=1.5, help="Pareto shape of the per-batch tail (smaller: longer)")
+    p.add_argument("--tail-scale", type=at_least(0.0, float), default=1.0, help="Pareto scale: the shortest tail, seconds")
     args = p.parse_args(argv)
-    if args.steps < 2:
-        sys.exit("error: --steps must be >= 2 (step 1 is not timed)")
     from megatron_searchr1.search.launch import ServerProcess
 
     os.makedirs(args.work_dir, exist_ok=True)
