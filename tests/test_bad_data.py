@@ -139,8 +139,9 @@ def test_an_unknown_sft_dataset_name_lists_the_known_ones_before_torch(tmp_path,
 
 
 def test_an_unknown_data_source_is_refused_before_torch(tmp_path):
-    """A data_source the reward registry cannot score (prepare_qa_data's `mine=PATH`) failed every rank at its first
-    reward, ~25 s in; now the pre-torch data check reads the column and names the source and the known ones."""
+    """A data_source the reward registry cannot score (prepare_qa_data's `mine=PATH`) would fail every rank at its
+    first reward, after the whole start-up: the pre-torch data check reads the column and names the source and the
+    known ones."""
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text(json.dumps({"num_attention_heads": 2, "num_hidden_layers": 2}))

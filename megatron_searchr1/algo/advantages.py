@@ -97,7 +97,7 @@ def compute_gae_advantage_return(
     return advantages, returns
 
 
-def _group_rows(index, batch_size: int) -> list[list[int]]:
+def group_rows(index, batch_size: int) -> list[list[int]]:
     """Row numbers of each group, groups in order of first appearance. `index`: one group id per row (str or int;
     a list, numpy array or tensor; tensors are compared by value, not by object)."""
     ids = index.tolist() if hasattr(index, "tolist") else list(index)
@@ -137,7 +137,7 @@ def compute_grpo_outcome_advantage(
         mask = response_mask.bool()  # (B, T)
         scores = _outcome_scores(token_level_rewards, mask)  # (B,)
         adv = torch.empty_like(scores)  # (B,)
-        for rows in _group_rows(index, scores.shape[0]):
+        for rows in group_rows(index, scores.shape[0]):
             s = scores[rows]  # (n,)
             mean, std = (s.mean(), s.std()) if len(rows) > 1 else (torch.tensor(0.0), torch.tensor(1.0))
             adv[rows] = (s - mean) / (std + epsilon) if norm_adv_by_std_in_grpo else s - mean
@@ -164,7 +164,7 @@ def compute_rloo_outcome_advantage(
         mask = response_mask.bool()  # (B, T)
         scores = _outcome_scores(token_level_rewards, mask)  # (B,)
         adv = scores.clone()  # (B,)
-        for rows in _group_rows(index, scores.shape[0]):
+        for rows in group_rows(index, scores.shape[0]):
             n = len(rows)
             if n > 1:
                 s = scores[rows]  # (n,)

@@ -15,7 +15,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from megatron_searchr1.algo.advantages import _group_rows
+from megatron_searchr1.algo.advantages import group_rows
 
 
 def overlong_penalty(response_lengths: torch.Tensor, max_response_length: int, overlong_buffer: int,
@@ -79,7 +79,7 @@ def filter_groups(scores, index: Optional[Sequence] = None, group_size: Optional
             raise ValueError(f"{B} rows do not split into groups of {group_size}")
         groups = [list(range(start, start + group_size)) for start in range(0, B, group_size)]
     else:
-        groups = _group_rows(index, B)
+        groups = group_rows(index, B)
     keep = torch.zeros(B, dtype=torch.bool)  # (B,)
     kept_groups = 0
     for rows in groups:

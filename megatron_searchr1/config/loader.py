@@ -6,15 +6,15 @@ field docstrings for `--help-config`.
 """
 from __future__ import annotations
 
-import ast
 import dataclasses
 import difflib
-import inspect
 import os
 import typing
 from typing import Any, Optional
 
 import yaml
+
+from megatron_searchr1.field_docs import field_docs
 
 
 class ConfigError(ValueError):
@@ -161,20 +161,6 @@ def save_config(cfg, path: str) -> None:
     with open(path, "w") as f:
         yaml.safe_dump(to_dict(cfg), f, sort_keys=False)
 
-
-
-def field_docs(cls) -> dict[str, str]:
-    """{field name: docstring} of a dataclass: the string literal right after each annotated assignment (the
-    one-line docs of our config sections; `describe` and the retrieval server's flags read them)."""
-    docs: dict[str, str] = {}
-    try:
-        body = ast.parse(inspect.getsource(cls)).body[0].body
-    except (OSError, TypeError):
-        return docs
-    for node, nxt in zip(body, body[1:]):
-        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
-            docs[node.target.id] = str(nxt.value.value)
-    return docs
 
 
 def describe(cls, prefix: str = "") -> list[str]:

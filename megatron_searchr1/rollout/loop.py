@@ -145,6 +145,19 @@ class LoopSettings:
     """Sampling seed: each generate call's base seed; the loop adds the turn number."""
 
 
+def settings_from_config(r: RolloutConfig, stop_token_ids: Sequence[int],
+                         seed: Optional[int]) -> tuple[LoopSettings, LoopSettings]:
+    """The training and validation settings of config.rollout `r`, for every placement that runs the loop:
+    training samples at `r.temperature` (top-p / top-k only when it samples: greedy decoding ignores them),
+    validation at `r.val_temperature` with the run's `seed`."""
+    common = dict(max_turns=r.max_turns, max_tokens_per_turn=r.max_tokens_per_turn,
+                  max_response_length=r.max_response_length, max_obs_length=r.max_obs_length,
+                  stop_token_ids=tuple(stop_token_ids))
+    train = LoopSettings(**common, temperature=r.temperature, top_p=r.top_p if r.temperature > 0 else 1.0,
+                         top_k=r.top_k if r.temperature > 0 else -1)
+    return train, LoopSettings(**common, temperature=r.val_temperature, seed=seed)
+
+
 @dataclass
 class RolloutStats:
     """Counters of one rollout (the trainer logs `as_metrics()`)."""

@@ -35,7 +35,7 @@ from fastapi import FastAPI, Request  # module level: FastAPI resolves the handl
 from fastapi.responses import JSONResponse, Response
 
 from megatron_searchr1.cli import ArgumentParser, UsageError, at_least, console, run_main
-from megatron_searchr1.config.loader import field_docs
+from megatron_searchr1.field_docs import field_docs
 from megatron_searchr1.search import rerank
 from megatron_searchr1.search.base import Retriever
 from megatron_searchr1.search.batcher import BatchStats, MicroBatcher, SearchTimeout  # noqa: F401  (re-exported)

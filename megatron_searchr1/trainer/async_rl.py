@@ -412,7 +412,7 @@ def serve_rollouts(cfg, bridge: Bridge) -> None:
     from megatron_searchr1.rollout import loop
     from megatron_searchr1.rollout.engine_groups import SHARE_SEED_STRIDE
     from megatron_searchr1.rollout.engines import make_engine
-    from megatron_searchr1.rollout.loop import LoopSettings
+    from megatron_searchr1.rollout.loop import settings_from_config
     from megatron_searchr1.search.client import RetrievalClient, SearchGuard
     from megatron_searchr1.trainer import losses, reports
     from megatron_searchr1.trainer.build import engine_kwargs, launch_server, load_data, load_tokenizer
@@ -434,12 +434,7 @@ def serve_rollouts(cfg, bridge: Bridge) -> None:
     engine = make_engine(r.engine, cfg.model.path, **engine_kwargs(cfg, dist.get_rank()))
     client = RetrievalClient(url, topk=q.topk, timeout=q.timeout)
     guard = SearchGuard(client.search, url, q.max_error_rate, q.max_failed_rounds)
-    common = dict(max_turns=r.max_turns, max_tokens_per_turn=r.max_tokens_per_turn,
-                  max_response_length=r.max_response_length, max_obs_length=r.max_obs_length,
-                  stop_token_ids=tuple(stop_token_ids(tokenizer, cfg.model.path)))
-    settings = LoopSettings(**common, temperature=r.temperature, top_p=r.top_p if r.temperature > 0 else 1.0,
-                            top_k=r.top_k if r.temperature > 0 else -1)
-    val_settings = LoopSettings(**common, temperature=r.val_temperature, seed=t.seed)  # RolloutWorker's
+    settings, val_settings = settings_from_config(r, stop_token_ids(tokenizer, cfg.model.path), t.seed)
 
     def validate_due() -> None:
         """Validate the version the trainer marked (only the first rollout rank gets marks), send the report."""

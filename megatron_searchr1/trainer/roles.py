@@ -43,7 +43,7 @@ from megatron_searchr1.models.gpt import build_gpt_model
 from megatron_searchr1.rollout import loop, weight_sync
 from megatron_searchr1.rollout.engine import sleep_engine, wake_and_sync
 from megatron_searchr1.rollout.engine_groups import EngineLayout
-from megatron_searchr1.rollout.loop import LoopSettings, RolloutStats, Trajectory
+from megatron_searchr1.rollout.loop import RolloutStats, Trajectory, settings_from_config
 from megatron_searchr1.search.client import RetrievalDown, SearchGuard
 from megatron_searchr1.trainer import losses, reports, sources
 
@@ -229,13 +229,7 @@ class RolloutWorker:
         self.cfg, self.engine, self.tokenizer, self.client, self.server = cfg, engine, tokenizer, client, server
         self.rank, self.world, self.offload = rank, world, offload
         self.layout = EngineLayout(world, cfg.parallel.tp, cfg.parallel.pp, r.engine_tp)
-        common = dict(max_turns=r.max_turns, max_tokens_per_turn=r.max_tokens_per_turn,
-                      max_response_length=r.max_response_length, max_obs_length=r.max_obs_length,
-                      stop_token_ids=tuple(stop_token_ids))
-        self.train_settings = LoopSettings(**common, temperature=r.temperature,
-                                           top_p=r.top_p if r.temperature > 0 else 1.0,
-                                           top_k=r.top_k if r.temperature > 0 else -1)
-        self.val_settings = LoopSettings(**common, temperature=r.val_temperature, seed=cfg.trainer.seed)
+        self.train_settings, self.val_settings = settings_from_config(r, stop_token_ids, cfg.trainer.seed)
         self.sync_dtype = DTYPES[cfg.model.dtype if r.dtype == "auto" else r.dtype]
         q = cfg.retrieval
         url = getattr(client, "base_url", q.url)  # a launched server's URL on every rank

@@ -37,7 +37,7 @@ def test_one_search_never_retrieves_a_whole_chain(default_world):
 
 def test_later_hops_never_name_the_start_entity(default_world):
     """The structural reason: no relation is stated in the passage of its object, so a later hop's gold passage
-    cannot be found by the name the question gives (the CEO's passage used to name the company)."""
+    cannot be found by the name the question gives (the CEO's passage must not name the company)."""
     world, rows, _ = default_world
     text = {p["id"]: p["text"] for p in world.passages}
     for s in SPLITS:
@@ -63,7 +63,7 @@ def test_no_real_place_or_common_name_is_drawn(seed):
     world = synthetic.build_world(WorldConfig(seed=seed))
     words = {w.lower() for e in world.entities.values() for w in re.findall(r"[A-Za-z]+", e["name"])}
     words |= {w.lower() for p in world.passages for w in re.findall(r"[A-Za-z]+", p["title"])}
-    assert "roma" not in words and "provo" not in words  # what seeds 7 and 11 used to draw
+    assert "roma" not in words and "provo" not in words  # real place names: seeds 7 and 11 draw them without the filter
     drawn = set()
     for e in world.entities.values():
         drawn.update(w.lower() for w in e["name"].split() if w not in synthetic._COMPANY_SUFFIXES

@@ -178,3 +178,20 @@ def test_loop_settings_take_their_defaults_from_the_rollout_config():
                       "top_p", "top_k"}
     config, settings = RolloutConfig(), LoopSettings()
     assert {n: getattr(settings, n) for n in shared} == {n: getattr(config, n) for n in shared}
+
+
+def test_settings_from_config_are_what_every_placement_samples_with():
+    """Colocated and disaggregated rollouts take their settings from this one function: top-p / top-k only when
+    training samples (greedy decoding must not carry a nucleus that vLLM would refuse or apply), validation at its
+    own temperature with the run's seed, the budgets and stop ids of config.rollout in both."""
+    from megatron_searchr1.config.rl import RolloutConfig
+    from megatron_searchr1.rollout.loop import settings_from_config
+
+    r = RolloutConfig(temperature=0.7, top_p=0.9, top_k=20, val_temperature=0.0, max_turns=3, max_obs_length=77)
+    train, val = settings_from_config(r, [5, 9], seed=11)
+    assert (train.temperature, train.top_p, train.top_k, train.seed) == (0.7, 0.9, 20, None)
+    assert (val.temperature, val.seed) == (0.0, 11)
+    for s in (train, val):
+        assert (s.max_turns, s.max_obs_length, s.stop_token_ids) == (3, 77, (5, 9))
+    greedy, _ = settings_from_config(RolloutConfig(temperature=0.0, top_p=0.9, top_k=20), [], seed=None)
+    assert (greedy.top_p, greedy.top_k) == (1.0, -1)

@@ -374,8 +374,8 @@ def test_a_gpu_index_read_from_a_file_keeps_no_cpu_copy(tmp_path, world, dense_i
 
 
 def test_bm25_ranks_only_the_matching_docs_with_unchanged_results(world, bm25_index, monkeypatch):
-    """A rare query (fewer hits than topk) used to rank all N docs: the k-th score was 0, so every zero-score doc
-    tied with it. Only docs with a positive score may reach topk_desc, and the results are what ranking all N
+    """A rare query (fewer hits than topk) must not rank all N docs: the k-th score would be 0, and every zero-score
+    doc would tie with it. Only docs with a positive score may reach topk_desc, and the results are what ranking all N
     docs and dropping the non-matches gives."""
     from megatron_searchr1.search import bm25 as bm25_mod
 

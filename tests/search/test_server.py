@@ -115,7 +115,7 @@ BAD = [
     ("topk over limit", {"queries": ["a"], "topk": 21}, 422, "'topk' is 21, the limit is 20"),
     ("return_scores not bool", {"queries": ["a"], "return_scores": "maybe"}, 422,
      "'return_scores' must be true or false"),
-    # json.loads raises RecursionError and ValueError for these, not JSONDecodeError: they used to be 500s
+    # json.loads raises RecursionError and ValueError for these, not JSONDecodeError: unhandled, they would be 500s
     ("nested too deeply", b'{"queries": ["a"], "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400,
      "malformed JSON body: nested too deeply"),
     ("integer over 4300 digits", b'{"queries": ["a"], "topk": 1' + b"0" * 5000 + b"}", 400,
