@@ -1,5 +1,6 @@
 """Writes verl_reference.json: inputs and verl's outputs for its GSPO / CISPO / vanilla PPO losses, its
-seq-mean-token-sum-norm aggregation and its rollout-correction IS weights, read by tests/algo/test_policy_losses.py and test_rollout_correction.py.
+seq-mean-token-sum-norm aggregation and its rollout-correction IS weights, read by tests/algo/test_policy_losses.py
+and tests/algo/test_rollout_correction.py.
 
     python tests/algo/data/make_verl_reference.py /work/.mirror/volcengine+verl/repo
 
