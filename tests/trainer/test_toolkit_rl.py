@@ -4,7 +4,7 @@ updates per step (ppo_epochs=2, so the old log-probs come from their own pass an
 on); then a resume from its step-2 checkpoint that reproduces step 3 exactly. At rollout.temperature 0.8, so the
 engine's log-probs must be those of the sampling temperature. Then GSPO with every rollout correction mode, one step
 each, and a sequence-level mode's step run again from its predecessor's checkpoint in the same start-up, which it
-reproduces exactly (rollout_correction_modes.py). Three launches in all."""
+reproduces exactly (rollout_correction_modes.py). Last, GSPO at PP=2 x DP=2 (4 ranks). Four launches in all."""
 import json
 import math
 import os
@@ -109,3 +109,23 @@ def test_gspo_runs_with_every_rollout_correction_mode(world, tiny_model, server,
     keys = [k for k in got[step] if not k.startswith(STEP_FIELDS_THAT_VARY)]
     diff = {k: (got[step][k], replayed.get(k)) for k in keys if got[step][k] != replayed.get(k)}
     assert not diff, diff
+
+
+@pytest.mark.slow
+def test_gspo_at_pp2_dp2_finishes_with_finite_sequence_ratios(world, tiny_model, server, rl_root):
+    """GSPO's ratio is a mean over a whole response, so a pipeline stage or a data-parallel rank that saw part of a
+    response would compute another loss (the micro-batcher's never-split rule is unit-tested in tests/megatron):
+    here the real layout, 4 ranks at PP=2 x DP=2, two steps of two updates each, with its sequence-level metrics
+    finite and the loss reaching the weights on every step."""
+    out = os.path.join(rl_root, "toolkit_gspo_pp2_dp2")
+    proc = run_module("megatron_searchr1.train", rl_args(
+        world, tiny_model, server, out, "parallel.tp=1", "parallel.pp=2", "trainer.total_steps=2",
+        "trainer.save_freq=0", "algo.policy_loss=gspo", "algo.clip_ratio_c=null",
+        "algo.loss_agg_mode=seq-mean-token-mean", "algo.ppo_epochs=2", "trainer.export_hf=false",
+        "rollout.temperature=0.8"), nproc=4, timeout=1200)
+    got = step_metrics(out)
+    assert sorted(got) == [1, 2], proc.stdout[-3000:]
+    for step, m in got.items():
+        for key in ("actor/pg_loss_gspo", "actor/pg_clipfrac", "actor/grad_norm"):
+            assert key in m and math.isfinite(m[key]), (step, key, m.get(key))
+        assert m["actor/grad_norm"] > 0, (step, m)
