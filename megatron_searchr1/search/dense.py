@@ -258,13 +258,19 @@ def flat_file_layout(path: str | os.PathLike) -> tuple[int, int, int]:
     return ntotal, d, offset
 
 
-def open_flat_vectors(path: str | os.PathLike) -> np.ndarray:
+def open_flat_vectors(path: str | os.PathLike, expect: tuple[int, int] | None = None,
+                      expected_by: str = "") -> np.ndarray:
     """The (ntotal, d) float32 vectors of a faiss IndexFlatIP file, memory-mapped read-only: row i is vector i.
+    With `expect` (ntotal, d), a file of another shape is an IndexFileError that says what `expected_by` needs
+    ("the corpus has ...") and to pass the Flat file of the same corpus and encoder; checked before mapping.
 
     Nothing is read until a row is used, and the mapping is advised as random access, so re-scoring a query's
     candidates reads their pages and not the kernel's read-ahead around each one. The pages are the page cache's:
     shared between processes and dropped under memory pressure, never this process's own memory."""
     ntotal, d, offset = flat_file_layout(path)
+    if expect is not None and (ntotal, d) != tuple(expect):
+        raise IndexFileError(f"{os.fspath(path)} holds {ntotal} vectors of dim {d} but {expected_by}: pass the Flat "
+                             f"file made from the same corpus by the same encoder")
     with open(path, "rb") as f:
         mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     _advise_random(mapped)
@@ -357,11 +363,8 @@ class DenseRetriever(Retriever):
         faiss_config = faiss_config.resolve_build(n, encoder.dim)
         source = None
         if from_flat is not None:
-            source = open_flat_vectors(from_flat)
-            if source.shape != (n, encoder.dim):
-                raise IndexFileError(f"{from_flat} holds {source.shape[0]} vectors of dim {source.shape[1]} but the "
-                                     f"corpus has {n} passages and {encoder.config.model!r} outputs dim "
-                                     f"{encoder.dim}: pass the Flat file made from this corpus by this encoder")
+            source = open_flat_vectors(from_flat, (n, encoder.dim), f"the corpus has {n} passages and "
+                                       f"{encoder.config.model!r} outputs dim {encoder.dim}")
             shard_dir = vectors_path = None  # nothing to resume or to copy: the file is the vectors
         index = make_faiss_index(encoder.dim, faiss_config)
         bounds = [(s, min(s + chunk_docs, n)) for s in range(0, n, chunk_docs)]
@@ -468,11 +471,8 @@ class DenseRetriever(Retriever):
         if refine_flat is not None:
             refine_flat = os.path.abspath(refine_flat)
             if faiss_config.effective_refine(exact_source=True) > 0:
-                vectors = open_flat_vectors(refine_flat)
-                if vectors.shape != (index.ntotal, index.d):
-                    raise IndexFileError(f"{refine_flat} holds {vectors.shape[0]} vectors of dim {vectors.shape[1]} "
-                                         f"but the index has {index.ntotal} of dim {index.d}: pass the Flat file of "
-                                         f"the same corpus and encoder")
+                vectors = open_flat_vectors(refine_flat, (index.ntotal, index.d),
+                                            f"the index has {index.ntotal} of dim {index.d}")
         elif vectors_path is not None and faiss_config.effective_refine() > 0:
             vectors = np.load(os.fspath(vectors_path), mmap_mode="r")  # pages are read on demand, shared
             _advise_random(getattr(vectors, "_mmap", None))  # only the candidates' rows, no read-ahead around them
