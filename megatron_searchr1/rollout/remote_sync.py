@@ -192,13 +192,13 @@ class _BucketCollector:
 
 
 STOP = "stop"
-"""The weights channel's last message (with a reason: {"stop": None | error text})."""
+"""The key of the weights channel's last message, {STOP: None | error text} (the reason the run ended)."""
 DONE = "done"
 """A rollout rank's last message on the batches channel, its answer to STOP."""
 
 
 def is_stop(msg) -> bool:
-    return msg == STOP or (isinstance(msg, dict) and "stop" in msg)
+    return isinstance(msg, dict) and STOP in msg
 
 
 class Heartbeat:
@@ -339,7 +339,7 @@ class WeightSender:
                     self.last_send_seconds = time.perf_counter() - start
                     self.sent_versions.append(version)
             for dst in range(1, plan.rollout_ranks + 1):
-                send_object(pg, {"stop": self._reason}, dst, WEIGHTS_TAG)
+                send_object(pg, {STOP: self._reason}, dst, WEIGHTS_TAG)
         except BaseException as e:  # noqa: BLE001 (reported to the trainer's thread by raise_if_failed)
             self._error = e
 
@@ -384,7 +384,7 @@ class WeightReceiver:
                 header = recv_object(pg, 0, WEIGHTS_TAG)
                 if is_stop(header):
                     with self._cond:
-                        self.stop_reason = header.get("stop") if isinstance(header, dict) else None
+                        self.stop_reason = header[STOP]
                         self.stopped = True
                         self._cond.notify_all()
                     return
