@@ -39,7 +39,6 @@ receivers ("trainer rank 0 is gone").
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import sys
 import threading
@@ -359,20 +358,11 @@ class AsyncTrainer(Trainer):
         return {}
 
     def log_reports(self, wait: bool = False) -> None:
-        """Log the validation reports that arrived (trainer rank 0 holds them): val/* metrics at the step of their
-        version, the table on the console, val_report.jsonl, val_trajectories.jsonl (Trainer.validate's outputs)."""
-        from megatron_searchr1.trainer.reports import format_eval_table, summarize_eval
-
-        cfg, logger = self.cfg, self.roles.logger
+        """Log the validation reports that arrived (trainer rank 0 holds them) at the step of their version, as
+        Trainer.validate does (`record_validation`)."""
+        where = f" (rollout rank {self.remote.bridge.plan.global_rank(1)})"
         for msg in self.remote.reports(wait=wait):
-            step = int(msg["val"])
-            report = summarize_eval(msg["records"], max_error_rate=cfg.retrieval.max_error_rate)
-            logger.log(step, {f"val/{k}": v for k, v in report["metrics"].items()})
-            logger.trajectories(step, msg["samples"], name="val_trajectories.jsonl")
-            print(format_eval_table(report, title=f"validation at step {step} (rollout rank "
-                                                  f"{self.remote.bridge.plan.global_rank(1)})"), flush=True)
-            with open(os.path.join(cfg.trainer.output_dir, "val_report.jsonl"), "a") as f:
-                f.write(json.dumps({"step": step, **report}) + "\n")
+            self.record_validation(int(msg["val"]), msg["records"], msg["samples"], where)
 
     def close(self, reason: Optional[str] = None) -> None:
         try:

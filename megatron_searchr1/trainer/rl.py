@@ -278,19 +278,26 @@ class Trainer:
     # -- validation ---------------------------------------------------------------------------------------------
     def validate(self) -> dict:
         """Greedy rollouts on the validation rows (split over all engines), EM / sub-EM / F1 per data_source."""
-        cfg, logger = self.cfg, self.roles.logger
+        cfg = self.cfg
         interrupt.note(f"in validation at step {self.step_no}")
         self.worker.sync(self.policy)
         records, samples = self.worker.validate(self.data.val, cfg.data.val_batch_size,
                                                 cfg.logging.trajectories_per_step)
         self.worker.sleep()
+        return self.record_validation(self.step_no, records, samples)
+
+    def record_validation(self, step: int, records: list, samples: list, where: str = "") -> dict:
+        """Summarise validation `records` of `step` and write what a validation leaves: val/* metrics, sampled
+        trajectories (val_trajectories.jsonl), and on rank 0 the table (its title ending in `where`) and a line of
+        val_report.jsonl. Returns the report."""
+        cfg, logger = self.cfg, self.roles.logger
         report = summarize_eval(records, max_error_rate=cfg.retrieval.max_error_rate)
-        logger.log(self.step_no, {f"val/{k}": v for k, v in report["metrics"].items()})
-        logger.trajectories(self.step_no, samples, name="val_trajectories.jsonl")
+        logger.log(step, {f"val/{k}": v for k, v in report["metrics"].items()})
+        logger.trajectories(step, samples, name="val_trajectories.jsonl")
         if self.rank == 0:
-            print(format_eval_table(report, title=f"validation at step {self.step_no}"), flush=True)
+            print(format_eval_table(report, title=f"validation at step {step}{where}"), flush=True)
             with open(os.path.join(cfg.trainer.output_dir, "val_report.jsonl"), "a") as f:
-                f.write(json.dumps({"step": self.step_no, **report}) + "\n")
+                f.write(json.dumps({"step": step, **report}) + "\n")
         return report
 
     # -- checkpoints and export --------------------------------------------------------------------------------
