@@ -147,3 +147,13 @@ def test_help_shows_the_defaults_and_assumptions():
     r = subprocess.run([sys.executable, str(SCRIPT), "--help"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0
     assert "(default: 256)" in r.stdout and "(default: 8,64,256)" in r.stdout and "Assumptions" in r.stdout
+
+
+def test_the_synchronous_baseline_spreads_each_batch_over_every_engine():
+    """Granularity concerns the async rollout ranks: the colocated step uses all engines either way (a batch of 32
+    trajectories on one engine of 8 slots would take 4 waves, on 8 engines one)."""
+    s = _setup([sim.Shape((100.0,), 0)], slots_per_gpu=8)
+    runs = [sim.simulate(s, train_gpus=8, engines=8, k=-1, steps=5, seed=0, colocated=True, granularity=g)
+            for g in ("group", "batch")]
+    assert runs[0].step_s == runs[1].step_s == pytest.approx(2e9 / 50e9 + 2.0 + 2.0 + s.train_seconds(
+        s.batch * s.n * s.train_tokens(s.shapes[0], 1.0), 8))

@@ -230,8 +230,9 @@ def simulate(s: Setup, *, train_gpus: int, engines: int, k: int, steps: int, see
     if max(e.slots for e in eng) < s.n:
         raise UsageError(f"--slots-per-gpu x engine_tp = {eng[0].slots} slots cannot hold a group of {s.n}")
     pause = s.weight_bytes / s.engine_tp / (a.load_gbps * 1e9)
-    if colocated:
+    if colocated:  # every engine generates every batch (granularity concerns the rollout ranks of async runs)
         transfer, gather, pause, k = s.weight_bytes / (a.local_sync_gbps * 1e9) + a.wake_s, 0.0, 0.0, -1
+        granularity = "group"
     else:
         gather, transfer = s.weight_bytes / (a.local_sync_gbps * 1e9), s.weight_bytes / (a.sync_gbps * 1e9)
     total_groups = steps * s.batch + s.batch * (k + 2)
