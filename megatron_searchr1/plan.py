@@ -5,7 +5,8 @@
         --model-config tests/models/real_configs/Qwen2.5-3B-Instruct.json    # model not downloaded yet
 
 It prints, per GPU, what each phase of a step holds (start-up, weight sync, rollout, log-prob passes, update peak)
-against the GPU's usable memory, and a verdict; when the config does not fit, the first config change that makes it
+against the GPU's usable memory (with parallel.rollout_placement=disaggregated, one table for the trainer ranks and
+one for the rollout ranks), and a verdict; when the config does not fit, the first config change that makes it
 fit. The parts live in planner/: counts.py (parameters per rank from the model built on the meta device; the weight
 sync's buckets), memory.py (the phases and their byte arithmetic, every assumption written down there), render.py
 (the table, the summary row). This module is the command line and re-exports their names.
@@ -69,15 +70,17 @@ def plan_config(cfg, hf: dict, *, nodes: int = 1, gpus_per_node: int = 8, gpu_me
     from megatron_searchr1.models.families import read_dims
 
     p, world = cfg.parallel, nodes * gpus_per_node
+    trainers = cfg.trainer_world(world)  # disaggregated: the Megatron layout spans the trainer ranks only
     try:
         dims = read_dims(hf)
         etp = default_expert_tp(dims, p.tp, expert_tp or expert_tp_of(cfg))
-        check_parallel_sizes(dims, p.tp, p.pp, ep=p.ep, world_size=world, expert_tp=etp)
+        check_parallel_sizes(dims, p.tp, p.pp, ep=p.ep, world_size=trainers, expert_tp=etp)
     except ValueError as e:
         raise UsageError(f"{e} (parallel.tp / parallel.pp / parallel.ep / parallel.expert_tp)") from None
-    if world % (etp * p.ep * p.pp):
-        raise UsageError(f"world size {world} is not a multiple of expert-TP x parallel.ep x parallel.pp = "
-                         f"{etp} x {p.ep} x {p.pp}: change --expert-tp or parallel.ep")
+    if trainers % (etp * p.ep * p.pp):
+        raise UsageError(f"{'trainer ranks' if trainers < world else 'world size'} {trainers} is not a multiple of "
+                         f"expert-TP x parallel.ep x parallel.pp = {etp} x {p.ep} x {p.pp}: change --expert-tp or "
+                         "parallel.ep")
     counts = count_params(dims, p.tp, p.pp, ep=p.ep, etp=etp)
     kw = dict(world=world, gpu_bytes=usable_bytes(gpu_memory_gib), gpus_per_node=gpus_per_node, gpu_name=gpu_name)
     plan = plan_memory(cfg, counts, **kw)

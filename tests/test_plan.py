@@ -298,7 +298,7 @@ def test_the_recipe_table_is_the_planners(megatron_world):
     """examples/planner.md's table of the shipped recipes is what `--summary` prints for each row's recipe."""
     with open(os.path.join(REPO, "examples", "planner.md")) as f:
         rows = [line.strip() for line in f if line.startswith("| ") and line.split("|")[1].strip().endswith(".yaml")]
-    assert len(rows) == 9
+    assert len(rows) == 10
     for row in rows:
         name, nodes = (cell.strip() for cell in row.split("|")[1:3])
         cfg, hf = recipe(name.removesuffix(".yaml"), nodes=int(nodes))
@@ -369,6 +369,58 @@ def test_offload_and_sleep_level_move_bytes_to_the_host(megatron_world):
     assert roll.items["actor gradients (fp32)"] > 0
     assert level2.host_bytes_per_node == 8 * (update2.items["actor gradients (fp32)"]
                                               + update2.items["actor optimizer"])
+
+
+# ---- disaggregated placement: trainer ranks and rollout ranks ----------------------------------------------------
+def test_the_async_recipe_plans_each_kind_of_rank(megatron_world):
+    """examples/grpo_qwen2.5-7b_async.yaml on 2 nodes: 8 trainer ranks at TP 4 x DP 2 hold the actor, its gradients,
+    its whole optimizer state and the reference in every phase (no engine: nothing offloads) and no vLLM row; the 8
+    rollout ranks hold vLLM's share (weights, activations, residue, KV cache) and no trainer state; both fit."""
+    cfg, hf = recipe("grpo_qwen2.5-7b_async", nodes=2)
+    p, r = cfg.parallel, cfg.rollout
+    assert (p.rollout_placement, p.rollout_ranks, r.max_staleness, r.engine_tp) == ("disaggregated", 8, 1, 1)
+    assert cfg.algo.rollout_correction != "none"
+    result, counts, fix = plan.plan_config(cfg, hf, nodes=2)
+    assert result.fits and fix is None and result.roles == ["trainer", "rollout"]
+    assert result.dp == 2 and result.rollout_ranks == 8
+    trainer = {ph.name: ph for ph in result.phases if ph.role == "trainer"}
+    rollout = {ph.name: ph for ph in result.phases if ph.role == "rollout"}
+    assert list(trainer) == ["start-up", "weight sync", "log-prob passes", "update peak"]
+    assert list(rollout) == ["start-up", "weight sync", "rollout"]
+    st = counts.stages[0]
+    for ph in ("weight sync", "log-prob passes", "update peak"):
+        items = trainer[ph].items
+        assert items["actor gradients (fp32)"] == st.actor * 4 and items["reference weights"] == st.actor * 2
+        assert items["actor optimizer"] == st.actor * 12 // 2  # Adam + fp32 master, sharded over DP 2
+        assert not any(k.startswith("vLLM") for k in items)
+    assert trainer["weight sync"].items["sync buckets"] == result.sync_extra_bytes > 0
+    share = int(r.gpu_memory_utilization * result.gpu_bytes)
+    gen = rollout["rollout"].items
+    assert not set(gen) & set(plan.STATE_KINDS) and rollout["rollout"].total == plan.CUDA_CONTEXT + share
+    assert gen["vLLM KV cache"] == result.kv_bytes > 30 * plan.GiB
+    assert rollout["weight sync"].total == rollout["rollout"].total + (r.sync_bucket_mb << 20)
+    # Megatron's groups span the trainer ranks only: its world is 8, not 16
+    assert dict((name.split(":")[0], size) for name, size in result.nccl)["default (world)"] == 8
+    # the phase of a name is the larger of the two kinds' (the summary row's columns)
+    assert result.phase("start-up") is rollout["start-up"] and result.phase("update peak") is trainer["update peak"]
+    row = plan.summary_row(result, cfg, counts, "grpo_qwen2.5-7b_async.yaml", 2)
+    assert "| 4x1x2 + 8 rollout |" in row and row.endswith("| fits |")
+    # the colocated recipe on the same 16 GPUs offloads the optimizer while vLLM generates; this one never does
+    colo, _, _ = plan.plan_config(*recipe("grpo_qwen2.5-7b", nodes=2), nodes=2)
+    assert colo.phase("weight sync").items["actor optimizer"] == 0 < trainer["weight sync"].items["actor optimizer"]
+
+
+def test_disaggregated_refusals_and_knobs(megatron_world):
+    """A world with no trainer rank left is one error naming the fields; a trainer over the limit gets a knob that
+    acts on a trainer rank (never an offload or sleep knob: nothing offloads there)."""
+    with pytest.raises(UsageError, match="parallel.rollout_ranks=8 leaves no trainer rank in a world of 8"):
+        recipe("grpo_qwen2.5-7b_async", nodes=1)
+    cfg, hf = recipe("grpo_qwen2.5-7b_async", ["optim.max_tokens_per_micro_batch=65536", "model.recompute=none"],
+                     nodes=2)
+    result, counts, fix = plan.plan_config(cfg, hf, nodes=2)
+    assert not result.fits and result.worst.role == "trainer" and result.worst.name == "update peak"
+    assert fix and not any("offload" in k or "sleep" in k for k in fix), fix
+    assert plan.plan_memory(plan.with_overrides(cfg, fix), counts, world=16, gpu_bytes=result.gpu_bytes).fits
 
 
 def test_cli_prints_the_table_and_verdict(megatron_world, capsys):

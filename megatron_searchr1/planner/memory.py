@@ -224,6 +224,8 @@ class Phase:
 
     name: str
     items: dict = field(default_factory=dict)
+    role: str = ""
+    """"" (colocated: every rank), "trainer" or "rollout" (parallel.rollout_placement=disaggregated)."""
 
     @property
     def total(self) -> int:
@@ -253,6 +255,8 @@ class Plan:
     """nccl_groups(): the trainer's communicators on one rank."""
     vllm_batch: tuple = (0, 0)
     """vLLM's (max_num_batched_tokens, max_num_seqs)."""
+    rollout_ranks: int = 0
+    """Disaggregated placement: the ranks that only generate (the rest, world - rollout_ranks, only train)."""
 
     @property
     def kv_tokens(self) -> int:
@@ -267,7 +271,12 @@ class Plan:
         return self.kv_bytes > 0 and all(p.total <= self.gpu_bytes for p in self.phases)
 
     def phase(self, name: str) -> Phase:
-        return next(p for p in self.phases if p.name == name)
+        """The phase of that name; disaggregated, the larger of the trainer's and the rollout ranks'."""
+        return max((p for p in self.phases if p.name == name), key=lambda p: p.total)
+
+    @property
+    def roles(self) -> list[str]:
+        return list(dict.fromkeys(p.role for p in self.phases))
 
 
 def expert_tp_of(cfg) -> Optional[int]:
@@ -278,11 +287,19 @@ def expert_tp_of(cfg) -> Optional[int]:
 def plan_memory(cfg, counts: ModelCounts, *, world: int, gpu_bytes: int, gpus_per_node: int = 8,
                 gpu_name: str = "H100") -> Plan:
     """Every phase's bytes on one GPU (the pipeline stage with the largest update peak) for `cfg`; `gpu_bytes`: the
-    GPU's usable total (`usable_bytes`), `gpu_name` for vLLM's batch defaults."""
+    GPU's usable total (`usable_bytes`), `gpu_name` for vLLM's batch defaults. With
+    parallel.rollout_placement=disaggregated (`world` counts every rank) two kinds of rank, each with its phases:
+    the trainer ranks (the first world - parallel.rollout_ranks) hold the actor, the reference, the critic and their
+    optimizers and never an engine, so nothing is offloaded (GenerationOffload is the colocated trainer's); the
+    rollout ranks hold one vLLM engine each, awake for the whole run (start-up; a weight load between two generate
+    calls; generating)."""
     m, p, r, a, o, d = cfg.model, cfg.parallel, cfg.rollout, cfg.algo, cfg.optim, cfg.data
     dims, tp, pp, ep, etp = counts.dims, counts.tp, counts.pp, counts.ep, counts.expert_tp
-    dp = world // (tp * pp)
-    edp = world // (etp * pp * ep)  # expert-DP: the ranks holding the same expert shards
+    disagg = p.rollout_placement == "disaggregated"
+    rollout_ranks = p.rollout_ranks if disagg else 0
+    trainers = world - rollout_ranks
+    dp = trainers // (tp * pp)
+    edp = trainers // (etp * pp * ep)  # expert-DP: the ranks holding the same expert shards
     wb = DTYPE_BYTES[m.dtype]
     eb = DTYPE_BYTES[m.dtype if r.dtype == "auto" else r.dtype]
     shard, e_shard = (dp, edp) if p.use_distributed_optimizer else (1, 1)
@@ -312,15 +329,16 @@ def plan_memory(cfg, counts: ModelCounts, *, world: int, gpu_bytes: int, gpus_pe
     residue = vllm_residue(r)
     kv = vllm_share - vllm_weights - vllm_act - residue
     kv_per_token = 2 * dims.num_layers * math.ceil(dims.num_kv_heads / etp_v) * dims.head_dim * eb
-    per_engine = math.ceil(d.train_batch_size * r.n / (world // etp_v))
+    # colocated: a step's trajectories over every engine; disaggregated: a rollout rank generates whole batches
+    per_engine = d.train_batch_size * r.n if disagg else math.ceil(d.train_batch_size * r.n / (world // etp_v))
     buckets, sync_extra = sync_plan(counts, r.sync_bucket_mb << 20, eb)
     vllm_nccl = NCCL_GROUP_BYTES if etp_v > 1 else 0  # its TP group, connected before its memory snapshot
     # the trainer's passes: vLLM asleep leaves its residue; awake (sleep_between_steps off) it keeps its whole share
     asleep = {"vLLM outside its pools": residue} if r.sleep_between_steps else {"vLLM share (awake)": vllm_share}
-    groups = nccl_groups(world, tp, pp, ep, etp, moe=dims.moe is not None, tied=dims.tie_embeddings,
+    groups = nccl_groups(trainers, tp, pp, ep, etp, moe=dims.moe is not None, tied=dims.tie_embeddings,
                          distributed_optimizer=p.use_distributed_optimizer)
     fixed = {"CUDA context": CUDA_CONTEXT, "NCCL (trainer groups)": nccl_bytes(groups),
-             "NCCL (vLLM TP group)": vllm_nccl}
+             "NCCL (vLLM TP group)": 0 if disagg else vllm_nccl}
 
     best = None
     for s, st in enumerate(counts.stages):
@@ -332,7 +350,7 @@ def plan_memory(cfg, counts: ModelCounts, *, world: int, gpu_bytes: int, gpus_pe
                           "critic optimizer": sharded(opt_bytes, st.critic, st.critic_experts)})
 
         def held(phase: str, **override) -> dict:
-            kinds = resident_states(phase, m)
+            kinds = frozenset(STATE_KINDS) if disagg else resident_states(phase, m)
             return {k: override.get(k, state.get(k, 0)) if k in kinds else 0 for k in STATE_KINDS}
 
         in_flight = (pp - s) * st.layers  # 1F1B: stage s holds up to pp - s micro-batches
@@ -357,12 +375,40 @@ def plan_memory(cfg, counts: ModelCounts, *, world: int, gpu_bytes: int, gpus_pe
                                         "forward (one micro-batch)": one_layer + head_fwd})
         update = Phase("update peak", {**held("update peak"), **fixed, **asleep,
                                        "activations": acts, "log-prob head": head})
+        if disagg:  # a trainer rank: no engine, no rollout phase
+            start.items.pop("vLLM share (must be free)")
+            sync.items = {k: v for k, v in sync.items.items() if not k.startswith("vLLM")}
+            fwd.items = {k: v for k, v in fwd.items.items() if not k.startswith("vLLM")}
+            update.items = {k: v for k, v in update.items.items() if not k.startswith("vLLM")}
+            mine = [start, sync, fwd, update]
+            for ph in mine:
+                ph.role = "trainer"
+        else:
+            mine = [start, sync, roll, fwd, update]
         if best is None or update.total > best[1][-1].total:
-            best = (s, [start, sync, roll, fwd, update], state)
+            best = (s, mine, state)
     s, phases, state = best
-    away = [k for k in STATE_KINDS if k not in resident_states("rollout", m)]
-    host = sum(state.get(k, 0) for k in away)
-    host += vllm_weights if (r.sleep_level == 1 and r.sleep_between_steps) else 0  # pinned copy of vLLM's weights
+    if disagg:
+        phases = phases + rollout_rank_phases(vllm_share=vllm_share, vllm_weights=vllm_weights, residue=residue,
+                                              vllm_act=vllm_act, kv=kv, bucket=r.sync_bucket_mb << 20)
+        # the bridge moves host memory: trainer rank 0 keeps the version it sends and the newest one queued behind
+        # it; a rollout rank the newest version it holds and the one it receives (rollout/remote_sync.py)
+        version = counts.hf_params * eb
+        rollout_node = 2 * version * min(gpus_per_node, rollout_ranks)
+        host_node = max(2 * version, rollout_node)
+        notes.append(f"disaggregated: {trainers} trainer ranks (TPxPPxDP {tp}x{pp}x{dp}) hold no engine and offload "
+                     f"nothing; {rollout_ranks} rollout ranks hold one vLLM engine each, awake all run. Host memory "
+                     f"of the weights in flight: {2 * version / GiB:.0f} GiB on trainer rank 0, "
+                     f"{2 * version / GiB:.0f} GiB per rollout rank ({rollout_node / GiB:.0f} GiB on a rollout node)")
+        notes.append(f"disaggregated: a rollout rank generates a whole batch ({per_engine} trajectories) on its "
+                     f"engine, and at most rollout.max_staleness + 2 = {r.max_staleness + 2} batches are in "
+                     f"flight, so {min(rollout_ranks, r.max_staleness + 2)} of the {rollout_ranks} rollout ranks "
+                     "work at once")
+    else:
+        away = [k for k in STATE_KINDS if k not in resident_states("rollout", m)]
+        host = sum(state.get(k, 0) for k in away)
+        host += vllm_weights if (r.sleep_level == 1 and r.sleep_between_steps) else 0  # vLLM's pinned weights
+        host_node = host * gpus_per_node
     if kv <= 0:
         notes.append(f"vLLM has no room for a KV cache: its share {vllm_share / GiB:.1f} GiB holds weights "
                      f"{vllm_weights / GiB:.1f} GiB + activations {vllm_act / GiB:.1f} GiB + "
@@ -370,9 +416,21 @@ def plan_memory(cfg, counts: ModelCounts, *, world: int, gpu_bytes: int, gpus_pe
                      "rollout.engine_tp")
     return Plan(world=world, dp=dp, gpu_bytes=gpu_bytes, stage=s, phases=phases, kv_bytes=kv,
                 kv_bytes_per_token=kv_per_token, trajectories_per_engine=per_engine,
-                full_length=d.max_prompt_length + r.max_response_length, host_bytes_per_node=host * gpus_per_node,
+                full_length=d.max_prompt_length + r.max_response_length, host_bytes_per_node=host_node,
                 sync_buckets=buckets, sync_extra_bytes=sync_extra, notes=notes, nccl=groups,
-                vllm_batch=(batched, seqs))
+                vllm_batch=(batched, seqs), rollout_ranks=rollout_ranks)
+
+
+def rollout_rank_phases(*, vllm_share: int, vllm_weights: int, residue: int, vllm_act: int, kv: int,
+                        bucket: int) -> list[Phase]:
+    """A disaggregated rollout rank's phases: vLLM's share must be free at start-up; a weight load (between two
+    generate calls, the engine awake: its KV cache stays) adds one received bucket on the GPU; generating holds the
+    share. No trainer state, no NCCL (the bridge is gloo, in host memory; one engine per rank, no TP group)."""
+    engine = {"CUDA context": CUDA_CONTEXT, "vLLM weights": vllm_weights, "vLLM outside its pools": residue,
+              "vLLM activations": vllm_act, "vLLM KV cache": max(kv, 0)}
+    return [Phase("start-up", {"CUDA context": CUDA_CONTEXT, "vLLM share (must be free)": vllm_share}, "rollout"),
+            Phase("weight sync", {**engine, "received bucket": bucket}, "rollout"),
+            Phase("rollout", dict(engine), "rollout")]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -391,22 +449,23 @@ def candidate_knobs(cfg) -> list[dict]:
     """Config changes that lower the peak, cheapest first (each only where it changes something)."""
     m, p, r, a = cfg.model, cfg.parallel, cfg.rollout, cfg.algo
     knobs: list[dict] = []
-    if not r.sleep_between_steps:
+    colocated = p.rollout_placement != "disaggregated"  # disaggregated: nothing offloads, no engine sleeps
+    if colocated and not r.sleep_between_steps:
         knobs.append({"rollout.sleep_between_steps": True})
     if p.tp > 1 and not p.sequence_parallel:
         knobs.append({"parallel.sequence_parallel": True})
-    if (a.use_kl_loss or a.use_kl_in_reward) and not m.ref_offload:
+    if colocated and (a.use_kl_loss or a.use_kl_in_reward) and not m.ref_offload:
         knobs.append({"model.ref_offload": True})
-    if not m.optimizer_offload:
+    if colocated and not m.optimizer_offload:
         knobs.append({"model.optimizer_offload": True})
-    if not m.grad_offload:
+    if colocated and not m.grad_offload:
         knobs.append({"model.grad_offload": True})
     if m.recompute != "full":
         knobs.append({"model.recompute": "full"})
     least = cfg.data.max_prompt_length + r.max_response_length
     if cfg.optim.max_tokens_per_micro_batch > least:
         knobs.append({"optim.max_tokens_per_micro_batch": least})
-    if not m.param_offload:
+    if colocated and not m.param_offload:
         knobs.append({"model.param_offload": True})
     if not p.use_distributed_optimizer:
         knobs.append({"parallel.use_distributed_optimizer": True})
