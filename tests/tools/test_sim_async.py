@@ -157,3 +157,12 @@ def test_the_synchronous_baseline_spreads_each_batch_over_every_engine():
             for g in ("group", "batch")]
     assert runs[0].step_s == runs[1].step_s == pytest.approx(2e9 / 50e9 + 2.0 + 2.0 + s.train_seconds(
         s.batch * s.n * s.train_tokens(s.shapes[0], 1.0), 8))
+
+
+def test_parameter_counts_of_the_recipes_models():
+    """Qwen2.5-7B's published count exactly; Qwen3-30B-A3B's 30.5B total, 3.3B active."""
+    cfgs = REPO / "tests" / "models" / "real_configs"
+    total, active = sim.param_counts(json.loads((cfgs / "Qwen2.5-7B-Instruct.json").read_text()))
+    assert total == active == 7_615_616_512
+    total, active = sim.param_counts(json.loads((cfgs / "Qwen3-30B-A3B.json").read_text()))
+    assert 30.4e9 < total < 30.6e9 and 3.2e9 < active < 3.4e9

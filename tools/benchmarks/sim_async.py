@@ -116,7 +116,7 @@ def read_dump(path: str) -> list[Shape]:
 
 def param_counts(hf: dict) -> tuple[float, float]:
     """(total, active per token) parameters of a Qwen2/Qwen3(-MoE)/Llama config.json: embeddings (twice unless
-    tied), attention (q, k, v, o; q/k/v biases), MLP (dense SwiGLU, or routed experts + router), norms."""
+    tied), attention (q, k, v, o; Qwen2's q/k/v biases), MLP (dense SwiGLU, or routed experts + router), norms."""
     h, L, V = hf["hidden_size"], hf["num_hidden_layers"], hf["vocab_size"]
     nq, ng = hf["num_attention_heads"], hf.get("num_key_value_heads", hf["num_attention_heads"])
     d = hf.get("head_dim") or h // nq
@@ -129,8 +129,8 @@ def param_counts(hf: dict) -> tuple[float, float]:
         mlp_total, mlp_active = experts * 3 * h * fm + h * experts, topk * 3 * h * fm + h * experts
     else:
         mlp_total = mlp_active = 3 * h * hf["intermediate_size"]
-    norms = 2 * h + 2 * d
-    return emb + L * (attn + mlp_total + norms), emb + L * (attn + mlp_active + norms)
+    norms = 2 * h + (2 * d if hf.get("model_type", "").startswith("qwen3") else 0)  # Qwen3's q/k norms
+    return emb + L * (attn + mlp_total + norms) + h, emb + L * (attn + mlp_active + norms) + h
 
 
 @dataclass
