@@ -59,8 +59,10 @@ answered after its searches, so it has searches + 1 model turns."""
 PEERS = (("verl fully-async (Qwen2.5-7B, 128 GPUs)", "2.35-2.67x",
           "verl docs/advance/fully_async.md: vs colocated synchronous"),
          ("AReaL (math and code, same GPU count)", "up to 2.77x", "arXiv 2505.24298 abstract: vs synchronous systems"),
-         ("NeMo-RL async GRPO (Qwen3-30B-A3B, 1 step off policy)", "192 -> 152 s/step (1.26x)",
-          "as issue 35 quotes NeMo-RL's performance summary; that table's row not re-read here"))
+         ("NeMo-RL GRPO, Qwen3-30B-A3B, 32 H100, 1 step off vs on policy", "171 -> 141 s/step (1.21x); v0.4: "
+          "225 -> 244 s (0.92x)", "NeMo-RL docs/about/performance-summary.md, v0.7 and v0.4 tables"),
+         ("NeMo-RL GRPO, Llama-3.1-8B, 16 H100, 1 step off vs on policy", "97.7 -> 74.6 s/step (1.31x)",
+          "the same page, v0.4 table"))
 
 
 # ------------------------------------------------------------------------------------------------------------------
