@@ -72,6 +72,12 @@ class Size:
     sft_stop_at: Optional[float] = None
     """Stop the warm-up once its validation exact share reaches this (trainer.stop_at_val_exact), `sft_steps`
     being the cap: when the answer-reading skill appears varies from seed to seed, and RL needs it."""
+    sft_loss_on_passages: bool = True
+    """Put the warm-up's loss on every token, the retrieved passages and the prompt included
+    (data.train_on_prompt), not only on what the model writes. A model trained from scratch learns to copy a name
+    from the passages' own repetitions (a title, then the same name in the text) long before it learns to copy
+    one into a query or an answer, so the answer-reading skill appears sooner (examples/cpu_demo.md). GRPO's loss
+    stays on the model's own tokens, as Search-R1's does."""
     sft_lr: float = 1e-3
     """The warm-up's learning rate (constant after a short warm-up: examples/sft_tiny_cpu.yaml)."""
     model_layers: int = 4
@@ -323,7 +329,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 os.path.join(EXAMPLES, "sft_tiny_cpu.yaml"), f"model.path={model}",
                 f"data.dataset_dir={sft_data}", f"data.datasets=[{','.join(sft_names)}]",
                 f"trainer.output_dir={sft_dir}", f"optim.lr={size.sft_lr}", "logging.plot=true",
-                f"trainer.total_steps={size.sft_steps}", f"data.batch_size={size.sft_batch}", *val_args]),
+                f"trainer.total_steps={size.sft_steps}", f"data.batch_size={size.sft_batch}",
+                f"data.train_on_prompt={str(size.sft_loss_on_passages).lower()}", *val_args]),
                 os.path.join(work, "sft.log"))
         timings["sft"] = time.time() - start
 

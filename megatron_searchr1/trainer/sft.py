@@ -266,7 +266,13 @@ class SFTTrainer:
         self.step_no = int(extra["step"])
         interrupt.note_checkpoint(step_dir(*target))
         self.sampler.load_state_dict(extra["sampler"])
-        self.stopped_early = extra.get("stopped_early")  # an early-stopped run stays stopped when resumed
+        # An early-stopped run stays stopped when resumed, unless trainer.stop_at_val_exact was raised past the
+        # share it stopped at (or unset): then the user asked for more, and it trains on from there.
+        stopped, target = extra.get("stopped_early"), self.cfg.trainer.stop_at_val_exact
+        self.stopped_early = stopped if stopped and target is not None and stopped["val/exact"] >= target else None
+        if stopped and self.stopped_early is None:
+            self.say(f"resuming a run stopped early at step {stopped['step']} (validation exact "
+                     f"{stopped['val/exact']:.3f}): trainer.stop_at_val_exact={target} asks for more")
 
     def export(self, out_dir: str) -> None:
         self.policy.export_hf(out_dir)  # LoRA: the merged model there, the PEFT adapter in <out>_adapter

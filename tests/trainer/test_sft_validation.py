@@ -117,6 +117,13 @@ def test_stops_once_the_exact_share_is_reached_and_stays_stopped(root):
     assert metrics(out)["sft/loss"][-1][0] == stop_step  # no step after the stop
     assert f"SFT stopped early at step {stop_step}" in again.stdout
 
+    # a raised target resumes the stopped run and trains on from the stop (the same checkpoint, not a fresh start)
+    more = run_module("megatron_searchr1.sft", [lf_yaml(root, "stop", overwrite_output_dir=False),
+                                                 "trainer.stop_at_val_exact=1.0"])
+    assert f"resuming a run stopped early at step {stop_step}" in more.stdout
+    m = metrics(out)
+    assert m["sft/loss"][-1][0] > stop_step and min(s for s, _ in m["sft/loss"] if s > stop_step) == stop_step + 1
+
 
 def test_train_on_prompt_puts_the_loss_on_every_token():
     from megatron_searchr1.trainer.sft import SFTTrainer
