@@ -27,7 +27,14 @@ loading a version and the weights sent (a few tensors, read back from the engine
 
 Validation runs on the first rollout rank between two of its batches (`validate` marks the version it sends; the
 report comes back on the batches channel and trainer rank 0 logs it under that step when it arrives). Each
-trajectory carries the version that generated it, which the staleness histogram (`async/staleness`) reads.
+trajectory carries the version of every token (loop.Trajectory.versions) and counts as its oldest generated token's
+(async_buffer.sample_version), which the staleness histogram (`async/staleness`) and the bound read.
+
+Partial rollouts (`rollout.partial`): a rollout rank also loads newer weights between two turns of a batch's
+multi-turn loop (the hook `run_rollout(weights=...)`), so a trajectory still generating when a version arrives
+continues under it rather than finishing on the old one; its tokens then span versions, `async/multi_version_share`
+and `async/versions_per_sample_mean` say how many. The behaviour log-probs stay the engine's, token by token, so
+the rollout correction sees each token's own policy gap; the bound holds since it reads the oldest token.
 
 The end of a run and failures (remote_sync's module doc): trainer rank 0 sends STOP with a reason and drains the
 batches channel until every rollout rank said DONE, so an early stop (trainer.stop_on_collapse) is a clean exit on
@@ -50,7 +57,7 @@ import torch.distributed as dist
 from megatron_searchr1 import interrupt
 from megatron_searchr1.data.rl_data import dp_shard
 from megatron_searchr1.rollout.async_buffer import (AsyncBuffer, BufferClosed, GeneratedBatch, lag,
-                                                    required_version)
+                                                    required_version, sample_version, version_metrics)
 from megatron_searchr1.rollout.remote_sync import (BATCHES_TAG, DONE, ROLLOUT, Bridge, Heartbeat, RolePlan,
                                                    WeightReceiver, WeightSender, init_role_world, name_ranks,
                                                    recv_object, send_object)
@@ -327,12 +334,13 @@ class AsyncTrainer(Trainer):
         scores = dp_shard(p["scores"], self.roles.dp_rank, self.roles.dp_size)
         t0 = self.remote.t0
         lags = [lag(self.step_no, tr.meta.get("policy_version", batch.version)) for tr in p["trajs"]]
+        partial = version_metrics([tr.versions for tr in p["trajs"]]) if self.cfg.rollout.partial else {}
         self.roles.logger.histogram(self.step_no, "async/staleness", lags)  # the whole batch: rank 0 logs
         metrics = {**p["metrics"],
                    "async/version": float(batch.version), "async/lag": float(lag(self.step_no, batch.version)),
                    "async/batch": float(batch.index), "async/dropped": float(dropped), "async/wait_s": waited,
                    "async/gen_start_s": batch.gen_start - t0, "async/gen_end_s": batch.gen_end - t0,
-                   **staleness_metrics(lags, self.cfg.rollout.max_staleness),
+                   **staleness_metrics(lags, self.cfg.rollout.max_staleness), **partial,
                    **{f"sync/{k}": v for k, v in p.get("sync", {}).items()}}
         self._train_start = time.time() - t0
         return trajs, scores, [f"{batch.index}:{tr.uid}" for tr in trajs], metrics
@@ -453,6 +461,16 @@ def serve_rollouts(cfg, bridge: Bridge) -> None:
     for _ in range(first_batch):  # the data cursor: batch b is the b-th draw, whichever run drew the earlier ones
         sampler.next_batch()
     check = (float("nan"), 0)
+
+    def weights() -> int:
+        """Load the newest weights received, if newer than the engine's (before a batch; with rollout.partial also
+        between the turns of one), and check them; the version the engine holds."""
+        nonlocal check
+        loaded = receiver.apply(engine)
+        if loaded is not None:
+            check = check_engine_weights(engine, loaded[1])
+        return receiver.applied_version
+
     try:
         for b in range(first_batch, t.total_steps):
             rows = [data.train[i] for i in sampler.next_batch()]
@@ -463,16 +481,15 @@ def serve_rollouts(cfg, bridge: Bridge) -> None:
                     or receiver.stopped):
                 break  # the trainer stopped early (trainer.stop_on_collapse, or an error: stop_reason)
             validate_due()
-            loaded = receiver.apply(engine)
-            if loaded is not None:
-                check = check_engine_weights(engine, loaded[1])
-            version = receiver.applied_version
+            weights()
+            version = receiver.applied_version  # the oldest version of this batch's tokens
             gen_start = time.time()
             trajs = RolloutWorker.make_trajectories(rows, r.n)
-            for tr in trajs:
-                tr.meta["policy_version"] = version  # per sample: the staleness histogram reads it
             seed = t.seed * 1_000_003 + (b + 1) * 7919 + me * SHARE_SEED_STRIDE  # Trainer.step_seed of step b+1
-            stats = loop.run_rollout(engine, tokenizer, guard, trajs, dataclasses.replace(settings, seed=seed))
+            stats = loop.run_rollout(engine, tokenizer, guard, trajs, dataclasses.replace(settings, seed=seed),
+                                     weights=weights if r.partial else lambda: version)
+            for tr in trajs:  # per sample, its oldest token's version: the staleness histogram reads it
+                tr.meta["policy_version"] = sample_version(tr.versions, tr.loss_mask)
             scores = losses.score_trajectories(trajs, tokenizer, cfg.algo)
             failed, searched, opened, last = guard.take()
             guard.down(failed, searched, opened, last, f"batch {b} on rollout rank {bridge.rank}")  # raises to stop
