@@ -1,6 +1,6 @@
 """The RL run's schema: one dataclass per section, a one-line docstring per field.
 
-Sections: data, model, parallel, rollout, retrieval, algo, optim, trainer, logging.
+Sections: data, model, parallel, rollout, retrieval (those two in rl_rollout.py), algo, optim, trainer, logging.
 Every field has a one-line docstring (`python -m megatron_searchr1.train --help-config` prints them). Each section
 checks itself in `__post_init__`; `Config.validate()` checks what spans sections and the files the run needs,
 cheaply (config.json is read as JSON, no model is built), so a bad config fails in a second with a message that
