@@ -64,15 +64,15 @@ def within_bound(step: int, version: int, max_staleness: int) -> bool:
     return lag(step, version) <= max_staleness + 1
 
 
-def sample_version(versions: Sequence[int], mask: Sequence[int]) -> int:
+def sample_version(versions: Sequence[int], mask: Sequence[int], default: int = -1) -> int:
     """The version a sample counts as for staleness: its oldest generated (mask-1) token's; a sample that generated
-    nothing counts as its oldest token's (-1 when it has none).
+    nothing counts as its oldest token's, one without tokens as `default` (the version its batch started with).
 
-    >>> sample_version([3, 3, 3, 4, 4], [1, 1, 0, 1, 1]), sample_version([2, 2], [0, 0]), sample_version([], [])
-    (3, 2, -1)
+    >>> sample_version([3, 3, 3, 4, 4], [1, 1, 0, 1, 1]), sample_version([2, 2], [0, 0]), sample_version([], [], 7)
+    (3, 2, 7)
     """
     generated = [v for v, m in zip(versions, mask) if m]
-    return min(generated or versions or [-1])
+    return min(generated or versions or [default])
 
 
 def version_metrics(per_sample: Sequence[Sequence[int]]) -> dict[str, float]:

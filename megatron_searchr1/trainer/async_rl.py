@@ -30,9 +30,9 @@ validates its contiguous share of the validation rows (`val_share`), the others 
 rollout rank, which sends the whole report back on the batches channel, and trainer rank 0 logs it under that step
 when it arrives. (The parts meet on the first rollout rank, not on trainer rank 0, whose receiver reads batches from
 one rollout rank at a time: a part from another would wait behind that rank's batches, and at the end behind its
-DONE, which only follows the report.) Each
-trajectory carries the version of every token (loop.Trajectory.versions) and counts as its oldest generated token's
-(async_buffer.sample_version), which the staleness histogram (`async/staleness`) and the bound read.
+DONE, which only follows the report.) Each trajectory carries the version of every token (loop.Trajectory.versions)
+and counts as its oldest generated token's (async_buffer.sample_version), which the staleness histogram
+(`async/staleness`) and the bound read.
 
 Partial rollouts (`rollout.partial`): a rollout rank also loads newer weights between two turns of a batch's
 multi-turn loop (the hook `run_rollout(weights=...)`), so a trajectory still generating when a version arrives
@@ -517,7 +517,7 @@ def serve_rollouts(cfg, bridge: Bridge) -> None:
             stats = loop.run_rollout(engine, tokenizer, guard, trajs, dataclasses.replace(settings, seed=seed),
                                      weights=weights if r.partial else lambda: version)
             for tr in trajs:  # per sample, its oldest token's version: the staleness histogram reads it
-                tr.meta["policy_version"] = sample_version(tr.versions, tr.loss_mask)
+                tr.meta["policy_version"] = sample_version(tr.versions, tr.loss_mask, default=version)
             scores = losses.score_trajectories(trajs, tokenizer, cfg.algo)
             failed, searched, opened, last = guard.take()
             guard.down(failed, searched, opened, last, f"batch {b} on rollout rank {bridge.rank}")  # raises to stop
