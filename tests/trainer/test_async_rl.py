@@ -227,6 +227,41 @@ def test_val_share_splits_the_rows_in_order():
             assert max(map(len, shares)) - min(map(len, shares)) <= 1
 
 
+class _ScriptedGroup:
+    """A stand-in for a gloo group's receiving side: recv copies the next scripted tensor into the buffer given."""
+
+    def __init__(self, tensors):
+        self.tensors = list(tensors)
+
+    def recv(self, bufs, src, tag):
+        bufs[0].copy_(self.tensors.pop(0))
+        return self
+
+    def wait(self):
+        return True
+
+
+def test_weight_receiver_keeps_every_version_marked_for_validation_in_order():
+    # two versions marked for validation arrive before the rollout rank looks, then a newer unmarked one: the newest
+    # is the one to load, and both marked ones are still due, oldest first (the trainer waits for both reports)
+    import pickle
+
+    import torch
+
+    from megatron_searchr1.rollout.remote_sync import STOP, Bridge, RolePlan, WeightReceiver
+
+    def message(obj):
+        data = pickle.dumps(obj)
+        return [torch.tensor([len(data)], dtype=torch.int64), torch.frombuffer(bytearray(data), dtype=torch.uint8)]
+
+    script = [t for v, val in [(1, True), (2, True), (3, False)]
+              for t in message({"version": v, "layouts": [], "validate": val})] + message({STOP: None})
+    receiver = WeightReceiver(Bridge(RolePlan(world=2, rollout_ranks=1), rank=1, weights=_ScriptedGroup(script)))
+    receiver.wait_stop(timeout=30)
+    assert receiver.stopped and receiver.latest_version == 3
+    assert [receiver.take_due()[0], receiver.take_due()[0], receiver.take_due()] == [1, 2, None]
+
+
 def test_role_plan():
     from megatron_searchr1.rollout.remote_sync import RolePlan
 
