@@ -4,7 +4,7 @@
     cfg.rollout.max_turns            # 4
 
 - `rl.py`: the RL run's sections (`Config`: data, model, parallel, rollout, retrieval, algo, optim, trainer,
-  logging) and the checks that span them.
+  logging) and the checks that span them; `rl_rollout.py` holds the rollout and retrieval sections.
 - `sft.py`: the SFT warm-up's `SFTConfig` (its own data and trainer sections, the RL run's others).
 - `loader.py`: the schema-free engine: YAML + `key=value` overrides into the dataclasses, `save_config`,
   `describe` (the `--help-config` lines), `ConfigError`, `check`.

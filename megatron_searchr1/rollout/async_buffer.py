@@ -15,6 +15,9 @@ Versions and staleness, the one definition the trainer, the rollout ranks, the m
 - `rollout.max_staleness = k` bounds the lag by k+1, i.e. step t takes a batch of version v >= t-2-k (with steps
   counted from 0, s = t-1: v >= s-1-k). k = 0 is the one-step overlap; each further unit lets the rollout ranks run
   one more batch ahead of the trainer.
+- under partial rollouts (`rollout.partial`) a trajectory may take new weights between two of its turns, so its
+  tokens carry several versions (loop.Trajectory.versions, non-decreasing); the sample's version is its OLDEST
+  generated token's (`sample_version`), a batch's the oldest of its samples', and the bound applies to that.
 The producer side keeps the rule by waiting (a rollout rank starts batch b only with version >= b-1-k in hand,
 `required_version`); the buffer checks it again on the trainer's side and drops, counts and reports what is too old
 (a resumed run, or a producer bug), so the bound holds at every step whatever the producer did.
@@ -27,7 +30,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 
 def required_version(index: int, max_staleness: int, first: int = 0) -> int:
@@ -61,6 +64,30 @@ def within_bound(step: int, version: int, max_staleness: int) -> bool:
     return lag(step, version) <= max_staleness + 1
 
 
+def sample_version(versions: Sequence[int], mask: Sequence[int], default: int = -1) -> int:
+    """The version a sample counts as for staleness: its oldest generated (mask-1) token's; a sample that generated
+    nothing counts as its oldest token's, one without tokens as `default` (the version its batch started with).
+
+    >>> sample_version([3, 3, 3, 4, 4], [1, 1, 0, 1, 1]), sample_version([2, 2], [0, 0]), sample_version([], [], 7)
+    (3, 2, 7)
+    """
+    generated = [v for v, m in zip(versions, mask) if m]
+    return min(generated or versions or [default])
+
+
+def version_metrics(per_sample: Sequence[Sequence[int]]) -> dict[str, float]:
+    """How partial a batch's samples are, from each sample's per-token versions: the share of samples whose tokens
+    span more than one version, and the mean number of distinct versions per sample.
+
+    >>> version_metrics([[1, 1, 2], [2, 2], [1, 2, 3]])
+    {'async/multi_version_share': 0.6666666666666666, 'async/versions_per_sample_mean': 2.0}
+    """
+    spans = [len(set(v)) for v in per_sample]
+    n = max(len(spans), 1)
+    return {"async/multi_version_share": sum(1 for k in spans if k > 1) / n,
+            "async/versions_per_sample_mean": sum(spans) / n}
+
+
 @dataclass
 class GeneratedBatch:
     """One batch of finished GRPO groups as a rollout rank sent it."""
@@ -68,7 +95,7 @@ class GeneratedBatch:
     index: int
     """Which batch of prompts (0-based draw order)."""
     version: int
-    """The policy version that generated every trajectory of it."""
+    """The oldest policy version that generated any of its tokens (without partial rollouts: every token's)."""
     payload: Any = None
     """Trajectories, scores, metrics (trainer/async_rl.py)."""
     gen_start: float = 0.0

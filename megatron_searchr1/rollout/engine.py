@@ -17,7 +17,7 @@ reuse whole KV blocks only). The result is the same as without sessions; only th
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Iterable, Optional, Protocol, Sequence, TypeVar
 
 import torch

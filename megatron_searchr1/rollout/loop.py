@@ -20,7 +20,13 @@ A failed search (the client's `SearchFailure` observation, "Search failed: ...")
 its observation. The loop never decides whether a run may go on: the trainer's searcher (trainer/roles.py
 RolloutWorker.search, one search per engine group, counted by search/client.py SearchGuard) does, between rollouts.
 
-Every turn asserts that response ids, loss mask and log-probs have equal lengths.
+Every turn asserts that response ids, loss mask, log-probs and versions have equal lengths.
+
+Policy versions. Each response token carries the version of the weights the engine held when it was appended
+(`Trajectory.versions`; observations and feedback take the version of the turn they follow). The caller's
+`weights` hook runs before every turn's generate calls and returns the version the engine holds for that turn; a
+disaggregated rollout rank with `rollout.partial` loads newer weights inside it, so a trajectory continues under the
+new policy from its next turn on (trainer/async_rl.py). Without the hook every token is version 0.
 
 On an engine that keeps sessions (vLLM, `rollout.kv_sessions`) each trajectory is one session: its KV cache stays in
 the engine from turn to turn and a turn computes only the tokens after it (the observation); a finished trajectory's
@@ -87,6 +93,9 @@ class Trajectory:
     """1 for tokens the policy generated, 0 for observations and invalid-action feedback."""
     logprobs: list[float] = field(default_factory=list)
     """The engine's log-prob of each generated token; 0.0 at mask-0 positions."""
+    versions: list[int] = field(default_factory=list)
+    """The policy version of each response token: the weights that generated it (mask-0 tokens: those of the turn
+    they follow). Non-decreasing; more than one value only under partial rollouts."""
     turns: int = 0
     """Generation turns taken."""
     n_searches: int = 0
@@ -106,14 +115,17 @@ class Trajectory:
     def active(self) -> bool:
         return self.finish_reason is None
 
-    def extend(self, ids: Sequence[int], mask: int, logprobs: Optional[Sequence[float]] = None) -> None:
+    def extend(self, ids: Sequence[int], mask: int, logprobs: Optional[Sequence[float]] = None,
+               version: int = 0) -> None:
         ids = list(ids)
         self.response_ids += ids
         self.loss_mask += [mask] * len(ids)
         self.logprobs += list(logprobs) if logprobs is not None else [0.0] * len(ids)
-        if not (len(self.response_ids) == len(self.loss_mask) == len(self.logprobs)):
+        self.versions += [version] * len(ids)
+        if not (len(self.response_ids) == len(self.loss_mask) == len(self.logprobs) == len(self.versions)):
             raise AssertionError(f"trajectory {self.uid}/{self.sample}: ids {len(self.response_ids)}, mask "
-                                 f"{len(self.loss_mask)} and logprobs {len(self.logprobs)} differ in length")
+                                 f"{len(self.loss_mask)}, logprobs {len(self.logprobs)} and versions "
+                                 f"{len(self.versions)} differ in length")
 
     def finish(self, reason: str) -> None:
         assert reason in FINISH_REASONS, reason
@@ -201,14 +213,17 @@ def _observation_ids(tokenizer, docs_text: str, budget: int) -> list[int]:
 
 
 def run_rollout(engine: Engine, tokenizer, search: Searcher, trajs: list[Trajectory], settings: LoopSettings,
-                progress: Optional[Callable[[int, int], None]] = None) -> RolloutStats:
-    """Run every trajectory to a finish reason; returns the counters. `trajs` are filled in place."""
+                progress: Optional[Callable[[int, int], None]] = None,
+                weights: Optional[Callable[[], int]] = None) -> RolloutStats:
+    """Run every trajectory to a finish reason; returns the counters. `trajs` are filled in place. `weights`, called
+    before each turn's generate calls (never during one), returns the policy version the engine holds for the turn
+    (module doc); it may load newer weights first."""
     s = settings
     stats = RolloutStats()
     invalid_ids = tokenizer.encode(INVALID_ACTION_FEEDBACK, add_special_tokens=False)
     sessions = keeps_sessions(engine)
     try:
-        _turns(engine, tokenizer, search, trajs, s, stats, invalid_ids, sessions, progress)
+        _turns(engine, tokenizer, search, trajs, s, stats, invalid_ids, sessions, progress, weights)
     finally:
         if sessions:
             engine.end_sessions([id(t) for t in trajs])
@@ -221,12 +236,16 @@ def run_rollout(engine: Engine, tokenizer, search: Searcher, trajs: list[Traject
 
 def _turns(engine: Engine, tokenizer, search: Searcher, trajs: list[Trajectory], s: LoopSettings,
            stats: RolloutStats, invalid_ids: list[int], sessions: bool,
-           progress: Optional[Callable[[int, int], None]]) -> None:
+           progress: Optional[Callable[[int, int], None]], weights: Optional[Callable[[], int]]) -> None:
     for turn in range(s.max_turns + 1):
         final = turn == s.max_turns  # the last turn: a search is no longer run, the sample must answer
         active = [t for t in trajs if t.active]
         if not active:
             break
+        # Between turns is where new weights can come in: an engine cannot swap them inside a generate call
+        # (AReaL aborts the in-flight requests and resumes them; slime's partial rollout re-queues aborted samples
+        # for the next rollout). A load drops the engine's KV (sessions too): the next turn re-computes the context.
+        version = weights() if weights is not None else 0
         # One generate call per distinct turn budget (nearly always one: only samples near their response budget
         # get a smaller one).
         by_budget: dict[int, list[Trajectory]] = {}
@@ -250,7 +269,7 @@ def _turns(engine: Engine, tokenizer, search: Searcher, trajs: list[Trajectory],
             for t, g in zip(group, outs):
                 stats.generated_tokens += len(g.token_ids)
                 stats.prefill_tokens += len(t.prompt_ids) + len(t.response_ids) - g.num_cached_tokens
-                t.extend(g.token_ids, 1, g.logprobs)
+                t.extend(g.token_ids, 1, g.logprobs, version)
                 t.turns += 1
         stats.gen_seconds += time.perf_counter() - start
 
@@ -270,7 +289,7 @@ def _turns(engine: Engine, tokenizer, search: Searcher, trajs: list[Trajectory],
                 t.finish("max_turns" if action == "search" else "invalid")
             else:
                 t.n_invalid += 1
-                t.extend(invalid_ids[: s.max_response_length - len(t.response_ids)], 0)
+                t.extend(invalid_ids[: s.max_response_length - len(t.response_ids)], 0, version=version)
             if t.active and len(t.response_ids) >= s.max_response_length:
                 t.finish("length")
         pending = [(t, q) for t, q in pending if t.active]
@@ -285,7 +304,7 @@ def _turns(engine: Engine, tokenizer, search: Searcher, trajs: list[Trajectory],
                 t.n_searches += 1
                 room = s.max_response_length - len(t.response_ids)
                 ids = _observation_ids(tokenizer, docs, min(s.max_obs_length, room))
-                t.extend(ids, 0)
+                t.extend(ids, 0, version=version)
                 if is_search_failure(docs):
                     t.finish("search_error")
                 elif len(t.response_ids) >= s.max_response_length:

@@ -55,7 +55,9 @@ from megatron_searchr1.rollout.weight_sync import BucketLayout, layout_bucket, p
 
 TRAINER, ROLLOUT = "trainer", "rollout"
 STORE_PREFIX = "searchr1"
-WEIGHTS_TAG, BATCHES_TAG = 11, 12
+WEIGHTS_TAG, BATCHES_TAG, VAL_TAG = 11, 12, 13
+"""Message tags: weights (trainer -> rollout), batches (rollout -> trainer), validation parts (rollout -> the first
+rollout rank, on the batches group)."""
 
 
 @dataclass(frozen=True)
@@ -299,7 +301,7 @@ class WeightSender:
 
     def send(self, policy, version: int, validate: bool = False) -> dict:
         """Every trainer rank: gather `policy`'s weights; rank 0 queues them as `version`, marked for validation
-        on the first rollout rank when `validate` (that mark survives a newer version queued behind it: the
+        on the rollout ranks when `validate` (that mark survives a newer version queued behind it: the
         validated version is then sent first). Returns the `sync/remote_*` metrics (without the prefix), the same
         on every trainer rank."""
         self.raise_if_failed()
@@ -331,7 +333,7 @@ class WeightSender:
                     for dst in range(1, plan.rollout_ranks + 1):
                         try:
                             send_object(pg, {"version": version, "layouts": [lay for lay, _ in buckets],
-                                             "validate": validate and dst == 1}, dst, WEIGHTS_TAG)
+                                             "validate": validate}, dst, WEIGHTS_TAG)
                             for _, flat in buckets:
                                 send_tensor(pg, flat, dst, WEIGHTS_TAG)
                         except RuntimeError as e:
@@ -371,8 +373,9 @@ class WeightReceiver:
         self.stop_reason: Optional[str] = None
         """Why the trainer stopped, when an error stopped it (STOP's reason)."""
         self.applied_version = -1
-        self.due: Optional[tuple[int, list]] = None
-        """A version the trainer asked this rank to validate (its own buckets: newer versions do not replace it)."""
+        self.due: list[tuple[int, list]] = []
+        """Versions the trainer asked this rank to validate, oldest first (their own buckets: newer versions do not
+        replace them, and each is validated: the trainer waits for every report it asked for)."""
         self.received_bytes = 0
         self._thread = threading.Thread(target=self._run, name="weight-receiver", daemon=True)
         self._thread.start()
@@ -396,7 +399,7 @@ class WeightReceiver:
                 with self._cond:
                     self._latest = (int(header["version"]), buckets)
                     if header.get("validate"):
-                        self.due = self._latest
+                        self.due.append(self._latest)
                     self.received_bytes += sum(lay.nbytes for lay, _ in buckets)
                     self._cond.notify_all()
         except BaseException as e:  # noqa: BLE001 (the main thread raises it)
@@ -433,15 +436,14 @@ class WeightReceiver:
         return version, self.load(engine, version, buckets)
 
     def take_due(self) -> Optional[tuple[int, list]]:
-        """The version to validate, if one is due (it is no longer due after this call)."""
+        """The oldest version to validate, if one is due (it is no longer due after this call)."""
         with self._cond:
-            due, self.due = self.due, None
-            return due
+            return self.due.pop(0) if self.due else None
 
     def wait_due_or_stop(self) -> None:
         """Block until a validation is due or the trainer says STOP; raises when the trainer's side is gone."""
         with self._cond:
-            self._cond.wait_for(lambda: self.due is not None or self.stopped or self._error)
+            self._cond.wait_for(lambda: bool(self.due) or self.stopped or self._error)
             if self._error and not self.stopped:
                 raise RuntimeError(self._error)
 

@@ -25,9 +25,20 @@ old, the wait for the batch, and the wall-clock intervals of the batch's generat
 `sync/remote_check_max_diff`, the largest difference between the weights a rollout rank's engine holds after
 loading a version and the weights sent (a few tensors, read back from the engine).
 
-Validation runs on the first rollout rank between two of its batches (`validate` marks the version it sends; the
-report comes back on the batches channel and trainer rank 0 logs it under that step when it arrives). Each
-trajectory carries the version that generated it, which the staleness histogram (`async/staleness`) reads.
+Validation runs on the rollout ranks between two of their batches (`validate` marks the version it sends): each
+validates its contiguous share of the validation rows (`val_share`), the others send their records to the first
+rollout rank, which sends the whole report back on the batches channel, and trainer rank 0 logs it under that step
+when it arrives. (The parts meet on the first rollout rank, not on trainer rank 0, whose receiver reads batches from
+one rollout rank at a time: a part from another would wait behind that rank's batches, and at the end behind its
+DONE, which only follows the report.) Each trajectory carries the version of every token (loop.Trajectory.versions)
+and counts as its oldest generated token's (async_buffer.sample_version), which the staleness histogram
+(`async/staleness`) and the bound read.
+
+Partial rollouts (`rollout.partial`): a rollout rank also loads newer weights between two turns of a batch's
+multi-turn loop (the hook `run_rollout(weights=...)`), so a trajectory still generating when a version arrives
+continues under it rather than finishing on the old one; its tokens then span versions, `async/multi_version_share`
+and `async/versions_per_sample_mean` say how many. The behaviour log-probs stay the engine's, token by token, so
+the rollout correction sees each token's own policy gap; the bound holds since it reads the oldest token.
 
 The end of a run and failures (remote_sync's module doc): trainer rank 0 sends STOP with a reason and drains the
 batches channel until every rollout rank said DONE, so an early stop (trainer.stop_on_collapse) is a clean exit on
@@ -50,10 +61,10 @@ import torch.distributed as dist
 from megatron_searchr1 import interrupt
 from megatron_searchr1.data.rl_data import dp_shard
 from megatron_searchr1.rollout.async_buffer import (AsyncBuffer, BufferClosed, GeneratedBatch, lag,
-                                                    required_version)
-from megatron_searchr1.rollout.remote_sync import (BATCHES_TAG, DONE, ROLLOUT, Bridge, Heartbeat, RolePlan,
-                                                   WeightReceiver, WeightSender, init_role_world, name_ranks,
-                                                   recv_object, send_object)
+                                                    required_version, sample_version, version_metrics)
+from megatron_searchr1.rollout.remote_sync import (BATCHES_TAG, DONE, ROLLOUT, VAL_TAG, Bridge, Heartbeat,
+                                                   RolePlan, WeightReceiver, WeightSender, init_role_world,
+                                                   name_ranks, recv_object, send_object)
 from megatron_searchr1.search.client import RetrievalDown
 from megatron_searchr1.trainer.rl import Trainer
 
@@ -111,6 +122,16 @@ def stopping_line(bridge: Bridge, heartbeat: Heartbeat, error: BaseException) ->
     except AttributeError:
         pass
     return line
+
+
+def val_share(n: int, part: int, parts: int) -> range:
+    """The validation rows rollout rank `part` (0-based) of `parts` validates: contiguous shares in order, sizes
+    differing by at most one, so the first rollout rank's concatenation of the parts is the rows' order.
+
+    >>> [val_share(5, p, 2) for p in range(2)], val_share(1, 1, 2)
+    ([range(0, 2), range(2, 5)], range(0, 1))
+    """
+    return range(n * part // parts, n * (part + 1) // parts)
 
 
 def staleness_metrics(lags: list[int], max_staleness: int) -> dict[str, float]:
@@ -246,8 +267,8 @@ class RemoteRollout:
         return self._sent[1]
 
     def request_validation(self, policy) -> None:
-        """Send the current weights marked for validation: the first rollout rank validates this version between
-        two of its batches and sends the report back (`reports`); nobody waits for it here."""
+        """Send the current weights marked for validation: the rollout ranks validate this version between two of
+        their batches and the first one sends the report back (`reports`); nobody waits for it here."""
         self._sent = (self.version, self.sender.send(policy, self.version, validate=True))
         if self.leader:
             with self._reports_cond:
@@ -327,12 +348,13 @@ class AsyncTrainer(Trainer):
         scores = dp_shard(p["scores"], self.roles.dp_rank, self.roles.dp_size)
         t0 = self.remote.t0
         lags = [lag(self.step_no, tr.meta.get("policy_version", batch.version)) for tr in p["trajs"]]
+        partial = version_metrics([tr.versions for tr in p["trajs"]]) if self.cfg.rollout.partial else {}
         self.roles.logger.histogram(self.step_no, "async/staleness", lags)  # the whole batch: rank 0 logs
         metrics = {**p["metrics"],
                    "async/version": float(batch.version), "async/lag": float(lag(self.step_no, batch.version)),
                    "async/batch": float(batch.index), "async/dropped": float(dropped), "async/wait_s": waited,
                    "async/gen_start_s": batch.gen_start - t0, "async/gen_end_s": batch.gen_end - t0,
-                   **staleness_metrics(lags, self.cfg.rollout.max_staleness),
+                   **staleness_metrics(lags, self.cfg.rollout.max_staleness), **partial,
                    **{f"sync/{k}": v for k, v in p.get("sync", {}).items()}}
         self._train_start = time.time() - t0
         return trajs, scores, [f"{batch.index}:{tr.uid}" for tr in trajs], metrics
@@ -351,8 +373,8 @@ class AsyncTrainer(Trainer):
         return out
 
     def validate(self) -> dict:
-        """Ask for a validation of the current version on the first rollout rank (between its batches); its report
-        is logged under this step when it arrives (`log_reports`), so training does not wait for it."""
+        """Ask for a validation of the current version on the rollout ranks (between their batches); its report is
+        logged under this step when it arrives (`log_reports`), so training does not wait for it."""
         interrupt.note(f"asking for validation at step {self.step_no}")
         self.remote.request_validation(self.policy)
         return {}
@@ -360,7 +382,9 @@ class AsyncTrainer(Trainer):
     def log_reports(self, wait: bool = False) -> None:
         """Log the validation reports that arrived (trainer rank 0 holds them) at the step of their version, as
         Trainer.validate does (`record_validation`)."""
-        where = f" (rollout rank {self.remote.bridge.plan.global_rank(1)})"
+        plan = self.remote.bridge.plan
+        where = (f" (rollout rank {plan.global_rank(1)})" if plan.rollout_ranks == 1 else
+                 f" (rollout ranks {plan.global_rank(1)}-{plan.global_rank(plan.rollout_ranks)})")
         for msg in self.remote.reports(wait=wait):
             self.record_validation(int(msg["val"]), msg["records"], msg["samples"], where)
 
@@ -427,23 +451,35 @@ def serve_rollouts(cfg, bridge: Bridge) -> None:
     settings, val_settings = settings_from_config(r, stop_token_ids(tokenizer, cfg.model.path), t.seed)
 
     def validate_due() -> None:
-        """Validate the version the trainer marked (only the first rollout rank gets marks), send the report."""
-        due = receiver.take_due()
-        if due is None:
-            return
-        version, buckets = due
+        """Validate this rank's share of the rows with each version the trainer marked; the first rollout rank
+        gathers the others' records (module doc) and sends the report."""
+        while (due := receiver.take_due()) is not None:
+            validate(*due)
+
+    def validate(version: int, buckets: list) -> None:
         interrupt.note(f"validating version {version}")
         if receiver.applied_version != version:
             receiver.load(engine, version, buckets)
+        rows = [data.val[i] for i in val_share(len(data.val), me, plan.rollout_ranks)]
         records, samples = [], []
-        for start in range(0, len(data.val), cfg.data.val_batch_size):
-            trajs = RolloutWorker.make_trajectories(data.val[start:start + cfg.data.val_batch_size], 1)
+        for start in range(0, len(rows), cfg.data.val_batch_size):
+            trajs = RolloutWorker.make_trajectories(rows[start:start + cfg.data.val_batch_size], 1)
             loop.run_rollout(engine, tokenizer, guard, trajs, val_settings)
             for tr, sc in zip(trajs, losses.score_trajectories(trajs, tokenizer, cfg.algo)):
                 if len(samples) < cfg.logging.trajectories_per_step:
                     samples.append(reports.eval_sample(tokenizer, tr, sc))
                 records.append(reports.eval_record(tr, sc))
         guard.take()  # validation's searches are in the report's records, not in the next batch's error rate
+        if me > 0:
+            send_object(bridge.batches, {"val": version, "records": records, "samples": samples}, 1, VAL_TAG)
+            return
+        for src in range(2, plan.rollout_ranks + 1):  # every rollout rank validates every marked version, in order
+            part = recv_object(bridge.batches, src, VAL_TAG)
+            if part["val"] != version:
+                raise RuntimeError(f"rollout rank {plan.global_rank(src)} validated version {part['val']}, "
+                                   f"expected {version}")
+            records += part["records"]
+            samples += part["samples"][:cfg.logging.trajectories_per_step - len(samples)]
         send_object(bridge.batches, {"val": version, "records": records, "samples": samples}, 0, BATCHES_TAG)
 
     start = recv_object(bridge.batches, 0, BATCHES_TAG)
@@ -453,6 +489,16 @@ def serve_rollouts(cfg, bridge: Bridge) -> None:
     for _ in range(first_batch):  # the data cursor: batch b is the b-th draw, whichever run drew the earlier ones
         sampler.next_batch()
     check = (float("nan"), 0)
+
+    def weights() -> int:
+        """Load the newest weights received, if newer than the engine's (before a batch; with rollout.partial also
+        between the turns of one), and check them; the version the engine holds."""
+        nonlocal check
+        loaded = receiver.apply(engine)
+        if loaded is not None:
+            check = check_engine_weights(engine, loaded[1])
+        return receiver.applied_version
+
     try:
         for b in range(first_batch, t.total_steps):
             rows = [data.train[i] for i in sampler.next_batch()]
@@ -463,16 +509,15 @@ def serve_rollouts(cfg, bridge: Bridge) -> None:
                     or receiver.stopped):
                 break  # the trainer stopped early (trainer.stop_on_collapse, or an error: stop_reason)
             validate_due()
-            loaded = receiver.apply(engine)
-            if loaded is not None:
-                check = check_engine_weights(engine, loaded[1])
-            version = receiver.applied_version
+            weights()
+            version = receiver.applied_version  # the oldest version of this batch's tokens
             gen_start = time.time()
             trajs = RolloutWorker.make_trajectories(rows, r.n)
-            for tr in trajs:
-                tr.meta["policy_version"] = version  # per sample: the staleness histogram reads it
             seed = t.seed * 1_000_003 + (b + 1) * 7919 + me * SHARE_SEED_STRIDE  # Trainer.step_seed of step b+1
-            stats = loop.run_rollout(engine, tokenizer, guard, trajs, dataclasses.replace(settings, seed=seed))
+            stats = loop.run_rollout(engine, tokenizer, guard, trajs, dataclasses.replace(settings, seed=seed),
+                                     weights=weights if r.partial else lambda: version)
+            for tr in trajs:  # per sample, its oldest token's version: the staleness histogram reads it
+                tr.meta["policy_version"] = sample_version(tr.versions, tr.loss_mask, default=version)
             scores = losses.score_trajectories(trajs, tokenizer, cfg.algo)
             failed, searched, opened, last = guard.take()
             guard.down(failed, searched, opened, last, f"batch {b} on rollout rank {bridge.rank}")  # raises to stop

@@ -1,5 +1,5 @@
 """The disaggregated placement's config rules (config/rl.py: ParallelConfig.rollout_placement / rollout_ranks,
-RolloutConfig.max_staleness, Config.trainer_world, Config.check_placement): what it refuses, in one message that
+RolloutConfig.max_staleness / partial, Config.trainer_world, Config.check_placement): what it refuses, in one message that
 names the field to change, and the trainer's world it leaves."""
 from __future__ import annotations
 
@@ -28,6 +28,12 @@ def test_disaggregated_trains_on_the_ranks_left():
     c.validate(world_size=3, check_files=False)  # 2 trainer ranks at TP=2 (DP=1) + 1 rollout rank
 
 
+def test_partial_rollouts_are_a_disaggregated_option():
+    c = cfg(*DISAGG, "rollout.partial=true")
+    assert c.rollout.partial and not cfg().rollout.partial  # off by default
+    c.validate(world_size=3, check_files=False)
+
+
 def test_disaggregated_validates_on_its_rollout_ranks():
     # validation runs on the first rollout rank between versions (trainer/async_rl.py): val files are accepted
     cfg(*DISAGG[:2], "data.val_files=[v.parquet]", "trainer.test_freq=2").validate(world_size=3, check_files=False)
@@ -44,6 +50,8 @@ def test_disaggregated_launches_retrieval_from_its_rollout_ranks():
     (["parallel.rollout_ranks=1"], 3, "parallel.rollout_placement=disaggregated"),
     (["parallel.rollout_placement=sideways"], 3, "colocated or disaggregated"),
     (["rollout.max_staleness=-1"], 3, "rollout.max_staleness must be >= 0"),
+    # partial rollouts load weights mid-trajectory: only rollout ranks of their own do that
+    (["rollout.partial=true"], 3, "set parallel.rollout_placement=disaggregated or rollout.partial=false"),
     ([*DISAGG[:1], "parallel.rollout_ranks=3", "data.val_files=[]"], 3, "leaves no trainer rank"),
     ([*DISAGG, "rollout.engine_tp=2"], 4, "rollout.engine_tp=1"),
     ([*DISAGG, "parallel.pp=2"], 3, "parallel.pp=1"),

