@@ -18,7 +18,8 @@ The package, from the bottom up (each layer builds on those listed before it):
                       client, sleep / wake), every loss callback (losses.py), the RL step (rl.py) and the SFT loop;
   shared leaves       checkpoint/ (atomic save / resume, optimizer layouts, disk space), collectives.py,
                       metrics.py, console.py, plots.py, cli.py (argument parsing, one-line errors), interrupt.py
-                      (Ctrl-C: one line per rank), field_docs.py (config fields' one-line docs, for --help);
+                      (Ctrl-C: one line per rank), processes.py (a child process that dies with its parent),
+                      field_docs.py (config fields' one-line docs, for --help);
   entry points        train.py, sft.py, evaluate.py, infer.py, plan.py (the memory planner), demo.py: parse the
                       command line (before torch loads), build, run.
 

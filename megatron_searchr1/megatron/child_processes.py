@@ -9,20 +9,10 @@ Linux parent-death signal set in its server process, so the kernel ends it when 
 """
 from __future__ import annotations
 
-import ctypes
 import multiprocessing as mp
-import signal
-import sys
 from multiprocessing.managers import SyncManager
 
-PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
-
-
-def die_with_parent(sig: int = signal.SIGTERM) -> None:
-    """In a child process: ask the kernel to send `sig` when the parent thread exits (Linux; elsewhere nothing)."""
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
-
+from megatron_searchr1.processes import die_with_parent
 
 _manager = None
 

@@ -140,7 +140,7 @@ def _run_tied_to_parent(argv: list[str]) -> int:
     """`python -m megatron_searchr1.search.launch PARENT_PID SERVER_ARGS...`: the server's main, in a process the
     kernel kills when PARENT_PID (its parent) dies."""
     from megatron_searchr1.cli import run_main
-    from megatron_searchr1.megatron.child_processes import die_with_parent
+    from megatron_searchr1.processes import die_with_parent
     from megatron_searchr1.search.server import main
 
     die_with_parent(signal.SIGKILL)

@@ -1,16 +1,20 @@
-# torchrun --nproc_per_node 2 tests/models/convert_logits_script.py --hf-dirs HF1 HF2 --ckpt-dirs C1 C2 --cases 2x1 1x2f1
+# torchrun --nproc_per_node 2 tests/models/convert_logits_script.py --hf-dirs HF/qwen2 HF/qwen3 \
+#     --ckpt-dirs C/qwen2 C/qwen3 --cases 2x1 1x2f1@qwen3
 """Converted Megatron model logits vs the HF `transformers` model's, at the given TP x PP cases (world = TP*PP).
 
 A case is `TPxPP`, or `TPxPPfN` for an uneven pipeline split with N layers on the first stage
-(num_layers_in_first_pipeline_stage). For every HF dir and case: build the Megatron stage, fill it from the HF
-safetensors through the family mapping, and compare the full-vocabulary logits with HF's (fp32, max abs diff <= 1e-4);
-export the stage back to HF names (`gather_hf_weights`) and check every tensor is bit-identical to the HF file and
-every HF tensor comes back exactly once; then check that deliberately wrong mappings (no QKV interleave; gate/up
-swapped) FAIL the logits comparison; then load the converter's dist checkpoint (saved at TP=1 PP=1) at this case's
-TP/PP and compare again. Prints one `RESULT ...` line per check from the last stage's first TP rank.
+(num_layers_in_first_pipeline_stage), optionally followed by `@NAME,NAME`: only the HF dirs with those base names
+(default: all), so cases that check different models share one launch. For every HF dir and case: build the
+Megatron stage, fill it from the HF safetensors through the family mapping, and compare the full-vocabulary logits
+with HF's (fp32, max abs diff <= 1e-4); export the stage back to HF names (`gather_hf_weights`) and check every
+tensor is bit-identical to the HF file and every HF tensor comes back exactly once; then check that deliberately
+wrong mappings (no QKV interleave; gate/up swapped) FAIL the logits comparison; then load the converter's dist
+checkpoint (saved at TP=1 PP=1) at this case's TP/PP and compare again. Prints one `RESULT ...` line per check
+(tagged with its case) from the last stage's first TP rank.
 """
 import argparse
 import json
+import os
 
 import torch
 
@@ -42,7 +46,7 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--hf-dirs", nargs="+", required=True)
     p.add_argument("--ckpt-dirs", nargs="+", required=True, help="hf_to_megatron output for each HF dir")
-    p.add_argument("--cases", nargs="+", required=True, help="TPxPP, e.g. 2x1 1x2")
+    p.add_argument("--cases", nargs="+", required=True, help="TPxPP[fN][@NAME,...], e.g. 2x1 1x2f1@qwen3")
     a = p.parse_args()
 
     import torch.distributed as dist
@@ -58,7 +62,11 @@ def main():
     from megatron_searchr1.models.gpt import build_gpt_model, transformer_config_from_hf
 
     for case in a.cases:
-        tp, rest = case.split("x")
+        layout, _, wanted = case.partition("@")
+        dirs = [(h, c) for h, c in zip(a.hf_dirs, a.ckpt_dirs)
+                if not wanted or os.path.basename(h) in wanted.split(",")]
+        assert dirs, f"case {case}: no --hf-dirs named {wanted}"
+        tp, rest = layout.split("x")
         pp, _, first = rest.partition("f")
         tp, pp, first = int(tp), int(pp), (int(first) if first else None)
         if ps.model_parallel_is_initialized():
@@ -66,7 +74,7 @@ def main():
         initialize_megatron(tp=tp, pp=pp)
         report = ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
 
-        for hf_dir, ckpt_dir in zip(a.hf_dirs, a.ckpt_dirs):
+        for hf_dir, ckpt_dir in dirs:
             hf_config = AutoConfig.from_pretrained(hf_dir)
             arch = hf_config.architectures[0]
             g = torch.Generator().manual_seed(0)
@@ -83,8 +91,8 @@ def main():
                 diff = (logits.float() - ref).abs().max().item()
                 ok = diff <= TOL if expect_match else diff > TOL
                 if report:
-                    print("RESULT " + json.dumps(dict(arch=arch, tp=tp, pp=pp, check=label, diff=diff, ok=ok)),
-                          flush=True)
+                    row = dict(case=case, arch=arch, tp=tp, pp=pp, check=label, diff=diff, ok=ok)
+                    print("RESULT " + json.dumps(row), flush=True)
                 assert ok, f"{arch} TP={tp} PP={pp} {label}: max abs diff {diff} (expect_match={expect_match})"
 
             def build():
@@ -108,8 +116,8 @@ def main():
             listed = [n for part in names for n in part]
             exact = not bad and sorted(listed) == sorted(reader.names())
             if report:
-                print("RESULT " + json.dumps(dict(arch=arch, tp=tp, pp=pp, check="gather_round_trip", diff=0.0,
-                                                  ok=exact, bad=bad[:4])), flush=True)
+                print("RESULT " + json.dumps(dict(case=case, arch=arch, tp=tp, pp=pp, check="gather_round_trip",
+                                                  diff=0.0, ok=exact, bad=bad[:4])), flush=True)
             assert exact, f"{arch} TP={tp} PP={pp}: exported tensors differ {bad[:4]} or names {len(listed)}"
             for label, cls in wrong_mappings(get_family(hf_config)).items():
                 load_hf_weights(model, reader, bind_mapping(hf_config, model, mapping_cls=cls))

@@ -23,11 +23,24 @@ from tests.dist_utils import REPO, rank_results, run_torchrun
 SCRIPT = Path(__file__).with_name("convert_logits_script.py")
 
 
-def _hf_to_megatron(hf_dir, out_dir):
+CONVERT_ALL = """
+import sys
+from megatron_searchr1.models.convert_cli import hf_to_megatron_main
+if __name__ == "__main__":  # dist_checkpointing starts worker processes
+    for hf_dir, out_dir in zip(sys.argv[1::2], sys.argv[2::2]):
+        assert hf_to_megatron_main(["--hf-dir", hf_dir, "--out-dir", out_dir]) == 0
+"""
+
+
+def _hf_to_megatron(pairs, tmp_dir):
+    """The converter's command line (checkpoints_convert/hf_to_megatron.py's main) for each (hf_dir, out_dir), all
+    in one process: starting torch and Megatron costs more than converting a tiny model."""
+    script = os.path.join(tmp_dir, "convert_all.py")
+    with open(script, "w") as f:
+        f.write(CONVERT_ALL)
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
-    proc = subprocess.run([sys.executable, str(REPO / "checkpoints_convert" / "hf_to_megatron.py"),
-                           "--hf-dir", hf_dir, "--out-dir", out_dir], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run([sys.executable, script, *(d for pair in pairs for d in pair)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
@@ -48,19 +61,26 @@ def models(tmp_path_factory):
         make_tiny_model(TinyModelConfig(output_dir=hf, arch=arch, num_layers=4, num_heads=4, num_kv_heads=2,
                                         hidden_size=64, intermediate_size=128, tie_embeddings=tie, init_std=0.1,
                                         seed=seed))
-        ckpt = str(root / f"{arch}-mcore")
-        _hf_to_megatron(hf, ckpt)
-        out[arch] = (hf, ckpt)
+        out[arch] = (hf, str(root / f"{arch}-mcore"))
+    _hf_to_megatron(out.values(), str(root))
     return out
 
 
-def _run_cases(models, nproc, cases, archs=("qwen2", "llama")):
+def _launch(models, nproc, cases):
+    """One torchrun over every case of `cases` ({case: archs}) at world size `nproc`: the launch (Megatron and
+    transformers imports, the process group) costs more than the checks, so cases of one world size share it."""
+    archs = [a for a, _, _ in FAMILIES if any(a in want for want in cases.values())]
     args = ["--hf-dirs", *(models[a][0] for a in archs), "--ckpt-dirs", *(models[a][1] for a in archs),
-            "--cases", *cases]
-    out = run_torchrun(SCRIPT, nproc, *args, timeout=900)
-    results = rank_results(out)
+            "--cases", *(f"{case}@{','.join(want)}" for case, want in cases.items())]
+    return run_torchrun(SCRIPT, nproc, *args, timeout=900)
+
+
+def _check_cases(out, cases):
+    """The checks of `cases` ({case: archs}) in a launch's output: all present and passing, right mappings within
+    1e-4 of HF's logits, wrong ones far from them."""
+    results = [r for r in rank_results(out) if r["case"].partition("@")[0] in cases]
     # families x cases x (right mapping, export round trip, 2 wrong mappings, dist checkpoint)
-    assert len(results) == len(archs) * len(cases) * 5, out[-4000:]
+    assert len(results) == sum(len(archs) for archs in cases.values()) * 5, out[-4000:]
     assert all(r["ok"] for r in results), results
     results = [r for r in results if r["check"] != "gather_round_trip"]
     right = [r for r in results if r["check"] in ("hf_weights", "dist_checkpoint_tp1")]
@@ -69,25 +89,38 @@ def _run_cases(models, nproc, cases, archs=("qwen2", "llama")):
     return results
 
 
+ALL = tuple(a for a, _, _ in FAMILIES)
+TP2_AND_PP2 = {"2x1": ("qwen2", "llama"), "1x2": ("qwen2", "llama")}
+UNEVEN_PP2 = {"1x2f1": ("qwen2", "qwen3"), "1x2f3": ("qwen2", "qwen3")}
+
+
+@pytest.fixture(scope="module")
+def two_ranks(models):
+    """The output of the one 2-process launch that serves every world-of-two test below."""
+    return _launch(models, 2, {**TP2_AND_PP2, **UNEVEN_PP2})
+
+
 def test_logits_match_hf_tp1(models):
-    _run_cases(models, 1, ["1x1"], archs=[a for a, _, _ in FAMILIES])
+    cases = {"1x1": ALL}
+    _check_cases(_launch(models, 1, cases), cases)
 
 
 @pytest.mark.slow
-def test_logits_match_hf_tp2_and_pp2(models):
-    _run_cases(models, 2, ["2x1", "1x2"])
+def test_logits_match_hf_tp2_and_pp2(two_ranks):
+    _check_cases(two_ranks, TP2_AND_PP2)
 
 
 @pytest.mark.slow
 def test_logits_match_hf_tp2_pp2(models):
-    _run_cases(models, 4, ["2x2"], archs=[a for a, _, _ in FAMILIES])
+    cases = {"2x2": ALL}
+    _check_cases(_launch(models, 4, cases), cases)
 
 
 @pytest.mark.slow
-def test_uneven_pipeline_split_loads_and_exports_the_right_layers(models):
+def test_uneven_pipeline_split_loads_and_exports_the_right_layers(two_ranks):
     """PP=2 with one layer on the first stage and three on the last: every layer's global index comes from the
     layer itself (an even-split assumption would load layer 1's weights into layer 2 and export them misnamed)."""
-    _run_cases(models, 2, ["1x2f1", "1x2f3"], archs=("qwen2", "qwen3"))
+    _check_cases(two_ranks, UNEVEN_PP2)
 
 
 def test_checkpoint_metadata_written(models):

@@ -359,7 +359,7 @@ def test_swiglu_mlp_matches_megatron_mlp(megatron_tp1):
     """SwiGLUMLP (gradient written in place) against Megatron's chunk+silu+mul MLP: same outputs and grads."""
     from megatron.core.transformer.mlp import MLP
 
-    from megatron_searchr1.models.gpt import SwiGLUMLP, _SwiGLU
+    from megatron_searchr1.models.fast_modules import SwiGLUMLP, _SwiGLU
 
     x = torch.randn(4, 3, 16, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(_SwiGLU.apply, (x,))

@@ -149,14 +149,20 @@ def test_sync_uneven_pipeline_split(tiny_models):
     assert layers == [[1], [1]], layers  # rank 0 = stage 0 holds only layer 1 (global index 0)
 
 
+@pytest.fixture(scope="module")
+def transport_results():
+    """Both layouts' checks from one launch (weight_sync_transport_script.py runs TP=2, then PP=2)."""
+    return rank_results(run_torchrun(SCRIPT.with_name("weight_sync_transport_script.py"), 2, "--layouts", "2x1",
+                                     "1x2", timeout=600))
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", [("--tp", "2"), ("--pp", "2")], ids=["tp2", "pp2"])
-def test_shm_transport_delivers_what_the_collectives_deliver(layout):
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)], ids=["tp2", "pp2"])
+def test_shm_transport_delivers_what_the_collectives_deliver(transport_results, tp, pp):
     """2 processes on one host, CPU: transport="shm" (and "auto", which picks it) hands the engine the very tensors
     transport="collective" does, on a second sync too (the shared buffers are reused), stats say which transport
     ran, no buffer file outlives the init, and without /dev/shm "auto" falls back to the collectives."""
-    out = run_torchrun(SCRIPT.with_name("weight_sync_transport_script.py"), 2, *layout, timeout=300)
-    results = rank_results(out)
+    results = [r for r in transport_results if (r["tp"], r["pp"]) == (tp, pp)]
     for check in ("equal", "transport", "unlinked", "fallback"):
         rows = [r for r in results if r["check"] == check]
-        assert {r["rank"] for r in rows} == {0, 1} and all(r["ok"] for r in rows), (check, rows)
+        assert len(rows) == 2 and {r["rank"] for r in rows} == {0, 1} and all(r["ok"] for r in rows), (check, rows)

@@ -1,11 +1,11 @@
-# torchrun --nproc_per_node 2 tests/rollout/weight_sync_transport_script.py --tp 2   (or --pp 2)
+# torchrun --nproc_per_node 2 tests/rollout/weight_sync_transport_script.py --layouts 2x1 1x2
 """The same-host shared-memory transport delivers exactly what the collectives deliver. Prints one `RESULT {...}`
 line per check per rank; tests/rollout/test_weight_sync.py reads them.
 
-At TP=2 or PP=2 (2 processes; one launch per layout): a random Qwen2-shaped Megatron model (vocab padded, GQA, so QKV de-interleave,
-gate/up split and the vocab trim all run on shared-memory views) is synced with transport="shm", "collective" and
-"auto" into copying engines on every rank, twice, the weights perturbed in between (the second sync reuses the
-shared buffers). Checks per rank:
+At each layout (TP=2, then PP=2, in one launch of 2 processes): a random Qwen2-shaped Megatron model (vocab padded,
+GQA, so QKV de-interleave, gate/up split and the vocab trim all run on shared-memory views) is synced with
+transport="shm", "collective" and "auto" into copying engines on every rank, twice, the weights perturbed in between
+(the second sync reuses the shared buffers). Checks per rank and layout:
 - `equal`: every tensor the shm engine received equals the collective engine's bit for bit, in both syncs, and
   the second sync's differ from the first's (the buffers were rewritten, not stale);
 - `transport`: stats say "shm", "collective" and "shm" (auto on the CPU), the byte counts match across transports;
@@ -37,13 +37,26 @@ class CopyingEngine:
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--tp", type=int, default=1)
-    ap.add_argument("--pp", type=int, default=1)
+    ap.add_argument("--layouts", nargs="+", default=["2x1"], help="TPxPP, each a world of TP*PP, one after another")
     a = ap.parse_args()
+    from megatron.core import parallel_state as ps
+
+    from megatron_searchr1.megatron.initialize import destroy_megatron, initialize_megatron
+
+    for layout in a.layouts:
+        tp, pp = map(int, layout.split("x"))
+        if ps.model_parallel_is_initialized():
+            ps.destroy_model_parallel()
+        initialize_megatron(tp=tp, pp=pp)
+        check_layout(tp, pp)
+    destroy_megatron()
+
+
+def check_layout(tp, pp):
+    """The checks above at one TP x PP layout (Megatron initialised at it)."""
     import torch.distributed as dist
     from transformers import Qwen2Config
 
-    from megatron_searchr1.megatron.initialize import destroy_megatron, initialize_megatron
     from megatron_searchr1.models.convert import bind_mapping
     from megatron_searchr1.models.gpt import build_gpt_model
     from megatron_searchr1.rollout import weight_sync
@@ -52,8 +65,6 @@ def main():
     cfg = Qwen2Config(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, vocab_size=250, tie_word_embeddings=False,
                       architectures=["Qwen2ForCausalLM"])
-    tp, pp = a.tp, a.pp
-    initialize_megatron(tp=tp, pp=pp)
     rank = dist.get_rank()
     torch.manual_seed(0)
     model = build_gpt_model(cfg)
@@ -106,7 +117,6 @@ def main():
     dist.barrier()
     report("fallback", auto == "collective" and "no room" in raised, auto=auto, raised=raised)
     del syncs
-    destroy_megatron()
 
 
 if __name__ == "__main__":
