@@ -48,7 +48,7 @@ from megatron_searchr1.models.config import (  # noqa: F401  (re-exported: calle
 from megatron_searchr1.models.families import SUPPORTED_ARCHITECTURES, ModelDims, read_dims  # noqa: F401
 from megatron_searchr1.models.fast_modules import (  # noqa: F401  (re-exported)
     BatchFirstGPTModel, BatchFirstOutputLayer, FastColumnParallelLinear, FastRowParallelLinear, SwiGLUMLP,
-    _SwiGLU, use_fast_modules,
+    use_fast_modules,
 )
 from megatron_searchr1.models.spec import (  # noqa: F401  (re-exported)
     block_spec, layer_spec, resolve_use_te, te_available, uses_te_spec,

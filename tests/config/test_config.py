@@ -109,6 +109,20 @@ def test_search_r1_recipes_keep_its_entropy_bonus(recipe):
     cfg.validate(world_size=8, check_files=False)
 
 
+def test_the_async_7b_recipe_loads_for_two_nodes():
+    """The 2-node asynchronous recipe: one node of trainer ranks, one of rollout ranks (a world of 8 leaves it no
+    trainer rank, so it validates at 16)."""
+    import os
+
+    from tests.dist_utils import REPO
+
+    cfg = load_config(os.path.join(REPO, "examples", "grpo_qwen2.5-7b_async.yaml"))
+    assert cfg.algo.entropy_coeff == 0.001 and cfg.parallel.rollout_placement == "disaggregated"
+    cfg.validate(world_size=16, check_files=False)
+    with pytest.raises(ConfigError, match="rollout_ranks"):
+        cfg.validate(world_size=8, check_files=False)
+
+
 @pytest.mark.parametrize("recipe, expect", [
     ("grpo_llds_qwen2.5-3b", {"llds.gate": "action", "policy_loss": "ppo"}),
     ("dapo_qwen2.5-3b", {"filter_groups": True, "overlong_buffer": 512, "clip_ratio_high": 0.28}),
