@@ -211,7 +211,7 @@ def sync_plan(counts: ModelCounts, bucket_bytes: int, dtype_bytes: int) -> tuple
 
     from megatron_searchr1.models.config import padded_vocab_size
     from megatron_searchr1.models.families import is_expert_param, mapping_for, tp_kind
-    from megatron_searchr1.rollout.weight_sync import aligned, plan_buckets
+    from megatron_searchr1.rollout.buckets import aligned, plan_buckets
 
     dims, tp, pp = counts.dims, counts.tp, counts.pp
     mapping = mapping_for(dims, padded_vocab_size=padded_vocab_size(dims.vocab_size, tp))
