@@ -102,8 +102,8 @@ SIZES = {
     "full": Size(world=("--n-people", "8000", "--n-companies", "2500", "--n-cities", "1500",
                         "--n-products", "2500", "--n-universities", "800", "--n-distractors", "3000",
                         "--n-train", "6000", "--n-validation", "300", "--n-test", "300"),
-                 seed=3, sft_steps=3000, sft_batch=16, grpo_steps=50, grpo_batch=8, n=8, val_samples=300,
-                 sft_worlds=4, grpo_test_freq=25, sft_stop_early=0.6, sft_val=64, sft_val_freq=100,
+                 seed=3, sft_steps=3000, sft_batch=16, grpo_steps=24, grpo_batch=8, n=8, val_samples=300,
+                 sft_worlds=4, grpo_test_freq=8, sft_stop_early=0.6, sft_val=64, sft_val_freq=100,
                  sft_stop_at=0.6, eta_s=(("world", 90), ("model", 15), ("sft", 0.6), ("no_search", 30),
                                          ("grpo", 8.0))),
 }
