@@ -134,8 +134,9 @@ def make_world_corpus(path: str, n: int, first_id: int = 0, seed: int = 0, mode:
     return questions
 
 
-def make_bench_corpus(kind: str, path: str, docs: int, n_queries: int) -> list[tuple[str, str]]:
-    """Write the corpus `kind` to `path`; the (query, source) pairs to measure recall on."""
+def make_bench_corpus(kind: str, path: str, docs: int, n_queries: int, pydoc: int = 0) -> list[tuple[str, str]]:
+    """Write the corpus `kind` to `path`; the (query, source) pairs to measure recall on. pydoc: how many of a
+    world+pydoc corpus's passages are pydoc's (0 = all it has, up to half of docs)."""
     from bench_retrieval import make_corpus  # a sibling script: run as a script, its folder is on sys.path
 
     def openings(rows, source):
@@ -151,7 +152,7 @@ def make_bench_corpus(kind: str, path: str, docs: int, n_queries: int) -> list[t
             lines = f.readlines()
         picked = rng.choice(len(lines), min(n_queries, len(lines)), replace=False)
         return openings([lines[int(i)] for i in picked], kind)
-    n_pydoc = make_text_corpus(path, docs // 2) if kind == "world+pydoc" else 0
+    n_pydoc = make_text_corpus(path, min(pydoc or docs // 2, docs - 1)) if kind == "world+pydoc" else 0
     with open(path) as f:
         lines = f.readlines()
     questions = make_world_corpus(path, docs - n_pydoc, first_id=n_pydoc, mode="a" if n_pydoc else "w")
@@ -255,6 +256,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--corpus", choices=("synthetic", "pydoc", "world", "world+pydoc"), default="synthetic",
                    help="generated passages, real English from this Python's own documentation, the synthetic "
                         "world's passages and questions, or the world and pydoc together")
+    p.add_argument("--pydoc", type=int, default=0,
+                   help="world+pydoc: pydoc passages among --docs (default 0 = all of them, up to half); the rest "
+                        "are the world's. Pydoc passages are ~5x longer, so they set most of the encoding time")
     p.add_argument("--cache-dir", help="keep the corpus, queries and embeddings here (one subfolder per corpus, "
                                        "size and query count); a re-run with the same ones encodes nothing")
     p.add_argument("--sweep", default="", help="comma-separated knob values: recall@3 and QPS per nprobe (IVF "
@@ -266,8 +270,8 @@ def main(argv: list[str] | None = None) -> int:
     bad = [t for t in types if t not in TYPES]
     if bad:
         raise UsageError(f"--types: unknown {bad}; choose from {','.join(TYPES)}")
-    if args.docs < 1 or args.queries < 1:
-        raise UsageError("--docs and --queries must be >= 1")
+    if args.docs < 1 or args.queries < 1 or args.pydoc < 0:
+        raise UsageError("--docs and --queries must be >= 1, --pydoc >= 0")
     try:
         sweep = [int(v) for v in args.sweep.split(",") if v]
     except ValueError:
@@ -284,12 +288,13 @@ def main(argv: list[str] | None = None) -> int:
     tmp = tempfile.mkdtemp(prefix="bench_index_")
     cache = None
     if args.cache_dir:
-        cache = os.path.join(args.cache_dir, f"{args.corpus}-{args.docs}-{args.queries}")
+        pydoc = f"-pydoc{args.pydoc}" if args.pydoc and args.corpus == "world+pydoc" else ""
+        cache = os.path.join(args.cache_dir, f"{args.corpus}-{args.docs}-{args.queries}{pydoc}")
         os.makedirs(cache, exist_ok=True)
     corpus_path = os.path.join(cache or tmp, "corpus.jsonl")
     queries_path = os.path.join(cache or tmp, "queries.json")
     if not os.path.exists(queries_path):
-        pairs = make_bench_corpus(args.corpus, corpus_path + ".tmp", args.docs, args.queries)
+        pairs = make_bench_corpus(args.corpus, corpus_path + ".tmp", args.docs, args.queries, args.pydoc)
         os.replace(corpus_path + ".tmp", corpus_path)
         with open(queries_path, "w") as f:
             json.dump(pairs, f)
