@@ -49,20 +49,21 @@ def test_embedding_cache_resumes_an_interrupted_encoding_and_a_rerun_encodes_not
 
 @pytest.mark.slow
 def test_bench_index_smallest_run(tmp_path):
-    """The world + pydoc corpus (the large run's), cached: per-source recall columns and the load average."""
+    """The world + pydoc corpus (the large run's, few of pydoc's long passages), cached: per-source recall columns
+    and the load average."""
     out = tmp_path / "rows.json"
     r = subprocess.run([sys.executable, str(REPO / "tools" / "benchmarks" / "bench_index.py"), "--docs", "300",
                         "--queries", "40", "--seconds", "0.2", "--types", "flat,sq8,ivf_pq", "--torch-threads", "1",
                         "--sweep", "1,2,1000", "--served-clients", "4", "--out", str(out), "--corpus", "world+pydoc",
-                        "--cache-dir", str(tmp_path / "cache")],
+                        "--pydoc", "40", "--cache-dir", str(tmp_path / "cache")],
                        capture_output=True, text=True, timeout=600, cwd=REPO)
     assert r.returncode == 0, r.stderr[-2000:]
     data = json.loads(out.read_text())
     assert data["docs"] == 300 and data["queries_by_source"] == {"pydoc": 20, "world": 20}
-    cached = tmp_path / "cache" / "world+pydoc-300-40"
+    cached = tmp_path / "cache" / "world+pydoc-300-40-pydoc40"
     assert (cached / "passages.00000.npy").exists() and (cached / "queries.npy").exists()
     ids = [json.loads(line)["id"] for line in (cached / "corpus.jsonl").read_text().splitlines()]
-    assert ids == [str(i) for i in range(300)]  # pydoc's 150, then the world's, numbered on
+    assert ids == [str(i) for i in range(300)]  # pydoc's 40 (5x longer to encode), then the world's 260
     assert all(row["recall@3_pydoc"] >= 0 and row["recall@3_world"] >= 0 and row["load_avg"] >= 0
                for row in data["rows"])
     assert "R@3 pydoc | R@3 world |" in r.stdout
