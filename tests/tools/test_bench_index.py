@@ -1,22 +1,72 @@
-"""tools/benchmarks/bench_index.py at its smallest size: every row measured, Flat its own reference, the table out."""
+"""tools/benchmarks/bench_index.py at its smallest size: every row measured, Flat its own reference, the table out;
+the embedding cache resumes where an interrupted encoding stopped."""
+import importlib.util
 import json
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from tests.dist_utils import REPO
 
 
+def _bench_index():
+    sys.path.insert(0, str(REPO / "tools" / "benchmarks"))  # it imports its sibling bench_retrieval
+    spec = importlib.util.spec_from_file_location("bench_index", REPO / "tools" / "benchmarks" / "bench_index.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class _CountingEncoder:
+    """Embeds text i as the vector [len(text), is_query]; records every text it was asked to encode."""
+
+    def __init__(self, fail_after: int | None = None):
+        self.seen, self.fail_after = [], fail_after
+
+    def encode(self, texts, is_query):
+        if self.fail_after is not None and len(self.seen) + len(texts) > self.fail_after:
+            raise KeyboardInterrupt  # the run interrupted mid-encoding
+        self.seen += texts
+        return np.array([[len(t), float(is_query)] for t in texts], np.float32)
+
+
+def test_embedding_cache_resumes_an_interrupted_encoding_and_a_rerun_encodes_nothing(tmp_path):
+    bench = _bench_index()
+    corpus = [{"contents": "x" * (i + 1)} for i in range(10)]
+    queries = ["q1", "q22"]
+    with pytest.raises(KeyboardInterrupt):  # chunks of 4: the first two are saved, the third is cut short
+        bench.encode_cached(_CountingEncoder(fail_after=9), corpus, queries, str(tmp_path), chunk=4)
+    resumed = _CountingEncoder()
+    x, q, _ = bench.encode_cached(resumed, corpus, queries, str(tmp_path), chunk=4)
+    assert resumed.seen == ["x" * 9, "x" * 10, "q1", "q22"]  # only the missing chunk, then the queries
+    assert x[:, 0].tolist() == list(range(1, 11)) and q.tolist() == [[2, 1], [3, 1]]
+    again = _CountingEncoder()
+    x2, q2, _ = bench.encode_cached(again, corpus, queries, str(tmp_path), chunk=4)
+    assert again.seen == [] and np.array_equal(x2, x) and np.array_equal(q2, q)
+
+
 @pytest.mark.slow
 def test_bench_index_smallest_run(tmp_path):
+    """The world + pydoc corpus (the large run's, few of pydoc's long passages), cached: per-source recall columns
+    and the load average."""
     out = tmp_path / "rows.json"
     r = subprocess.run([sys.executable, str(REPO / "tools" / "benchmarks" / "bench_index.py"), "--docs", "300",
                         "--queries", "40", "--seconds", "0.2", "--types", "flat,sq8,ivf_pq", "--torch-threads", "1",
-                        "--sweep", "1,2,1000", "--served-clients", "4", "--out", str(out)],
+                        "--sweep", "1,2,1000", "--served-clients", "4", "--out", str(out), "--corpus", "world+pydoc",
+                        "--pydoc", "40", "--cache-dir", str(tmp_path / "cache")],
                        capture_output=True, text=True, timeout=600, cwd=REPO)
     assert r.returncode == 0, r.stderr[-2000:]
     data = json.loads(out.read_text())
+    assert data["docs"] == 300 and data["queries_by_source"] == {"pydoc": 20, "world": 20}
+    cached = tmp_path / "cache" / "world+pydoc-300-40-pydoc40"
+    assert (cached / "passages.00000.npy").exists() and (cached / "queries.npy").exists()
+    ids = [json.loads(line)["id"] for line in (cached / "corpus.jsonl").read_text().splitlines()]
+    assert ids == [str(i) for i in range(300)]  # pydoc's 40 (5x longer to encode), then the world's 260
+    assert all(row["recall@3_pydoc"] >= 0 and row["recall@3_world"] >= 0 and row["load_avg"] >= 0
+               for row in data["rows"])
+    assert "R@3 pydoc | R@3 world |" in r.stdout
     rows = {row["type"]: row for row in data["rows"]}
     assert list(rows) == ["flat", "sq8", "ivf_pq"]
     assert rows["flat"]["recall@1"] == rows["flat"]["recall@10"] == 1.0  # the reference

@@ -2,6 +2,8 @@
 import asyncio
 import importlib.util
 import json
+import subprocess
+import sys
 import threading
 import time
 
@@ -74,3 +76,11 @@ def test_closed_loop_counts_every_answer_once(echo_url):
     assert r["errors"] == 0 and served > 4
     # every request was answered and counted, from 4 connections
     assert abs(r["qps"] * 0.5 - served) / served < 0.2 and len(set(ports[before:])) == 4
+
+
+@pytest.mark.parametrize("types", ["sq6", "flat,lsh", ""])
+def test_index_types_need_flat_first_and_known_types(types):
+    r = subprocess.run([sys.executable, str(REPO / "tools" / "benchmarks" / "bench_retrieval.py"), "--index-types",
+                        types], capture_output=True, text=True, timeout=120, cwd=REPO)
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert r.returncode == 2 and len(errors) == 1 and "--index-types: flat first" in errors[0], r.stderr

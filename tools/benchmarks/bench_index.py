@@ -1,6 +1,8 @@
 # python tools/benchmarks/bench_index.py                     (20,000 generated passages, real MiniLM, ~5 min on 2 cores)
 # python tools/benchmarks/bench_index.py --docs 2000 --queries 200 --types flat,ivf_pq
 # python tools/benchmarks/bench_index.py --corpus pydoc --docs 4000   (real English: the stdlib's docs, no internet)
+# python tools/benchmarks/bench_index.py --corpus world+pydoc --docs 24000 --cache-dir ~/.cache/bench_index \
+#     --types flat,fp16,sq8,sq6,hnsw,ivf_flat,ivf_sq8,ivf_pq,opq_ivf_pq     (embeddings kept: a re-run encodes nothing)
 """Every dense index type side by side on one corpus: bytes per passage, build time, QPS at 1 and 32 clients,
 recall@1/3/10 against Flat on the same queries, the memory each would need for wiki-18 (21M passages, 768 dims),
 and where a query's time goes (encode vs search vs rendering the JSON) at the demo's and Search-R1's batch sizes.
@@ -14,7 +16,14 @@ real server (a separate process, query cache off) over each index: encoding incl
 
 --corpus synthetic: invented-people passages (bench_retrieval.make_corpus); --corpus pydoc: real English text
 found on any Python install, the docstrings of the standard library's source files and the reference manual's
-topics (pydoc_data.topics), cut into passages of at most 120 words.
+topics (pydoc_data.topics), cut into passages of at most 120 words; --corpus world: the synthetic world's passages
+(people, companies, products, places; data/synthetic.py) at the size asked for, queried with the world's own
+questions; --corpus world+pydoc: every pydoc passage (up to half of --docs) and world passages for the rest, half
+the queries from each. Queries elsewhere are a passage's first 8 words.
+
+--cache-dir keeps the corpus, the queries and their embeddings (written chunk by chunk, so an interrupted encoding
+resumes): encoding is most of a large run's time on a CPU, and the index measurements do not need it repeated.
+Wall times (build, QPS) depend on what else the machine runs: the load average is recorded beside them.
 """
 from __future__ import annotations
 
@@ -104,6 +113,82 @@ def make_text_corpus(path: str, n: int, seed: int = 0) -> int:
     return min(n, len(passages))
 
 
+def make_world_corpus(path: str, n: int, first_id: int = 0, seed: int = 0, mode: str = "w") -> list[str]:
+    """n passages of a synthetic world scaled to about n entities (a seeded sample when it makes more), appended to
+    `path` with ids from first_id; returns the world's questions (every split), shuffled."""
+    from megatron_searchr1.data.synthetic import WorldConfig, corpus_records, generate
+
+    base = {"n_people": 10000, "n_companies": 2500, "n_products": 2500, "n_distractors": 2500,
+            "n_universities": 500, "n_cities": 400, "n_countries": 40}  # ~18,460 passages
+    scale = max(1.0, n / 18000)  # a smaller n is a sample of this world
+    cfg = WorldConfig(seed=seed, **{k: max(10, int(v * scale)) for k, v in base.items()},
+                      n_train=2000, n_validation=500, n_test=500)
+    world, rows = generate(cfg)
+    records = corpus_records(world)
+    keep = sorted(random.Random(seed).sample(range(len(records)), min(n, len(records))))
+    with open(path, mode) as f:
+        for j, i in enumerate(keep):
+            f.write(json.dumps({"id": str(first_id + j), "contents": records[i]["contents"]}) + "\n")
+    questions = [r["extra_info"]["question"] for rs in rows.values() for r in rs]
+    random.Random(seed).shuffle(questions)
+    return questions
+
+
+def make_bench_corpus(kind: str, path: str, docs: int, n_queries: int, pydoc: int = 0) -> list[tuple[str, str]]:
+    """Write the corpus `kind` to `path`; the (query, source) pairs to measure recall on. pydoc: how many of a
+    world+pydoc corpus's passages are pydoc's (0 = all it has, up to half of docs)."""
+    from bench_retrieval import make_corpus  # a sibling script: run as a script, its folder is on sys.path
+
+    def openings(rows, source):
+        return [(" ".join(json.loads(line)["contents"].split()[:8]), source) for line in rows]
+
+    rng = np.random.default_rng(0)
+    if kind == "synthetic":
+        make_corpus(path, docs)
+    elif kind == "pydoc":
+        make_text_corpus(path, docs)
+    if kind in ("synthetic", "pydoc"):
+        with open(path) as f:
+            lines = f.readlines()
+        picked = rng.choice(len(lines), min(n_queries, len(lines)), replace=False)
+        return openings([lines[int(i)] for i in picked], kind)
+    n_pydoc = make_text_corpus(path, min(pydoc or docs // 2, docs - 1)) if kind == "world+pydoc" else 0
+    with open(path) as f:
+        lines = f.readlines()
+    questions = make_world_corpus(path, docs - n_pydoc, first_id=n_pydoc, mode="a" if n_pydoc else "w")
+    n_world = n_queries - n_queries // 2 if n_pydoc else n_queries
+    queries = [(q, "world") for q in questions[:n_world]]
+    if n_pydoc:
+        picked = rng.choice(n_pydoc, min(n_queries // 2, n_pydoc), replace=False)
+        queries += openings([lines[int(i)] for i in picked], "pydoc")
+    return queries
+
+
+def encode_cached(encoder, corpus, queries: list[str], cache: str | None, chunk: int = 2048):
+    """Passage and query embeddings, from `cache` when they are there; passages are encoded and saved a chunk at a
+    time, so an interrupted run resumes where it stopped. Returns (passages, queries, seconds spent encoding)."""
+    t0, parts = time.time(), []
+    for s in range(0, len(corpus), chunk):
+        part = os.path.join(cache, f"passages.{s // chunk:05d}.npy") if cache else None
+        if part and os.path.exists(part):
+            parts.append(np.load(part))
+            continue
+        x = encoder.encode([corpus[i]["contents"] for i in range(s, min(s + chunk, len(corpus)))], is_query=False)
+        if part:
+            np.save(part + ".tmp.npy", x)
+            os.replace(part + ".tmp.npy", part)
+            print(f"encoded passages {s}-{s + len(x)} of {len(corpus)} ({time.time() - t0:.0f}s)", flush=True)
+        parts.append(x)
+    qpath = os.path.join(cache, "queries.npy") if cache else None
+    if qpath and os.path.exists(qpath):
+        q = np.load(qpath)
+    else:
+        q = encoder.encode(queries, is_query=True)
+        if qpath:
+            np.save(qpath, q)
+    return np.concatenate(parts), q, time.time() - t0
+
+
 def knob_sweep(r, index_type: str, n_queries: int, exact: np.ndarray, values: list[int], seconds: float) -> list:
     """recall@3 against Flat and one-thread QPS of `r` at each nprobe (IVF) or efSearch (HNSW) in `values`."""
     rows = []
@@ -168,8 +253,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seconds", type=float, default=3.0, help="per QPS measurement")
     p.add_argument("--torch-threads", type=int, default=0, help="0 = every core")
     p.add_argument("--out", help="also write the rows as JSON here")
-    p.add_argument("--corpus", choices=("synthetic", "pydoc"), default="synthetic",
-                   help="generated passages, or real English from this Python's own documentation")
+    p.add_argument("--corpus", choices=("synthetic", "pydoc", "world", "world+pydoc"), default="synthetic",
+                   help="generated passages, real English from this Python's own documentation, the synthetic "
+                        "world's passages and questions, or the world and pydoc together")
+    p.add_argument("--pydoc", type=int, default=0,
+                   help="world+pydoc: pydoc passages among --docs (default 0 = all of them, up to half); the rest "
+                        "are the world's. Pydoc passages are ~5x longer, so they set most of the encoding time")
+    p.add_argument("--cache-dir", help="keep the corpus, queries and embeddings here (one subfolder per corpus, "
+                                       "size and query count); a re-run with the same ones encodes nothing")
     p.add_argument("--sweep", default="", help="comma-separated knob values: recall@3 and QPS per nprobe (IVF "
                                                "types) and per efSearch (HNSW), e.g. 1,2,4,8,16,32,64,128")
     p.add_argument("--served-clients", type=int, default=0,
@@ -179,8 +270,8 @@ def main(argv: list[str] | None = None) -> int:
     bad = [t for t in types if t not in TYPES]
     if bad:
         raise UsageError(f"--types: unknown {bad}; choose from {','.join(TYPES)}")
-    if args.docs < 1 or args.queries < 1:
-        raise UsageError("--docs and --queries must be >= 1")
+    if args.docs < 1 or args.queries < 1 or args.pydoc < 0:
+        raise UsageError("--docs and --queries must be >= 1, --pydoc >= 0")
     try:
         sweep = [int(v) for v in args.sweep.split(",") if v]
     except ValueError:
@@ -195,25 +286,29 @@ def main(argv: list[str] | None = None) -> int:
 
     threads = set_cpu_threads(args.torch_threads or None)
     tmp = tempfile.mkdtemp(prefix="bench_index_")
-    corpus_path = os.path.join(tmp, "corpus.jsonl")
-    from bench_retrieval import make_corpus  # a sibling script: run as a script, its folder is on sys.path
-
-    if args.corpus == "pydoc":
-        make_text_corpus(corpus_path, args.docs)
-    else:
-        make_corpus(corpus_path, args.docs)
+    cache = None
+    if args.cache_dir:
+        pydoc = f"-pydoc{args.pydoc}" if args.pydoc and args.corpus == "world+pydoc" else ""
+        cache = os.path.join(args.cache_dir, f"{args.corpus}-{args.docs}-{args.queries}{pydoc}")
+        os.makedirs(cache, exist_ok=True)
+    corpus_path = os.path.join(cache or tmp, "corpus.jsonl")
+    queries_path = os.path.join(cache or tmp, "queries.json")
+    if not os.path.exists(queries_path):
+        pairs = make_bench_corpus(args.corpus, corpus_path + ".tmp", args.docs, args.queries, args.pydoc)
+        os.replace(corpus_path + ".tmp", corpus_path)
+        with open(queries_path, "w") as f:
+            json.dump(pairs, f)
+    with open(queries_path) as f:
+        pairs = json.load(f)
+    questions, sources = [q for q, _ in pairs], np.array([s for _, s in pairs])
     corpus = open_corpus(corpus_path)
     encoder = Encoder(EncoderConfig())
-    t0 = time.time()
-    x = encoder.encode([corpus[i]["contents"] for i in range(len(corpus))], is_query=False)
-    encode_s = time.time() - t0
-    rng = np.random.default_rng(0)
-    rows = rng.choice(len(corpus), min(args.queries, len(corpus)), replace=False)
-    questions = [" ".join(corpus[int(i)]["contents"].split()[:8]) for i in rows]  # a passage's opening words
-    q = encoder.encode(questions, is_query=True)
+    x, q, encode_s = encode_cached(encoder, corpus, questions, cache)
     stub = _Vectors(q)
-    print(f"{len(corpus)} {args.corpus} passages encoded in {encode_s:.1f}s ({threads} threads); {len(q)} queries",
-          flush=True)
+    rng = np.random.default_rng(0)
+    load = os.getloadavg()[0]
+    print(f"{len(corpus)} {args.corpus} passages, {len(q)} queries ({dict(zip(*np.unique(sources, return_counts=True)))}); "
+          f"encoding {encode_s:.1f}s ({threads} threads, load average {load:.1f})", flush=True)
     exact = None
     results, sweeps = [], []
     for kind in types:
@@ -244,9 +339,13 @@ def main(argv: list[str] | None = None) -> int:
             exact = ids
         recall = {f"recall@{k}": float(np.mean([len(set(a[:k]) & set(b[:k])) / k for a, b in zip(ids, exact)]))
                   for k in (1, 3, 10)}
+        per_source = {f"recall@3_{src}": float(np.mean([len(set(a[:3]) & set(b[:3])) / 3 for a, b, s_ in
+                                                         zip(ids, exact, sources) if s_ == src]))
+                      for src in sorted(set(sources))} if len(set(sources)) > 1 else {}
         row = {"type": kind, "factory": cfg.factory, **r.search_knobs(), "bytes_per_doc": size / len(corpus), "fixed_bytes": fixed,
                "refine_bytes_per_doc": 2 * x.shape[1] if vectors is not None else 0, "build_s": build_s,
-               "qps_1": qps(r, len(q), 1, args.seconds), "qps_32": qps(r, len(q), 32, args.seconds), **recall}
+               "qps_1": qps(r, len(q), 1, args.seconds), "qps_32": qps(r, len(q), 32, args.seconds), **recall,
+               **per_source, "load_avg": os.getloadavg()[0]}
         row["wiki18_ram_gb"] = wiki18_gb(kind, row["bytes_per_doc"], x.shape[1], cfg)
         row["wiki18_refine_disk_gb"] = 2 * WIKI18_DIM * WIKI18_DOCS / 1e9 if vectors is not None else 0.0
         if sweep and (r.ivf is not None or kind == "hnsw"):
@@ -268,15 +367,18 @@ def main(argv: list[str] | None = None) -> int:
     flat = DenseRetriever(corpus, faiss.read_index(os.path.join(tmp, "flat.index")), encoder, FaissConfig())
     split = [encode_split(encoder, flat, [f"{s} {b}" for s in questions * 64][: max(256, b)], b) for b in (8, 256)]
     served_head = f" served QPS {args.served_clients} (HTTP) |" if args.served_clients else ""
+    srcs = sorted({k[len("recall@3_"):] for r in results for k in r if k.startswith("recall@3_")})
     print(f"| type | factory | bytes/passage | build s | QPS 1 | QPS 32 (threads on the index) |{served_head} R@1 | "
-          f"R@3 | R@10 | wiki-18 RAM GB |")
-    print("|---|---|---|---|---|---|" + ("---|" if args.served_clients else "") + "---|---|---|---|")
+          f"R@3 | R@10 |" + "".join(f" R@3 {s} |" for s in srcs) + " wiki-18 RAM GB | load avg |")
+    print("|---|---|---|---|---|---|" + ("---|" if args.served_clients else "") + "---|---|---|---|---|"
+          + "---|" * len(srcs))
     for r in results:
         extra = f" (+{r['wiki18_refine_disk_gb']:.0f} GB fp16 on disk, mapped)" if r["wiki18_refine_disk_gb"] else ""
         served = f" {r['served_qps_32']:.0f} |" if args.served_clients else ""
         print(f"| {r['type']} | `{r['factory']}` | {r['bytes_per_doc']:.0f} | {r['build_s']:.1f} | {r['qps_1']:.0f} | "
-              f"{r['qps_32']:.0f} |{served} {r['recall@1']:.3f} | {r['recall@3']:.3f} | {r['recall@10']:.3f} | "
-              f"{r['wiki18_ram_gb']:.1f}{extra} |")
+              f"{r['qps_32']:.0f} |{served} {r['recall@1']:.3f} | {r['recall@3']:.3f} | {r['recall@10']:.3f} |"
+              + "".join(f" {r['recall@3_' + s]:.3f} |" for s in srcs)
+              + f" {r['wiki18_ram_gb']:.1f}{extra} | {r['load_avg']:.1f} |")
     if sweeps:
         print("\n| type | knob | value | R@3 | QPS 1 |\n|---|---|---|---|---|")
         for s in sweeps:
@@ -287,6 +389,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"docs": len(corpus), "corpus": args.corpus, "dim": int(x.shape[1]), "encode_s": encode_s,
+                       "load_avg_start": load, "threads": threads, "queries_by_source": {
+                           str(k): int(v) for k, v in zip(*np.unique(sources, return_counts=True))},
                        "rows": results, "sweeps": sweeps, "split": split}, f, indent=1)
     return 0
 

@@ -1,5 +1,7 @@
 # python tools/benchmarks/bench_query_split.py          (2,000 generated passages, real MiniLM, ~3 min on 2 cores)
 # python tools/benchmarks/bench_query_split.py --batches 1,64,512 --backends torch,onnxruntime --out split.json
+# python tools/benchmarks/bench_query_split.py --corpus pydoc --backends onnxruntime --batches 1,64 \
+#     --rerank-model minilm --rerank-candidates 10,20      (+ the cross-encoder stage: pairs/s, its share)
 """Where a /retrieve batch's time goes (encoding the queries, the faiss search, rendering the JSON) at the demo's
 and Search-R1's batch sizes, on the torch and the onnxruntime encoder, side by side in one run.
 
@@ -8,6 +10,15 @@ trainer's turn, whose repeats (GRPO's n samples of a prompt) the server would ot
 the server's own: `Encoder.encode` (tokenize, length-sort, batched forward, pool), `index.search` on a Flat index
 (the search's cost does not depend on the encoder), `render_result` (the response body). Each figure is the median
 of --repeats batches. The two backends' query embeddings are also compared (max absolute difference).
+
+--rerank-model adds the server's rerank stage (`--rerank cross`): each batch retrieves N (--rerank-candidates)
+passages per query from the Flat index, a cross-encoder scores every (query, passage) pair as the server does
+(`CrossEncoderScorer`, Search-R1's passage format, length-sorted batches of --rerank-batch-size), and the top-3 is
+rendered. `--rerank-model minilm` builds a real-size cross-encoder here with no download: a
+BertForSequenceClassification whose body is the packaged MiniLM's weights and whose one-label head is fresh. Its
+scores mean nothing, but its compute per pair is a MiniLM-L6 cross-encoder's (ms-marco-MiniLM-L6-v2 has this
+shape), which is what the throughput figure needs. --corpus pydoc gives passages of 20-120 words, nearer a
+wiki-18 passage (100 words) than the generated ones, and the pair's length sets the cross-encoder's cost.
 """
 from __future__ import annotations
 
@@ -40,6 +51,49 @@ def split(encoder, index, corpus, queries: list[str], topk: int = 3) -> dict:
     return {"encode_s": t1 - t0, "search_s": t2 - t1, "render_s": t3 - t2}
 
 
+def make_minilm_cross_encoder(out_dir: str) -> str:
+    """A one-label BertForSequenceClassification with the packaged MiniLM's body and a fresh (seeded) head, saved
+    with MiniLM's tokenizer as a transformers directory the server's --rerank-model takes."""
+    import torch
+    from transformers import AutoModel, AutoTokenizer, BertForSequenceClassification
+
+    from megatron_searchr1.search.encoder import packaged_minilm_dir
+
+    src = packaged_minilm_dir()
+    body = AutoModel.from_pretrained(src)
+    config = body.config
+    config.num_labels, config.architectures = 1, ["BertForSequenceClassification"]
+    torch.manual_seed(0)
+    model = BertForSequenceClassification(config)
+    missing, unexpected = model.bert.load_state_dict(body.state_dict(), strict=False)
+    if unexpected or [k for k in missing if not k.startswith("pooler.")]:
+        raise RuntimeError(f"MiniLM body does not fit BERT: missing {missing}, unexpected {unexpected}")
+    model.save_pretrained(out_dir)
+    AutoTokenizer.from_pretrained(src).save_pretrained(out_dir)
+    return out_dir
+
+
+def rerank_split(encoder, index, corpus, scorer, queries: list[str], candidates: int, topk: int = 3) -> dict:
+    """Seconds spent encoding, retrieving `candidates` per query, cross-encoding every pair, rendering the top-k;
+    also the process's CPU seconds in the rerank stage, which other jobs on the machine inflate far less than the
+    wall time (with one thread, CPU seconds per pair are what a free core would take)."""
+    from megatron_searchr1.search.protocol import render_result
+
+    t0 = time.perf_counter()
+    emb = encoder.encode(queries, is_query=True)
+    t1 = time.perf_counter()
+    _, cand = index.search(emb, candidates)
+    t2, c2 = time.perf_counter(), time.process_time()
+    scores = scorer.score(queries, cand, corpus)
+    order = np.argsort(-scores, axis=1, kind="stable")[:, :topk]
+    ids, best = np.take_along_axis(cand, order, 1), np.take_along_axis(scores, order, 1)
+    t3, c3 = time.perf_counter(), time.process_time()
+    render_result(corpus, ids, best, True)
+    t4 = time.perf_counter()
+    return {"encode_s": t1 - t0, "search_s": t2 - t1, "rerank_s": t3 - t2, "render_s": t4 - t3,
+            "rerank_cpu_s": c3 - c2, "pairs": int((cand >= 0).sum())}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--docs", type=int, default=2000, help="generated passages (bench_retrieval.make_corpus)")
@@ -48,6 +102,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3, help="batches per (size, backend); the median is shown")
     p.add_argument("--torch-threads", type=int, default=0, help="0 = every core")
     p.add_argument("--out", help="also write the rows as JSON here")
+    p.add_argument("--corpus", choices=("synthetic", "pydoc"), default="synthetic",
+                   help="generated passages, or real English from this Python's documentation (bench_index)")
+    p.add_argument("--rerank-model", help="also time the cross-encoder rerank stage with this model directory; "
+                                          "'minilm' builds a real-size one from the packaged MiniLM's weights")
+    p.add_argument("--rerank-candidates", default="10,20", help="comma-separated N (passages re-scored per query)")
+    p.add_argument("--rerank-batches", default="1,64", help="comma-separated queries per batch for the rerank rows")
+    p.add_argument("--rerank-batch-size", type=int, default=32, help="pairs per cross-encoder forward pass")
     args = p.parse_args(argv)
     try:
         batches = [int(b) for b in args.batches.split(",") if b]
@@ -60,6 +121,16 @@ def main(argv: list[str] | None = None) -> int:
         raise UsageError(f"--backends: choose from torch,onnxruntime, got {args.backends!r}")
     if args.docs < 1 or args.repeats < 1:
         raise UsageError("--docs and --repeats must be >= 1")
+    try:
+        rerank_n = [int(v) for v in args.rerank_candidates.split(",") if v]
+        rerank_batches = [int(v) for v in args.rerank_batches.split(",") if v]
+    except ValueError:
+        raise UsageError("--rerank-candidates and --rerank-batches take comma-separated integers") from None
+    if args.rerank_model and (not rerank_n or not rerank_batches or min(rerank_n + rerank_batches) < 1
+                              or args.rerank_batch_size < 1):
+        raise UsageError("--rerank-candidates, --rerank-batches and --rerank-batch-size must be >= 1")
+    if args.rerank_model not in (None, "minilm") and not os.path.isdir(args.rerank_model):
+        raise UsageError(f"--rerank-model {args.rerank_model!r} is not a directory (or 'minilm' to build one)")
     if "onnxruntime" in backends:
         from megatron_searchr1.search import onnx_encoder
 
@@ -75,7 +146,12 @@ def main(argv: list[str] | None = None) -> int:
     corpus_path = os.path.join(tmp, "corpus.jsonl")
     from bench_retrieval import make_corpus  # a sibling script: run as a script, its folder is on sys.path
 
-    make_corpus(corpus_path, args.docs)
+    if args.corpus == "pydoc":
+        from bench_index import make_text_corpus
+
+        make_text_corpus(corpus_path, args.docs)
+    else:
+        make_corpus(corpus_path, args.docs)
     corpus = open_corpus(corpus_path)
     encoders = {b: Encoder(EncoderConfig(backend=b, device="cpu"), query_cache_size=0) for b in backends}
     first = encoders[backends[0]]
@@ -105,17 +181,47 @@ def main(argv: list[str] | None = None) -> int:
             row.update(total_s=total, encode_share=row["encode_s"] / total, queries_per_s=batch / total)
             rows.append(row)
             print(json.dumps(row), flush=True)
-    print(f"\n{len(corpus)} passages, Flat top-3, {threads} threads; max |embedding difference| between backends "
+    rerank_rows = []
+    if args.rerank_model:
+        from megatron_searchr1.search.rerank import CrossEncoderScorer
+
+        model_dir = args.rerank_model
+        if model_dir == "minilm":
+            model_dir = make_minilm_cross_encoder(os.path.join(tmp, "minilm_cross"))
+        scorer = CrossEncoderScorer(model_dir, batch_size=args.rerank_batch_size, device="cpu")
+        encoder = encoders[backends[-1]]
+        rerank_split(encoder, index, corpus, scorer, fresh(4), 4)  # warm-up
+        for batch in rerank_batches:
+            for n in rerank_n:
+                runs = [rerank_split(encoder, index, corpus, scorer, fresh(batch), n) for _ in range(args.repeats)]
+                row = {"batch": batch, "candidates": n, "backend": backends[-1],
+                       **{k: statistics.median(r[k] for r in runs) for k in runs[0]}}
+                total = sum(row[k] for k in ("encode_s", "search_s", "rerank_s", "render_s"))
+                row.update(total_s=total, rerank_share=row["rerank_s"] / total, pairs_per_s=row["pairs"] /
+                           row["rerank_s"], ms_per_pair=1000 * row["rerank_s"] / row["pairs"],
+                           cpu_ms_per_pair=1000 * row["rerank_cpu_s"] / row["pairs"],
+                           queries_per_s=batch / total, load_avg=os.getloadavg()[0])
+                rerank_rows.append(row)
+                print(json.dumps(row), flush=True)
+    print(f"\n{len(corpus)} {args.corpus} passages, Flat top-3, {threads} threads, load average "
+          f"{os.getloadavg()[0]:.1f}; max |embedding difference| between backends "
           f"{diff:.1e}\n")
     print("| batch | backend | encode s | search s | render s | encode share | queries/s |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['batch']} | {r['backend']} | {r['encode_s']:.4f} | {r['search_s']:.4f} | {r['render_s']:.4f} | "
               f"{100 * r['encode_share']:.0f} % | {r['queries_per_s']:.0f} |")
+    if rerank_rows:
+        print("\n| batch | N re-scored | pairs | encode s | search s | rerank s | render s | rerank share | pairs/s | "
+              "ms/pair | CPU ms/pair | queries/s |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
+        for r in rerank_rows:
+            print(f"| {r['batch']} | {r['candidates']} | {r['pairs']} | {r['encode_s']:.4f} | {r['search_s']:.4f} | "
+                  f"{r['rerank_s']:.4f} | {r['render_s']:.4f} | {100 * r['rerank_share']:.0f} % | "
+                  f"{r['pairs_per_s']:.0f} | {r['ms_per_pair']:.2f} | {r['cpu_ms_per_pair']:.2f} | {r['queries_per_s']:.1f} |")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"docs": len(corpus), "threads": threads, "max_embedding_diff": diff, "rows": rows}, f,
-                      indent=1)
+            json.dump({"docs": len(corpus), "corpus": args.corpus, "threads": threads, "max_embedding_diff": diff,
+                       "load_avg": os.getloadavg()[0], "rows": rows, "rerank_rows": rerank_rows}, f, indent=1)
     return 0
 
 

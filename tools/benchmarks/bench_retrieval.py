@@ -1,5 +1,7 @@
 # python tools/benchmarks/bench_retrieval.py                 (2,000 generated passages, dense MiniLM, ~5 min on 2 cores)
 # python tools/benchmarks/bench_retrieval.py --docs 20000 --seconds 10 --torch-threads 2
+# python tools/benchmarks/bench_retrieval.py --skip-build --skip-baseline --index-types flat,sq6   (ours only, Flat
+#     against a compressed type built from the Flat file's vectors: 1 and 32 clients, top-3 agreement)
 """Our retrieval server against a Search-R1-style baseline on the same faiss index, side by side, with ratios.
 
 The baseline is written here to do what Search-R1's retrieval_server.py does per request (its code cannot serve on
@@ -15,6 +17,10 @@ repeats its queries; the `distinct` rows have no repeats at all):
 Every query of a run is new to the server (no cross-request cache hits), except where a row says so. The 1-query
 modes send over plain kept-alive HTTP/1.1 connections (`Connection`), not httpx, whose own CPU and queueing were
 most of the latency it reported.
+
+--index-types adds, beside Flat, each compressed type built from the Flat index's vectors (`--from-flat`, no second
+encoding) and served by our server with its defaults (refine from the Flat file for the lossy types), measured on the
+1- and 32-client modes with the same queries, plus how many of 400 queries get Flat's exact top-k from it.
 """
 from __future__ import annotations
 
@@ -282,7 +288,16 @@ def main(argv: list[str] | None = None) -> int:
                    help="clients of the concurrent 1-query mode (each waits for its answer before the next request)")
     p.add_argument("--torch-threads", type=at_least(1), default=None, help="CPU threads of both servers (default: all)")
     p.add_argument("--skip-build", action="store_true", help="no index build comparison")
+    p.add_argument("--skip-baseline", action="store_true",
+                   help="our server only (no Search-R1-style baseline), on the 1- and N-client modes only")
+    p.add_argument("--index-types", default="flat",
+                   help="flat, then compressed types our server also serves (1 and 32 clients), e.g. flat,sq6")
     args = p.parse_args(argv)
+    types = [t for t in args.index_types.split(",") if t]
+    from megatron_searchr1.search.dense import FACTORY
+
+    if not types or types[0] != "flat" or set(types) - set(FACTORY):
+        raise UsageError(f"--index-types: flat first, then any of {','.join(FACTORY)}; got {args.index_types!r}")
     if args.topk > args.docs:
         raise UsageError(f"--topk {args.topk} is more than --docs {args.docs}")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -318,26 +333,52 @@ def main(argv: list[str] | None = None) -> int:
             rows.append((f"1 client, {b}-query requests, distinct",
                          lambda url, q, b=b: batches(url, q.fresh, b, args.topk, args.seconds)))
         results = {}
-        for name, server in (("baseline", lambda: BaselineProcess(os.path.join(tmp, "dense"), threads)),
-                             ("ours", lambda: ServerProcess(server_flags))):
+        servers = [("baseline", lambda: BaselineProcess(os.path.join(tmp, "dense"), threads), rows),
+                   ("ours", lambda: ServerProcess(server_flags), rows[:2] if args.skip_baseline else rows)]
+        for t in types[1:]:
+            out = os.path.join(tmp, t)
+            index_corpus(corpus, out, kind="dense", index_type=t, show_progress=False,
+                         from_flat=os.path.join(tmp, "dense", "dense.index"))
+            flags = ["--index-dir", out, "--log-level", "warning", "--torch-threads", str(threads)]
+            servers.append((f"ours {t}", lambda flags=flags: ServerProcess(flags), rows[:2]))
+        for name, server, modes in servers[1 if args.skip_baseline else 0:]:
             with server() as srv:
                 warm = Queries(seed=99)
                 batches(srv.url, warm.fresh, 8, args.topk, 1.0)  # load pages, JIT paths, thread pools
-                for i, (label, fn) in enumerate(rows):  # the same queries for both servers
+                for i, (label, fn) in enumerate(modes):  # the same queries for every server
                     results[(name, label)] = fn(srv.url, Queries(seed=i))
+                if name != "ours":
+                    results[(name, "health")] = health(srv.url).get("search", {})
                 results[(name, "ids")] = top_ids(srv.url, Queries(seed=len(rows)).fresh(400), args.topk)
                 if name == "ours":
                     results["health"] = health(srv.url)
-        print(f"\n| mode | Search-R1-style baseline | ours | ours / baseline |\n|---|---|---|---|")
-        for label, _ in rows:
-            b, o = results[("baseline", label)], results[("ours", label)]
-            fmt = lambda r: f"{r['qps']:.1f} q/s" + (f", p99 {r['p99']:.2f} s" if r["p99"] == r["p99"] else "") + \
-                (f", {r['errors']} errors" if r["errors"] else "")
-            print(f"| {label} | {fmt(b)} | {fmt(o)} | {o['qps'] / b['qps']:.2f}x |")
-        same = sum(b == o for b, o in zip(results[("baseline", "ids")], results[("ours", "ids")]))
-        print(f"\ntop-{args.topk} ids identical for {same} of {len(results[('ours', 'ids')])} queries; our encoder ran "
-              f"on {results['health'].get('encoder_backend', '?')}; our query-embedding cache hit rate over the whole "
-              f"run (in-batch repeats included): {results['health']['query_cache']['hit_rate']:.1%}")
+        fmt = lambda r: f"{r['qps']:.1f} q/s" + (f", p99 {r['p99']:.2f} s" if r["p99"] == r["p99"] else "") + \
+            (f", {r['errors']} errors" if r["errors"] else "")
+        print(f"\nload average {os.getloadavg()[0]:.1f} (1 min) at the end of the run")
+        if not args.skip_baseline:
+            print(f"\n| mode | Search-R1-style baseline | ours | ours / baseline |\n|---|---|---|---|")
+            for label, _ in rows:
+                b, o = results[("baseline", label)], results[("ours", label)]
+                print(f"| {label} | {fmt(b)} | {fmt(o)} | {o['qps'] / b['qps']:.2f}x |")
+            same = sum(b == o for b, o in zip(results[("baseline", "ids")], results[("ours", "ids")]))
+            print(f"\ntop-{args.topk} ids identical for {same} of {len(results[('ours', 'ids')])} queries")
+        print(f"our encoder ran on {results['health'].get('encoder_backend', '?')}; our query-embedding cache hit "
+              f"rate over the whole run (in-batch repeats included): {results['health']['query_cache']['hit_rate']:.1%}")
+        if len(types) > 1:
+            print("\n| mode | ours, flat |" + "".join(f" ours, {t} | {t} / flat |" for t in types[1:]))
+            print("|---|---|" + "---|---|" * (len(types) - 1))
+            for label, _ in rows[:2]:
+                o = results[("ours", label)]
+                print(f"| {label} | {fmt(o)} |" + "".join(
+                    f" {fmt(results[(f'ours {t}', label)])} | {results[(f'ours {t}', label)]['qps'] / o['qps']:.2f}x |"
+                    for t in types[1:]))
+            for t in types[1:]:
+                ids = results[(f"ours {t}", "ids")]
+                same = sum(a == b for a, b in zip(ids, results[("ours", "ids")]))
+                overlap = np.mean([len(set(a) & set(b)) / args.topk for a, b in zip(ids, results[("ours", "ids")])])
+                print(f"{t} ({results[(f'ours {t}', 'health')].get('factory', '?')}, refine "
+                      f"{results[(f'ours {t}', 'health')].get('refine_k_factor', 0)}): Flat's exact top-{args.topk} "
+                      f"for {same} of {len(ids)} queries, recall@{args.topk} against Flat {overlap:.3f}")
     return 0
 
 
