@@ -31,7 +31,6 @@ import ast
 import json
 import os
 import random
-import sys
 import tempfile
 import threading
 import time

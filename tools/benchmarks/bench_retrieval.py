@@ -161,12 +161,9 @@ class Connection:
     """One kept-alive HTTP/1.1 connection that POSTs JSON and reads the response by its Content-Length (what both
     servers, uvicorn, send): the load generator of the 1-query modes.
 
-    Why not httpx here: its AsyncClient is the bottleneck it was meant to measure. Instrumented on the 2-core VM
-    with 32 clients against our server (request start in the client, bytes arriving at the server's socket, batch,
-    response written, response read), httpx spent 0.77 cores (~6 ms of CPU per request) and a request waited 187 ms
-    on average, 1.5 s in its slowest 1%, inside the client before its bytes were written, while the server's part
-    averaged 36 ms: the p99 of 1.1-1.5 s reported before was httpx's, not the server's. This client costs
-    ~0.3 ms per request (0.07 cores at 270 q/s); both servers are measured with it.
+    Why not httpx here: at 32 clients its AsyncClient, not the server, was the bottleneck (its CPU per request and
+    the wait inside the client dominated the latency; the instrumented figures are in NOTES-retrieval-server.md).
+    This client is a small fraction of that per request; both servers are measured with it.
     """
 
     def __init__(self, url: str):
@@ -356,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
             (f", {r['errors']} errors" if r["errors"] else "")
         print(f"\nload average {os.getloadavg()[0]:.1f} (1 min) at the end of the run")
         if not args.skip_baseline:
-            print(f"\n| mode | Search-R1-style baseline | ours | ours / baseline |\n|---|---|---|---|")
+            print("\n| mode | Search-R1-style baseline | ours | ours / baseline |\n|---|---|---|---|")
             for label, _ in rows:
                 b, o = results[("baseline", label)], results[("ours", label)]
                 print(f"| {label} | {fmt(b)} | {fmt(o)} | {o['qps'] / b['qps']:.2f}x |")
