@@ -105,7 +105,7 @@ SIZES = {
                  seed=3, sft_steps=3000, sft_batch=16, grpo_steps=24, grpo_batch=8, n=8, val_samples=300,
                  sft_worlds=4, grpo_test_freq=8, sft_stop_early=0.6, sft_val=64, sft_val_freq=100,
                  sft_stop_at=0.6, eta_s=(("world", 90), ("model", 15), ("sft", 0.6), ("no_search", 30),
-                                         ("grpo", 8.0))),
+                                         ("grpo", 10.0))),
 }
 MODEL_ARGS = dict(hidden_size=128, intermediate_size=384, num_heads=4, num_kv_heads=2, tie_embeddings=True,
                   vocab_size=2000)
