@@ -134,6 +134,42 @@ def grpo_run(world, tiny_model, server, rl_root) -> tuple[str, str]:
     return _once("grpo_run", build)
 
 
+def ctrl_c_after_step(cmd: list[str], step: int, min_processes: int) -> tuple[str, str, float, list, int]:
+    """Ctrl-C in a terminal, for a torchrun job: start `cmd` in a session of its own, read its output until the line
+    of `step` (a checkpoint exists by then with save_freq=1), SIGINT the whole process group and wait for it.
+    Returns (output before the signal, output after it, seconds to exit, processes of the job's tree still alive
+    half a second later, return code); whatever is left is SIGKILLed. At least `min_processes` must be below
+    torchrun (each rank starts a session of its own, so the tree is followed, not the group)."""
+    import signal
+
+    from megatron_searchr1.interrupt import _alive, descendants
+
+    proc = subprocess.Popen(cmd, cwd=REPO, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    lines, below = [], []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith(f"step {step}/"):
+                break
+        assert lines and lines[-1].startswith(f"step {step}/"), "".join(lines)[-6000:]
+        below = descendants(proc.pid)
+        assert len(below) >= min_processes, below
+        t0 = time.time()
+        os.killpg(proc.pid, signal.SIGINT)
+        rest, _ = proc.communicate(timeout=60)
+        seconds = time.time() - t0
+        time.sleep(0.5)
+        left = [p for p in below if _alive(p)]
+    finally:
+        for pid in [proc.pid, *below]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    return "".join(lines), rest, seconds, left, proc.returncode
+
+
 def wait_for(predicate, timeout: float, every: float = 0.2) -> bool:
     end = time.time() + timeout
     while time.time() < end:

@@ -113,12 +113,9 @@ def test_ctrl_c_stops_every_rank_in_seconds_with_one_line_each(world, tiny_model
     """Ctrl-C in a terminal: SIGINT to the whole job (torchrun, both ranks, the retrieval server a rank launched).
     Each rank prints one line naming its step and last checkpoint and exits 130; no Python traceback of ours; the
     job and every process below it are gone within seconds (torchrun's own SignalException report remains)."""
-    import subprocess
     import sys
 
-    from megatron_searchr1.interrupt import _alive, descendants
-    from tests.dist_utils import REPO
-    from tests.rl_fixtures import child_env
+    from tests.rl_fixtures import ctrl_c_after_step
 
     out = os.path.join(rl_root, "ctrl_c")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
@@ -130,34 +127,13 @@ def test_ctrl_c_stops_every_rank_in_seconds_with_one_line_each(world, tiny_model
            "trainer.val_before_train=false", "trainer.test_freq=0", "trainer.save_freq=1", "trainer.export_hf=false",
            "logging.tensorboard=false", "algo.use_kl_loss=false", "retrieval.launch=true",
            f"retrieval.server_args=[--index-dir,{world}/index_bm25]"]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
-    lines = []
-    try:
-        for line in proc.stdout:  # until step 2 is done: a checkpoint exists, the server has been asked
-            lines.append(line)
-            if line.startswith("step 2/"):
-                break
-        assert lines and lines[-1].startswith("step 2/"), "".join(lines)[-6000:]
-        below = descendants(proc.pid)  # torchrun starts each rank in a session of its own: follow the tree
-        assert len(below) >= 3, below  # two ranks, the server (and their helpers)
-        t0 = time.time()
-        os.killpg(proc.pid, signal.SIGINT)
-        rest, _ = proc.communicate(timeout=60)
-        seconds = time.time() - t0
-        time.sleep(0.5)
-        left = [p for p in below if _alive(p)]
-    finally:
-        for pid in [proc.pid, *locals().get("below", [])]:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-    log = "".join(lines) + rest
+    # until step 2 is done: a checkpoint exists, the server has been asked; two ranks and the server below
+    before, rest, seconds, left, returncode = ctrl_c_after_step(cmd, step=2, min_processes=3)
+    log = before + rest
     said = re.findall(r"^rank (\d): interrupted \(Ctrl-C\) (?:in step \d+ of 500|saving the checkpoint of step \d+); "
                       r"last checkpoint: (\S+)$", rest, re.M)
     assert sorted(r for r, _ in said) == ["0", "1"], rest[-6000:]
     assert all(re.search(r"/checkpoints/step_\d{6}$", ckpt) and os.path.isdir(ckpt) for _, ckpt in said), said
     assert "KeyboardInterrupt" not in log and "megatron_searchr1/" not in rest, rest[-6000:]  # no traceback of ours
-    assert proc.returncode != 0 and seconds < 10, (proc.returncode, seconds)
+    assert returncode != 0 and seconds < 10, (returncode, seconds)
     assert not left, f"left running after Ctrl-C: {left}"

@@ -305,9 +305,8 @@ def test_ctrl_c_stops_every_rank_of_a_disaggregated_run_in_seconds(world, tiny_m
     generates, with the retrieval server the rollout rank launched: each of the 3 ranks prints its one line and
     exits 130, the job and every process below it are gone within seconds, no traceback of ours (interrupt.py)."""
     import re
-    import signal
 
-    from megatron_searchr1.interrupt import _alive, descendants
+    from tests.rl_fixtures import ctrl_c_after_step
 
     out = str(tmp_path / "ctrl_c")
     args = [a for a in async_args(world, tiny_model, "unused", out, k=1) if not a.startswith(
@@ -316,30 +315,9 @@ def test_ctrl_c_stops_every_rank_of_a_disaggregated_run_in_seconds(world, tiny_m
         f"retrieval.server_args=[--index-dir,{world}/index_bm25]"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3", "-m",
            "megatron_searchr1.train", *args]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
-    lines, below = [], []
-    try:
-        for line in proc.stdout:  # until step 2 is done: a checkpoint exists, the rollout rank is generating
-            lines.append(line)
-            if line.startswith("step 2/"):
-                break
-        assert lines and lines[-1].startswith("step 2/"), "".join(lines)[-6000:]
-        below = descendants(proc.pid)
-        assert len(below) >= 4, below  # three ranks and the server (and their helpers)
-        t0 = time.time()
-        os.killpg(proc.pid, signal.SIGINT)
-        rest, _ = proc.communicate(timeout=60)
-        seconds = time.time() - t0
-        time.sleep(0.5)
-        left = [p for p in below if _alive(p)]
-    finally:
-        for pid in [proc.pid, *below]:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-    log = "".join(lines) + rest
+    # until step 2 is done: a checkpoint exists, the rollout rank is generating; three ranks and the server below
+    before, rest, seconds, left, returncode = ctrl_c_after_step(cmd, step=2, min_processes=4)
+    log = before + rest
     said = dict(re.findall(r"^rank (\d): interrupted \(Ctrl-C\) (.+)$", rest, re.M))
     assert sorted(said) == ["0", "1", "2"], rest[-6000:]
     for rank in "01":  # the trainer ranks name their step and the last checkpoint (a resume starts there)
@@ -348,5 +326,5 @@ def test_ctrl_c_stops_every_rank_of_a_disaggregated_run_in_seconds(world, tiny_m
     assert re.fullmatch(r"(generating batch \d+ of 500|waiting for the trainer's stop|validating version \d+)"
                         r"; last checkpoint: .+", said["2"]), said
     assert "KeyboardInterrupt" not in log and "megatron_searchr1/" not in rest, rest[-6000:]  # no traceback of ours
-    assert proc.returncode != 0 and seconds < 10, (proc.returncode, seconds)
+    assert returncode != 0 and seconds < 10, (returncode, seconds)
     assert not left, f"left running after Ctrl-C: {left}"
