@@ -509,8 +509,7 @@ def serve_rollouts(cfg, bridge: Bridge) -> None:
                     or receiver.stopped):
                 break  # the trainer stopped early (trainer.stop_on_collapse, or an error: stop_reason)
             validate_due()
-            weights()
-            version = receiver.applied_version  # the oldest version of this batch's tokens
+            version = weights()  # the oldest version of this batch's tokens
             gen_start = time.time()
             trajs = RolloutWorker.make_trajectories(rows, r.n)
             seed = t.seed * 1_000_003 + (b + 1) * 7919 + me * SHARE_SEED_STRIDE  # Trainer.step_seed of step b+1
