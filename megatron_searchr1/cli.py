@@ -30,8 +30,12 @@ class UsageError(Exception):
 
 
 def error_exit(message: str, code: int = 2) -> NoReturn:
-    """Print `error: <message>` as one line on stderr and exit."""
-    print("error: " + " ".join(str(message).split()), file=sys.stderr, flush=True)
+    """Print `error: <message>` as one line on stderr and exit.
+
+    One write of the whole line: ranks of one torchrun job share the stream, and `print` writes the text and its
+    newline separately, so two ranks' lines could run together ("...stopserror: ...")."""
+    sys.stderr.write("error: " + " ".join(str(message).split()) + "\n")
+    sys.stderr.flush()
     raise SystemExit(code)
 
 

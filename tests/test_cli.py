@@ -77,6 +77,27 @@ def test_run_main_turns_a_dead_retriever_into_one_line_and_exit_3(capsys):
     assert "ConnectError: refused" in err
 
 
+def test_error_lines_of_ranks_sharing_one_stream_never_run_together():
+    """Ranks of one torchrun job write to one stderr pipe: each `error:` line must go out in a single write, or two
+    ranks' lines can interleave ("...stopserror: ..."; seen in a two-rank run whose retriever died)."""
+    child = ("import sys\n"
+             "from megatron_searchr1.cli import error_exit\n"
+             "for i in range(400):\n"
+             "    try:\n"
+             "        error_exit('rank ' + sys.argv[1] + ' ' + 'x' * 300)\n"
+             "    except SystemExit:\n"
+             "        pass\n")
+    read, write = os.pipe()
+    procs = [subprocess.Popen([sys.executable, "-c", child, str(r)], stderr=write, cwd=REPO) for r in range(4)]
+    os.close(write)
+    with os.fdopen(read) as stream:
+        lines = stream.read().splitlines()
+    assert all(p.wait() == 0 for p in procs)
+    assert len(lines) == 4 * 400 and all(ln.startswith("error: rank ") and ln.endswith("x" * 300) and
+                                          ln.count("error:") == 1 for ln in lines), \
+        [ln for ln in lines if ln.count("error:") != 1][:2]
+
+
 # ---- every command line, as a subprocess -------------------------------------------------------------------------
 
 PY = sys.executable
