@@ -18,9 +18,9 @@ Versions and staleness, the one definition the trainer, the rollout ranks, the m
 - under partial rollouts (`rollout.partial`) a trajectory may take new weights between two of its turns, so its
   tokens carry several versions (loop.Trajectory.versions, non-decreasing); the sample's version is its OLDEST
   generated token's (`sample_version`), a batch's the oldest of its samples', and the bound applies to that.
-The producer side keeps the rule by waiting (a rollout rank starts batch b only with version >= b-1-k in hand,
-`required_version`); the buffer checks it again on the trainer's side and drops, counts and reports what is too old
-(a resumed run, or a producer bug), so the bound holds at every step whatever the producer did.
+The producer side keeps the rule by waiting (a rollout rank starts its share of batch b only with version >= b-1-k
+in hand, `required_version`); the buffer checks it again on the trainer's side and drops, counts and reports what is
+too old (a resumed run, or a producer bug), so the bound holds at every step whatever the producer did.
 
 Pure logic plus one condition variable: no torch.distributed; tests/trainer/test_async_rl.py tests it directly.
 """
@@ -90,14 +90,15 @@ def version_metrics(per_sample: Sequence[Sequence[int]]) -> dict[str, float]:
 
 @dataclass
 class GeneratedBatch:
-    """One batch of finished GRPO groups as a rollout rank sent it."""
+    """Finished GRPO groups of one batch: a rollout rank's part of it, or the whole batch assembled from the parts."""
 
     index: int
     """Which batch of prompts (0-based draw order)."""
     version: int
     """The oldest policy version that generated any of its tokens (without partial rollouts: every token's)."""
     payload: Any = None
-    """Trajectories, scores, metrics (trainer/async_rl.py)."""
+    """A rollout rank's part: trajectories, scores, rollout counters (trainer/rollout_rank.py); an assembled batch:
+    trajectories, scores, metrics (rollout/batch_parts.py assemble)."""
     gen_start: float = 0.0
     """Wall-clock time (time.time()) generation started."""
     gen_end: float = 0.0

@@ -26,7 +26,7 @@ Policy versions. Each response token carries the version of the weights the engi
 (`Trajectory.versions`; observations and feedback take the version of the turn they follow). The caller's
 `weights` hook runs before every turn's generate calls and returns the version the engine holds for that turn; a
 disaggregated rollout rank with `rollout.partial` loads newer weights inside it, so a trajectory continues under the
-new policy from its next turn on (trainer/async_rl.py). Without the hook every token is version 0.
+new policy from its next turn on (trainer/rollout_rank.py). Without the hook every token is version 0.
 
 On an engine that keeps sessions (vLLM, `rollout.kv_sessions`) each trajectory is one session: its KV cache stays in
 the engine from turn to turn and a turn computes only the tokens after it (the observation); a finished trajectory's

@@ -18,11 +18,12 @@ one with Megatron's ranks). Both are made from prefixes of the same store, so no
 must join, and nothing depends on the order in which the roles start.
 
 The bridge: two gloo process groups over the same store between trainer rank 0 (bridge rank 0) and the rollout
-ranks (bridge ranks 1..K): `weights` (trainer -> rollout) and `batches` (rollout -> trainer), each driven by one
-thread per side, so a send in one direction never waits behind the other. gloo moves host memory (no NCCL
-between roles yet: the weights go device -> host -> socket -> host -> engine). A dead peer shows as a failed
-send or receive on the surviving side ("Connection closed by peer"), which the threads turn into an error that
-names the rank.
+ranks (bridge ranks 1..K): `weights` (trainer -> rollout) and `batches` (rollout -> trainer), driven by threads of
+their own, so a send in one direction never waits behind the other; on trainer rank 0 the batches channel has one
+receiving thread per rollout rank, so a rollout rank's send never waits behind another rank's. gloo moves host
+memory (no NCCL between roles yet: the weights go device -> host -> socket -> host -> engine). A dead peer shows as a
+failed send or receive on the surviving side ("Connection closed by peer"), which the threads turn into an error
+that names the rank.
 
 Weights travel as WeightSync's buckets (rollout/weight_sync.py: TP gather, HF names, the converter's mapping):
 every trainer rank runs the gather, rank 0 keeps each bucket as one flat byte buffer and a thread sends them
@@ -31,9 +32,9 @@ rank wants the newest weights, never a queue of old ones. `sync/remote_*` metric
 
 The end of a run, clean or not. Trainer rank 0 ends the weights channel with a STOP message that carries why (None:
 the run is over, or the trainer stopped early; a string: the error that stopped it); each rollout rank finishes or
-abandons its batch and answers on the batches channel with DONE, and trainer rank 0 drains the batches channel
-until every rollout rank said DONE, so a rollout rank in the middle of sending a batch is never left blocked (its
-send completes, into the drain). A peer that dies without a word is found by the heartbeats (`Heartbeat`): every
+abandons its batch and answers on the batches channel with DONE, and trainer rank 0 drains the batches channel of
+every rollout rank until that rank said DONE, so a rollout rank in the middle of sending a batch is never left
+blocked (its send completes, into the drain). A peer that dies without a word is found by the heartbeats (`Heartbeat`): every
 rank bumps a counter in torchrun's store once a second, and a rank whose collective or send failed names the ranks
 whose counter stood still ("rank 1 (trainer) is gone") instead of reporting a socket error.
 """
@@ -55,9 +56,8 @@ from megatron_searchr1.rollout.weight_sync import BucketLayout, layout_bucket, p
 
 TRAINER, ROLLOUT = "trainer", "rollout"
 STORE_PREFIX = "searchr1"
-WEIGHTS_TAG, BATCHES_TAG, VAL_TAG = 11, 12, 13
-"""Message tags: weights (trainer -> rollout), batches (rollout -> trainer), validation parts (rollout -> the first
-rollout rank, on the batches group)."""
+WEIGHTS_TAG, BATCHES_TAG = 11, 12
+"""Message tags: weights (trainer -> rollout), batches (rollout -> trainer: batch parts, validation parts, DONE)."""
 
 
 @dataclass(frozen=True)

@@ -35,12 +35,12 @@ def test_partial_rollouts_are_a_disaggregated_option():
 
 
 def test_disaggregated_validates_on_its_rollout_ranks():
-    # validation runs on the first rollout rank between versions (trainer/async_rl.py): val files are accepted
+    # validation runs on the rollout ranks between versions (trainer/rollout_rank.py): val files are accepted
     cfg(*DISAGG[:2], "data.val_files=[v.parquet]", "trainer.test_freq=2").validate(world_size=3, check_files=False)
 
 
 def test_disaggregated_launches_retrieval_from_its_rollout_ranks():
-    # the first rollout rank on each node starts the server (trainer/async_rl.py serve_rollouts)
+    # the first rollout rank on each node starts the server (trainer/rollout_rank.py serve_rollouts)
     cfg(*DISAGG, "retrieval.launch=true", "retrieval.server_args=[--index-dir,x]").validate(world_size=3,
                                                                                              check_files=False)
 

@@ -60,6 +60,22 @@ def test_zero_variance_k0_matches_the_closed_form(granularity, load_gbps):
     assert asyn.dropped == 0 and set(_lags(asyn.events)) <= {0, 1}
 
 
+def test_zero_variance_k0_with_shares_generates_one_batch_at_a_time():
+    """The same setup with shares: every engine works on the same batch, so batch b+1 starts only when its version
+    has arrived and every engine loaded it; generation-bound, the period is tau + the engine's load (not the
+    alternation's mean of two engines that whole batches give), from step 3 on (batch 1 needs no new version)."""
+    shape = sim.Shape((200.0, 200.0), 1)
+    s = _setup([shape], load_gbps=25.0)
+    tau, pause = 400 / 50 + 1.0, 2e9 / 25e9
+    res = sim.simulate(s, train_gpus=4, engines=4, k=0, steps=13, seed=0, granularity="share")
+    t_prime = s.train_seconds(s.batch * s.n * s.train_tokens(shape, 1.0), 4) + 2e9 / 50e9
+    assert tau + pause > t_prime + 2e9 / 5e9  # generation-bound
+    starts = [e[1] for e in res.events if e[0] == "train"]
+    assert starts[1] - starts[0] == pytest.approx(tau)
+    assert all(b - a == pytest.approx(tau + pause) for a, b in zip(starts[1:], starts[2:])), starts
+    assert res.step_s == pytest.approx((tau + 11 * (tau + pause)) / 12)
+
+
 def test_a_heavier_tail_raises_the_speedup():
     """Same mean generation time; one dump has every trajectory alike, the other a 1-in-10 tail 4.5x as long. The
     synchronous step waits for the tail every step; k=1 lets the next batches generate past it."""
@@ -71,15 +87,15 @@ def test_a_heavier_tail_raises_the_speedup():
     for name, shapes in (("light", light), ("heavy", heavy)):
         s = _setup(shapes, batch=16, slots_per_gpu=16)  # async: 64 slots for 64 trajectories a step
         sync = sim.simulate(s, train_gpus=8, engines=8, k=-1, steps=12, seed=1, colocated=True)
-        asyn = sim.simulate(s, train_gpus=4, engines=4, k=1, steps=12, seed=1)
+        asyn = sim.simulate(s, train_gpus=4, engines=4, k=1, steps=12, seed=1, granularity="group")
         ratios[name] = asyn.samples_per_s / sync.samples_per_s
     assert ratios["heavy"] > 1.5 * ratios["light"], ratios
 
 
-@pytest.mark.parametrize("granularity", ["group", "batch"])
+@pytest.mark.parametrize("granularity", ["group", "share", "batch"])
 def test_the_staleness_bound_holds_in_the_event_log(granularity):
-    """Every trained group's lag is within k+1, the bound is reached, drops are logged beyond it; batch granularity
-    trains batch s-1 at step s, every group of it from one version."""
+    """Every trained group's lag is within k+1, the bound is reached, drops are logged beyond it; share and batch
+    granularity train batch s-1 at step s (batch: every group of it from one version)."""
     shapes = [sim.Shape((30.0,), 0)] * 8 + [sim.Shape((200.0,) * 4, 3)] * 2
     for k in (0, 1, 2):
         s = _setup(shapes, batch=6, n=3, slots_per_gpu=20)
@@ -89,11 +105,27 @@ def test_the_staleness_bound_holds_in_the_event_log(granularity):
         assert all(e[0] != "drop" or (e[2] - 1) - e[4] > k + 1 for e in res.events)
         starts = {e[2]: (e[3], e[4]) for e in res.events if e[0] == "start"}
         assert all(starts[g][1] >= starts[g][0] - 1 - k for g in starts)  # required_version at every start
-        if granularity == "batch":
+        if granularity != "group":
             for e in res.events:
                 if e[0] == "train":
                     assert {starts[g][0] for g, _ in e[4]} == {e[3] - 1}
-                    assert len({v for _, v in e[4]}) == 1
+                    assert granularity == "share" or len({v for _, v in e[4]}) == 1
+
+
+def test_shares_put_every_engine_on_every_batch():
+    """8 engines of 8 slots, batches of 8 groups x 4 (32 trajectories of 2 s), free weight moves: whole batches at
+    k=0 keep at most 2 engines working, each needing 4 waves of its slots for a batch (about 3.5 s a batch with the
+    two alternating); shares give every engine 1 group of every batch, one wave: a batch every 2 s, every batch's 8
+    groups starting at once. Streaming groups is faster still: it also runs two batches at once on the 64 slots,
+    which shares do not (an engine starts its share of b+1 after its share of b)."""
+    s = _setup([sim.Shape((100.0,), 0)], slots_per_gpu=8, load_gbps=1e12, sync_gbps=1e12)
+    runs = {g: sim.simulate(s, train_gpus=8, engines=8, k=0, steps=8, seed=0, granularity=g)
+            for g in ("share", "batch", "group")}
+    speed = {g: r.samples_per_s for g, r in runs.items()}
+    assert runs["share"].step_s == pytest.approx(2.0) and speed["batch"] * 1.5 < speed["share"] < speed["group"], speed
+    starts = [e for e in runs["share"].events if e[0] == "start"]
+    for b in range(8):
+        assert len({e[1] for e in starts if e[3] == b}) == 1 and sum(e[3] == b for e in starts) == 8
 
 
 def test_a_user_dump_is_read(tmp_path):
@@ -154,8 +186,8 @@ def test_the_synchronous_baseline_spreads_each_batch_over_every_engine():
     trajectories on one engine of 8 slots would take 4 waves, on 8 engines one)."""
     s = _setup([sim.Shape((100.0,), 0)], slots_per_gpu=8)
     runs = [sim.simulate(s, train_gpus=8, engines=8, k=-1, steps=5, seed=0, colocated=True, granularity=g)
-            for g in ("group", "batch")]
-    assert runs[0].step_s == runs[1].step_s == pytest.approx(2e9 / 50e9 + 2.0 + 2.0 + s.train_seconds(
+            for g in ("group", "share", "batch")]
+    assert runs[0].step_s == runs[1].step_s == runs[2].step_s == pytest.approx(2e9 / 50e9 + 2.0 + 2.0 + s.train_seconds(
         s.batch * s.n * s.train_tokens(s.shapes[0], 1.0), 8))
 
 

@@ -1,11 +1,12 @@
 """`python -m megatron_searchr1.train ...` whose trainer ranks stop early at step ASYNC_STOP_AT as
 trainer.stop_on_collapse stops them (Trainer.collapsed returns True: a checkpoint, then the end), while the rollout
-rank is still generating the next batch: tests/trainer/test_async_rl.py checks that every rank exits cleanly (the
-rollout rank's batch is drained, not left blocked in its send) and that a resume continues from there.
+ranks are still generating the next batch: tests/trainer/test_async_rl.py checks that every rank exits cleanly (the
+rollout ranks' parts are drained, not left blocked in their sends) and that a resume continues from there.
 
-With ASYNC_VERSIONS_FILE (a run with rollout.partial=true), the rollout rank holds batch 1 before its second turn
-until the next policy version has arrived (so that batch really continues under new weights: partial rollouts), and
-trainer rank 0 writes every trained sample's per-token versions and loss mask there, one JSON line per sample."""
+With ASYNC_VERSIONS_FILE (a run with rollout.partial=true), the last rollout rank holds its part of batch 1 before its
+second turn until the next policy version has arrived (so that part really continues under new weights: partial
+rollouts), and trainer rank 0 writes every trained sample's per-token versions, loss mask and rollout rank there, one
+JSON line per sample."""
 from __future__ import annotations
 
 import json
@@ -15,7 +16,7 @@ import time
 
 
 def hold_batch_one_for_new_weights() -> None:
-    """The rollout rank: before batch 1's second turn, wait (up to 5 minutes) for a version newer than the engine's."""
+    """The last rollout rank: before its part of batch 1's second turn, wait (up to 5 minutes) for a version newer than the engine's."""
     from megatron_searchr1.rollout import loop, remote_sync
 
     receivers, real_init, real_run, batches = [], remote_sync.WeightReceiver.__init__, loop.run_rollout, []
@@ -45,7 +46,7 @@ def hold_batch_one_for_new_weights() -> None:
 
 
 def record_versions(path: str) -> None:
-    """Trainer rank 0: one line per trained sample, {step, versions, mask}."""
+    """Trainer rank 0: one line per trained sample, {step, versions, mask, rank}."""
     from megatron_searchr1.trainer.async_rl import AsyncTrainer
 
     real = AsyncTrainer.generate_batch
@@ -54,7 +55,8 @@ def record_versions(path: str) -> None:
         out = real(self)
         with open(path, "a") as f:
             for tr in out[0]:
-                f.write(json.dumps({"step": self.step_no, "versions": tr.versions, "mask": tr.loss_mask}) + "\n")
+                f.write(json.dumps({"step": self.step_no, "versions": tr.versions, "mask": tr.loss_mask,
+                                    "rank": tr.meta["rollout_rank"]}) + "\n")
         return out
 
     AsyncTrainer.generate_batch = generate_batch

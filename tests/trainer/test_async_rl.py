@@ -5,17 +5,20 @@ trainer rank + 2 rollout ranks), the tiny model, a live BM25 server, rollout.max
 - the weights arrived: after each load the rollout engine's weights equal the ones sent (read back), its version is
   the batch's, and at step 1 (lag 0) the engine's log-probs are the trainer's;
 - the loss is finite and the weights move;
-- at k = 2, validation runs on the 2 rollout ranks, each on its share of the rows (steps 2 and 4), and trainer rank
-  0 logs the gathered reports;
+- at k = 2 (2 rollout ranks) every batch is assembled from both ranks' parts (each sample's rollout rank is read
+  back), validation runs on both, each on its share of the rows (steps 2 and 4), and trainer rank 0 logs the reports
+  it assembled;
 - the staleness histogram (per sample, TensorBoard and the async/staleness_* scalars) is the batch's lag, and the
   rollout correction's mismatch metrics (actor/rc_*) measure the off-policy gap: ~0 on policy, > 0 one step off.
 Also slow: a rank that dies mid-run (async_kill_script.py: the rollout rank, or trainer rank 1) stops every other
 rank with an error naming it; a run whose trainer stops early at step 2 (async_stop_script.py, as
-trainer.stop_on_collapse does) exits cleanly on every rank while its rollout rank generates, and resumed to 4 (with
-retrieval.launch: the rollout rank starts the server) keeps the data cursor (each step trains its own draw) and the
-versions; both with partial rollouts (rollout.partial), whose per-token versions are read back (a batch held before
-its second turn until new weights came: its samples span two versions, in order, within the bound).
-Plus the pure pieces: RolePlan and the object / bucket messages over a real gloo pair."""
+trainer.stop_on_collapse does) exits cleanly on every rank while its 2 rollout ranks generate, and resumed to 4 (with
+retrieval.launch: the first rollout rank starts the server) keeps the data cursor (each step trains exactly its own
+draw, half from each rollout rank) and the versions; both with partial rollouts (rollout.partial), whose per-token
+versions are read back (a part held before its second turn until new weights came: its samples span two versions, in
+order, within the bound).
+Plus the pure pieces: RolePlan, the heartbeats, the weight receiver's validation queue (the batch parts:
+tests/rollout/test_batch_parts.py)."""
 from __future__ import annotations
 
 import json
@@ -46,6 +49,12 @@ def async_args(world_dir: str, model_dir: str, url: str, out: str, k: int) -> li
             f"rollout.max_staleness={k}"]
 
 
+def two_rollout_ranks(args: list[str]) -> list[str]:
+    """async_args with 1 trainer rank (TP=1) and 2 rollout ranks: every batch in two parts."""
+    return [a for a in args if not a.startswith(("parallel.tp", "parallel.rollout_ranks"))] + [
+        "parallel.tp=1", "parallel.rollout_ranks=2"]
+
+
 def script_run(script: str, args: list[str], env: dict, timeout: float, monitor_s: int = 30
                ) -> subprocess.CompletedProcess:
     """torchrun of tests/trainer/<script> over 3 ranks, torchrun's monitor slowed to `monitor_s`: a rank that fails
@@ -68,11 +77,10 @@ def step_records(out: str) -> dict[int, dict]:
 def test_disaggregated_grpo_keeps_the_bound_overlaps_and_syncs(world, tiny_model, server, tmp_path, k):
     out = str(tmp_path / f"async_k{k}")
     args = async_args(world, tiny_model, server, out, k)
-    if k == 2:  # 1 trainer rank + 2 rollout ranks, which split the validation at steps 2 and 4 (the last one
-        # awaited before the end) and take the batches in turn
-        args = [a for a in args if not a.startswith(("data.val_files", "parallel.tp", "parallel.rollout_ranks"))] + [
-            f"data.val_files=[{world}/validation.parquet]", "data.val_max_samples=5", "trainer.test_freq=2",
-            "parallel.tp=1", "parallel.rollout_ranks=2"]
+    if k == 2:  # 1 trainer rank + 2 rollout ranks, which split every batch and the validation at steps 2 and 4
+        # (the last one awaited before the end)
+        args = [a for a in two_rollout_ranks(args) if not a.startswith("data.val_files")] + [
+            f"data.val_files=[{world}/validation.parquet]", "data.val_max_samples=5", "trainer.test_freq=2"]
     proc = run_module("megatron_searchr1.train", args, nproc=3, timeout=900)
     log = proc.stdout + proc.stderr
     steps = step_records(out)
@@ -104,17 +112,26 @@ def test_disaggregated_grpo_keeps_the_bound_overlaps_and_syncs(world, tiny_model
         assert all(steps[t]["async/lag"] == 1 for t in range(2, STEPS + 1))  # exactly one step off policy
     # the weights moved: where the batch's policy is older than the trainer's, the engine's log-probs differ
     assert any(steps[t]["train/logprob_gap_engine"] > 1e-4 for t in steps if steps[t]["async/lag"] > 0)
-    # staleness per sample: every sample of a batch carries its batch's version (no partial rollouts), so the
-    # histogram is one bar at the batch's lag; the shares cover lags 0..k+1 at every step
-    hist = read_histograms(os.path.join(out, "tensorboard"))["async/staleness"]
+    # staleness per sample: every sample of a part carries its part's version (no partial rollouts); the batch's lag
+    # is its oldest part's, so it is the histogram's top (with one rollout rank: its only bar); the shares cover lags
+    # 0..k+1 at every step
+    hists = read_histograms(os.path.join(out, "tensorboard"))
+    hist = hists["async/staleness"]
     assert [h[0] for h in hist] == list(range(1, STEPS + 1)), hist
     for step, count, lo, hi in hist:
         m = steps[step]
-        assert count == 8 and lo == hi == m["async/lag"], (step, count, lo, hi)  # 4 prompts x rollout.n 2
-        assert m["async/staleness_mean"] == m["async/staleness_max"] == m["async/lag"]
-        assert m[f"async/staleness_share_lag{int(m['async/lag'])}"] == 1.0
+        assert count == 8 and hi == m["async/lag"] == m["async/staleness_max"], (step, count, lo, hi)  # 4 x n 2
+        assert lo >= 0 and (lo == hi if k == 0 else True), (step, lo, hi)
+        assert lo <= m["async/staleness_mean"] <= hi
+        assert sum(m[f"async/staleness_share_lag{j}"] for j in range(k + 2)) == pytest.approx(1.0)
         assert sorted(k for k in m if k.startswith("async/staleness_share_lag")) == \
             [f"async/staleness_share_lag{j}" for j in range(k + 2)]
+    # every batch from every rollout rank: k = 0 has one (global rank 2), k = 2 two (global ranks 1 and 2), each
+    # sample's maker read back per step; the batch's generation spans its parts'
+    makers = {step: (count, lo, hi) for step, count, lo, hi in hists["async/rollout_rank"]}
+    assert makers == {t: (8, 2, 2) if k == 0 else (8, 1, 2) for t in steps}, makers
+    assert all(m["async/parts"] == (1 if k == 0 else 2) and m["async/parts_end_spread_s"] >= 0
+               and m["async/gen_start_s"] < m["async/gen_end_s"] for m in steps.values())
     # the rollout correction's mismatch metrics (behaviour = the engine's version, proximal = the trainer's):
     # on policy at step 1 the two agree; off policy they part
     assert steps[1]["actor/rc_mismatch_kl"] < 1e-4
@@ -131,7 +148,7 @@ def test_disaggregated_grpo_keeps_the_bound_overlaps_and_syncs(world, tiny_model
         assert sorted(r["step"] for r in val_rows) == [2, 4]
         assert "validation at step 4 (rollout ranks 1-2)" in log
         # rows 0-1 on rollout rank 1, rows 2-4 on rollout rank 2: the report has all 5 (above), and its 4 sampled
-        # trajectories (logging.trajectories_per_step) need rank 2's part, gathered on rank 1
+        # trajectories (logging.trajectories_per_step) need rank 2's part, assembled on trainer rank 0
         with open(os.path.join(out, "val_trajectories.jsonl")) as f:
             val_rows = [json.loads(line) for line in f]
         assert sorted(r["step"] for r in val_rows) == [2] * 4 + [4] * 4, val_rows
@@ -162,18 +179,21 @@ def test_a_dead_rank_stops_every_other_rank_with_its_name(world, tiny_model, ser
 
 @pytest.mark.slow
 def test_a_resumed_run_continues_the_data_cursor_and_the_versions(world, tiny_model, server, tmp_path):
-    # 2 steps, stop (the final checkpoint), then the same output dir to 4 steps: the rollout rank starts at batch 2
-    # with version 2 (no older weights exist any more), and every step trains exactly its own draw of prompts
+    # 2 steps, stop (the final checkpoint), then the same output dir to 4 steps: the 2 rollout ranks start at batch 2
+    # with version 2 (no older weights exist any more), and every step trains exactly its own draw of prompts, the
+    # first 2 prompts generated by rollout rank 1 and the last 2 by rollout rank 2
     from transformers import AutoTokenizer
 
     from megatron_searchr1.data.rl_data import PromptSampler, load_prompts
     from megatron_searchr1.rollout.async_buffer import required_version, sample_version, within_bound
 
-    # the first run stops itself at step 2 of 4 (as trainer.stop_on_collapse would) while its rollout rank
-    # generates batch 2: every rank exits cleanly. Both runs use partial rollouts; in the first, the rollout rank
-    # holds batch 1 before its second turn until version 1 has arrived, which the rest of the batch then uses
+    # the first run stops itself at step 2 of 4 (as trainer.stop_on_collapse would) while its rollout ranks
+    # generate batch 2: every rank exits cleanly. Both runs use partial rollouts; in the first, the last rollout
+    # rank holds its part of batch 1 before its second turn until version 1 has arrived, which the rest of that
+    # part then uses. Every trained sample is dumped (logging.trajectories_per_step 8 = 4 prompts x rollout.n 2)
     out = str(tmp_path / "resumed")
-    args = async_args(world, tiny_model, server, out, k=0) + ["rollout.partial=true"]
+    args = two_rollout_ranks(async_args(world, tiny_model, server, out, k=0)) + [
+        "rollout.partial=true", "logging.trajectories_per_step=8"]
     versions = str(tmp_path / "versions.jsonl")
     first = script_run("async_stop_script.py", args, {"ASYNC_STOP_AT": "2", "ASYNC_VERSIONS_FILE": versions},
                        timeout=900)
@@ -186,6 +206,8 @@ def test_a_resumed_run_continues_the_data_cursor_and_the_versions(world, tiny_mo
     with open(versions) as f:
         samples = [json.loads(line) for line in f]
     assert sorted({r["step"] for r in samples}) == [1, 2] and len(samples) == 16, samples
+    for step in (1, 2):  # each batch: rollout rank 1's part, then rollout rank 2's, whatever arrived first
+        assert [r["rank"] for r in samples if r["step"] == step] == [1] * 4 + [2] * 4, samples
     for r in samples:
         v, step = r["versions"], r["step"]
         assert len(v) == len(r["mask"]) and v == sorted(v), r
@@ -198,11 +220,11 @@ def test_a_resumed_run_continues_the_data_cursor_and_the_versions(world, tiny_mo
     assert firsts[1]["async/multi_version_share"] == 0 and firsts[1]["async/versions_per_sample_mean"] == 1
     assert firsts[2]["async/multi_version_share"] == spans[2].count(2) / 8 > 0
     assert firsts[2]["async/staleness_max"] == firsts[2]["async/lag"] == 1  # the oldest token's lag
-    # resumed with retrieval.launch: the rollout rank starts its node's server (and stops it at the end)
+    # resumed with retrieval.launch: the first rollout rank starts its node's server (and stops it at the end)
     proc = run_module("megatron_searchr1.train", [a for a in args if not a.startswith("retrieval.url")] + [
         "retrieval.launch=true", f"retrieval.server_args=[--index-dir,{world}/index_bm25]"], nproc=3, timeout=900)
     assert "at step 2" in proc.stdout + proc.stderr
-    assert "rank 2 (rollout): started the retrieval server http://" in proc.stdout + proc.stderr
+    assert "rank 1 (rollout): started the retrieval server http://" in proc.stdout + proc.stderr
     steps = step_records(out)
     assert sorted(steps) == [1, 2, 3, 4]
     assert [steps[t]["async/batch"] for t in (3, 4)] == [2, 3]
@@ -215,18 +237,8 @@ def test_a_resumed_run_continues_the_data_cursor_and_the_versions(world, tiny_mo
     with open(os.path.join(out, "trajectories.jsonl")) as f:
         trained = [json.loads(line) for line in f]
     assert {r["step"] for r in trained} == {1, 2, 3, 4}
-    for r in trained:
-        assert r["uid"] in drawn[r["step"]], (r["step"], r["uid"])
-
-
-def test_val_share_splits_the_rows_in_order():
-    from megatron_searchr1.trainer.async_rl import val_share
-
-    for n in range(0, 9):
-        for parts in range(1, 4):
-            shares = [val_share(n, p, parts) for p in range(parts)]
-            assert [i for s in shares for i in s] == list(range(n))
-            assert max(map(len, shares)) - min(map(len, shares)) <= 1
+    for t in range(1, 5):  # exactly the step's draw, every prompt with its rollout.n samples: no prompt skipped
+        assert sorted(r["uid"] for r in trained if r["step"] == t) == sorted(list(drawn[t]) * 2), t
 
 
 class _ScriptedGroup:

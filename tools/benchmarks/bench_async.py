@@ -1,5 +1,7 @@
 # PYTHONPATH=$PWD python tools/benchmarks/bench_async.py --work-dir /tmp/bench_async
 # (~6-8 min on 2 cores: world + tiny model once, cached in --work-dir; then two torchrun runs of the RL trainer)
+# PYTHONPATH=$PWD python tools/benchmarks/bench_async.py --rollout-ranks 2 --compare-code /work/main
+#   (the disaggregated run with 2 rollout ranks, this checkout's trainer and another checkout's, side by side)
 """Samples per second of the synchronous colocated trainer vs the disaggregated asynchronous one, side by side.
 
 The same RL work twice, one run after the other on this machine, the tiny recipe (`examples/grpo_tiny_cpu.yaml`
@@ -7,14 +9,18 @@ scaled down: the test suite's tiny Qwen2, 4 prompts x 2 samples per step, vLLM o
   (a) colocated: `torchrun --nproc_per_node 2`, TP=2; every rank generates, then every rank trains;
   (b) disaggregated: `torchrun --nproc_per_node 3`, the same 2 trainer ranks at TP=2 plus 1 rollout rank,
       `rollout.max_staleness` k (default 1): the rollout rank generates batch t+1 while the trainer trains batch t.
+      With --rollout-ranks K > 1: 1 trainer rank (TP=1) plus K rollout ranks, each generating a share of every batch.
+  (c) with --compare-code DIR: (b) again with DIR's trainer (another checkout: PYTHONPATH=DIR for the ranks), so two
+      versions of the runtime are measured one after the other on the same inputs.
 Throughput = samples trained in steps 2..S over the sum of those steps' `time/step` (step 1 holds start-up costs
 that differ between the two: the first weights, vLLM's warm-up).
 
 The long tail. A multi-turn search step waits for its slowest trajectory (one question needs four searches,
-another none); a random tiny model on the CPU has no such tail of its own. So every generate call (one per step in
-(a), one per batch in (b); the k-th call of a run is batch k in both) is followed by a sleep drawn from a Pareto
-distribution (shape --tail-alpha, scale --tail-scale seconds; the same seeded sequence in both runs): the time the
-batch's slowest trajectory adds. A sleep takes no CPU, which models what disaggregation has on real hardware and
+another none); a random tiny model on the CPU has no such tail of its own. So every trajectory gets an extra time
+drawn from a Pareto distribution (shape --tail-alpha, scale --tail-scale seconds), seeded by its prompt and sample
+index, so a trajectory has the same tail in every run and wherever it is generated; every generate call (a colocated
+rank's shard of a step, a rollout rank's share of a batch) is followed by a sleep of its longest trajectory's tail:
+the time its slowest trajectory adds. A sleep takes no CPU, which models what disaggregation has on real hardware and
 this 2-core VM has not: generation on devices of its own. What the generation and the update really compute still
 shares the two cores in (b), so the ratio is a lower bound of what separate devices give for the same tail.
 
@@ -33,14 +39,14 @@ TINY_MODEL = dict(hidden_size=64, intermediate_size=128, num_layers=2, num_heads
                   tie_embeddings=True)
 
 
-def tail_delays(n: int, alpha: float, scale: float, seed: int = 0) -> list[float]:
-    """The k-th generate call's extra seconds: Pareto(alpha) x scale, seeded.
+def tail_delay(uid: str, sample: int, alpha: float, scale: float) -> float:
+    """A trajectory's extra seconds: Pareto(alpha) x scale, seeded by its prompt and sample index.
 
-    >>> d = tail_delays(1000, alpha=1.5, scale=0.5); min(d) >= 0.5, max(d) > 10 * sorted(d)[500]
-    (True, True)
+    >>> d = [tail_delay(f"q{i}", 0, alpha=1.5, scale=0.5) for i in range(1000)]
+    >>> min(d) >= 0.5, max(d) > 10 * sorted(d)[500], tail_delay("q1", 1, 1.5, 0.5) == tail_delay("q1", 1, 1.5, 0.5)
+    (True, True, True)
     """
-    rng = random.Random(seed)
-    return [scale * rng.paretovariate(alpha) for _ in range(n)]
+    return scale * random.Random(f"{uid}/{sample}").paretovariate(alpha)
 
 
 def child() -> int:
@@ -48,15 +54,13 @@ def child() -> int:
     from megatron_searchr1.rollout import loop
 
     alpha, scale = float(os.environ["BENCH_TAIL_ALPHA"]), float(os.environ["BENCH_TAIL_SCALE"])
-    delays = tail_delays(10_000, alpha, scale)
-    real, calls = loop.run_rollout, []
+    real = loop.run_rollout
 
-    def slow_tail_run_rollout(*args, **kw):
-        out = real(*args, **kw)
+    def slow_tail_run_rollout(engine, tokenizer, search, trajs, *args, **kw):
+        out = real(engine, tokenizer, search, trajs, *args, **kw)
         import time
 
-        time.sleep(delays[len(calls)])
-        calls.append(1)
+        time.sleep(max((tail_delay(tr.uid, tr.sample, alpha, scale) for tr in trajs), default=0.0))
         return out
 
     loop.run_rollout = slow_tail_run_rollout
@@ -90,7 +94,7 @@ def run(name: str, nproc: int, extra: list[str], world: str, model: str, url: st
             "rollout.max_turns=2", "rollout.max_tokens_per_turn=24", "rollout.max_response_length=160",
             "rollout.max_obs_length=64", "rollout.kv_cache_gib=0.25", "trainer.save_freq=0",
             "trainer.val_before_train=false", "trainer.export_hf=false", "logging.progress_bar=false",
-            f"trainer.total_steps={steps}", f"trainer.output_dir={out}", "parallel.tp=2", *extra]
+            f"trainer.total_steps={steps}", f"trainer.output_dir={out}", *extra]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            os.path.abspath(__file__), "--child", *args]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
@@ -102,7 +106,7 @@ def run(name: str, nproc: int, extra: list[str], world: str, model: str, url: st
     seconds = sum(r["time/step"] for r in timed)
     samples = 4 * 2 * len(timed)
     return {"name": name, "steps": len(timed), "step_s": seconds / len(timed), "samples_per_s": samples / seconds,
-            "lag": [r.get("async/lag") for r in timed]}
+            "lag": [r.get("async/lag") for r in timed], "parts": [r.get("async/parts") for r in timed]}
 
 
 def main(argv=None) -> int:
@@ -112,36 +116,49 @@ def main(argv=None) -> int:
     p.add_argument("--work-dir", default="/tmp/bench_async", help="world, model and runs (world and model reused)")
     p.add_argument("--steps", type=at_least(2), default=5, help="RL steps per run (steps 2.. are timed)")
     p.add_argument("--max-staleness", type=at_least(0), default=1, help="rollout.max_staleness of the async run")
-    p.add_argument("--tail-alpha", type=above(0), default=1.5, help="Pareto shape of the per-batch tail (smaller: longer)")
+    p.add_argument("--rollout-ranks", type=at_least(1), default=1,
+                   help="rollout ranks of the disaggregated run (> 1: with 1 trainer rank at TP=1)")
+    p.add_argument("--compare-code", default=None,
+                   help="another checkout whose trainer also runs the disaggregated run (e.g. the main branch)")
+    p.add_argument("--tail-alpha", type=above(0), default=1.5,
+                   help="Pareto shape of the per-trajectory tail (smaller: longer)")
     p.add_argument("--tail-scale", type=at_least(0.0, float), default=1.0, help="Pareto scale: the shortest tail, seconds")
     args = p.parse_args(argv)
+    if args.compare_code and not os.path.isdir(os.path.join(args.compare_code, "megatron_searchr1")):
+        p.error(f"--compare-code {args.compare_code} has no megatron_searchr1 package: pass a checkout of this repo")
     from megatron_searchr1.search.launch import ServerProcess
 
     os.makedirs(args.work_dir, exist_ok=True)
     world, model = build_inputs(args.work_dir)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
-           "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-           "BENCH_TAIL_ALPHA": str(args.tail_alpha), "BENCH_TAIL_SCALE": str(args.tail_scale)}
-    delays = tail_delays(args.steps, args.tail_alpha, args.tail_scale)
-    print(f"tail per generate call (s): {', '.join(f'{d:.1f}' for d in delays)}", flush=True)
+    def env(code: str) -> dict:
+        return {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
+                "PYTHONPATH": f"{os.path.abspath(code)}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+                "BENCH_TAIL_ALPHA": str(args.tail_alpha), "BENCH_TAIL_SCALE": str(args.tail_scale)}
+
+    k = args.rollout_ranks
+    trainers = 2 if k == 1 else 1  # TP=2 as the colocated run; with more rollout ranks 1 (3 processes for K=2)
+    disagg = [f"parallel.tp={trainers}", "parallel.rollout_placement=disaggregated", f"parallel.rollout_ranks={k}",
+              f"rollout.max_staleness={args.max_staleness}"]
+    plan = [("colocated, synchronous (2 ranks, TP=2)", "colocated", 2, ["parallel.tp=2"], REPO),
+            (f"disaggregated, async k={args.max_staleness} ({trainers} trainer + {k} rollout ranks)", "disaggregated",
+             trainers + k, disagg, REPO)]
+    if args.compare_code:
+        plan.append((f"the same with {args.compare_code}'s trainer", "compared", plan[1][2], disagg,
+                     args.compare_code))
     with ServerProcess(["--index-dir", os.path.join(world, "index_bm25")]) as server:
         runs = []
-        for name, nproc, extra in [
-            ("colocated, synchronous", 2, []),
-            (f"disaggregated, async k={args.max_staleness}", 3,
-             ["parallel.rollout_placement=disaggregated", "parallel.rollout_ranks=1",
-              f"rollout.max_staleness={args.max_staleness}"]),
-        ]:
-            out = os.path.join(args.work_dir, "colocated" if nproc == 2 else "disaggregated")
+        for name, dirname, nproc, extra, code in plan:
+            out = os.path.join(args.work_dir, dirname)
             subprocess.run(["rm", "-rf", out], check=True)
-            runs.append(run(name, nproc, extra, world, model, server.url, out, args.steps, env))
+            runs.append(run(name, nproc, extra, world, model, server.url, out, args.steps, env(code)))
             print(f"{name}: done", flush=True)
     base = runs[0]["samples_per_s"]
-    print(f"\n| run | steps timed | mean step (s) | samples/s | vs colocated |\n|---|---|---|---|---|")
+    print("\n| run | steps timed | mean step (s) | samples/s | vs colocated |\n|---|---|---|---|---|")
     for r in runs:
         print(f"| {r['name']} | {r['steps']} | {r['step_s']:.2f} | {r['samples_per_s']:.3f} | "
               f"{r['samples_per_s'] / base:.2f}x |")
-    print(f"async lags per timed step: {runs[1]['lag']}")
+    for r in runs[1:]:
+        print(f"{r['name']}: lags {r['lag']}, parts {r['parts']} per timed step")
     return 0
 
 

@@ -19,8 +19,12 @@ k = -1 on all GPUs, generation and training in turn. Weights: the model's bf16 b
 cost a colocated run bytes / --local-sync-gbps + --wake-s per step; a disaggregated run a trainer-side gather
 (bytes / --local-sync-gbps), then bytes / --sync-gbps to the engines, and each engine pauses its slots for
 bytes / engine_tp / --load-gbps when it applies a version.
---granularity group streams groups to any engine (verl's fully-async, AReaL: the design); batch gives each batch to
-one rollout rank (batch b to rank b mod K: today's trainer/async_rl.py), so only k+2 rollout ranks ever work.
+--granularity: share (the runtime, trainer/rollout_rank.py) splits every batch's groups into K contiguous shares,
+one per engine, and each engine works through its shares batch after batch, on its own within the bound, starting
+its share of batch b+1 once its whole share of b has finished (a rollout rank's loop returns when its last trajectory
+does); group streams groups to any engine with free slots (verl's fully-async, AReaL, slime's fully-async example: the
+streaming design, not built); batch gives each whole batch to one engine (batch b to engine b mod K: the runtime
+before shares), so at most k+2 engines ever work.
 
 Assumptions (all flags; printed with the table): slots and per-sequence decode speed do not depend on load; prefill
 and the trainer's attention FLOPs (s^2) are ignored; trajectories run independently (the runtime's loop batches a
@@ -199,6 +203,16 @@ def token_scale(shapes: list, turn_tokens: float) -> float:
     return turn_tokens / (sum(turns) / len(turns))
 
 
+def share(n: int, part: int, parts: int) -> range:
+    """Engine `part`'s groups of a batch of `n`: rollout/batch_parts.py's rule (contiguous, sizes differing by at most
+    one), restated here so the simulator does not import the engine stack.
+
+    >>> [list(share(5, p, 3)) for p in range(3)]
+    [[0], [1, 2], [3, 4]]
+    """
+    return range(n * part // parts, n * (part + 1) // parts)
+
+
 # ------------------------------------------------------------------------------------------------------------------
 # The event loop
 # ------------------------------------------------------------------------------------------------------------------
@@ -207,8 +221,8 @@ class Engine:
     slots: int
     version: int = 0                      # the policy it holds
     running: dict = field(default_factory=dict)   # trajectory id -> [end time, group]
-    queue: list = field(default_factory=list)     # groups assigned to it (batch granularity)
-    busy_batch: int = -1                  # batch granularity: the batch it works on
+    queue: list = field(default_factory=list)     # groups assigned to it (share / batch granularity)
+    busy_batch: int = -1                  # share / batch granularity: the batch it works on
 
 
 @dataclass
@@ -220,7 +234,7 @@ class Result:
 
 
 def simulate(s: Setup, *, train_gpus: int, engines: int, k: int, steps: int, seed: int,
-             granularity: str = "group", colocated: bool = False) -> Result:
+             granularity: str = "share", colocated: bool = False) -> Result:
     """Run `steps` training steps; k = max_staleness (colocated: the synchronous loop, generation and training in
     turn on the same GPUs). Returns samples/s over steps 2..steps and the event log: ("start", t, group, batch,
     version), ("done", t, group), ("train", t_start, t_end, step, [(group, version)]), ("drop", t, step, group,
@@ -294,14 +308,15 @@ def simulate(s: Setup, *, train_gpus: int, engines: int, k: int, steps: int, see
                 heapq.heappush(room, (len(eng[i].running), i))
                 next_group += 1
             return
-        for i, e in enumerate(eng):        # batch b on engine b mod K, one batch at a time per engine
-            if e.busy_batch >= 0 and (e.queue or e.running):
-                pass
-            else:
-                b = e.busy_batch + len(eng) if e.busy_batch >= 0 else i
-                if b * s.batch < total_groups and admissible(b):
+        for i, e in enumerate(eng):        # one batch (share: its share of one batch) at a time per engine
+            if not (e.queue or e.running):
+                if granularity == "share":     # its share of every batch, in order
+                    b, mine = e.busy_batch + 1, share(s.batch, i, len(eng))
+                else:                          # batch b on engine b mod K
+                    b, mine = (e.busy_batch + len(eng) if e.busy_batch >= 0 else i), range(s.batch)
+                if mine and b * s.batch < total_groups and admissible(b):
                     e.busy_batch = b
-                    e.queue = list(range(b * s.batch, (b + 1) * s.batch))
+                    e.queue = [b * s.batch + j for j in mine]
             while e.queue and e.slots - len(e.running) >= s.n:
                 start_group(t, e, e.queue.pop(0))
 
@@ -309,7 +324,7 @@ def simulate(s: Setup, *, train_gpus: int, engines: int, k: int, steps: int, see
         nonlocal trainer_busy, dropped
         if trainer_busy or step >= steps:
             return
-        # step+1 trains: batch `step` (batch granularity), or the oldest finished groups (group granularity), but
+        # step+1 trains: batch `step` (share / batch granularity), or the oldest finished groups (group), but
         # not before every running group that would be too old for the next step has finished
         for x in [x for x in buffer if (step - x[1]) > k + 1]:
             buffer.remove(x)
@@ -487,9 +502,10 @@ def parse_args(argv: Optional[Sequence[str]]):
     p.add_argument("--staleness", type=ints(0), default="0,1,2", help="rollout.max_staleness values k")
     p.add_argument("--rollout-gpus", type=at_least(1), default=None,
                    help="fix the rollout GPUs of the async runs (default: the best of a few whole-node splits)")
-    p.add_argument("--granularity", choices=("group", "batch"), default="group",
-                   help="group: any engine takes the next group (the design); batch: batch b to rollout rank b mod K "
-                        "(today's runtime)")
+    p.add_argument("--granularity", choices=("share", "group", "batch"), default="share",
+                   help="share: every engine its contiguous share of every batch (the runtime); group: any engine "
+                        "takes the next group (streaming, not built); batch: batch b to engine b mod K (the runtime "
+                        "before shares)")
     p.add_argument("--dump", default=None, help="a trajectories.jsonl / val_trajectories.jsonl to replay "
                                                 "(default: the CPU demo's, embedded)")
     p.add_argument("--turn-tokens", type=at_least(0, float), default=150.0,
