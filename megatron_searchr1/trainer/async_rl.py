@@ -96,7 +96,8 @@ def run_disaggregated(cfg) -> int:
         line = stopping_line(bridge, heartbeat, e)
         if line is None:
             raise
-        print(line, file=sys.stderr, flush=True)
+        sys.stderr.write(line + "\n")  # one write: the ranks share the stream (cli.error_exit)
+        sys.stderr.flush()
         raise RuntimeError(line) from e
     heartbeat.done()
     return 0
