@@ -107,6 +107,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.torch_threads is not None and args.torch_threads < 0:
         raise UsageError(f"--torch-threads must be >= 0 (0 = every core), got {args.torch_threads}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # faiss trains (k-means, PQ, OPQ) in thousands of short OpenMP loops; with the default spin-wait each loop's
+    # barrier waits out the time slices of every other process on a shared machine (a GPU node whose trainer
+    # runs). PASSIVE puts idle threads to sleep; a policy the caller set wins. Read when faiss / torch load: below.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     from megatron_searchr1.search.encoder import set_cpu_threads
     from megatron_searchr1.search.retrievers import index_corpus, register_faiss_index
 
