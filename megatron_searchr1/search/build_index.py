@@ -29,7 +29,7 @@ INDEX_TYPE_HELP = """faiss index, by its index_factory string (inner product). f
 passage, Search-R1's e5_Flat.index); fp16: "SQfp16" (2d); sq8: "SQ8" (d); sq6: "SQ6" (3d/4);
 hnsw: "HNSW{hnsw_m},Flat" (4d + graph); ivf_flat: "IVF{nlist},Flat"; ivf_sq8: "IVF{nlist},SQ8";
 ivf_pq: "IVF{nlist},PQ{pq_m}x{pq_nbits}" (pq_m bytes); opq_ivf_pq: "OPQ{pq_m},IVF{nlist},PQ{pq_m}x{pq_nbits}". Defaults follow N: nlist = min(4 sqrt(N), N/39),
-pq_m = d/4, pq_nbits = 8 (fewer under ~10k passages), training sample = min(N, max(40 nlist, 10000)); the server
+pq_m = d/4, pq_nbits = 8 (fewer under 256 passages), training sample = min(N, max(40 nlist, 10000)); the server
 probes nlist/4 lists (16 to 512) unless --nprobe is given.
 ivf_pq / opq_ivf_pq also keep fp16 vectors (dense.vectors.npy, memory-mapped by the server) to re-score
 4 x topk candidates exactly; with --from-flat every lossy type re-scores from the Flat file instead."""

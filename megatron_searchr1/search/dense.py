@@ -89,7 +89,7 @@ class FaissConfig:
     pq_m: int = 0
     """PQ sub-quantizers = bytes per passage at 8 bits; 0 = dim / 4 (the largest divisor of dim at most that)."""
     pq_nbits: int = 0
-    """bits per PQ code; 0 = 8, fewer on a corpus too small to train 256 centroids per sub-space."""
+    """bits per PQ code; 0 = 8, fewer on a corpus of under 256 passages (k-means needs a point per centroid)."""
     train_size: int = 0
     """passages sampled to train IVF/PQ/SQ; 0 = min(N, max(40 nlist, 10000))."""
     nprobe: int = 0
@@ -147,9 +147,9 @@ class FaissConfig:
         pq_m = self.pq_m or max(m for m in range(1, max(1, dim // 4) + 1) if dim % m == 0)
         if dim % pq_m:
             raise ValueError(f"FaissConfig.pq_m={pq_m} must divide the vector dim {dim}")
-        nbits = self.pq_nbits or max(4, min(8, int(math.log2(max(2, train / 39)))))
-        if self.index_type == "opq_ivf_pq":
-            nbits = self.pq_nbits or 8
+        # 8 bits wherever k-means has its 256 points: under ~10k passages the sample is the whole corpus, so the
+        # codes are fitted to exactly the vectors they encode (fewer bits there cost recall, nothing generalizes).
+        nbits = self.pq_nbits or min(8, int(math.log2(train)))
         out = replace(self, nlist=nlist if "ivf" in self.index_type else 0, train_size=train, pq_m=pq_m,
                       pq_nbits=nbits)
         out.factory = FACTORY[self.index_type].format(nlist=nlist, pq_m=pq_m, pq_nbits=nbits, hnsw_m=self.hnsw_m)

@@ -9,9 +9,6 @@ import pytest
 
 from megatron_searchr1.search.dense import FACTORY, FaissConfig, IndexTooSmall
 
-# opq_ivf_pq is served by its own test below (it needs 1000 passages), with a smaller PQ (16 bytes a passage)
-# than the default d/4: its rotation and codes train faster.
-OPQ_TEST_PQ_M = "16"
 # What examples/retrieval.md claims for every compressed type served at its default knobs (no knob flags):
 # recall@3 against Flat of at least this, on every corpus size measured there.
 DEFAULT_MIN_RECALL3 = 0.95
@@ -28,7 +25,7 @@ def test_help_writes_out_the_factory_string_of_every_type():
 
 
 @pytest.mark.parametrize("n, nlist, nbits, nprobe", [(10_000, 256, 8, 64), (21_000_000, 18330, 8, 512),
-                                                     (300, 7, 4, 7), (1000, 25, 4, 16), (20_048, 514, 8, 129)])
+                                                     (300, 7, 8, 7), (1000, 25, 8, 16), (20_048, 514, 8, 129)])
 def test_defaults_follow_the_corpus_size(n, nlist, nbits, nprobe):
     cfg = FaissConfig(index_type="ivf_pq").resolve_build(n, 768)
     assert (cfg.nlist, cfg.pq_nbits, cfg.pq_m) == (nlist, nbits, 192)
@@ -234,7 +231,7 @@ def test_opq_from_a_flat_file_served_with_exact_refine_from_that_file(tmp_path):
     build(["--corpus", str(corpus), "--out-dir", str(tmp_path / "flat"), "--kind", "dense", "--quiet"])
     flat_file = tmp_path / "flat" / "dense.index"
     build(["--corpus", str(corpus), "--out-dir", str(tmp_path / "opq"), "--kind", "dense", "--index-type",
-           "opq_ivf_pq", "--from-flat", str(flat_file), "--pq-m", OPQ_TEST_PQ_M, "--quiet"])
+           "opq_ivf_pq", "--from-flat", str(flat_file), "--quiet"])  # the default build: OPQ96, PQ96x8
     assert not (tmp_path / "opq" / "dense.vectors.npy").exists()  # the Flat file is the refine source
     flat = load_from_args(build_arg_parser().parse_args(["--index-dir", str(tmp_path / "flat")]))
     exact_ids, exact_scores = flat.search_ids(queries, 3)
@@ -250,7 +247,7 @@ def test_opq_from_a_flat_file_served_with_exact_refine_from_that_file(tmp_path):
                                                                                 for row in body]
 
     knobs, got, _ = served()  # no knob flags: the defaults, refine x4 from the Flat file
-    assert knobs["index_type"] == "opq_ivf_pq" and knobs["factory"].startswith(f"OPQ{OPQ_TEST_PQ_M},IVF")
+    assert knobs["index_type"] == "opq_ivf_pq" and knobs["factory"] == "OPQ96,IVF25,PQ96x8"
     assert (knobs["nlist"], knobs["nprobe"], knobs["refine_k_factor"]) == (25, 16, 4)
     assert knobs["refine_from"] == {"kind": "flat_file", "path": str(flat_file.resolve())}
     recall3 = np.mean([len(set(a) & set(b)) / 3 for a, b in zip(got, want)])
