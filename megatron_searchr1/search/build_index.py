@@ -29,7 +29,8 @@ INDEX_TYPE_HELP = """faiss index, by its index_factory string (inner product). f
 passage, Search-R1's e5_Flat.index); fp16: "SQfp16" (2d); sq8: "SQ8" (d); sq6: "SQ6" (3d/4);
 hnsw: "HNSW{hnsw_m},Flat" (4d + graph); ivf_flat: "IVF{nlist},Flat"; ivf_sq8: "IVF{nlist},SQ8";
 ivf_pq: "IVF{nlist},PQ{pq_m}x{pq_nbits}" (pq_m bytes); opq_ivf_pq: "OPQ{pq_m},IVF{nlist},PQ{pq_m}x{pq_nbits}". Defaults follow N: nlist = min(4 sqrt(N), N/39),
-pq_m = d/4, pq_nbits = 8 (fewer under ~10k passages), training sample = min(N, max(40 nlist, 10000)).
+pq_m = d/4, pq_nbits = 8 (fewer under 256 passages), training sample = min(N, max(40 nlist, 10000)); the server
+probes nlist/4 lists (16 to 512) unless --nprobe is given.
 ivf_pq / opq_ivf_pq also keep fp16 vectors (dense.vectors.npy, memory-mapped by the server) to re-score
 4 x topk candidates exactly; with --from-flat every lossy type re-scores from the Flat file instead."""
 
@@ -106,6 +107,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.torch_threads is not None and args.torch_threads < 0:
         raise UsageError(f"--torch-threads must be >= 0 (0 = every core), got {args.torch_threads}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # faiss trains (k-means, PQ, OPQ) in thousands of short OpenMP loops; with the default spin-wait each loop's
+    # barrier waits out the time slices of every other process on a shared machine (a GPU node whose trainer
+    # runs). PASSIVE puts idle threads to sleep; a policy the caller set wins. Read when faiss / torch load: below.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     from megatron_searchr1.search.encoder import set_cpu_threads
     from megatron_searchr1.search.retrievers import index_corpus, register_faiss_index
 

@@ -47,6 +47,27 @@ REFINED_BY_DEFAULT = ("ivf_pq", "opq_ivf_pq")
 LOSSY = ("fp16", "sq8", "sq6", "ivf_sq8", "ivf_pq", "opq_ivf_pq")
 
 
+# OPQ rotation training: updates (and k-means iterations of its first PQ fit), vectors sampled (`make_faiss_index`).
+OPQ_NITER, OPQ_MAX_TRAIN = 10, 10_000
+# The default nprobe: a fixed share of the lists, with a floor and a cap (`default_nprobe`).
+NPROBE_SHARE, NPROBE_MIN, NPROBE_MAX = 4, 16, 512
+
+
+def default_nprobe(nlist: int) -> int:
+    """IVF lists probed when no --nprobe is given: nlist / 4, at least 16 (all lists of a small index), at most 512.
+
+    With nlist ~ 4 sqrt(N) (the low end of faiss's 4-16 sqrt(N)) a fixed share of the lists keeps recall against
+    Flat from falling as the corpus grows (a query's neighbours come to lie in fewer lists relative to nlist); a
+    fixed count, as before, lost recall with every doubling. The cost is share x N codes scanned per query, so the
+    cap bounds it past ~260k passages (21M: 512 of ~18,000 lists, 3 % of the codes), where the lists needed for the
+    same recall grow far slower than nlist. Measured figures: examples/retrieval.md.
+
+    >>> [default_nprobe(n) for n in (7, 25, 64, 514, 18330)]
+    [7, 16, 16, 129, 512]
+    """
+    return min(nlist, max(NPROBE_MIN, min(NPROBE_MAX, -(-nlist // NPROBE_SHARE))))
+
+
 class IndexTooSmall(ValueError):
     """The corpus has too few passages to train the chosen index type."""
 
@@ -68,11 +89,12 @@ class FaissConfig:
     pq_m: int = 0
     """PQ sub-quantizers = bytes per passage at 8 bits; 0 = dim / 4 (the largest divisor of dim at most that)."""
     pq_nbits: int = 0
-    """bits per PQ code; 0 = 8, fewer on a corpus too small to train 256 centroids per sub-space."""
+    """bits per PQ code; 0 = 8, fewer on a corpus of under 256 passages (k-means needs a point per centroid)."""
     train_size: int = 0
     """passages sampled to train IVF/PQ/SQ; 0 = min(N, max(40 nlist, 10000))."""
     nprobe: int = 0
-    """IVF lists visited per query (search time); 0 = min(nlist, max(16, nlist / 128))."""
+    """IVF lists visited per query (search time); 0 = a quarter of the lists, at least 16 (or all), at most 512
+    (see `default_nprobe`)."""
     refine_k_factor: int = -1
     """re-score refine_k_factor * topk candidates exactly from the stored vectors (search time); 0 = off,
     -1 = 4 for ivf_pq / opq_ivf_pq, off otherwise."""
@@ -109,9 +131,10 @@ class FaissConfig:
         return 4 if self.index_type in refined else 0
 
     def effective_nprobe(self) -> int:
+        """The nprobe in force: the configured one (at most nlist), else `default_nprobe(nlist)`."""
         if self.nprobe:
             return min(self.nprobe, self.nlist) if self.nlist else self.nprobe
-        return min(self.nlist, max(16, self.nlist // 128))
+        return default_nprobe(self.nlist)
 
     def resolve_build(self, num_docs: int, dim: int) -> "FaissConfig":
         """A copy with the corpus-size defaults filled in and `factory` set; IndexTooSmall when N cannot train it."""
@@ -124,9 +147,9 @@ class FaissConfig:
         pq_m = self.pq_m or max(m for m in range(1, max(1, dim // 4) + 1) if dim % m == 0)
         if dim % pq_m:
             raise ValueError(f"FaissConfig.pq_m={pq_m} must divide the vector dim {dim}")
-        nbits = self.pq_nbits or max(4, min(8, int(math.log2(max(2, train / 39)))))
-        if self.index_type == "opq_ivf_pq":
-            nbits = self.pq_nbits or 8
+        # 8 bits wherever k-means has its 256 points: under ~10k passages the sample is the whole corpus, so the
+        # codes are fitted to exactly the vectors they encode (fewer bits there cost recall, nothing generalizes).
+        nbits = self.pq_nbits or min(8, int(math.log2(train)))
         out = replace(self, nlist=nlist if "ivf" in self.index_type else 0, train_size=train, pq_m=pq_m,
                       pq_nbits=nbits)
         out.factory = FACTORY[self.index_type].format(nlist=nlist, pq_m=pq_m, pq_nbits=nbits, hnsw_m=self.hnsw_m)
@@ -173,6 +196,13 @@ def make_faiss_index(dim: int, config: FaissConfig):
         # index_factory turns on polysemous training for IVF-PQ: a permutation of the codes for Hamming-distance
         # filtering, which a search uses only with polysemous_ht set (never here). It costs most of the training.
         faiss.downcast_index(faiss.extract_index_ivf(index)).do_polysemous_training = False
+    if config.index_type == "opq_ivf_pq":
+        # faiss's OPQ alternates 50 rotation updates with a PQ fit on up to 65,536 vectors (the first fit 40 k-means
+        # iterations): minutes per thousand passages at pq_m = d/4, where each sub-space is 4 dims wide. The
+        # rotation is a d x d matrix: 10 updates on 10,000 vectors (39 per PQ centroid, faiss's minimum) reach
+        # nearly all of the full fit's gain in PQ error, and with the default refine the IVF stage sets the recall.
+        opq = faiss.downcast_VectorTransform(faiss.downcast_index(index).chain.at(0))
+        opq.niter, opq.niter_pq_0, opq.max_train_points = OPQ_NITER, OPQ_NITER, OPQ_MAX_TRAIN
     return index
 
 

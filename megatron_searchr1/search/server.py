@@ -200,7 +200,8 @@ def build_arg_parser() -> ArgumentParser:
     rt.add_argument("--faiss-gpu", action="store_true", help="put a Flat faiss index on all GPUs (faiss-gpu)")
     rt.add_argument("--faiss-threads", type=int, default=0, help="faiss OpenMP threads; 0 = --torch-threads")
     rt.add_argument("--nprobe", type=int, default=None,
-                    help="IVF lists visited per query (ivf_* indexes); default: the index's, or from its list count")
+                    help="IVF lists visited per query (ivf_* indexes); default: the index's, else a quarter of its "
+                         "lists, at least 16, at most 512 (recall holds as the corpus grows; /health shows it)")
     rt.add_argument("--ef-search", type=int, default=None, help="HNSW candidate list size (hnsw indexes)")
     rt.add_argument("--refine-k-factor", type=int, default=None,
                     help="re-score this many x topk candidates exactly from the stored vectors (0 = off; "

@@ -89,3 +89,26 @@ def test_bench_index_refuses_unknown_types():
     r = subprocess.run([sys.executable, str(REPO / "tools" / "benchmarks" / "bench_index.py"), "--types", "flat,lsh"],
                        capture_output=True, text=True, timeout=120, cwd=REPO)
     assert r.returncode == 2 and "error: --types: unknown ['lsh']" in r.stderr
+
+
+def test_recall_by_size_samples_or_grows_the_corpus_and_searches_at_the_default_knobs(capsys):
+    """--sizes: a sample of the encoded vectors below their count, interpolated neighbours above it (unit norm,
+    the originals kept), each type searched with the knobs the server would use with no flags."""
+    from megatron_searchr1.search.dense import default_nprobe
+
+    bench = _bench_index()
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((400, 16)).astype(np.float32)
+    x /= np.linalg.norm(x, axis=1, keepdims=True)
+    grown = bench.grow(x, 1000)
+    assert grown.shape == (1000, 16) and np.array_equal(grown[:400], x)
+    np.testing.assert_allclose(np.linalg.norm(grown, axis=1), 1, rtol=1e-5)
+    assert bench.grow(x, 100).shape == (100, 16)
+    q, sources = x[:30] + 0.01, np.array(["a", "b"] * 15)
+    rows = bench.recall_by_size(x, q, sources, ["flat", "ivf_flat"], [200, 3000])
+    assert [(r["docs"], r["type"]) for r in rows] == [(n, t) for n in (200, 3000) for t in ("flat", "ivf_flat")]
+    assert rows[0]["recall@1"] == rows[2]["recall@10"] == 1.0  # flat: the reference
+    assert rows[1]["nprobe"] == rows[1]["nlist"] == 5 and rows[1]["recall@3"] == 1.0  # every list: exact
+    assert (rows[3]["nlist"], rows[3]["nprobe"]) == (76, default_nprobe(76)) == (76, 19)  # a quarter of the lists
+    assert 0.5 < rows[3]["recall@10"] < 1 and 0 <= rows[3]["recall@3_a"] <= 1  # a quarter: not exact
+    assert "| 3,000 | ivf_flat | nprobe 19 of 76 |" in capsys.readouterr().out

@@ -205,6 +205,86 @@ def knob_sweep(r, index_type: str, n_queries: int, exact: np.ndarray, values: li
     return rows
 
 
+def grow(x: np.ndarray, n: int, seed: int = 0) -> np.ndarray:
+    """n vectors: a seeded sample of x's rows when n <= len(x); else x and n - len(x) more, each a random point on
+    the segment from a row of x to one of its 10 nearest rows, normalized. The added ones fill the regions the
+    encoded passages occupy (denser neighbourhoods, as a larger corpus of the same kind has), which random vectors
+    would not; they are not text, so a figure from them says how recall moves with N, not what a corpus gives."""
+    import faiss
+
+    rng = np.random.default_rng(seed)
+    if n <= len(x):
+        return x[np.sort(rng.choice(len(x), n, replace=False))]
+    flat = faiss.IndexFlatIP(x.shape[1])
+    flat.add(x)
+    nn = flat.search(x, 11)[1]  # (len(x), 11): itself first
+    k = n - len(x)
+    i = rng.integers(0, len(x), k)
+    j = nn[i, rng.integers(1, 11, k)]
+    a = rng.random(k, dtype=np.float32)[:, None]
+    y = a * x[i] + (1 - a) * x[j]
+    return np.concatenate([x, y / np.linalg.norm(y, axis=1, keepdims=True)])
+
+
+class _Rows:
+    """A corpus stand-in of n rows for searches that only need its length."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+
+def recall_by_size(x: np.ndarray, q: np.ndarray, sources: np.ndarray, types: list[str], sizes: list[int]) -> list:
+    """recall@1/3/10 against Flat of each type at its DEFAULT knobs (what the server uses with no knob flags) on
+    corpora of each size in `sizes` (`grow`), the same queries each time: whether the defaults hold their recall
+    as the corpus grows. One row per (size, type), with the knobs in force and the build seconds."""
+    from megatron_searchr1.search.dense import DenseRetriever, FaissConfig, IndexTooSmall, make_faiss_index
+
+    rows = []
+    for n in sizes:
+        xs, stub = grow(x, n), _Vectors(q)
+        exact = None
+        for kind in types:
+            try:
+                cfg = FaissConfig(index_type=kind).resolve_build(n, xs.shape[1])
+            except IndexTooSmall:
+                continue
+            t0 = time.time()
+            index = make_faiss_index(xs.shape[1], cfg)
+            if cfg.trained:  # the CLI's sample (DenseRetriever.build)
+                index.train(xs[np.sort(np.random.default_rng(0).choice(n, cfg.train_size, replace=False))])
+            index.add(xs)
+            build_s = time.time() - t0
+            r = DenseRetriever(_Rows(n), index, stub, cfg, vectors=xs if cfg.effective_refine() else None)
+            ids = r.search_ids([str(i) for i in range(len(q))], 10)[0]
+            if exact is None:
+                if kind != "flat":
+                    raise UsageError("--types must start with flat (the reference for recall)")
+                exact = ids
+            row = {"docs": n, "type": kind, **r.search_knobs(), "build_s": build_s, "load_avg": os.getloadavg()[0]}
+            for k in (1, 3, 10):
+                row[f"recall@{k}"] = float(np.mean([len(set(a[:k]) & set(b[:k])) / k for a, b in zip(ids, exact)]))
+            for src in sorted(set(sources)) if len(set(sources)) > 1 else ():
+                row[f"recall@3_{src}"] = float(np.mean([len(set(a[:3]) & set(b[:3])) / 3
+                                                        for a, b, s_ in zip(ids, exact, sources) if s_ == src]))
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            del index, r
+    srcs = sorted({k[len("recall@3_"):] for r in rows for k in r if k.startswith("recall@3_")})
+    print("\n| passages | type | knobs in force | R@1 | R@3 | R@10 |" + "".join(f" R@3 {s} |" for s in srcs)
+          + " build s | load avg |\n|---|---|---|---|---|---|" + "---|" * len(srcs) + "---|---|")
+    for r in rows:
+        knobs = ", ".join(([f"nprobe {r['nprobe']} of {r['nlist']}"] if r.get("nlist") else [])
+                          + ([f"efSearch {r['ef_search']}"] if r.get("ef_search") else [])
+                          + ([f"refine x{r['refine_k_factor']}"] if r.get("refine_k_factor") else []))
+        print(f"| {r['docs']:,} | {r['type']} | {knobs or 'none'} | {r['recall@1']:.3f} | {r['recall@3']:.3f} | "
+              f"{r['recall@10']:.3f} |" + "".join(f" {r['recall@3_' + s]:.3f} |" for s in srcs)
+              + f" {r['build_s']:.1f} | {r['load_avg']:.1f} |")
+    return rows
+
+
 def served_qps(index_dir: str, flags: list[str], clients: int, seconds: float, threads: int) -> dict:
     """`clients` HTTP clients sending fresh one-query requests to the real server over `index_dir` (a separate
     process, query cache off, `threads` CPU threads): QPS and p99 latency (bench_retrieval's load generator)."""
@@ -262,6 +342,10 @@ def main(argv: list[str] | None = None) -> int:
                                        "size and query count); a re-run with the same ones encodes nothing")
     p.add_argument("--sweep", default="", help="comma-separated knob values: recall@3 and QPS per nprobe (IVF "
                                                "types) and per efSearch (HNSW), e.g. 1,2,4,8,16,32,64,128")
+    p.add_argument("--sizes", default="",
+                   help="instead of the full table: recall of each type at its default knobs on corpora of these "
+                        "sizes (comma-separated; a sample of the encoded passages, or more than were encoded: the "
+                        "rest interpolated between encoded neighbours, see grow()), e.g. 2500,5000,10000,20048")
     p.add_argument("--served-clients", type=int, default=0,
                    help="also measure this many HTTP clients against the real server per type (0 = off)")
     args = p.parse_args(argv)
@@ -275,8 +359,12 @@ def main(argv: list[str] | None = None) -> int:
         sweep = [int(v) for v in args.sweep.split(",") if v]
     except ValueError:
         raise UsageError(f"--sweep takes comma-separated integers, got {args.sweep!r}") from None
-    if any(v < 1 for v in sweep) or args.served_clients < 0:
-        raise UsageError("--sweep values must be >= 1 and --served-clients >= 0")
+    try:
+        sizes = [int(v) for v in args.sizes.split(",") if v]
+    except ValueError:
+        raise UsageError(f"--sizes takes comma-separated integers, got {args.sizes!r}") from None
+    if any(v < 1 for v in sweep + sizes) or args.served_clients < 0:
+        raise UsageError("--sweep and --sizes values must be >= 1 and --served-clients >= 0")
     import faiss
 
     from megatron_searchr1.search.corpus import open_corpus
@@ -308,6 +396,12 @@ def main(argv: list[str] | None = None) -> int:
     load = os.getloadavg()[0]
     print(f"{len(corpus)} {args.corpus} passages, {len(q)} queries ({dict(zip(*np.unique(sources, return_counts=True)))}); "
           f"encoding {encode_s:.1f}s ({threads} threads, load average {load:.1f})", flush=True)
+    if sizes:
+        rows = recall_by_size(x, q, sources, types, sizes)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump({"encoded": len(corpus), "corpus": args.corpus, "rows": rows}, f, indent=1)
+        return 0
     exact = None
     results, sweeps = [], []
     for kind in types:
