@@ -39,6 +39,8 @@ def check_sft_data(cfg) -> None:
 
     try:
         check_sft_datasets(cfg.data.dataset_dir, list(cfg.data.datasets))
+        if cfg.data.val_datasets:
+            check_sft_datasets(cfg.data.dataset_dir, list(cfg.data.val_datasets), field="data.val_datasets")
     except SFTDataError as e:
         raise UsageError(str(e)) from None
 

@@ -136,6 +136,13 @@ def test_an_unknown_sft_dataset_name_lists_the_known_ones_before_torch(tmp_path,
         in line, line
     assert time.time() - start < 15, "the names must be checked before torch loads"
     assert not (tmp_path / "out").exists()
+    # the held-out sets too: before, a wrong name there surfaced as a traceback once the model was built
+    proc = subprocess.run([sys.executable, "-m", "megatron_searchr1.sft", f"model.path={model_dir}",
+                           f"data.dataset_dir={tmp_path}", "data.datasets=[alpha]", "data.val_datasets=[held]",
+                           f"trainer.output_dir={tmp_path / 'out'}"], cwd=REPO, capture_output=True, text=True,
+                          env=child_env(), timeout=120)
+    assert "data.val_datasets: unknown SFT dataset(s) 'held'" in _one_error_line(proc)
+    assert not (tmp_path / "out").exists()
 
 
 def test_an_unknown_data_source_is_refused_before_torch(tmp_path):

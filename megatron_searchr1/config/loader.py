@@ -44,6 +44,8 @@ def _coerce(tp: Any, value: Any, where: str) -> Any:
         inner = [a for a in args if a is not type(None)][0]
         return _coerce(inner, value, where)
     if origin in (list, tuple):
+        if value is None:  # `field=null` or an empty YAML key: no items (not one item "None")
+            value = []
         if isinstance(value, str):
             value = _parse_scalar_list(value)
         if not isinstance(value, (list, tuple)):

@@ -14,6 +14,8 @@ def test_yaml_and_dotted_overrides(tmp_path):
     assert (cfg.rollout.n, cfg.rollout.max_turns, cfg.algo.adv_estimator) == (4, 4, "gae")
     assert cfg.algo.uses_critic and cfg.optim.betas == (0.9, 0.95) and cfg.data.train_files == ["a", "b"]
     assert cfg.model.use_te is None and cfg.algo.clip_ratio_c is None
+    # a list set to null is empty, not one item "None"
+    assert load_config(str(path), ["data.val_files=null"]).data.val_files == []
     save_config(cfg, str(tmp_path / "out" / "config.yaml"))
     again = load_config(str(tmp_path / "out" / "config.yaml"))
     assert again == cfg  # the saved config reproduces the run's
