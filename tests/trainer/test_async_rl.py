@@ -155,20 +155,25 @@ def test_disaggregated_grpo_keeps_the_bound_overlaps_and_syncs(world, tiny_model
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("die", ["rollout", "trainer"])
+@pytest.mark.parametrize("die", ["rollout", "rollout-of-two", "trainer"])
 def test_a_dead_rank_stops_every_other_rank_with_its_name(world, tiny_model, server, tmp_path, die):
     # rollout: the rollout rank (rank 2) exits with code 9 as it starts batch 1; the trainer ranks find out by the
-    # closed connection. trainer: trainer rank 1 exits with code 9 as it takes its second batch; rank 0 finds out in
-    # the next collective and names it (heartbeats), then stops the rollout rank with that reason
+    # closed connection. rollout-of-two: 1 trainer and 2 rollout ranks, the last dies as it starts its share of batch
+    # 1 while the other's parts keep coming: trainer rank 0's receiving thread for the dead one names it.
+    # trainer: trainer rank 1 exits with code 9 as it takes its second batch; rank 0 finds out in the next
+    # collective and names it (heartbeats), then stops the rollout rank with that reason
     out = str(tmp_path / f"killed_{die}")
-    env = {"ASYNC_DIE_RANK": "2" if die == "rollout" else "1"}
+    env = {"ASYNC_DIE_RANK": "1" if die == "trainer" else "2"}
+    args = async_args(world, tiny_model, server, out, k=0)
     start = time.time()
     # trainer rank 1 dies ~30 s after the start, on torchrun's first tick at 30 s: its monitor waits 90 s there
-    proc = script_run("async_kill_script.py", async_args(world, tiny_model, server, out, k=0), env, timeout=600,
-                      monitor_s=30 if die == "rollout" else 90)
+    proc = script_run("async_kill_script.py", two_rollout_ranks(args) if die == "rollout-of-two" else args, env,
+                      timeout=600, monitor_s=90 if die == "trainer" else 30)
     log = proc.stdout + proc.stderr
     assert proc.returncode != 0, log[-3000:]
-    if die == "rollout":
+    if die == "rollout-of-two":
+        assert "rollout rank 2 is gone" in log and "rollout rank 1 is gone" not in log, log[-5000:]
+    elif die == "rollout":
         assert log.count("rollout rank 2 is gone") >= 2, log[-5000:]  # both trainer ranks say it
     else:
         assert "rank 0 (trainer): rank 1 (trainer) is gone" in log, log[-5000:]
