@@ -394,7 +394,8 @@ def main(argv: list[str] | None = None) -> int:
     stub = _Vectors(q)
     rng = np.random.default_rng(0)
     load = os.getloadavg()[0]
-    print(f"{len(corpus)} {args.corpus} passages, {len(q)} queries ({dict(zip(*np.unique(sources, return_counts=True)))}); "
+    counts = ", ".join(f"{k} {int(v)}" for k, v in zip(*np.unique(sources, return_counts=True)))
+    print(f"{len(corpus)} {args.corpus} passages, {len(q)} queries ({counts}); "
           f"encoding {encode_s:.1f}s ({threads} threads, load average {load:.1f})", flush=True)
     if sizes:
         rows = recall_by_size(x, q, sources, types, sizes)
