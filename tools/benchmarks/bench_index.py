@@ -188,6 +188,21 @@ def encode_cached(encoder, corpus, queries: list[str], cache: str | None, chunk:
     return np.concatenate(parts), q, time.time() - t0
 
 
+def recall_at(ids, exact, k: int) -> float:
+    """Mean share of each query's top-k from Flat (`exact`) that `ids` also returns in its top k."""
+    return float(np.mean([len(set(a[:k]) & set(b[:k])) / k for a, b in zip(ids, exact)]))
+
+
+def recalls(ids, exact, sources: np.ndarray) -> dict:
+    """recall@1/3/10 against Flat, and recall@3 per query source when the queries come from several."""
+    out = {f"recall@{k}": recall_at(ids, exact, k) for k in (1, 3, 10)}
+    if len(set(sources)) > 1:
+        for src in sorted(set(sources)):
+            mine = [i for i, s_ in enumerate(sources) if s_ == src]
+            out[f"recall@3_{src}"] = recall_at([ids[i] for i in mine], [exact[i] for i in mine], 3)
+    return out
+
+
 def knob_sweep(r, index_type: str, n_queries: int, exact: np.ndarray, values: list[int], seconds: float) -> list:
     """recall@3 against Flat and one-thread QPS of `r` at each nprobe (IVF) or efSearch (HNSW) in `values`."""
     rows = []
@@ -199,8 +214,7 @@ def knob_sweep(r, index_type: str, n_queries: int, exact: np.ndarray, values: li
         else:
             r.faiss_config.hnsw_ef_search, knob = v, "ef_search"
         ids = r.search_ids([str(i) for i in range(n_queries)], 3)[0]
-        recall3 = float(np.mean([len(set(a[:3]) & set(b[:3])) / 3 for a, b in zip(ids, exact)]))
-        rows.append({"type": index_type, "knob": knob, "value": v, "recall@3": recall3,
+        rows.append({"type": index_type, "knob": knob, "value": v, "recall@3": recall_at(ids, exact, 3),
                      "qps_1": qps(r, n_queries, 1, seconds)})
     return rows
 
@@ -263,12 +277,8 @@ def recall_by_size(x: np.ndarray, q: np.ndarray, sources: np.ndarray, types: lis
                 if kind != "flat":
                     raise UsageError("--types must start with flat (the reference for recall)")
                 exact = ids
-            row = {"docs": n, "type": kind, **r.search_knobs(), "build_s": build_s, "load_avg": os.getloadavg()[0]}
-            for k in (1, 3, 10):
-                row[f"recall@{k}"] = float(np.mean([len(set(a[:k]) & set(b[:k])) / k for a, b in zip(ids, exact)]))
-            for src in sorted(set(sources)) if len(set(sources)) > 1 else ():
-                row[f"recall@3_{src}"] = float(np.mean([len(set(a[:3]) & set(b[:3])) / 3
-                                                        for a, b, s_ in zip(ids, exact, sources) if s_ == src]))
+            row = {"docs": n, "type": kind, **r.search_knobs(), "build_s": build_s, "load_avg": os.getloadavg()[0],
+                   **recalls(ids, exact, sources)}
             rows.append(row)
             print(json.dumps(row), flush=True)
             del index, r
@@ -431,15 +441,10 @@ def main(argv: list[str] | None = None) -> int:
             if kind != "flat":
                 raise UsageError("--types must start with flat (the reference for recall)")
             exact = ids
-        recall = {f"recall@{k}": float(np.mean([len(set(a[:k]) & set(b[:k])) / k for a, b in zip(ids, exact)]))
-                  for k in (1, 3, 10)}
-        per_source = {f"recall@3_{src}": float(np.mean([len(set(a[:3]) & set(b[:3])) / 3 for a, b, s_ in
-                                                         zip(ids, exact, sources) if s_ == src]))
-                      for src in sorted(set(sources))} if len(set(sources)) > 1 else {}
         row = {"type": kind, "factory": cfg.factory, **r.search_knobs(), "bytes_per_doc": size / len(corpus), "fixed_bytes": fixed,
                "refine_bytes_per_doc": 2 * x.shape[1] if vectors is not None else 0, "build_s": build_s,
-               "qps_1": qps(r, len(q), 1, args.seconds), "qps_32": qps(r, len(q), 32, args.seconds), **recall,
-               **per_source, "load_avg": os.getloadavg()[0]}
+               "qps_1": qps(r, len(q), 1, args.seconds), "qps_32": qps(r, len(q), 32, args.seconds),
+               **recalls(ids, exact, sources), "load_avg": os.getloadavg()[0]}
         row["wiki18_ram_gb"] = wiki18_gb(kind, row["bytes_per_doc"], x.shape[1], cfg)
         row["wiki18_refine_disk_gb"] = 2 * WIKI18_DIM * WIKI18_DOCS / 1e9 if vectors is not None else 0.0
         if sweep and (r.ivf is not None or kind == "hnsw"):
