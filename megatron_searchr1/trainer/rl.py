@@ -47,6 +47,12 @@ from megatron_searchr1.trainer.build import Roles, build_roles
 from megatron_searchr1.trainer.reports import format_eval_table, reward_table, sample_records, summarize_eval
 
 
+def step_seed(seed: int, step: int) -> int:
+    """The base sampling / shuffling seed of RL step `step` (1-based) of a run seeded `seed`: one definition for the
+    colocated trainer and the disaggregated rollout ranks, so both placements derive a step's seeds the same way."""
+    return seed * 1_000_003 + step * 7919
+
+
 class Trainer:
     def __init__(self, cfg: Config, roles: Roles | None = None):
         self.cfg = cfg
@@ -273,7 +279,7 @@ class Trainer:
         return {k: v / n_updates for k, v in sums.items()}
 
     def step_seed(self) -> int:
-        return self.cfg.trainer.seed * 1_000_003 + self.step_no * 7919
+        return step_seed(self.cfg.trainer.seed, self.step_no)
 
     # -- validation ---------------------------------------------------------------------------------------------
     def validate(self) -> dict:

@@ -74,6 +74,7 @@ def serve_rollouts(cfg, bridge: Bridge) -> None:
     from megatron_searchr1.search.client import RetrievalClient, SearchGuard
     from megatron_searchr1.trainer import losses, reports
     from megatron_searchr1.trainer.build import engine_kwargs, launch_server, load_data, load_tokenizer
+    from megatron_searchr1.trainer.rl import step_seed
     from megatron_searchr1.trainer.roles import RolloutWorker
     from megatron_searchr1.trainer.sources import stop_token_ids
 
@@ -148,7 +149,7 @@ def serve_rollouts(cfg, bridge: Bridge) -> None:
             version = weights()  # the oldest version of this share's tokens
             gen_start = time.time()
             trajs = RolloutWorker.make_trajectories(rows, r.n)
-            seed = t.seed * 1_000_003 + (b + 1) * 7919 + me * SHARE_SEED_STRIDE  # Trainer.step_seed of step b+1
+            seed = step_seed(t.seed, b + 1) + me * SHARE_SEED_STRIDE  # batch b is trained at step b+1
             stats = loop.run_rollout(engine, tokenizer, guard, trajs, dataclasses.replace(settings, seed=seed),
                                      weights=weights if r.partial else lambda: version)
             for tr in trajs:  # per sample, its oldest token's version (the staleness histogram) and its maker
