@@ -136,9 +136,9 @@ def serve_rollouts(cfg, bridge: Bridge) -> None:
             check = check_engine_weights(engine, loaded[1])
         return receiver.applied_version
 
-    last = t.total_steps if len(mine) else first_batch  # a rank without a share of the prompts only validates
+    end = t.total_steps if len(mine) else first_batch  # a rank without a share of the prompts only validates
     try:
-        for b in range(first_batch, last):
+        for b in range(first_batch, end):
             batch = sampler.next_batch()
             rows = [data.train[batch[i]] for i in mine]
             interrupt.note(f"generating batch {b} of {t.total_steps}")
