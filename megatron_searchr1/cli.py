@@ -29,13 +29,16 @@ class UsageError(Exception):
     """A mistake in the user's input (arguments, paths, file contents); the message says what to change."""
 
 
-def error_exit(message: str, code: int = 2) -> NoReturn:
-    """Print `error: <message>` as one line on stderr and exit.
-
-    One write of the whole line: ranks of one torchrun job share the stream, and `print` writes the text and its
-    newline separately, so two ranks' lines could run together ("...stopserror: ...")."""
-    sys.stderr.write("error: " + " ".join(str(message).split()) + "\n")
+def stderr_line(text: str) -> None:
+    """Write `text` and its newline to stderr in one write. Ranks of one torchrun job share the stream, and `print`
+    writes the text and its newline separately, so two ranks' lines could run together ("...stopserror: ...")."""
+    sys.stderr.write(text + "\n")
     sys.stderr.flush()
+
+
+def error_exit(message: str, code: int = 2) -> NoReturn:
+    """Print `error: <message>` as one line on stderr (`stderr_line`) and exit."""
+    stderr_line("error: " + " ".join(str(message).split()))
     raise SystemExit(code)
 
 

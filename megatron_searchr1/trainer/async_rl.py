@@ -53,7 +53,6 @@ failed: ..."), a dead trainer rank 0 by the rollout ranks' weight receivers ("tr
 from __future__ import annotations
 
 import os
-import sys
 import threading
 import time
 from typing import Optional
@@ -61,6 +60,7 @@ from typing import Optional
 import torch.distributed as dist
 
 from megatron_searchr1 import interrupt
+from megatron_searchr1.cli import stderr_line
 from megatron_searchr1.data.rl_data import dp_shard
 from megatron_searchr1.rollout.async_buffer import AsyncBuffer, BufferClosed, GeneratedBatch, lag, version_metrics
 from megatron_searchr1.rollout.batch_parts import PartAssembler, assemble_report, contributors
@@ -96,8 +96,7 @@ def run_disaggregated(cfg) -> int:
         line = stopping_line(bridge, heartbeat, e)
         if line is None:
             raise
-        sys.stderr.write(line + "\n")  # one write: the ranks share the stream (cli.error_exit)
-        sys.stderr.flush()
+        stderr_line(line)
         raise RuntimeError(line) from e
     heartbeat.done()
     return 0
