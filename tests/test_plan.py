@@ -105,12 +105,10 @@ def test_moe_bytes_equal_torch_at_ep2(megatron_world):
     dense part; with the distributed optimizer the dense state is sharded over DP = 2 and the experts' over
     expert-DP = 1, which is the plan's optimizer shard summed over the two ranks. Every process group Megatron
     runs a collective over in that step is one the planner counts an NCCL communicator for."""
-    import json
-
-    from tests.dist_utils import run_torchrun
+    from tests.dist_utils import rank_results, run_torchrun
 
     out = run_torchrun(__file__, 2, timeout=600)
-    ranks = [json.loads(line.split(" ", 1)[1]) for line in out.splitlines() if line.startswith("PLAN_BYTES ")]
+    ranks = rank_results(out)
     assert len(ranks) == 2, out[-3000:]
     counts = plan.count_params(plan.read_dims_of(TINY_MOE), tp=1, pp=1, ep=2)
     st = counts.stages[0]
@@ -520,6 +518,6 @@ if __name__ == "__main__":  # the EP = 2 worker of test_moe_bytes_equal_torch_at
     bare = build_actor(TINY_MOE, params_dtype=torch.bfloat16).module
     params = sum(p.numel() for p in bare.parameters())
     experts = sum(p.numel() for n, p in bare.named_parameters() if is_expert_param(n))
-    print("PLAN_BYTES " + json.dumps(dict(weights=weights, grads=grads, optimizer=optimizer, params=params,
+    print("RESULT " + json.dumps(dict(weights=weights, grads=grads, optimizer=optimizer, params=params,
                                           experts=experts, groups=groups)), flush=True)
     dist.barrier()

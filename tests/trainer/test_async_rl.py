@@ -31,7 +31,7 @@ import time
 import pytest
 
 from megatron_searchr1.metrics import read_histograms
-from tests.dist_utils import REPO
+from tests.dist_utils import REPO, launch_ranks
 from tests.rl_fixtures import child_env, rl_root, run_module, server, tiny_model, world  # noqa: F401 (fixtures)
 
 STEPS = 4
@@ -55,15 +55,11 @@ def two_rollout_ranks(args: list[str]) -> list[str]:
         "parallel.tp=1", "parallel.rollout_ranks=2"]
 
 
-def script_run(script: str, args: list[str], env: dict, timeout: float, monitor_s: int = 30
-               ) -> subprocess.CompletedProcess:
-    """torchrun of tests/trainer/<script> over 3 ranks, torchrun's monitor slowed to `monitor_s`: a rank that fails
-    must be noticed by the others, not by torchrun ending them (torchrun checks its workers once per interval, from
-    their start: a death that falls on a tick is ended by torchrun first)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3",
-           f"--monitor-interval={monitor_s}", os.path.join(REPO, "tests", "trainer", script), *args]
-    return subprocess.run(cmd, cwd=REPO, env={**child_env(), **env}, capture_output=True, text=True,
-                          timeout=timeout)
+def script_run(script: str, args: list[str], env: dict, timeout: float) -> subprocess.CompletedProcess:
+    """tests/trainer/<script> over 3 ranks started as torchrun starts them, with nothing that ends the others when
+    one dies (tests/dist_utils.launch_ranks): a rank that fails must be noticed by the others."""
+    return launch_ranks([sys.executable, os.path.join(REPO, "tests", "trainer", script), *args], 3, child_env(**env),
+                        timeout)
 
 
 def step_records(out: str) -> dict[int, dict]:
@@ -166,9 +162,8 @@ def test_a_dead_rank_stops_every_other_rank_with_its_name(world, tiny_model, ser
     env = {"ASYNC_DIE_RANK": "1" if die == "trainer" else "2"}
     args = async_args(world, tiny_model, server, out, k=0)
     start = time.time()
-    # trainer rank 1 dies ~30 s after the start, on torchrun's first tick at 30 s: its monitor waits 90 s there
     proc = script_run("async_kill_script.py", two_rollout_ranks(args) if die == "rollout-of-two" else args, env,
-                      timeout=600, monitor_s=90 if die == "trainer" else 30)
+                      timeout=600)
     log = proc.stdout + proc.stderr
     assert proc.returncode != 0, log[-3000:]
     if die == "rollout-of-two":
