@@ -45,7 +45,7 @@ def launch_ranks(cmd: list[str], nproc: int, env: dict, timeout: float) -> subpr
     agents never learn of a death on another node. Under torchrun a death is ended by its monitor at the next tick,
     which races the survivors' own messages (a death on a tick loses every message). Returns the first non-zero
     exit code (0 when all are 0) and the ranks' output, rank by rank; on the timeout every rank's process group is
-    killed and TimeoutExpired raised with that output."""
+    killed and an AssertionError raised with that output."""
     import torch.distributed as dist
 
     store = dist.TCPStore("127.0.0.1", 0, nproc, is_master=True, wait_for_workers=False)
@@ -80,5 +80,5 @@ def launch_ranks(cmd: list[str], nproc: int, env: dict, timeout: float) -> subpr
             out += f"----- rank {rank} (exit {procs[rank].returncode})\n" + log.read()
             log.close()
     if codes is None:
-        raise subprocess.TimeoutExpired(cmd, timeout, output=out)
+        raise AssertionError(f"ranks still running after {timeout} s, killed: {' '.join(cmd)}\n{out[-8000:]}")
     return subprocess.CompletedProcess(cmd, next((c for c in codes if c != 0), 0), stdout=out, stderr="")

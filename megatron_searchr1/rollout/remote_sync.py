@@ -321,6 +321,7 @@ class WeightSender:
 
     def _run(self) -> None:
         pg, plan = self.bridge.weights, self.bridge.plan
+        gone: set[int] = set()
         try:
             while True:
                 with self._cond:
@@ -337,13 +338,23 @@ class WeightSender:
                             for _, flat in buckets:
                                 send_tensor(pg, flat, dst, WEIGHTS_TAG)
                         except RuntimeError as e:
+                            gone.add(dst)
                             raise RuntimeError(f"rollout rank {plan.global_rank(dst)} is gone ({e})") from e
                     self.last_send_seconds = time.perf_counter() - start
                     self.sent_versions.append(version)
-            for dst in range(1, plan.rollout_ranks + 1):
-                send_object(pg, {STOP: self._reason}, dst, WEIGHTS_TAG)
         except BaseException as e:  # noqa: BLE001 (reported to the trainer's thread by raise_if_failed)
             self._error = e
+        finally:
+            # every rollout rank still there hears STOP, also when sending to another one failed: a rollout rank
+            # that waits for weights would otherwise wait for ever (on other nodes nothing else ends it)
+            reason = self._reason if self._error is None else (self._reason or str(self._error))
+            for dst in range(1, plan.rollout_ranks + 1):
+                if dst not in gone:
+                    try:
+                        send_object(pg, {STOP: reason}, dst, WEIGHTS_TAG)
+                    except BaseException as e:  # noqa: BLE001 (that rank is gone too; the others still hear it)
+                        if self._error is None:
+                            self._error = e
 
     def close(self, reason: Optional[str] = None, timeout: float = 60.0) -> None:
         """Send what is pending (nothing when `reason`, an error, is given), then STOP with `reason` to every
