@@ -22,7 +22,7 @@ Seeds: one base per run (the trainer's seed for the first batch's step, plus the
 mixed with the number of generate rounds this rank made (engine.derive_seed), so every round draws its own noise.
 
 What it sends with each group besides the share mode's payload: extra["in_flight"], the groups in flight as it
-finished, and extra["wait_s"], the seconds the rank waited for weights since its previous group was sent (the
+finished (itself included), and extra["wait_s"], the seconds the rank waited for weights since its previous group was sent (the
 trainer logs both, async_rl.AsyncTrainer.generate_batch).
 """
 from __future__ import annotations
@@ -107,6 +107,7 @@ def stream_groups(rk: StreamRank) -> None:
     sessions = keeps_sessions(rk.engine)
     seed_base = step_seed(cfg.trainer.seed, rk.first_batch + 1) + rk.me * SHARE_SEED_STRIDE
     rounds, waited = 0, 0.0
+    carried = [0, 0]  # search counts taken before a validation (which takes its own), not yet sent
 
     def rows_of(b: int, j: int):
         nonlocal next_draw
@@ -127,6 +128,8 @@ def stream_groups(rk: StreamRank) -> None:
         search = (0, 0)
         if last_of_batch[g.batch] == g.part:  # the rank's search counts, once per batch it had groups of
             failed, searched, opened, last = rk.guard.take()
+            failed, searched = failed + carried[0], searched + carried[1]
+            carried[:] = [0, 0]
             rk.guard.down(failed, searched, opened, last, f"batch {g.batch} on rollout rank {rk.bridge.rank}")
             search = (failed, searched)
         g.stats.finish.update(t.finish_reason for t in g.trajs)
@@ -144,13 +147,16 @@ def stream_groups(rk: StreamRank) -> None:
         while todo or pool or finished:
             if receiver.stopped:
                 return
-            now = time.time()
+            now, in_flight = time.time(), len(pool) + len(finished)
             for item in [f for f in finished if f[0] <= now]:  # released groups go out, their slots free
                 finished.remove(item)
-                send(item[1], len(pool) + len(finished))
+                send(item[1], in_flight)
             occupied = len(pool) + len(finished)
             draining = bool(receiver.due)  # a validation waits for the pool to drain
-            if not occupied:
+            if not occupied and draining:
+                failed, searched, _, _ = rk.guard.take()  # this batch's groups' so far, kept apart from validation's
+                carried[0] += failed
+                carried[1] += searched
                 rk.validate_due()
             if r.partial or not occupied:
                 version = rk.weights()

@@ -152,7 +152,8 @@ def test_disaggregated_grpo_keeps_the_bound_overlaps_and_syncs(world, tiny_model
         # draw, in draw order (the groups put back in place whichever rank made them and whenever they arrived),
         # every prompt with its 2 samples; the per-sample stamps are within the bound (the histogram above)
         assert all(1 <= m["async/groups_in_flight_mean"] <= 2 and m["async/producer_wait_s"] >= 0
-                   for m in steps.values())
+                   for m in steps.values()), [(m["async/groups_in_flight_mean"], m["async/producer_wait_s"])
+                                              for m in steps.values()]
         drawn = draws(world, tiny_model, STEPS)
         with open(os.path.join(out, "trajectories.jsonl")) as f:
             trained = [json.loads(line) for line in f]
@@ -166,11 +167,11 @@ def test_disaggregated_grpo_keeps_the_bound_overlaps_and_syncs(world, tiny_model
             val_rows = [json.loads(line) for line in f if '"val/all/em"' in line]
         assert sorted(r["step"] for r in val_rows) == [2, 4]
         assert "validation at step 4 (rollout ranks 1-2)" in log
-        # rows 0-1 on rollout rank 1, rows 2-4 on rollout rank 2: the report has all 5 (above), and its 4 sampled
-        # trajectories (logging.trajectories_per_step) need rank 2's part, assembled on trainer rank 0
+        # rows 0-1 on rollout rank 1, rows 2-4 on rollout rank 2: the report has all 5 (above), and its 5 sampled
+        # trajectories (logging.trajectories_per_step 8, of 5 rows) need rank 2's part, assembled on trainer rank 0
         with open(os.path.join(out, "val_trajectories.jsonl")) as f:
             val_rows = [json.loads(line) for line in f]
-        assert sorted(r["step"] for r in val_rows) == [2] * 4 + [4] * 4, val_rows
+        assert sorted(r["step"] for r in val_rows) == [2] * 5 + [4] * 5, val_rows
 
 
 @pytest.mark.slow
