@@ -28,7 +28,7 @@ Metrics per step (`async/*`): the batch's version (its oldest part's), the lag (
 dropped as too old, the wait for the batch, the wall-clock interval of the batch's generation (first part's start,
 last part's end) and of the step's training (seconds since trainer rank 0 started), from which overlap can be read,
 the number of parts and `async/parts_end_spread_s` (how long the first part to finish waited for the last);
-with streamed groups (below) also `async/groups_in_flight_mean` (the groups its rank had in flight as each of the
+with streamed groups (above) also `async/groups_in_flight_mean` (the groups its rank had in flight as each of the
 batch's groups finished) and `async/producer_wait_s` (the seconds the rollout ranks waited for weights, summed over
 the batch's groups);
 `sync/remote_*` for the weights, and `sync/remote_check_max_diff`, the largest difference between the weights a
@@ -378,7 +378,7 @@ class AsyncTrainer(Trainer):
                    "async/parts": float(len(batch.extra["parts"])), **streamed,
                    "async/parts_end_spread_s": max(ends) - min(ends),
                    **staleness_metrics(lags, self.cfg.rollout.max_staleness), **partial,
-                   **{f"sync/{k}": v for k, v in p.get("sync", {}).items()}}
+                   **{f"sync/{k}": v for k, v in p["sync"].items()}}
         self._train_start = time.time() - t0
         return trajs, scores, [f"{batch.index}:{tr.uid}" for tr in trajs], metrics
 

@@ -142,9 +142,9 @@ def serve_rollouts(cfg, bridge: Bridge) -> None:
         return receiver.applied_version
 
     def sync_check() -> dict:
-        """The last weights check and the engine's version, as the sync/remote_* values of a part."""
-        return {"remote_check_max_diff": check[0], "remote_check_tensors": float(check[1]),
-                "remote_applied_version": float(receiver.applied_version)}
+        """The last weights check, as sync/remote_* values of a part (without the prefix; the part adds its
+        version, remote_applied_version)."""
+        return {"remote_check_max_diff": check[0], "remote_check_tensors": float(check[1])}
 
     streamed = r.async_granularity == "group"
     end = t.total_steps if len(mine) and not streamed else first_batch  # without a share: only validates

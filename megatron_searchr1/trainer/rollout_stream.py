@@ -63,7 +63,7 @@ class StreamRank:
     """Loads the newest weights received (if newer) and returns the engine's version."""
     validate_due: Callable[[], None]
     sync_check: Callable[[], dict]
-    """The last weights check, as sync/remote_* values without the prefix."""
+    """The last weights check, as sync/remote_* values without the prefix (remote_check_*)."""
 
 
 @dataclass

@@ -71,3 +71,11 @@ def test_advance_turns_a_pool_of_trajectories_at_different_turns(tok):  # noqa: 
     assert set(old.versions) == {3, 4} and set(new.versions) == {4}
     assert stats["old"].turns == 2 and stats["new"].turns == 1 and stats["new"].search_seconds > 0
     assert stats["old"].generated_tokens == 2 * len(tok.encode(search, add_special_tokens=False))
+
+
+def test_doctests():
+    import doctest
+
+    from megatron_searchr1.rollout import stream_groups
+
+    assert doctest.testmod(stream_groups).failed == 0
