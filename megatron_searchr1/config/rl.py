@@ -502,6 +502,10 @@ class Config:
               "rollout.partial=true loads new weights into rollout ranks mid-trajectory, which only the disaggregated "
               "placement has (colocated steps generate with one version): set parallel.rollout_placement="
               "disaggregated or rollout.partial=false")
+        check(r.async_granularity == "share" or p.rollout_placement == "disaggregated",
+              "rollout.async_granularity=group streams GRPO groups from rollout ranks of their own, which only the "
+              "disaggregated placement has: set parallel.rollout_placement=disaggregated or "
+              "rollout.async_granularity=share")
         check(not self.model.freeze.enabled,
               "model.freeze (freeze fine-tuning) is for SFT (python -m megatron_searchr1.sft); RL trains every weight "
               "or LoRA adapters (model.lora): set model.freeze.trainable_layers=null")

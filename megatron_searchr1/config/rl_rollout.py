@@ -61,6 +61,14 @@ class RolloutConfig:
     """Disaggregated placement: a trajectory still generating when new weights arrive takes them at its next turn
     (partial rollout) instead of finishing on the old ones; each token records its version, and the staleness bound
     reads the oldest."""
+    async_granularity: str = "share"
+    """Disaggregated placement: what a rollout rank generates at a time. share: its contiguous share of a batch,
+    sent whole, then the next batch's share (its engine idles through the share's slowest trajectory). group: GRPO
+    groups streamed across batches (rollout/stream_groups.py): up to rollout.groups_in_flight in flight, a finished
+    group sent to the trainer at once and its slot refilled with the rank's next prompt between two turns."""
+    groups_in_flight: int = 0
+    """async_granularity=group: GRPO groups a rollout rank keeps in flight (0 = ceil(train_batch_size / rollout
+    ranks), the load of a share)."""
 
     def __post_init__(self):
         check(self.engine in ("vllm", "hf"), f"rollout.engine must be vllm or hf, got {self.engine!r}")
@@ -77,6 +85,9 @@ class RolloutConfig:
         check(self.sync_bucket_mb >= 1, "rollout.sync_bucket_mb must be >= 1")
         check(self.sleep_level in (1, 2), f"rollout.sleep_level must be 1 or 2, got {self.sleep_level}")
         check(self.max_staleness >= 0, f"rollout.max_staleness must be >= 0, got {self.max_staleness}")
+        check(self.async_granularity in ("share", "group"),
+              f"rollout.async_granularity must be share or group, got {self.async_granularity!r}")
+        check(self.groups_in_flight >= 0, f"rollout.groups_in_flight must be >= 0, got {self.groups_in_flight}")
 
 
 @dataclass

@@ -88,8 +88,9 @@ def assemble(parts: Sequence[GeneratedBatch]) -> GeneratedBatch:
     """One batch from its parts (module doc): trajectories and scores concatenated in rank order, version = the
     oldest part's, generation from the first part's start to the last part's end, merged metrics. Each part's
     payload holds trajs, scores, stats (RolloutStats), search ((failed, searched) counts) and sync; its `extra`
-    its share index ("part"). The result's extra["parts"] lists (global rank, version, samples, gen_start,
-    gen_end) per part, in rank order."""
+    its share index ("part"; a streamed group: its position in the batch, plus "in_flight" and "wait_s"). The
+    result's extra["parts"] lists (global rank, version, samples, gen_start, gen_end) per part, in part order;
+    streamed groups add extra["in_flight"] (per group) and extra["wait_s"] (summed)."""
     if not parts:
         raise ValueError("assemble: no parts")
     parts = sorted(parts, key=lambda p: p.extra["part"])
@@ -102,12 +103,15 @@ def assemble(parts: Sequence[GeneratedBatch]) -> GeneratedBatch:
     searched = sum(p.payload["search"][1] for p in parts)
     metrics = {**merge_stats([p.payload["stats"] for p in parts]).as_metrics(trajs),
                "rollout/search_error_rate": failed / max(searched, 1)}
+    extra = {"parts": [(p.rank, p.version, len(p.payload["trajs"]), p.gen_start, p.gen_end) for p in parts]}
+    if all("in_flight" in p.extra for p in parts):  # streamed groups (trainer/rollout_stream.py)
+        extra["in_flight"] = [p.extra["in_flight"] for p in parts]
+        extra["wait_s"] = sum(p.extra["wait_s"] for p in parts)
     return GeneratedBatch(
         index=parts[0].index, version=min(p.version for p in parts),
         payload={"trajs": trajs, "scores": scores, "metrics": metrics,
                  "sync": merge_sync([p.payload["sync"] for p in parts])},
-        gen_start=min(p.gen_start for p in parts), gen_end=max(p.gen_end for p in parts), rank=-1,
-        extra={"parts": [(p.rank, p.version, len(p.payload["trajs"]), p.gen_start, p.gen_end) for p in parts]})
+        gen_start=min(p.gen_start for p in parts), gen_end=max(p.gen_end for p in parts), rank=-1, extra=extra)
 
 
 def assemble_report(parts: Sequence[dict], n_samples: int) -> dict:

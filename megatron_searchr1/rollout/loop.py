@@ -238,7 +238,6 @@ def _turns(engine: Engine, tokenizer, search: Searcher, trajs: list[Trajectory],
            stats: RolloutStats, invalid_ids: list[int], sessions: bool,
            progress: Optional[Callable[[int, int], None]], weights: Optional[Callable[[], int]]) -> None:
     for turn in range(s.max_turns + 1):
-        final = turn == s.max_turns  # the last turn: a search is no longer run, the sample must answer
         active = [t for t in trajs if t.active]
         if not active:
             break
@@ -246,73 +245,89 @@ def _turns(engine: Engine, tokenizer, search: Searcher, trajs: list[Trajectory],
         # (AReaL aborts the in-flight requests and resumes them; slime's partial rollout re-queues aborted samples
         # for the next rollout). A load drops the engine's KV (sessions too): the next turn re-computes the context.
         version = weights() if weights is not None else 0
-        # One generate call per distinct turn budget (nearly always one: only samples near their response budget
-        # get a smaller one).
-        by_budget: dict[int, list[Trajectory]] = {}
-        for t in active:
-            left = s.max_response_length - len(t.response_ids)
-            by_budget.setdefault(min(s.max_tokens_per_turn, left), []).append(t)
-        turn_start = {id(t): len(t.response_ids) for t in active}
-        start = time.perf_counter()
-        for budget, group in sorted(by_budget.items(), reverse=True):
-            params = SamplingParams(max_tokens=budget, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-                                    stop=STOP_STRINGS, stop_token_ids=tuple(s.stop_token_ids), logprobs=True,
-                                    seed=None if s.seed is None else s.seed + turn)
-            prompts = [t.prompt_ids + t.response_ids for t in group]
-            if sessions:  # each sample keeps its KV in the engine from turn to turn
-                outs = engine.generate(prompts, params, sessions=[id(t) for t in group])
-            else:
-                outs = engine.generate(prompts, params)
-            if len(outs) != len(group):
-                raise RuntimeError(f"engine returned {len(outs)} generations for {len(group)} prompts")
-            stats.turns += 1
-            for t, g in zip(group, outs):
-                stats.generated_tokens += len(g.token_ids)
-                stats.prefill_tokens += len(t.prompt_ids) + len(t.response_ids) - g.num_cached_tokens
-                t.extend(g.token_ids, 1, g.logprobs, version)
-                t.turns += 1
-        stats.gen_seconds += time.perf_counter() - start
-
-        pending: list[tuple[Trajectory, str]] = []
-        for t in active:
-            turn_ids = t.response_ids[turn_start[id(t)]:]
-            action, content = parse_action(tokenizer.decode(turn_ids, skip_special_tokens=False))
-            if action == "answer":
-                t.answer = content
-                t.finish("answer")
-            elif action == "search" and not final:
-                t.queries.append(content)
-                pending.append((t, content))
-            elif final:
-                if action == "invalid":
-                    t.n_invalid += 1
-                t.finish("max_turns" if action == "search" else "invalid")
-            else:
-                t.n_invalid += 1
-                t.extend(invalid_ids[: s.max_response_length - len(t.response_ids)], 0, version=version)
-            if t.active and len(t.response_ids) >= s.max_response_length:
-                t.finish("length")
-        pending = [(t, q) for t, q in pending if t.active]
-
-        if pending:
-            start = time.perf_counter()
-            results = search([q for _, q in pending])
-            stats.search_seconds += time.perf_counter() - start
-            if len(results) != len(pending):
-                raise RuntimeError(f"search returned {len(results)} results for {len(pending)} queries")
-            for (t, _), docs in zip(pending, results):
-                t.n_searches += 1
-                room = s.max_response_length - len(t.response_ids)
-                ids = _observation_ids(tokenizer, docs, min(s.max_obs_length, room))
-                t.extend(ids, 0, version=version)
-                if is_search_failure(docs):
-                    t.finish("search_error")
-                elif len(t.response_ids) >= s.max_response_length:
-                    t.finish("length")
-        if sessions:  # a finished sample's KV is not needed any more
-            engine.end_sessions([id(t) for t in active if not t.active])
+        advance(engine, tokenizer, search, active, s, lambda t: stats, invalid_ids, sessions, version,
+                None if s.seed is None else s.seed + turn)
         if progress is not None:
             progress(sum(not t.active for t in trajs), len(trajs))
+
+
+def advance(engine: Engine, tokenizer, search: Searcher, active: list[Trajectory], s: LoopSettings,
+            stats_of: Callable[[Trajectory], RolloutStats], invalid_ids: list[int], sessions: bool, version: int,
+            seed: Optional[int]) -> None:
+    """One turn of every trajectory in `active` (all active; each at its own turn, `t.turns`, so a streaming caller
+    may mix trajectories that started at different times): generate, read the action, search. Counters go to
+    `stats_of(t)`; a generate call's or a search round's time goes to each distinct stats object of its
+    trajectories. `version` is the engine's policy version for this turn, `seed` the calls' base seed."""
+    # One generate call per distinct turn budget (nearly always one: only samples near their response budget get a
+    # smaller one).
+    by_budget: dict[int, list[Trajectory]] = {}
+    for t in active:
+        left = s.max_response_length - len(t.response_ids)
+        by_budget.setdefault(min(s.max_tokens_per_turn, left), []).append(t)
+    turn_start = {id(t): len(t.response_ids) for t in active}
+    final = {id(t): t.turns >= s.max_turns for t in active}  # the last turn: no search, the sample must answer
+    for budget, group in sorted(by_budget.items(), reverse=True):
+        start = time.perf_counter()
+        params = SamplingParams(max_tokens=budget, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+                                stop=STOP_STRINGS, stop_token_ids=tuple(s.stop_token_ids), logprobs=True, seed=seed)
+        prompts = [t.prompt_ids + t.response_ids for t in group]
+        if sessions:  # each sample keeps its KV in the engine from turn to turn
+            outs = engine.generate(prompts, params, sessions=[id(t) for t in group])
+        else:
+            outs = engine.generate(prompts, params)
+        if len(outs) != len(group):
+            raise RuntimeError(f"engine returned {len(outs)} generations for {len(group)} prompts")
+        for t, g in zip(group, outs):
+            st = stats_of(t)
+            st.generated_tokens += len(g.token_ids)
+            st.prefill_tokens += len(t.prompt_ids) + len(t.response_ids) - g.num_cached_tokens
+            t.extend(g.token_ids, 1, g.logprobs, version)
+            t.turns += 1
+        elapsed = time.perf_counter() - start
+        for st in {id(st): st for st in map(stats_of, group)}.values():
+            st.turns += 1
+            st.gen_seconds += elapsed
+
+    pending: list[tuple[Trajectory, str]] = []
+    for t in active:
+        turn_ids = t.response_ids[turn_start[id(t)]:]
+        action, content = parse_action(tokenizer.decode(turn_ids, skip_special_tokens=False))
+        if action == "answer":
+            t.answer = content
+            t.finish("answer")
+        elif action == "search" and not final[id(t)]:
+            t.queries.append(content)
+            pending.append((t, content))
+        elif final[id(t)]:
+            if action == "invalid":
+                t.n_invalid += 1
+            t.finish("max_turns" if action == "search" else "invalid")
+        else:
+            t.n_invalid += 1
+            t.extend(invalid_ids[: s.max_response_length - len(t.response_ids)], 0, version=version)
+        if t.active and len(t.response_ids) >= s.max_response_length:
+            t.finish("length")
+    pending = [(t, q) for t, q in pending if t.active]
+
+    if pending:
+        start = time.perf_counter()
+        results = search([q for _, q in pending])
+        elapsed = time.perf_counter() - start
+        for st in {id(st): st for st in (stats_of(t) for t, _ in pending)}.values():
+            st.search_seconds += elapsed
+        if len(results) != len(pending):
+            raise RuntimeError(f"search returned {len(results)} results for {len(pending)} queries")
+        for (t, _), docs in zip(pending, results):
+            t.n_searches += 1
+            room = s.max_response_length - len(t.response_ids)
+            ids = _observation_ids(tokenizer, docs, min(s.max_obs_length, room))
+            t.extend(ids, 0, version=version)
+            if is_search_failure(docs):
+                t.finish("search_error")
+            elif len(t.response_ids) >= s.max_response_length:
+                t.finish("length")
+    if sessions:  # a finished sample's KV is not needed any more
+        engine.end_sessions([id(t) for t in active if not t.active])
 
 
 def response_text(tokenizer, t: Trajectory) -> str:

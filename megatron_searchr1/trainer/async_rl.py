@@ -19,11 +19,18 @@ rank, so no rank waits for another to be heard, and an assembling thread that pu
 every rank's part of b is in (rollout/batch_parts.py: parts in rank order, the batch's version its oldest part's,
 the rollout metrics merged). The data cursor is the batch index: every rollout rank draws the same prompt order, so
 a run resumed at step t has its rollout ranks start at batch t, no prompt trained twice.
+With `rollout.async_granularity: group` the rollout ranks stream GRPO groups instead (trainer/rollout_stream.py):
+each owns a fixed stream of groups across batches, keeps several in flight and sends each as it finishes; the parts
+of a batch are then its train_batch_size groups, assembled by position in the draw, so the cursor stays the batch
+index and the bound the oldest group's version.
 
 Metrics per step (`async/*`): the batch's version (its oldest part's), the lag (async_buffer's definition), batches
 dropped as too old, the wait for the batch, the wall-clock interval of the batch's generation (first part's start,
 last part's end) and of the step's training (seconds since trainer rank 0 started), from which overlap can be read,
 the number of parts and `async/parts_end_spread_s` (how long the first part to finish waited for the last);
+with streamed groups (above) also `async/groups_in_flight_mean` (the groups its rank had in flight as each of the
+batch's groups finished) and `async/producer_wait_s` (the seconds the rollout ranks waited for weights, summed over
+the batch's groups);
 `sync/remote_*` for the weights, and `sync/remote_check_max_diff`, the largest difference between the weights a
 rollout rank's engine holds after loading a version and the weights sent (a few tensors, read back from the engine;
 the worst part's). The TensorBoard histogram `async/rollout_rank` shows which rank generated each sample.
@@ -179,7 +186,9 @@ class RemoteRollout:
         if not self.leader:
             return
         k = self.bridge.plan.rollout_ranks
-        self._assembler = PartAssembler(first_batch, contributors(self.cfg.data.train_batch_size, k))
+        n = self.cfg.data.train_batch_size
+        streamed = self.cfg.rollout.async_granularity == "group"  # one part per group position, else per share
+        self._assembler = PartAssembler(first_batch, range(n) if streamed else contributors(n, k))
         for dst in range(1, k + 1):
             send_object(self.bridge.batches, {"first_batch": first_batch, "first_version": first_version,
                                               "t0": self.t0}, dst, BATCHES_TAG)
@@ -354,20 +363,22 @@ class AsyncTrainer(Trainer):
         trajs = dp_shard(p["trajs"], self.roles.dp_rank, self.roles.dp_size)
         scores = dp_shard(p["scores"], self.roles.dp_rank, self.roles.dp_size)
         t0 = self.remote.t0
-        lags = [lag(self.step_no, tr.meta.get("policy_version", batch.version)) for tr in p["trajs"]]
+        lags = [lag(self.step_no, tr.meta["policy_version"]) for tr in p["trajs"]]
         partial = version_metrics([tr.versions for tr in p["trajs"]]) if self.cfg.rollout.partial else {}
         self.roles.logger.histogram(self.step_no, "async/staleness", lags)  # the whole batch: rank 0 logs
         self.roles.logger.histogram(self.step_no, "async/rollout_rank",
-                                    [tr.meta.get("rollout_rank", batch.rank) for tr in p["trajs"]])
-        ends = [part[4] for part in batch.extra.get("parts", [])] or [batch.gen_end]
+                                    [tr.meta["rollout_rank"] for tr in p["trajs"]])
+        ends = [part[4] for part in batch.extra["parts"]]
+        streamed = {"async/groups_in_flight_mean": sum(batch.extra["in_flight"]) / len(batch.extra["in_flight"]),
+                    "async/producer_wait_s": batch.extra["wait_s"]} if "in_flight" in batch.extra else {}
         metrics = {**p["metrics"],
                    "async/version": float(batch.version), "async/lag": float(lag(self.step_no, batch.version)),
                    "async/batch": float(batch.index), "async/dropped": float(dropped), "async/wait_s": waited,
                    "async/gen_start_s": batch.gen_start - t0, "async/gen_end_s": batch.gen_end - t0,
-                   "async/parts": float(len(batch.extra.get("parts", [None]))),
+                   "async/parts": float(len(batch.extra["parts"])), **streamed,
                    "async/parts_end_spread_s": max(ends) - min(ends),
                    **staleness_metrics(lags, self.cfg.rollout.max_staleness), **partial,
-                   **{f"sync/{k}": v for k, v in p.get("sync", {}).items()}}
+                   **{f"sync/{k}": v for k, v in p["sync"].items()}}
         self._train_start = time.time() - t0
         return trajs, scores, [f"{batch.index}:{tr.uid}" for tr in trajs], metrics
 

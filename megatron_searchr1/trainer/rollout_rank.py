@@ -11,6 +11,10 @@ rank 0 as a part, and go on to the next batch: the other rollout ranks are not w
 own within the staleness bound. A rank whose share is empty (fewer prompts per batch than rollout ranks) generates
 nothing and only validates.
 
+With `rollout.async_granularity: group` the rank streams GRPO groups instead of shares (trainer/rollout_stream.py:
+a fixed stream of groups per rank, several in flight, a finished group sent at once and its slot refilled between
+two turns, across batch boundaries); setup, validation and the end are the same.
+
 Sampling seeds: the trainer's seed for the batch's step plus this rank's index x SHARE_SEED_STRIDE, so every part of
 every batch draws its own noise, the same in every run of the same config.
 
@@ -36,6 +40,7 @@ from megatron_searchr1 import interrupt
 from megatron_searchr1.rollout.async_buffer import GeneratedBatch, required_version, sample_version
 from megatron_searchr1.rollout.batch_parts import share
 from megatron_searchr1.rollout.remote_sync import BATCHES_TAG, DONE, Bridge, WeightReceiver, recv_object, send_object
+from megatron_searchr1.trainer.rollout_stream import StreamRank, stream_groups
 
 CHECKED_TENSORS = 4
 """How many received tensors a rollout rank reads back from its engine after each load (sync/remote_check_*)."""
@@ -136,8 +141,17 @@ def serve_rollouts(cfg, bridge: Bridge) -> None:
             check = check_engine_weights(engine, loaded[1])
         return receiver.applied_version
 
-    end = t.total_steps if len(mine) else first_batch  # a rank without a share of the prompts only validates
+    def sync_check() -> dict:
+        """The last weights check, as sync/remote_* values of a part (without the prefix; the part adds its
+        version, remote_applied_version)."""
+        return {"remote_check_max_diff": check[0], "remote_check_tensors": float(check[1])}
+
+    streamed = r.async_granularity == "group"
+    end = t.total_steps if len(mine) and not streamed else first_batch  # without a share: only validates
     try:
+        if streamed:  # GRPO groups streamed across batches instead of shares (trainer/rollout_stream.py)
+            stream_groups(StreamRank(cfg, bridge, me, engine, tokenizer, guard, data, sampler, receiver, settings,
+                                     first_batch, first_version, weights, validate_due, sync_check))
         for b in range(first_batch, end):
             batch = sampler.next_batch()
             rows = [data.train[batch[i]] for i in mine]
@@ -159,8 +173,7 @@ def serve_rollouts(cfg, bridge: Bridge) -> None:
             failed, searched, opened, last = guard.take()
             guard.down(failed, searched, opened, last, f"batch {b} on rollout rank {bridge.rank}")  # raises to stop
             payload = {"trajs": trajs, "scores": scores, "stats": stats, "search": (failed, searched),
-                       "sync": {"remote_check_max_diff": check[0], "remote_check_tensors": float(check[1]),
-                                "remote_applied_version": float(version)}}
+                       "sync": {**sync_check(), "remote_applied_version": float(version)}}
             send_object(bridge.batches, GeneratedBatch(index=b, version=version, payload=payload, gen_start=gen_start,
                                                        gen_end=time.time(), rank=bridge.rank, extra={"part": me}),
                         0, BATCHES_TAG)

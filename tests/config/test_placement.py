@@ -34,6 +34,13 @@ def test_partial_rollouts_are_a_disaggregated_option():
     c.validate(world_size=3, check_files=False)
 
 
+def test_streamed_groups_are_a_disaggregated_option():
+    c = cfg(*DISAGG, "rollout.async_granularity=group", "rollout.groups_in_flight=3")
+    assert (c.rollout.async_granularity, c.rollout.groups_in_flight) == ("group", 3)
+    assert cfg().rollout.async_granularity == "share"  # the default
+    c.validate(world_size=3, check_files=False)
+
+
 def test_disaggregated_validates_on_its_rollout_ranks():
     # validation runs on the rollout ranks between versions (trainer/rollout_rank.py): val files are accepted
     cfg(*DISAGG[:2], "data.val_files=[v.parquet]", "trainer.test_freq=2").validate(world_size=3, check_files=False)
@@ -52,6 +59,9 @@ def test_disaggregated_launches_retrieval_from_its_rollout_ranks():
     (["rollout.max_staleness=-1"], 3, "rollout.max_staleness must be >= 0"),
     # partial rollouts load weights mid-trajectory: only rollout ranks of their own do that
     (["rollout.partial=true"], 3, "set parallel.rollout_placement=disaggregated or rollout.partial=false"),
+    (["rollout.async_granularity=group"], 3, "or rollout.async_granularity=share"),
+    ([*DISAGG, "rollout.async_granularity=batch"], 3, "must be share or group, got 'batch'"),
+    ([*DISAGG, "rollout.groups_in_flight=-1"], 3, "rollout.groups_in_flight must be >= 0"),
     ([*DISAGG[:1], "parallel.rollout_ranks=3", "data.val_files=[]"], 3, "leaves no trainer rank"),
     ([*DISAGG, "rollout.engine_tp=2"], 4, "rollout.engine_tp=1"),
     ([*DISAGG, "parallel.pp=2"], 3, "parallel.pp=1"),

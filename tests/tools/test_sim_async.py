@@ -92,10 +92,11 @@ def test_a_heavier_tail_raises_the_speedup():
     assert ratios["heavy"] > 1.5 * ratios["light"], ratios
 
 
-@pytest.mark.parametrize("granularity", ["group", "share", "batch"])
+@pytest.mark.parametrize("granularity", ["group", "share", "stream", "batch"])
 def test_the_staleness_bound_holds_in_the_event_log(granularity):
-    """Every trained group's lag is within k+1, the bound is reached, drops are logged beyond it; share and batch
-    granularity train batch s-1 at step s (batch: every group of it from one version)."""
+    """Every trained group's lag is within k+1, the bound is reached, drops are logged beyond it; share, stream and
+    batch granularity train batch s-1 at step s (batch: every group of it from one version); stream starts each
+    engine's groups in the order of its stream (group g on engine g mod K)."""
     shapes = [sim.Shape((30.0,), 0)] * 8 + [sim.Shape((200.0,) * 4, 3)] * 2
     for k in (0, 1, 2):
         s = _setup(shapes, batch=6, n=3, slots_per_gpu=20)
@@ -109,7 +110,12 @@ def test_the_staleness_bound_holds_in_the_event_log(granularity):
             for e in res.events:
                 if e[0] == "train":
                     assert {starts[g][0] for g, _ in e[4]} == {e[3] - 1}
-                    assert granularity == "share" or len({v for _, v in e[4]}) == 1
+                    assert granularity in ("share", "stream") or len({v for _, v in e[4]}) == 1
+        if granularity == "stream":
+            order = [e[2] for e in res.events if e[0] == "start"]
+            for i in range(4):
+                mine = [g for g in order if g % 4 == i]
+                assert mine == list(range(i, i + 4 * len(mine), 4)), (i, mine)
 
 
 def test_shares_put_every_engine_on_every_batch():
@@ -198,3 +204,15 @@ def test_parameter_counts_of_the_recipes_models():
     assert total == active == 7_615_616_512
     total, active = sim.param_counts(json.loads((cfgs / "Qwen3-30B-A3B.json").read_text()))
     assert 30.4e9 < total < 30.6e9 and 3.2e9 < active < 3.4e9
+
+
+def test_streamed_groups_fill_the_slots_a_share_leaves_idle():
+    """A long tail (1 trajectory in 10 takes 6x as long), 4 engines: with shares an engine starts its share of batch
+    b+1 only once its share of b is done, so its slots idle through the tail; streamed in the draw's order (each
+    engine its own fixed groups, the trainer batches whole) they take the next batches' groups meanwhile: faster at
+    every k, and more so with room to run ahead (k=2)."""
+    shapes = [sim.Shape((30.0,), 0)] * 9 + [sim.Shape((180.0,), 0)]
+    s = _setup(shapes, batch=8, n=2, slots_per_gpu=8)
+    speed = {(g, k): sim.simulate(s, train_gpus=2, engines=4, k=k, steps=14, seed=3, granularity=g).samples_per_s
+             for g in ("share", "stream") for k in (0, 2)}
+    assert speed[("stream", 0)] > 1.3 * speed[("share", 0)] and speed[("stream", 2)] > 2 * speed[("share", 2)], speed

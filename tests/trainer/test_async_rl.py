@@ -5,9 +5,10 @@ trainer rank + 2 rollout ranks), the tiny model, a live BM25 server, rollout.max
 - the weights arrived: after each load the rollout engine's weights equal the ones sent (read back), its version is
   the batch's, and at step 1 (lag 0) the engine's log-probs are the trainer's;
 - the loss is finite and the weights move;
-- at k = 2 (2 rollout ranks) every batch is assembled from both ranks' parts (each sample's rollout rank is read
-  back), validation runs on both, each on its share of the rows (steps 2 and 4), and trainer rank 0 logs the reports
-  it assembled;
+- at k = 2 (2 rollout ranks streaming GRPO groups, rollout.async_granularity=group) every batch is assembled from
+  its 4 groups, 2 from each rank (each sample's rollout rank is read back), every step trains exactly its own draw of
+  prompts (the cursor), validation runs on both ranks, each on its share of the rows (steps 2 and 4), and trainer
+  rank 0 logs the reports it assembled;
 - the staleness histogram (per sample, TensorBoard and the async/staleness_* scalars) is the batch's lag, and the
   rollout correction's mismatch metrics (actor/rc_*) measure the off-policy gap: ~0 on policy, > 0 one step off.
 Also slow: a rank that dies mid-run (async_kill_script.py: the rollout rank, or trainer rank 1) stops every other
@@ -62,6 +63,17 @@ def script_run(script: str, args: list[str], env: dict, timeout: float) -> subpr
                         timeout)
 
 
+def draws(world_dir: str, model_dir: str, steps: int) -> dict[int, list[str]]:
+    """Step t's prompts (uids in draw order), as the trainer's seed draws them from the world's train file."""
+    from transformers import AutoTokenizer
+
+    from megatron_searchr1.data.rl_data import PromptSampler, load_prompts
+
+    rows, _ = load_prompts([f"{world_dir}/train.parquet"], AutoTokenizer.from_pretrained(model_dir), 512, "auto")
+    sampler = PromptSampler(len(rows), 4, seed=1, shuffle=True)
+    return {t: [rows[i].uid for i in sampler.next_batch()] for t in range(1, steps + 1)}
+
+
 def step_records(out: str) -> dict[int, dict]:
     with open(os.path.join(out, "metrics.jsonl")) as f:
         recs = [json.loads(line) for line in f]
@@ -73,10 +85,11 @@ def step_records(out: str) -> dict[int, dict]:
 def test_disaggregated_grpo_keeps_the_bound_overlaps_and_syncs(world, tiny_model, server, tmp_path, k):
     out = str(tmp_path / f"async_k{k}")
     args = async_args(world, tiny_model, server, out, k)
-    if k == 2:  # 1 trainer rank + 2 rollout ranks, which split every batch and the validation at steps 2 and 4
-        # (the last one awaited before the end)
+    if k == 2:  # 1 trainer rank + 2 rollout ranks, which stream every batch's groups (2 in flight each) and split
+        # the validation at steps 2 and 4 (the last one awaited before the end); every trained sample is dumped
         args = [a for a in two_rollout_ranks(args) if not a.startswith("data.val_files")] + [
-            f"data.val_files=[{world}/validation.parquet]", "data.val_max_samples=5", "trainer.test_freq=2"]
+            f"data.val_files=[{world}/validation.parquet]", "data.val_max_samples=5", "trainer.test_freq=2",
+            "rollout.async_granularity=group", "logging.trajectories_per_step=8"]
     proc = run_module("megatron_searchr1.train", args, nproc=3, timeout=900)
     log = proc.stdout + proc.stderr
     steps = step_records(out)
@@ -126,7 +139,7 @@ def test_disaggregated_grpo_keeps_the_bound_overlaps_and_syncs(world, tiny_model
     # sample's maker read back per step; the batch's generation spans its parts'
     makers = {step: (count, lo, hi) for step, count, lo, hi in hists["async/rollout_rank"]}
     assert makers == {t: (8, 2, 2) if k == 0 else (8, 1, 2) for t in steps}, makers
-    assert all(m["async/parts"] == (1 if k == 0 else 2) and m["async/parts_end_spread_s"] >= 0
+    assert all(m["async/parts"] == (1 if k == 0 else 4) and m["async/parts_end_spread_s"] >= 0
                and m["async/gen_start_s"] < m["async/gen_end_s"] for m in steps.values())
     # the rollout correction's mismatch metrics (behaviour = the engine's version, proximal = the trainer's):
     # on policy at step 1 the two agree; off policy they part
@@ -135,6 +148,17 @@ def test_disaggregated_grpo_keeps_the_bound_overlaps_and_syncs(world, tiny_model
     assert all(math.isfinite(steps[t]["actor/rc_mismatch_kl"]) for t in steps)
     assert max(steps[t]["actor/rc_mismatch_kl"] for t in off) > 1e-6, [steps[t]["actor/rc_mismatch_kl"] for t in off]
     if k == 2:
+        # streamed groups: each rank had at most its 2 in flight; the cursor is exact: every step trains its own
+        # draw, in draw order (the groups put back in place whichever rank made them and whenever they arrived),
+        # every prompt with its 2 samples; the per-sample stamps are within the bound (the histogram above)
+        assert all(1 <= m["async/groups_in_flight_mean"] <= 2 and m["async/producer_wait_s"] >= 0
+                   for m in steps.values()), [(m["async/groups_in_flight_mean"], m["async/producer_wait_s"])
+                                              for m in steps.values()]
+        drawn = draws(world, tiny_model, STEPS)
+        with open(os.path.join(out, "trajectories.jsonl")) as f:
+            trained = [json.loads(line) for line in f]
+        for t in steps:
+            assert [r["uid"] for r in trained if r["step"] == t] == [u for u in drawn[t] for _ in range(2)], t
         with open(os.path.join(out, "val_report.jsonl")) as f:
             reports = [json.loads(line) for line in f]
         assert [r["step"] for r in reports] == [2, 4], log[-3000:]
@@ -143,11 +167,11 @@ def test_disaggregated_grpo_keeps_the_bound_overlaps_and_syncs(world, tiny_model
             val_rows = [json.loads(line) for line in f if '"val/all/em"' in line]
         assert sorted(r["step"] for r in val_rows) == [2, 4]
         assert "validation at step 4 (rollout ranks 1-2)" in log
-        # rows 0-1 on rollout rank 1, rows 2-4 on rollout rank 2: the report has all 5 (above), and its 4 sampled
-        # trajectories (logging.trajectories_per_step) need rank 2's part, assembled on trainer rank 0
+        # rows 0-1 on rollout rank 1, rows 2-4 on rollout rank 2: the report has all 5 (above), and its 5 sampled
+        # trajectories (logging.trajectories_per_step 8, of 5 rows) need rank 2's part, assembled on trainer rank 0
         with open(os.path.join(out, "val_trajectories.jsonl")) as f:
             val_rows = [json.loads(line) for line in f]
-        assert sorted(r["step"] for r in val_rows) == [2] * 4 + [4] * 4, val_rows
+        assert sorted(r["step"] for r in val_rows) == [2] * 5 + [4] * 5, val_rows
 
 
 @pytest.mark.slow

@@ -1,5 +1,7 @@
 # PYTHONPATH=$PWD python tools/benchmarks/bench_async.py --work-dir /tmp/bench_async
 # (~6-8 min on 2 cores: world + tiny model once, cached in --work-dir; then two torchrun runs of the RL trainer)
+# PYTHONPATH=$PWD python tools/benchmarks/bench_async.py --rollout-ranks 2 --partial
+#   (colocated vs 2 rollout ranks generating shares vs the same 2 streaming groups, side by side; ~10-12 min)
 # PYTHONPATH=$PWD python tools/benchmarks/bench_async.py --rollout-ranks 2 --compare-code /work/main
 #   (the disaggregated run with 2 rollout ranks, this checkout's trainer and another checkout's, side by side)
 """Samples per second of the synchronous colocated trainer vs the disaggregated asynchronous one, side by side.
@@ -10,6 +12,9 @@ scaled down: the test suite's tiny Qwen2, 4 prompts x 2 samples per step, vLLM o
   (b) disaggregated: `torchrun --nproc_per_node 3`, the same 2 trainer ranks at TP=2 plus 1 rollout rank,
       `rollout.max_staleness` k (default 1): the rollout rank generates batch t+1 while the trainer trains batch t.
       With --rollout-ranks K > 1: 1 trainer rank (TP=1) plus K rollout ranks, each generating a share of every batch.
+  (b') the same ranks streaming GRPO groups (`rollout.async_granularity=group`): each rollout rank keeps a share's
+      worth of groups in flight across batches and refills a finished group's slot at once.
+      With --partial both (b) and (b') run with `rollout.partial=true` (new weights between turns).
   (c) with --compare-code DIR: (b) again with DIR's trainer (another checkout: PYTHONPATH=DIR for the ranks), so two
       versions of the runtime are measured one after the other on the same inputs.
 Throughput = samples trained in steps 2..S over the sum of those steps' `time/step` (step 1 holds start-up costs
@@ -20,11 +25,13 @@ another none); a random tiny model on the CPU has no such tail of its own. So ev
 drawn from a Pareto distribution (shape --tail-alpha, scale --tail-scale seconds), seeded by its prompt and sample
 index, so a trajectory has the same tail in every run and wherever it is generated; every generate call (a colocated
 rank's shard of a step, a rollout rank's share of a batch) is followed by a sleep of its longest trajectory's tail:
-the time its slowest trajectory adds. A sleep takes no CPU, which models what disaggregation has on real hardware and
+the time its slowest trajectory adds; a streamed group keeps its slot (and reaches the trainer) that much later than
+its last turn (trainer/rollout_stream.py `release_time`), while the rank goes on with its other groups. A sleep
+takes no CPU, which models what disaggregation has on real hardware and
 this 2-core VM has not: generation on devices of its own. What the generation and the update really compute still
 shares the two cores in (b), so the ratio is a lower bound of what separate devices give for the same tail.
 
-Prints one table: per run the steps timed, mean step time, samples/s, and the ratio (b)/(a).
+Prints one table: per run the steps timed, mean step time, samples/s, and the ratio to (a).
 """
 from __future__ import annotations
 
@@ -64,6 +71,15 @@ def child() -> int:
         return out
 
     loop.run_rollout = slow_tail_run_rollout
+    try:  # a --compare-code checkout may predate streamed groups
+        from megatron_searchr1.trainer import rollout_stream
+    except ImportError:
+        rollout_stream = None
+    if rollout_stream is not None:
+        def slow_tail_release(group, finished: float) -> float:
+            return finished + max((tail_delay(tr.uid, tr.sample, alpha, scale) for tr in group.trajs), default=0.0)
+
+        rollout_stream.release_time = slow_tail_release
     from megatron_searchr1.train import cli
 
     sys.argv = [sys.argv[0], *sys.argv[2:]]  # drop --child
@@ -106,7 +122,8 @@ def run(name: str, nproc: int, extra: list[str], world: str, model: str, url: st
     seconds = sum(r["time/step"] for r in timed)
     samples = 4 * 2 * len(timed)
     return {"name": name, "steps": len(timed), "step_s": seconds / len(timed), "samples_per_s": samples / seconds,
-            "lag": [r.get("async/lag") for r in timed], "parts": [r.get("async/parts") for r in timed]}
+            "lag": [r.get("async/lag") for r in timed], "parts": [r.get("async/parts") for r in timed],
+            "in_flight": [r.get("async/groups_in_flight_mean") for r in timed]}
 
 
 def main(argv=None) -> int:
@@ -118,6 +135,8 @@ def main(argv=None) -> int:
     p.add_argument("--max-staleness", type=at_least(0), default=1, help="rollout.max_staleness of the async run")
     p.add_argument("--rollout-ranks", type=at_least(1), default=1,
                    help="rollout ranks of the disaggregated run (> 1: with 1 trainer rank at TP=1)")
+    p.add_argument("--partial", action="store_true",
+                   help="rollout.partial=true in the disaggregated runs (new weights between two turns)")
     p.add_argument("--compare-code", default=None,
                    help="another checkout whose trainer also runs the disaggregated run (e.g. the main branch)")
     p.add_argument("--tail-alpha", type=above(0), default=1.5,
@@ -138,10 +157,13 @@ def main(argv=None) -> int:
     k = args.rollout_ranks
     trainers = 2 if k == 1 else 1  # TP=2 as the colocated run; with more rollout ranks 1 (3 processes for K=2)
     disagg = [f"parallel.tp={trainers}", "parallel.rollout_placement=disaggregated", f"parallel.rollout_ranks={k}",
-              f"rollout.max_staleness={args.max_staleness}"]
+              f"rollout.max_staleness={args.max_staleness}", f"rollout.partial={str(args.partial).lower()}"]
+    async_name = (f"disaggregated, async k={args.max_staleness}{', partial' if args.partial else ''} ({trainers} "
+                  f"trainer + {k} rollout ranks)")
     plan = [("colocated, synchronous (2 ranks, TP=2)", "colocated", 2, ["parallel.tp=2"], REPO),
-            (f"disaggregated, async k={args.max_staleness} ({trainers} trainer + {k} rollout ranks)", "disaggregated",
-             trainers + k, disagg, REPO)]
+            (f"{async_name}, shares", "disaggregated", trainers + k, disagg, REPO),
+            (f"{async_name}, streamed groups", "streamed", trainers + k,
+             disagg + ["rollout.async_granularity=group"], REPO)]
     if args.compare_code:
         plan.append((f"the same with {args.compare_code}'s trainer", "compared", plan[1][2], disagg,
                      args.compare_code))
@@ -158,7 +180,7 @@ def main(argv=None) -> int:
         print(f"| {r['name']} | {r['steps']} | {r['step_s']:.2f} | {r['samples_per_s']:.3f} | "
               f"{r['samples_per_s'] / base:.2f}x |")
     for r in runs[1:]:
-        print(f"{r['name']}: lags {r['lag']}, parts {r['parts']} per timed step")
+        print(f"{r['name']}: lags {r['lag']}, parts {r['parts']}, groups in flight {r['in_flight']} per timed step")
     return 0
 
 

@@ -19,12 +19,17 @@ k = -1 on all GPUs, generation and training in turn. Weights: the model's bf16 b
 cost a colocated run bytes / --local-sync-gbps + --wake-s per step; a disaggregated run a trainer-side gather
 (bytes / --local-sync-gbps), then bytes / --sync-gbps to the engines, and each engine pauses its slots for
 bytes / engine_tp / --load-gbps when it applies a version.
---granularity: share (the runtime, trainer/rollout_rank.py) splits every batch's groups into K contiguous shares,
-one per engine, and each engine works through its shares batch after batch, on its own within the bound, starting
-its share of batch b+1 once its whole share of b has finished (a rollout rank's loop returns when its last trajectory
-does); group streams groups to any engine with free slots (verl's fully-async, AReaL, slime's fully-async example: the
-streaming design, not built); batch gives each whole batch to one engine (batch b to engine b mod K: the runtime
-before shares), so at most k+2 engines ever work.
+--granularity: share (the runtime's default, trainer/rollout_rank.py) splits every batch's groups into K contiguous
+shares, one per engine, and each engine works through its shares batch after batch, on its own within the bound,
+starting its share of batch b+1 once its whole share of b has finished (a rollout rank's loop returns when its last
+trajectory does); stream (the runtime's rollout.async_granularity=group, trainer/rollout_stream.py) gives group g of
+the draw to engine g mod K, which starts its groups in order as slots free up, across batches, and the trainer takes
+batch b whole (the draw's order: it waits for the batch's slowest group); group streams groups to any engine with
+free slots and the trainer takes the oldest finished groups, whatever their batch (verl's fully-async, AReaL, slime's
+fully-async example; not built: the data order is not the draw's); batch gives each whole batch to one engine (batch
+b to engine b mod K: the runtime before shares), so at most k+2 engines ever work. A trajectory's version is the one
+its engine held when it started (stream: the runtime with rollout.partial=true, whose samples count as their oldest
+token).
 
 Assumptions (all flags; printed with the table): slots and per-sequence decode speed do not depend on load; prefill
 and the trainer's attention FLOPs (s^2) are ignored; trajectories run independently (the runtime's loop batches a
@@ -223,6 +228,7 @@ class Engine:
     running: dict = field(default_factory=dict)   # trajectory id -> [end time, group]
     queue: list = field(default_factory=list)     # groups assigned to it (share / batch granularity)
     busy_batch: int = -1                  # share / batch granularity: the batch it works on
+    next_group: int = -1                  # stream granularity: its next group of the global stream
 
 
 @dataclass
@@ -297,6 +303,14 @@ def simulate(s: Setup, *, train_gpus: int, engines: int, k: int, steps: int, see
 
     def dispatch(t: float) -> None:
         nonlocal next_group
+        if granularity == "stream":  # engine i: groups i, i+K, ... in order, as slots free up, within the bound
+            for i, e in enumerate(eng):
+                e.next_group = i if e.next_group < 0 else e.next_group
+                while (e.next_group < total_groups and admissible(e.next_group // s.batch)
+                       and e.slots - len(e.running) >= s.n):
+                    start_group(t, e, e.next_group)
+                    e.next_group += len(eng)
+            return
         if granularity == "group":
             while next_group < total_groups and admissible(next_group // s.batch):
                 while room and room[0][0] != len(eng[room[0][1]].running):
@@ -502,10 +516,11 @@ def parse_args(argv: Optional[Sequence[str]]):
     p.add_argument("--staleness", type=ints(0), default="0,1,2", help="rollout.max_staleness values k")
     p.add_argument("--rollout-gpus", type=at_least(1), default=None,
                    help="fix the rollout GPUs of the async runs (default: the best of a few whole-node splits)")
-    p.add_argument("--granularity", choices=("share", "group", "batch"), default="share",
-                   help="share: every engine its contiguous share of every batch (the runtime); group: any engine "
-                        "takes the next group (streaming, not built); batch: batch b to engine b mod K (the runtime "
-                        "before shares)")
+    p.add_argument("--granularity", choices=("share", "group", "stream", "batch"), default="share",
+                   help="share: every engine its contiguous share of every batch (the runtime's default); stream: "
+                        "group g on engine g mod K, in order, batches whole (the runtime's streamed groups); group: "
+                        "any engine takes the next group, the trainer any finished groups (not built); batch: batch "
+                        "b to engine b mod K (the runtime before shares)")
     p.add_argument("--dump", default=None, help="a trajectories.jsonl / val_trajectories.jsonl to replay "
                                                 "(default: the CPU demo's, embedded)")
     p.add_argument("--turn-tokens", type=at_least(0, float), default=150.0,
