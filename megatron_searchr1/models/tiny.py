@@ -79,10 +79,6 @@ class TinyModelConfig:
     """Seed for the weights (the tokenizer training is deterministic)."""
     search_tags_as_tokens: bool = True
     """Add the Search-R1 tags as single (normal, non-special) tokens."""
-    whole_tokens: Sequence[str] = ()
-    """Strings the tokenizer keeps whole, one normal token each wherever they occur (added like the tags), e.g.
-    the years of a synthetic world: Qwen2's split, which `transformers` imposes on a qwen2 model's tokenizer,
-    writes every digit alone, so a year is four tokens that a tiny model must copy one by one."""
     num_experts: int = 8
     """MoE archs (qwen3_moe, qwen2_moe): routed experts per layer."""
     experts_per_token: int = 2
@@ -172,8 +168,6 @@ def train_tokenizer(cfg: TinyModelConfig):
     if cfg.search_tags_as_tokens:
         # normalized=False: match the raw text; special=False: kept by decode(skip_special_tokens=True).
         tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in SEARCH_R1_TAGS])
-    if cfg.whole_tokens:
-        tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in cfg.whole_tokens])
     return PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token=PAD_TOKEN, eos_token=IM_END, pad_token=PAD_TOKEN, unk_token=None,
         additional_special_tokens=[IM_START, IM_END], chat_template=CHAT_TEMPLATE, model_max_length=cfg.max_position_embeddings,

@@ -56,30 +56,6 @@ def test_transformers_tokenizes_with_the_split_the_bpe_was_trained_with(arch, tm
     assert len(tok.encode(" born", add_special_tokens=False)) == 1  # the trained merges are the ones applied
 
 
-
-def test_whole_tokens_are_one_token_each_wherever_they_occur(tmp_path):
-    """`whole_tokens` (the demo's years) survive the Qwen2 split that writes every digit alone: one token each, in
-    transformers' tokenizer as in the raw one, and text round-trips."""
-    from tokenizers import Tokenizer
-    from transformers import AutoTokenizer
-
-    corpus = tmp_path / "corpus.txt"
-    corpus.write_text("Ada was born in 1949. Bo was born in 1951.\n" * 200)
-    out = str(tmp_path / "years")
-    make_tiny_model(TinyModelConfig(output_dir=out, text_files=[str(corpus)], vocab_size=300, hidden_size=64,
-                                    intermediate_size=128, num_layers=1, num_heads=2, num_kv_heads=1,
-                                    whole_tokens=["1949", "1951"]))
-    tok, raw = AutoTokenizer.from_pretrained(out), Tokenizer.from_file(os.path.join(out, "tokenizer.json"))
-    text = "<think> born in 1949. </think>\n<answer> 1951 </answer> 19490 1950"
-    ids = tok(text, add_special_tokens=False)["input_ids"]
-    assert ids == raw.encode(text, add_special_tokens=False).ids
-    pieces = [tok.decode([i]) for i in ids]
-    assert pieces.count("1949") == 2 and pieces.count("1951") == 1  # "19490" too: "1949" then "0"
-    assert "1950" not in pieces and pieces[-4:] == ["1", "9", "5", "0"]  # not a whole token: digit by digit
-    assert tok.decode(ids) == text
-    config = json.load(open(os.path.join(out, "config.json")))
-    assert config["vocab_size"] == len(tok)
-
 def test_chat_template_renders(qwen_dir):
     from transformers import AutoTokenizer
 
