@@ -190,6 +190,10 @@ class ParallelConfig:
     rollout_ranks: int = 0
     """Disaggregated placement: how many of the world's ranks (the last ones) only generate; tp / pp / DP apply to
     the other ranks (Config.trainer_world)."""
+    bridge_backend: str = "auto"
+    """Disaggregated placement: how the weight buckets go from trainer rank 0 to the rollout ranks: nccl (GPU to
+    GPU broadcasts), gloo (host memory over sockets), auto (nccl when the device is cuda). Control messages always
+    go over gloo (rollout/remote_sync.py)."""
 
     def __post_init__(self):
         check(self.tp >= 1 and self.pp >= 1, f"parallel.tp and parallel.pp must be >= 1, got {self.tp}, {self.pp}")
@@ -200,6 +204,8 @@ class ParallelConfig:
         check(self.rollout_placement in PLACEMENTS,
               f"parallel.rollout_placement must be colocated or disaggregated, got {self.rollout_placement!r}")
         check(self.rollout_ranks >= 0, f"parallel.rollout_ranks must be >= 0, got {self.rollout_ranks}")
+        check(self.bridge_backend in ("auto", "gloo", "nccl"),
+              f"parallel.bridge_backend must be auto, gloo or nccl, got {self.bridge_backend!r}")
         if self.rollout_placement == "disaggregated":
             check(self.rollout_ranks >= 1, "parallel.rollout_placement=disaggregated needs parallel.rollout_ranks "
                                            ">= 1 (how many ranks only generate)")
