@@ -230,10 +230,14 @@ def device_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
 
 
 def use_device(device: torch.device) -> None:
-    """Make `device` the calling thread's current CUDA device: the current device is per thread, and a new thread
-    starts on GPU 0, where NCCL would create its communicator and streams."""
+    """Make `device` the calling thread's current CUDA device, and a stream of its own the thread's current stream.
+    The device: it is per thread, and a new thread starts on GPU 0, where NCCL would make its communicator. The
+    stream: NCCL's stream waits for the caller's current stream and work.wait() makes that stream wait for NCCL; on
+    the default stream (shared with the main thread) a broadcast would queue behind training or generation kernels
+    and block the ones after it for the whole transfer, or for ever when a peer is dead."""
     if device.type == "cuda":
         torch.cuda.set_device(device)
+        torch.cuda.set_stream(torch.cuda.Stream(device))
 
 
 POLL_SECONDS = 0.002
