@@ -24,20 +24,16 @@ receiving thread per rollout rank, so a rollout rank's send never waits behind a
 failed send or receive on the surviving side ("Connection closed by peer"), which the threads turn into an error
 that names the rank.
 
-The weight bytes on GPUs (`parallel.bridge_backend`: auto = nccl when the device is cuda): a third bridge group,
-`weights_data`, an NCCL group over the same ranks. The control messages (each version's header, STOP) stay on the
-gloo `weights` group; the buckets are NCCL broadcasts from bridge rank 0 to all K rollout ranks, one per bucket, in
-the header's order (NCCL has no tags: both sides issue the same broadcasts in the same order, which the header
-fixes). Each side moves a bucket through one reused device buffer (staging) on its own GPU: trainer rank 0 keeps the
-queued versions in pinned host memory and copies each bucket to staging before broadcasting it; a rollout rank
-copies each received bucket back to pinned host memory, where it waits for the main thread to load it between
-generate calls. Why host memory: up to three versions wait at once (the one being sent, a validated one, the
-newest), each the whole model, and vLLM has taken most of the rollout GPU (gpu_memory_utilization); a device copy
-per waiting version would not fit beside a 7B model. NCCL does not notice a dead peer (a broadcast waits until the
-group's timeout), so both threads wait for a broadcast by polling it and give up when the run stops: the sender when
-close() is given an error, a receiver when trainer rank 0 wrote STOP into torchrun's store (done before the gloo
-STOPs) or its heartbeat stood still. On CPUs (and with bridge_backend=gloo) the buckets go over the gloo `weights`
-group after their header, rank by rank.
+The weight bytes on GPUs (`parallel.bridge_backend`, auto = nccl on cuda): a third bridge group, `weights_data`
+(NCCL). Headers and STOP stay on gloo; each bucket is one NCCL broadcast from bridge rank 0 to all K rollout ranks,
+in the header's order (NCCL has no tags: both sides issue the same broadcasts in the same order). Each side moves a
+bucket through one reused device buffer: trainer rank 0 keeps queued versions in pinned host memory and copies each
+bucket in before broadcasting; a rollout rank copies it out to pinned host memory, where the version waits for the
+main thread's load. Host memory, because up to three versions wait at once, each the whole model, and vLLM holds
+most of the rollout GPU. NCCL does not notice a dead peer (a broadcast waits for the group's timeout), so both
+threads poll their broadcast and give up when the run stops: the sender when close() is given an error, a receiver
+when trainer rank 0 wrote STOP into torchrun's store (before the gloo STOPs) or its heartbeat stood still. On CPUs
+(and with bridge_backend=gloo) each rank gets its buckets over gloo after its header.
 
 Weights travel as WeightSync's buckets (rollout/weight_sync.py: TP gather, HF names, the converter's mapping):
 every trainer rank runs the gather, rank 0 keeps each bucket as one flat byte buffer and a thread sends them
@@ -112,20 +108,16 @@ class RolePlan:
         return 0 if bridge_rank == 0 else self.trainers + bridge_rank - 1
 
 
-BACKENDS = ("auto", "gloo", "nccl")
-
-
 def bridge_backend(choice: str, device: str) -> str:
-    """The backend of the weight buckets between the roles: `parallel.bridge_backend` resolved for this run's device
-    (auto: nccl when it is cuda). nccl without CUDA is a UsageError naming the field (one `error:` line).
+    """The backend of the weight buckets between the roles: `parallel.bridge_backend` (auto | gloo | nccl, checked
+    by the config) resolved for this run's device (auto: nccl when it is cuda). nccl without CUDA is a UsageError
+    naming the field (one `error:` line, exit 2).
 
     >>> bridge_backend("auto", "cuda"), bridge_backend("auto", "cpu"), bridge_backend("gloo", "cuda")
     ('nccl', 'gloo', 'gloo')
     """
     from megatron_searchr1.cli import UsageError
 
-    if choice not in BACKENDS:
-        raise UsageError(f"parallel.bridge_backend must be one of {', '.join(BACKENDS)}, got {choice!r}")
     if choice == "nccl" and device != "cuda":
         raise UsageError(f"parallel.bridge_backend=nccl needs CUDA, but this run's device is {device}: set "
                          "parallel.bridge_backend=auto or gloo")
