@@ -522,6 +522,9 @@ class WeightReceiver:
         """Versions the trainer asked this rank to validate, oldest first (their own buckets: newer versions do not
         replace them, and each is validated: the trainer waits for every report it asked for)."""
         self.received_bytes = 0
+        self.engine_ready = threading.Event()
+        """Set once the engine is built: the NCCL path makes its communicator and staging buffer after that, not
+        while vLLM measures the GPU memory it may take."""
         self._beat = (-1, time.monotonic())  # trainer rank 0's heartbeat counter, and when it last moved
         self._thread = threading.Thread(target=self._run, name="weight-receiver", daemon=True)
         self._thread.start()
@@ -562,6 +565,7 @@ class WeightReceiver:
                     if nccl is None:
                         pg.recv([flat], 0, WEIGHTS_TAG).wait()
                     else:  # the broadcast trainer rank 0 issues for this bucket (module doc), then to host memory
+                        self.engine_ready.wait()
                         view = staging.view(layout.nbytes)
                         await_work(nccl.broadcast(view, 0), self._check_trainer)
                         flat.copy_(view)

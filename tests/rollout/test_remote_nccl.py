@@ -2,9 +2,9 @@
 here): what a GPU run would break on. Every rollout rank takes part in every broadcast, in the order trainer rank 0
 issues them, with the byte counts it sends; the control messages stay on gloo (nothing but pickled objects there); the
 staging buffers are made on the bridge's GPU in bytes, each thread sets that GPU as its own, received buckets wait in
-pinned host memory; STOP reaches every rank left when a rank is gone, also ranks waiting in a broadcast that never
-comes; a rollout rank in a broadcast notices a silent trainer. Plus the backend chosen per device and its config
-check."""
+pinned host memory, and a rollout rank makes no device buffer before its engine is built; STOP reaches every rank
+left when a rank is gone, also ranks waiting in a broadcast that never comes; a rollout rank in a broadcast notices a
+silent trainer. Plus the backend chosen per device and its config check."""
 from __future__ import annotations
 
 import pickle
@@ -154,6 +154,8 @@ def make(k: int, dead=(), store=None, absent=()):
 
     sender = WeightSender(bridge(0), bucket_bytes=1 << 20, dtype=torch.bfloat16)
     receivers = {b: WeightReceiver(bridge(b)) for b in range(1, k + 1) if b not in dead and b not in absent}
+    for r in receivers.values():
+        r.engine_ready.set()
     return sender, receivers, gloo, nccl
 
 
@@ -237,6 +239,7 @@ def test_a_silent_trainer_ends_a_receiver_waiting_in_a_broadcast(fake_gpu, monke
     gloo, nccl = GlooBus(), NcclBus(2)
     receiver = WeightReceiver(Bridge(plan=plan, rank=1, weights=gloo.group(1), weights_data=nccl.group(1),
                                      store=dist.HashStore(), device=torch.device("cuda", GPU)))
+    receiver.engine_ready.set()
     layout = buckets_of(1, [8])[0][0]
     remote_sync.send_object(gloo.group(0), {"version": 1, "layouts": [layout], "validate": False}, 1,
                             remote_sync.WEIGHTS_TAG)  # the header, and then trainer rank 0 says nothing more
@@ -252,3 +255,21 @@ def test_the_backend_follows_the_device_and_nccl_needs_cuda():
     assert load_config(None, []).parallel.bridge_backend == "auto"
     with pytest.raises(ConfigError, match="parallel.bridge_backend must be auto, gloo or nccl, got 'tcp'"):
         load_config(None, ["parallel.bridge_backend=tcp"])
+
+
+def test_a_rollout_rank_joins_no_broadcast_before_its_engine_is_built(fake_gpu):
+    # vLLM sizes its KV cache from the free GPU memory it measures while it builds the engine: the staging buffer and
+    # the NCCL communicator must not appear in the middle of that
+    plan = RolePlan(world=2, rollout_ranks=1)
+    gloo, nccl = GlooBus(), NcclBus(2)
+    receiver = WeightReceiver(Bridge(plan=plan, rank=1, weights=gloo.group(1), weights_data=nccl.group(1),
+                                     store=dist.HashStore(), device=torch.device("cuda", GPU)))
+    sender = WeightSender(Bridge(plan=plan, rank=0, weights=gloo.group(0), weights_data=nccl.group(0),
+                                 store=dist.HashStore(), device=torch.device("cuda", GPU)), 1 << 20, torch.bfloat16)
+    queue_version(sender, 1, buckets_of(1, [16]))
+    with pytest.raises(TimeoutError):
+        receiver.wait_for(1, timeout=1.0)
+    assert 1 not in nccl.log and len(fake_gpu["device_buffer"]) == 1  # the sender's staging buffer only
+    receiver.engine_ready.set()
+    assert receiver.wait_for(1, timeout=30) and len(nccl.log[1]) == 1
+    sender.close()
