@@ -500,6 +500,14 @@ class _StoppedInBroadcast(Exception):
         self.reason = reason
 
 
+class _TrainerSilent(RuntimeError):
+    """Trainer rank 0's heartbeat stood still while this rank waited in an NCCL broadcast."""
+
+
+class _LocalFailure(RuntimeError):
+    """The receiving rank's own failure in the NCCL path (its message says so; not reported as a gone trainer)."""
+
+
 GONE_SECONDS = 10.0
 """A rollout rank in an NCCL broadcast calls trainer rank 0 gone when its heartbeat stood still this long."""
 
@@ -548,7 +556,7 @@ class WeightReceiver:
         if beat != self._beat[0]:
             self._beat = (beat, now)
         elif now - self._beat[1] > GONE_SECONDS and not beats.add("done/0", 0):
-            raise RuntimeError(f"its heartbeat stood still for {GONE_SECONDS:.0f} s during a weight broadcast")
+            raise _TrainerSilent(f"its heartbeat stood still for {GONE_SECONDS:.0f} s during a weight broadcast")
 
     def _run(self) -> None:
         pg, nccl = self.bridge.weights, self.bridge.weights_data
@@ -566,9 +574,14 @@ class WeightReceiver:
                         pg.recv([flat], 0, WEIGHTS_TAG).wait()
                     else:  # the broadcast trainer rank 0 issues for this bucket (module doc), then to host memory
                         self.engine_ready.wait()
-                        view = staging.view(layout.nbytes)
-                        await_work(nccl.broadcast(view, 0), self._check_trainer)
-                        flat.copy_(view)
+                        try:
+                            view = staging.view(layout.nbytes)
+                            await_work(nccl.broadcast(view, 0), self._check_trainer)
+                            flat.copy_(view)
+                        except (_StoppedInBroadcast, _TrainerSilent):
+                            raise
+                        except Exception as e:  # this rank's own failure (out of memory, NCCL), not a gone peer
+                            raise _LocalFailure(f"receiving weights over NCCL failed ({type(e).__name__}: {e})") from e
                     buckets.append((layout, flat))
                 with self._cond:
                     self._latest = (int(header["version"]), buckets)
@@ -580,7 +593,8 @@ class WeightReceiver:
             self._stop(e.reason)
         except BaseException as e:  # noqa: BLE001 (the main thread raises it)
             with self._cond:
-                self._error = f"trainer rank 0 is gone ({type(e).__name__}: {e})"
+                self._error = str(e) if isinstance(e, _LocalFailure) else \
+                    f"trainer rank 0 is gone ({type(e).__name__}: {e})"
                 self._cond.notify_all()
 
     @property

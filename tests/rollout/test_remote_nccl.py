@@ -273,3 +273,20 @@ def test_a_rollout_rank_joins_no_broadcast_before_its_engine_is_built(fake_gpu):
     receiver.engine_ready.set()
     assert receiver.wait_for(1, timeout=30) and len(nccl.log[1]) == 1
     sender.close()
+
+
+def test_a_broadcast_that_fails_on_the_rollout_rank_is_its_own_error_not_a_gone_trainer(fake_gpu, monkeypatch):
+    def out_of_memory(nbytes, device):
+        raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {nbytes} bytes")
+
+    plan = RolePlan(world=2, rollout_ranks=1)
+    gloo, nccl = GlooBus(), NcclBus(2)
+    receiver = WeightReceiver(Bridge(plan=plan, rank=1, weights=gloo.group(1), weights_data=nccl.group(1),
+                                     store=dist.HashStore(), device=torch.device("cuda", GPU)))
+    monkeypatch.setattr(remote_sync, "device_buffer", out_of_memory)
+    receiver.engine_ready.set()
+    layout = buckets_of(1, [8])[0][0]
+    remote_sync.send_object(gloo.group(0), {"version": 1, "layouts": [layout], "validate": False}, 1,
+                            remote_sync.WEIGHTS_TAG)
+    with pytest.raises(RuntimeError, match=r"^receiving weights over NCCL failed \(OutOfMemoryError: CUDA out of"):
+        receiver.wait_for(1, timeout=30)
