@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from megatron_searchr1.config.finetune import FreezeSettings, LoraSettings
-from megatron_searchr1.config.layout import LayoutError, check_engine_layout
+from megatron_searchr1.config.layout import LayoutError, check_engine_layout, no_cuda_reason
 from megatron_searchr1.config.loader import ConfigError, check
 from megatron_searchr1.config.rl_rollout import RetrievalConfig, RolloutConfig  # noqa: F401 (importable from here)
 
@@ -489,6 +489,9 @@ class Config:
               f"parallel.rollout_ranks={p.rollout_ranks} leaves {trainers} trainer ranks of {world_size}, not a "
               f"multiple of parallel.tp * parallel.pp = {mp}: launch `torchrun --nproc_per_node "
               f"{p.rollout_ranks + mp}` (the rollout ranks + a multiple of {mp}) or change parallel.rollout_ranks")
+        no_cuda = p.bridge_backend == "nccl" and no_cuda_reason()
+        check(not no_cuda, f"parallel.bridge_backend=nccl needs CUDA, but {no_cuda}: set parallel.bridge_backend=auto "
+                           "or gloo")
         check(r.engine_tp == 1, f"parallel.rollout_placement=disaggregated runs one engine per rollout rank for "
                                 f"now: set rollout.engine_tp=1 (got {r.engine_tp}) and add rollout ranks instead")
         check(p.pp == 1, f"parallel.rollout_placement=disaggregated supports parallel.pp=1 only for now (got "

@@ -290,3 +290,28 @@ def test_a_broadcast_that_fails_on_the_rollout_rank_is_its_own_error_not_a_gone_
                             remote_sync.WEIGHTS_TAG)
     with pytest.raises(RuntimeError, match=r"^receiving weights over NCCL failed \(OutOfMemoryError: CUDA out of"):
         receiver.wait_for(1, timeout=30)
+
+
+def test_nccl_on_a_machine_without_cuda_is_one_error_line_before_torch_loads(monkeypatch):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    disagg = ["parallel.rollout_placement=disaggregated", "parallel.rollout_ranks=1", "data.val_files=[]",
+              "parallel.bridge_backend=nccl"]
+    monkeypatch.setenv("MEGATRON_SEARCHR1_DEVICE", "cpu")
+    with pytest.raises(ConfigError, match=r"^parallel.bridge_backend=nccl needs CUDA, but MEGATRON_SEARCHR1_DEVICE"):
+        load_config(None, disagg).validate(world_size=3, check_files=False)
+    load_config(None, disagg[:3]).validate(world_size=3, check_files=False)  # auto: fine anywhere
+    # the command line: one `error:` line, exit 2, and torch never imported (python -X importtime lists imports)
+    env = {**os.environ, "WORLD_SIZE": "3", "PYTHONPATH": str(repo)}
+    out = subprocess.run([sys.executable, "-X", "importtime", "-m", "megatron_searchr1.train",
+                          str(repo / "examples/grpo_tiny_cpu.yaml"), *disagg[:2], "parallel.bridge_backend=nccl"],
+                         env=env, capture_output=True, text=True, timeout=120, cwd=repo)
+    lines = [ln for ln in out.stderr.splitlines() if not ln.startswith("import time:")]
+    imported = [ln.split("|")[-1].strip() for ln in out.stderr.splitlines() if ln.startswith("import time:")]
+    assert out.returncode == 2 and lines == ["error: parallel.bridge_backend=nccl needs CUDA, but "
+                                             "MEGATRON_SEARCHR1_DEVICE=cpu: set parallel.bridge_backend=auto or gloo"]
+    assert "torch" not in imported
