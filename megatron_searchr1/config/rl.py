@@ -489,9 +489,6 @@ class Config:
               f"parallel.rollout_ranks={p.rollout_ranks} leaves {trainers} trainer ranks of {world_size}, not a "
               f"multiple of parallel.tp * parallel.pp = {mp}: launch `torchrun --nproc_per_node "
               f"{p.rollout_ranks + mp}` (the rollout ranks + a multiple of {mp}) or change parallel.rollout_ranks")
-        no_cuda = p.bridge_backend == "nccl" and no_cuda_reason()
-        check(not no_cuda, f"parallel.bridge_backend=nccl needs CUDA, but {no_cuda}: set parallel.bridge_backend=auto "
-                           "or gloo")
         check(r.engine_tp == 1, f"parallel.rollout_placement=disaggregated runs one engine per rollout rank for "
                                 f"now: set rollout.engine_tp=1 (got {r.engine_tp}) and add rollout ranks instead")
         check(p.pp == 1, f"parallel.rollout_placement=disaggregated supports parallel.pp=1 only for now (got "
@@ -567,6 +564,10 @@ class Config:
               f"{a.ppo_mini_batch_size}")
         if not check_files:
             return
+        # this machine's part (the planner checks a GPU recipe anywhere, with check_files=False)
+        no_cuda = p.rollout_placement == "disaggregated" and p.bridge_backend == "nccl" and no_cuda_reason()
+        check(not no_cuda, f"parallel.bridge_backend=nccl needs CUDA, but {no_cuda}: set parallel.bridge_backend=auto "
+                           "or gloo")
         check(bool(self.model.path), "model.path is required (a Hugging Face model dir with config.json)")
         hf_json = os.path.join(self.model.path, "config.json")
         check(os.path.isfile(hf_json), f"model.path={self.model.path!r} has no config.json: pass a Hugging Face "

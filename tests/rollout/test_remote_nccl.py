@@ -303,8 +303,8 @@ def test_nccl_on_a_machine_without_cuda_is_one_error_line_before_torch_loads(mon
               "parallel.bridge_backend=nccl"]
     monkeypatch.setenv("MEGATRON_SEARCHR1_DEVICE", "cpu")
     with pytest.raises(ConfigError, match=r"^parallel.bridge_backend=nccl needs CUDA, but MEGATRON_SEARCHR1_DEVICE"):
-        load_config(None, disagg).validate(world_size=3, check_files=False)
-    load_config(None, disagg[:3]).validate(world_size=3, check_files=False)  # auto: fine anywhere
+        load_config(None, disagg).validate(world_size=3)  # this machine's checks come first
+    load_config(None, disagg).validate(world_size=3, check_files=False)  # the planner checks a GPU recipe anywhere
     # the command line: one `error:` line, exit 2, and torch never imported (python -X importtime lists imports)
     env = {**os.environ, "WORLD_SIZE": "3", "PYTHONPATH": str(repo)}
     out = subprocess.run([sys.executable, "-X", "importtime", "-m", "megatron_searchr1.train",
