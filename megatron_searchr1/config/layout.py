@@ -18,6 +18,10 @@ check it against megatron.core's own RankGenerator for every layout up to 64 ran
 """
 from __future__ import annotations
 
+import glob
+import os
+from typing import Optional
+
 
 class LayoutError(ValueError):
     """An engine layout that cannot serve Megatron's replicas; the message names the fields to change."""
@@ -80,3 +84,23 @@ def check_engine_layout(world: int, tp: int, pp: int, engine_tp: int) -> None:
                 f"{len(spanned)} model replicas (rank order tp-dp-pp; replica {spanned[0]} = ranks {first}). "
                 f"With DP > 1 an engine must fit in one tensor-parallel group: set rollout.engine_tp to a divisor "
                 f"of parallel.tp={tp}, or raise parallel.tp / parallel.pp until DP = 1")
+
+
+def no_cuda_reason(env: Optional[dict] = None, nvidia_devices: Optional[list] = None) -> Optional[str]:
+    """Why this launch certainly has no CUDA device, read without torch (None when it may have one): CPU mode
+    asked for, every GPU hidden, or no NVIDIA device file. Lets `parallel.bridge_backend=nccl` be refused before
+    anything heavy loads; the device resolved at start-up decides the rest (rollout/remote_sync.py bridge_backend).
+
+    >>> no_cuda_reason({"MEGATRON_SEARCHR1_DEVICE": "cpu"}, ["/dev/nvidia0"])
+    'MEGATRON_SEARCHR1_DEVICE=cpu'
+    >>> no_cuda_reason({}, []), no_cuda_reason({"CUDA_VISIBLE_DEVICES": "0,1"}, ["/dev/nvidia0"])
+    ('no /dev/nvidia* device here', None)
+    """
+    env = os.environ if env is None else env
+    nvidia_devices = glob.glob("/dev/nvidia[0-9]*") if nvidia_devices is None else nvidia_devices
+    if env.get("MEGATRON_SEARCHR1_DEVICE", "").strip().lower() == "cpu":
+        return "MEGATRON_SEARCHR1_DEVICE=cpu"
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible.strip() in ("", "-1"):
+        return f"CUDA_VISIBLE_DEVICES={visible!r} hides every GPU"
+    return None if nvidia_devices else "no /dev/nvidia* device here"

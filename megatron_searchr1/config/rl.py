@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from megatron_searchr1.config.finetune import FreezeSettings, LoraSettings
-from megatron_searchr1.config.layout import LayoutError, check_engine_layout
+from megatron_searchr1.config.layout import LayoutError, check_engine_layout, no_cuda_reason
 from megatron_searchr1.config.loader import ConfigError, check
 from megatron_searchr1.config.rl_rollout import RetrievalConfig, RolloutConfig  # noqa: F401 (importable from here)
 
@@ -190,6 +190,10 @@ class ParallelConfig:
     rollout_ranks: int = 0
     """Disaggregated placement: how many of the world's ranks (the last ones) only generate; tp / pp / DP apply to
     the other ranks (Config.trainer_world)."""
+    bridge_backend: str = "auto"
+    """Disaggregated placement: how the weight buckets go from trainer rank 0 to the rollout ranks: nccl (GPU to
+    GPU broadcasts), gloo (host memory over sockets), auto (nccl when the device is cuda). Control messages always
+    go over gloo (rollout/remote_sync.py)."""
 
     def __post_init__(self):
         check(self.tp >= 1 and self.pp >= 1, f"parallel.tp and parallel.pp must be >= 1, got {self.tp}, {self.pp}")
@@ -200,6 +204,8 @@ class ParallelConfig:
         check(self.rollout_placement in PLACEMENTS,
               f"parallel.rollout_placement must be colocated or disaggregated, got {self.rollout_placement!r}")
         check(self.rollout_ranks >= 0, f"parallel.rollout_ranks must be >= 0, got {self.rollout_ranks}")
+        check(self.bridge_backend in ("auto", "gloo", "nccl"),
+              f"parallel.bridge_backend must be auto, gloo or nccl, got {self.bridge_backend!r}")
         if self.rollout_placement == "disaggregated":
             check(self.rollout_ranks >= 1, "parallel.rollout_placement=disaggregated needs parallel.rollout_ranks "
                                            ">= 1 (how many ranks only generate)")
@@ -558,6 +564,10 @@ class Config:
               f"{a.ppo_mini_batch_size}")
         if not check_files:
             return
+        # this machine's part (the planner checks a GPU recipe anywhere, with check_files=False)
+        no_cuda = p.rollout_placement == "disaggregated" and p.bridge_backend == "nccl" and no_cuda_reason()
+        check(not no_cuda, f"parallel.bridge_backend=nccl needs CUDA, but {no_cuda}: set parallel.bridge_backend=auto "
+                           "or gloo")
         check(bool(self.model.path), "model.path is required (a Hugging Face model dir with config.json)")
         hf_json = os.path.join(self.model.path, "config.json")
         check(os.path.isfile(hf_json), f"model.path={self.model.path!r} has no config.json: pass a Hugging Face "

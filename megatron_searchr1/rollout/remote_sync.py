@@ -20,10 +20,20 @@ must join, and nothing depends on the order in which the roles start.
 The bridge: two gloo process groups over the same store between trainer rank 0 (bridge rank 0) and the rollout
 ranks (bridge ranks 1..K): `weights` (trainer -> rollout) and `batches` (rollout -> trainer), driven by threads of
 their own, so a send in one direction never waits behind the other; on trainer rank 0 the batches channel has one
-receiving thread per rollout rank, so a rollout rank's send never waits behind another rank's. gloo moves host
-memory (no NCCL between roles yet: the weights go device -> host -> socket -> host -> engine). A dead peer shows as a
+receiving thread per rollout rank, so a rollout rank's send never waits behind another rank's. A dead peer shows as a
 failed send or receive on the surviving side ("Connection closed by peer"), which the threads turn into an error
 that names the rank.
+
+The weight bytes on GPUs (`parallel.bridge_backend`, auto = nccl on cuda): a third bridge group, `weights_data`
+(NCCL). Headers and STOP stay on gloo; each bucket is one NCCL broadcast from bridge rank 0 to all K rollout ranks,
+in the header's order (NCCL has no tags: both sides issue the same broadcasts in the same order). Each side moves a
+bucket through one reused device buffer: trainer rank 0 keeps queued versions in pinned host memory and copies each
+bucket in before broadcasting; a rollout rank copies it out to pinned host memory, where the version waits for the
+main thread's load. Host memory, because up to three versions wait at once, each the whole model, and vLLM holds
+most of the rollout GPU. NCCL does not notice a dead peer (a broadcast waits for the group's timeout), so both
+threads poll their broadcast and give up when the run stops: the sender when close() is given an error, a receiver
+when trainer rank 0 wrote STOP into torchrun's store (before the gloo STOPs) or its heartbeat stood still. On CPUs
+(and with bridge_backend=gloo) each rank gets its buckets over gloo after its header.
 
 Weights travel as WeightSync's buckets (rollout/weight_sync.py: TP gather, HF names, the converter's mapping):
 every trainer rank runs the gather, rank 0 keeps each bucket as one flat byte buffer and a thread sends them
@@ -98,6 +108,22 @@ class RolePlan:
         return 0 if bridge_rank == 0 else self.trainers + bridge_rank - 1
 
 
+def bridge_backend(choice: str, device: str) -> str:
+    """The backend of the weight buckets between the roles: `parallel.bridge_backend` (auto | gloo | nccl, checked
+    by the config) resolved for this run's device (auto: nccl when it is cuda). nccl without CUDA is a UsageError
+    naming the field (one `error:` line, exit 2).
+
+    >>> bridge_backend("auto", "cuda"), bridge_backend("auto", "cpu"), bridge_backend("gloo", "cuda")
+    ('nccl', 'gloo', 'gloo')
+    """
+    from megatron_searchr1.cli import UsageError
+
+    if choice == "nccl" and device != "cuda":
+        raise UsageError(f"parallel.bridge_backend=nccl needs CUDA, but this run's device is {device}: set "
+                         "parallel.bridge_backend=auto or gloo")
+    return "nccl" if choice == "nccl" or (choice == "auto" and device == "cuda") else "gloo"
+
+
 @dataclass
 class Bridge:
     """This process's place in the disaggregated job: its role, and on trainer rank 0 / rollout ranks the two
@@ -111,6 +137,10 @@ class Bridge:
     timeout: datetime.timedelta = datetime.timedelta(minutes=30)
     store: Any = None
     """torchrun's store (the heartbeats live under their own prefix in it)."""
+    weights_data: Any = None
+    """The NCCL group that carries the weight buckets (bridge_backend nccl), None when they go over `weights`."""
+    device: torch.device = torch.device("cpu")
+    """This rank's device: where the staging buffer of the NCCL path lives."""
 
     @property
     def role(self) -> str:
@@ -121,10 +151,10 @@ class Bridge:
         return self.plan.bridge_rank(self.rank)
 
 
-def init_role_world(plan: RolePlan, rank: int, device: str, timeout_minutes: int) -> Bridge:
+def init_role_world(plan: RolePlan, rank: int, device: str, timeout_minutes: int, backend: str = "gloo") -> Bridge:
     """Join this rank's role world as the default process group (module doc) and, on trainer rank 0 and the
-    rollout ranks, the bridge groups. Every rank of the job calls it once, before anything else uses
-    torch.distributed."""
+    rollout ranks, the bridge groups (with `backend` "nccl" (bridge_backend) also the NCCL group of the weight
+    buckets). Every rank of the job calls it once, before anything else uses torch.distributed."""
     from megatron_searchr1.megatron.initialize import process_group_kwargs
 
     if dist.is_initialized():
@@ -139,7 +169,8 @@ def init_role_world(plan: RolePlan, rank: int, device: str, timeout_minutes: int
     dist.init_process_group(**process_group_kwargs(device, local_rank, timeout_minutes),
                             store=dist.PrefixStore(f"{STORE_PREFIX}/{role}", store),
                             rank=plan.role_rank(rank), world_size=size)
-    bridge = Bridge(plan, rank, timeout=timeout, store=store)
+    bridge = Bridge(plan, rank, timeout=timeout, store=store,
+                    device=torch.device("cuda", local_rank) if device == "cuda" else torch.device("cpu"))
     b = plan.bridge_rank(rank)
     if b is not None:
         n = plan.rollout_ranks + 1
@@ -147,6 +178,11 @@ def init_role_world(plan: RolePlan, rank: int, device: str, timeout_minutes: int
                                                timeout)
         bridge.batches = dist.ProcessGroupGloo(dist.PrefixStore(f"{STORE_PREFIX}/bridge/batches", store), b, n,
                                                timeout)
+        if backend == "nccl":  # communicator made at the first broadcast, on the device the sending thread set
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = timeout
+            bridge.weights_data = dist.ProcessGroupNCCL(
+                dist.PrefixStore(f"{STORE_PREFIX}/bridge/weights-nccl", store), b, n, opts)
     return bridge
 
 
@@ -175,17 +211,74 @@ def recv_object(pg, src: int, tag: int = BATCHES_TAG) -> Any:
     return pickle.loads(buf.numpy().tobytes())
 
 
+def host_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
+    """A flat byte buffer in host memory, pinned when `device` is a GPU (fast copies to and from it)."""
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+
+
+def device_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
+    """The NCCL path's staging buffer: flat bytes on this rank's GPU."""
+    return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+
+def use_device(device: torch.device) -> None:
+    """Make `device` the calling thread's current CUDA device, and a stream of its own the thread's current stream.
+    The device: it is per thread, and a new thread starts on GPU 0, where NCCL would make its communicator. The
+    stream: NCCL's stream waits for the caller's current stream and work.wait() makes that stream wait for NCCL; on
+    the default stream (shared with the main thread) a broadcast would queue behind training or generation kernels
+    and block the ones after it for the whole transfer, or for ever when a peer is dead."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        torch.cuda.set_stream(torch.cuda.Stream(device))
+
+
+POLL_SECONDS = 0.002
+"""How often a thread looks whether its NCCL broadcast finished (it sleeps in between, releasing the GIL)."""
+
+
+def await_work(work, check, every: float = 1.0) -> None:
+    """Wait for an NCCL work (a broadcast) by polling it, calling `check()` every `every` seconds, which raises to
+    stop waiting (NCCL itself would wait for a dead peer until the group's timeout)."""
+    last = time.monotonic()
+    while not work.is_completed():
+        time.sleep(POLL_SECONDS)
+        if time.monotonic() - last >= every:
+            last = time.monotonic()
+            check()
+    work.wait()
+
+
+class _Staging:
+    """One reused device buffer for the buckets of the NCCL path (grown to the largest bucket seen); views of it
+    are the broadcast tensors, so sender and receivers hand NCCL tensors of the same byte count."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.buf = device, None
+
+    def view(self, nbytes: int) -> torch.Tensor:
+        if self.buf is None or self.buf.numel() < nbytes:
+            self.buf = None  # the old buffer goes back to the allocator first
+            self.buf = device_buffer(nbytes, self.device)
+        return self.buf[:nbytes]
+
+
+STOP_KEY = f"{STORE_PREFIX}/bridge/stop"
+"""The store key where trainer rank 0 writes STOP's reason ("" for a clean end) before the gloo STOPs: a rollout rank
+waiting in an NCCL broadcast that will never come reads it there."""
+
+
 class _BucketCollector:
     """Stands in for an engine in WeightSync.sync on trainer rank 0: keeps each bucket as one flat byte buffer
-    (the sync's views are valid during its call only)."""
+    in host memory (the sync's views are valid during its call only)."""
 
-    def __init__(self):
+    def __init__(self, device: torch.device = torch.device("cpu")):
         self.buckets: list[tuple[BucketLayout, torch.Tensor]] = []
+        self.device = device
 
     def load_weights(self, pairs) -> None:
         pairs = list(pairs)
         layout = layout_bucket([(n, tuple(t.shape), t.dtype) for n, t in pairs])
-        flat = torch.empty(layout.nbytes, dtype=torch.uint8)
+        flat = host_buffer(layout.nbytes, self.device)
         pack_bucket([t.detach().cpu() for _, t in pairs], layout, out=flat)
         self.buckets.append((layout, flat))
 
@@ -292,8 +385,11 @@ class WeightSender:
         self._closing = False
         self._pending: Optional[list] = None  # [(version, buckets, validate)]: at most the validated one + newest
         self._reason: Optional[str] = None
+        self._abandon: Optional[str] = None  # close()'s error: a broadcast in flight is given up
         self.last_send_seconds = 0.0
         self.sent_versions: list[int] = []
+        self.sent_bytes = 0
+        """Bucket bytes sent per rollout rank (what each rank receives), over every version sent."""
         self._thread = None
         if self.leader:
             self._thread = threading.Thread(target=self._run, name="weight-sender", daemon=True)
@@ -305,7 +401,7 @@ class WeightSender:
         validated version is then sent first). Returns the `sync/remote_*` metrics (without the prefix), the same
         on every trainer rank."""
         self.raise_if_failed()
-        collector = _BucketCollector() if self.leader else None
+        collector = _BucketCollector(self.bridge.device) if self.leader else None
         stats = weight_sync.sync_weights(policy.model, collector, policy.mapping, bucket_bytes=self.bucket_bytes,
                                          dtype=self.dtype, transport="auto")
         if self.leader:
@@ -319,10 +415,37 @@ class WeightSender:
         if self._error is not None:
             raise RuntimeError(f"sending weights to the rollout ranks failed: {self._error}") from self._error
 
+    def _send_version(self, version: int, buckets: list, validate: bool, gone: set) -> None:
+        """One version to every rollout rank: over gloo, per rank its header then its buckets; with the NCCL group,
+        the header to every rank (gloo), then one broadcast per bucket (module doc)."""
+        pg, plan, nccl = self.bridge.weights, self.bridge.plan, self.bridge.weights_data
+        header = {"version": version, "layouts": [lay for lay, _ in buckets], "validate": validate}
+        for dst in range(1, plan.rollout_ranks + 1):
+            try:
+                send_object(pg, header, dst, WEIGHTS_TAG)
+                for _, flat in buckets if nccl is None else ():
+                    send_tensor(pg, flat, dst, WEIGHTS_TAG)
+            except RuntimeError as e:
+                gone.add(dst)
+                raise RuntimeError(f"rollout rank {plan.global_rank(dst)} is gone ({e})") from e
+        for _, flat in buckets if nccl is not None else ():
+            # slime and verl broadcast from trainer rank 0 to every engine rank of one group (verl: 2 GiB buckets
+            # in a double device buffer; slime: 512 MiB); ours waits by polling so close() can abandon it
+            view = self._staging.view(flat.numel())
+            view.copy_(flat, non_blocking=True)  # NCCL's stream waits for this thread's stream: ordered
+            await_work(nccl.broadcast(view, 0), self._check_abandon)
+        self.sent_bytes += sum(flat.numel() for _, flat in buckets)
+
+    def _check_abandon(self) -> None:
+        if self._abandon is not None:
+            raise RuntimeError(f"a weight broadcast was abandoned: {self._abandon}")
+
     def _run(self) -> None:
         pg, plan = self.bridge.weights, self.bridge.plan
         gone: set[int] = set()
+        self._staging = _Staging(self.bridge.device)
         try:
+            use_device(self.bridge.device)
             while True:
                 with self._cond:
                     self._cond.wait_for(lambda: self._pending is not None or self._closing)
@@ -331,23 +454,21 @@ class WeightSender:
                     break
                 for version, buckets, validate in items:
                     start = time.perf_counter()
-                    for dst in range(1, plan.rollout_ranks + 1):
-                        try:
-                            send_object(pg, {"version": version, "layouts": [lay for lay, _ in buckets],
-                                             "validate": validate}, dst, WEIGHTS_TAG)
-                            for _, flat in buckets:
-                                send_tensor(pg, flat, dst, WEIGHTS_TAG)
-                        except RuntimeError as e:
-                            gone.add(dst)
-                            raise RuntimeError(f"rollout rank {plan.global_rank(dst)} is gone ({e})") from e
+                    self._send_version(version, buckets, validate, gone)
                     self.last_send_seconds = time.perf_counter() - start
                     self.sent_versions.append(version)
         except BaseException as e:  # noqa: BLE001 (reported to the trainer's thread by raise_if_failed)
             self._error = e
         finally:
             # every rollout rank still there hears STOP, also when sending to another one failed: a rollout rank
-            # that waits for weights would otherwise wait for ever (on other nodes nothing else ends it)
+            # that waits for weights would otherwise wait for ever (on other nodes nothing else ends it); one in an
+            # NCCL broadcast reads it from the store
             reason = self._reason if self._error is None else (self._reason or str(self._error))
+            if self.bridge.weights_data is not None and self.bridge.store is not None:
+                try:
+                    self.bridge.store.set(STOP_KEY, reason or "")
+                except Exception as e:  # noqa: BLE001 (the store is gone: the job is ending)
+                    self._error = self._error or e
             for dst in range(1, plan.rollout_ranks + 1):
                 if dst not in gone:
                     try:
@@ -365,15 +486,36 @@ class WeightSender:
             self._reason = reason
             if reason is not None:
                 self._pending = None
+                self._abandon = f"the trainer stopped: {reason}"
             self._closing = True
             self._cond.notify_all()
         self._thread.join(timeout=timeout)
 
 
+class _StoppedInBroadcast(Exception):
+    """Trainer rank 0 wrote STOP into the store while this rank waited in an NCCL broadcast."""
+
+    def __init__(self, reason: Optional[str]):
+        super().__init__(reason)
+        self.reason = reason
+
+
+class _TrainerSilent(RuntimeError):
+    """Trainer rank 0's heartbeat stood still while this rank waited in an NCCL broadcast."""
+
+
+class _LocalFailure(RuntimeError):
+    """The receiving rank's own failure in the NCCL path (its message says so; not reported as a gone trainer)."""
+
+
+GONE_SECONDS = 10.0
+"""A rollout rank in an NCCL broadcast calls trainer rank 0 gone when its heartbeat stood still this long."""
+
+
 class WeightReceiver:
     """The rollout side of the weights: a thread receives every version trainer rank 0 sends and keeps the newest
-    (host memory); the main thread loads it into its engine between generate calls (`apply`), so the engine is never
-    touched from two threads."""
+    (host memory, pinned on GPUs: module doc); the main thread loads it into its engine between generate calls
+    (`apply`), so the engine is never touched from two threads."""
 
     def __init__(self, bridge: Bridge):
         self.bridge = bridge
@@ -388,24 +530,58 @@ class WeightReceiver:
         """Versions the trainer asked this rank to validate, oldest first (their own buckets: newer versions do not
         replace them, and each is validated: the trainer waits for every report it asked for)."""
         self.received_bytes = 0
+        self.engine_ready = threading.Event()
+        """Set once the engine is built: the NCCL path makes its communicator and staging buffer after that, not
+        while vLLM measures the GPU memory it may take."""
+        self._beat = (-1, time.monotonic())  # trainer rank 0's heartbeat counter, and when it last moved
         self._thread = threading.Thread(target=self._run, name="weight-receiver", daemon=True)
         self._thread.start()
 
+    def _stop(self, reason: Optional[str]) -> None:
+        with self._cond:
+            self.stop_reason = reason
+            self.stopped = True
+            self._cond.notify_all()
+
+    def _check_trainer(self) -> None:
+        """While in an NCCL broadcast: raise when trainer rank 0 said STOP (in the store) or its heartbeat stood
+        still for GONE_SECONDS."""
+        store = self.bridge.store
+        if store is None:
+            return
+        if store.check([STOP_KEY]):
+            raise _StoppedInBroadcast(store.get(STOP_KEY).decode() or None)
+        beats = dist.PrefixStore(f"{STORE_PREFIX}/heartbeat", store)
+        beat, now = beats.add("beat/0", 0), time.monotonic()
+        if beat != self._beat[0]:
+            self._beat = (beat, now)
+        elif now - self._beat[1] > GONE_SECONDS and not beats.add("done/0", 0):
+            raise _TrainerSilent(f"its heartbeat stood still for {GONE_SECONDS:.0f} s during a weight broadcast")
+
     def _run(self) -> None:
-        pg = self.bridge.weights
+        pg, nccl = self.bridge.weights, self.bridge.weights_data
+        staging = _Staging(self.bridge.device)
         try:
+            use_device(self.bridge.device)
             while True:
                 header = recv_object(pg, 0, WEIGHTS_TAG)
                 if is_stop(header):
-                    with self._cond:
-                        self.stop_reason = header[STOP]
-                        self.stopped = True
-                        self._cond.notify_all()
-                    return
+                    return self._stop(header[STOP])
                 buckets = []
                 for layout in header["layouts"]:
-                    flat = torch.empty(layout.nbytes, dtype=torch.uint8)
-                    pg.recv([flat], 0, WEIGHTS_TAG).wait()
+                    flat = host_buffer(layout.nbytes, self.bridge.device)
+                    if nccl is None:
+                        pg.recv([flat], 0, WEIGHTS_TAG).wait()
+                    else:  # the broadcast trainer rank 0 issues for this bucket (module doc), then to host memory
+                        self.engine_ready.wait()
+                        try:
+                            view = staging.view(layout.nbytes)
+                            await_work(nccl.broadcast(view, 0), self._check_trainer)
+                            flat.copy_(view)
+                        except (_StoppedInBroadcast, _TrainerSilent):
+                            raise
+                        except Exception as e:  # this rank's own failure (out of memory, NCCL), not a gone peer
+                            raise _LocalFailure(f"receiving weights over NCCL failed ({type(e).__name__}: {e})") from e
                     buckets.append((layout, flat))
                 with self._cond:
                     self._latest = (int(header["version"]), buckets)
@@ -413,9 +589,12 @@ class WeightReceiver:
                         self.due.append(self._latest)
                     self.received_bytes += sum(lay.nbytes for lay, _ in buckets)
                     self._cond.notify_all()
+        except _StoppedInBroadcast as e:  # the version in flight is dropped; the run is over
+            self._stop(e.reason)
         except BaseException as e:  # noqa: BLE001 (the main thread raises it)
             with self._cond:
-                self._error = f"trainer rank 0 is gone ({type(e).__name__}: {e})"
+                self._error = str(e) if isinstance(e, _LocalFailure) else \
+                    f"trainer rank 0 is gone ({type(e).__name__}: {e})"
                 self._cond.notify_all()
 
     @property

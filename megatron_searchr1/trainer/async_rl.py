@@ -72,8 +72,8 @@ from megatron_searchr1.data.rl_data import dp_shard
 from megatron_searchr1.rollout.async_buffer import AsyncBuffer, BufferClosed, GeneratedBatch, lag, version_metrics
 from megatron_searchr1.rollout.batch_parts import PartAssembler, assemble_report, contributors
 from megatron_searchr1.rollout.remote_sync import (BATCHES_TAG, DONE, ROLLOUT, Bridge, Heartbeat, RolePlan,
-                                                   WeightSender, init_role_world, name_ranks, recv_object,
-                                                   send_object)
+                                                   WeightSender, bridge_backend, init_role_world, name_ranks,
+                                                   recv_object, send_object)
 from megatron_searchr1.search.client import RetrievalDown
 from megatron_searchr1.trainer.rl import Trainer
 from megatron_searchr1.trainer.rollout_rank import serve_rollouts
@@ -85,8 +85,9 @@ def run_disaggregated(cfg) -> int:
     from megatron_searchr1.megatron.initialize import resolve_device
 
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
-    plan = RolePlan(world, cfg.parallel.rollout_ranks)
-    bridge = init_role_world(plan, rank, resolve_device(), cfg.parallel.timeout_minutes)
+    plan, device = RolePlan(world, cfg.parallel.rollout_ranks), resolve_device()
+    backend = bridge_backend(cfg.parallel.bridge_backend, device)  # nccl without CUDA: one error line, exit 2
+    bridge = init_role_world(plan, rank, device, cfg.parallel.timeout_minutes, backend)
     heartbeat = Heartbeat(bridge.store, rank)
     try:
         if bridge.role == ROLLOUT:

@@ -96,6 +96,7 @@ def serve_rollouts(cfg, bridge: Bridge) -> None:
             print(f"rank {bridge.rank} (rollout): started the retrieval server {url} for this node's rollout ranks",
                   flush=True)
     engine = make_engine(r.engine, cfg.model.path, **engine_kwargs(cfg, dist.get_rank()))
+    receiver.engine_ready.set()  # weights over NCCL: its buffers come after vLLM took its share of the GPU
     client = RetrievalClient(url, topk=q.topk, timeout=q.timeout)
     guard = SearchGuard(client.search, url, q.max_error_rate, q.max_failed_rounds)
     settings, val_settings = settings_from_config(r, stop_token_ids(tokenizer, cfg.model.path), t.seed)
