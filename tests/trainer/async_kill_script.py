@@ -1,6 +1,6 @@
 """`python -m megatron_searchr1.train ...` in which one rank dies hard (os._exit(9), no message): the rollout rank (the
-last one) as it starts generating its second batch, or, with ASYNC_DIE_RANK=1, trainer rank 1 as it takes its
-second batch. tests/trainer/test_async_rl.py checks that every other rank stops with an error naming the dead one
+last one) as it starts generating its second batch (streamed groups: at its fourth turn of the pool), or, with
+ASYNC_DIE_RANK=1, trainer rank 1 as it takes its second batch. tests/trainer/test_async_rl.py checks that every other rank stops with an error naming the dead one
 instead of waiting."""
 from __future__ import annotations
 
@@ -22,6 +22,16 @@ if __name__ == "__main__":
             return real(*args, **kw)
 
         loop.run_rollout = dying_run_rollout  # serve_rollouts calls it through the module
+        if "rollout.async_granularity=group" in sys.argv:  # streamed groups: one turn of the pool per call
+            real_advance, turns = loop.advance, []
+
+            def dying_advance(*args, **kw):
+                turns.append(1)
+                if len(turns) == 4:  # past the first batch's groups (2 per rank, at most 2 turns each)
+                    os._exit(9)
+                return real_advance(*args, **kw)
+
+            loop.advance = dying_advance  # rollout_stream calls it through the module
     elif rank == die:
         from megatron_searchr1.trainer.async_rl import AsyncTrainer
 

@@ -175,22 +175,25 @@ def test_disaggregated_grpo_keeps_the_bound_overlaps_and_syncs(world, tiny_model
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("die", ["rollout", "rollout-of-two", "trainer"])
+@pytest.mark.parametrize("die", ["rollout", "rollout-of-two", "rollout-streamed", "trainer"])
 def test_a_dead_rank_stops_every_other_rank_with_its_name(world, tiny_model, server, tmp_path, die):
     # rollout: the rollout rank (rank 2) exits with code 9 as it starts batch 1; the trainer ranks find out by the
     # closed connection. rollout-of-two: 1 trainer and 2 rollout ranks, the last dies as it starts its share of batch
     # 1 while the other's parts keep coming: trainer rank 0's receiving thread for the dead one names it.
+    # rollout-streamed: the same ranks streaming GRPO groups (rollout.async_granularity=group); the last dies at its
+    # fourth turn of the pool, and the other hears STOP wherever it is (between turns, or waiting for weights).
     # trainer: trainer rank 1 exits with code 9 as it takes its second batch; rank 0 finds out in the next
     # collective and names it (heartbeats), then stops the rollout rank with that reason
     out = str(tmp_path / f"killed_{die}")
     env = {"ASYNC_DIE_RANK": "1" if die == "trainer" else "2"}
     args = async_args(world, tiny_model, server, out, k=0)
     start = time.time()
-    proc = script_run("async_kill_script.py", two_rollout_ranks(args) if die == "rollout-of-two" else args, env,
-                      timeout=600)
+    if die.startswith("rollout-"):
+        args = two_rollout_ranks(args) + (["rollout.async_granularity=group"] if die == "rollout-streamed" else [])
+    proc = script_run("async_kill_script.py", args, env, timeout=600)
     log = proc.stdout + proc.stderr
     assert proc.returncode != 0, log[-3000:]
-    if die == "rollout-of-two":
+    if die in ("rollout-of-two", "rollout-streamed"):
         assert "rollout rank 2 is gone" in log and "rollout rank 1 is gone" not in log, log[-5000:]
     elif die == "rollout":
         assert log.count("rollout rank 2 is gone") >= 2, log[-5000:]  # both trainer ranks say it
