@@ -1,7 +1,7 @@
 """`python -m megatron_searchr1.train ...` in which one rank dies hard (os._exit(9), no message): the rollout rank (the
 last one) as it starts generating its second batch (streamed groups: at its fourth turn of the pool), or, with
-ASYNC_DIE_RANK=1, trainer rank 1 as it takes its second batch. tests/trainer/test_async_rl.py checks that every other rank stops with an error naming the dead one
-instead of waiting."""
+ASYNC_DIE_RANK=1, trainer rank 1 as it takes its second batch. tests/trainer/test_async_rl.py checks that every
+other rank stops with an error naming the dead one instead of waiting."""
 from __future__ import annotations
 
 import os
