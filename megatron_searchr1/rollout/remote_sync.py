@@ -296,6 +296,12 @@ def is_stop(msg) -> bool:
     return isinstance(msg, dict) and STOP in msg
 
 
+def heartbeat_counts(store, ranks) -> dict[int, tuple[int, int]]:
+    """(beats, done) of each of `ranks`, read from torchrun's `store` (Heartbeat's counters) without moving them."""
+    beats = dist.PrefixStore(f"{STORE_PREFIX}/heartbeat", store)
+    return {r: (beats.add(f"beat/{r}", 0), beats.add(f"done/{r}", 0)) for r in ranks}
+
+
 class Heartbeat:
     """Liveness of every rank of the job, through torchrun's store (which the agent holds, so it outlives any
     worker): a daemon thread adds 1 to this rank's counter every `interval` seconds; `gone(ranks)` reads the
@@ -303,6 +309,7 @@ class Heartbeat:
     `done()` (a clean exit). Counters, not clocks: nodes need not agree on the time."""
 
     def __init__(self, store, rank: int, interval: float = 1.0):
+        self.raw_store = store
         self.store = dist.PrefixStore(f"{STORE_PREFIX}/heartbeat", store)
         self.rank, self.interval = rank, interval
         self._stop = threading.Event()
@@ -320,17 +327,14 @@ class Heartbeat:
             except Exception:  # noqa: BLE001 (the store is gone: the job is ending; nothing to report here)
                 return
 
-    def _counts(self, ranks) -> dict[int, tuple[int, int]]:
-        return {r: (self.store.add(f"beat/{r}", 0), self.store.add(f"done/{r}", 0)) for r in ranks}
-
     def gone(self, ranks, wait: Optional[float] = None) -> list[int]:
         """Which of `ranks` stopped beating without saying done (blocks `wait` seconds, default 3 intervals);
         [] when the store itself cannot be read."""
         ranks = [r for r in ranks if r != self.rank]
         try:
-            before = self._counts(ranks)
+            before = heartbeat_counts(self.raw_store, ranks)
             time.sleep(3 * self.interval if wait is None else wait)
-            after = self._counts(ranks)
+            after = heartbeat_counts(self.raw_store, ranks)
         except Exception:  # noqa: BLE001
             return []
         return [r for r in ranks if after[r][0] == before[r][0] and not after[r][1]]
@@ -551,11 +555,10 @@ class WeightReceiver:
             return
         if store.check([STOP_KEY]):
             raise _StoppedInBroadcast(store.get(STOP_KEY).decode() or None)
-        beats = dist.PrefixStore(f"{STORE_PREFIX}/heartbeat", store)
-        beat, now = beats.add("beat/0", 0), time.monotonic()
+        (beat, done), now = heartbeat_counts(store, [0])[0], time.monotonic()
         if beat != self._beat[0]:
             self._beat = (beat, now)
-        elif now - self._beat[1] > GONE_SECONDS and not beats.add("done/0", 0):
+        elif now - self._beat[1] > GONE_SECONDS and not done:
             raise _TrainerSilent(f"its heartbeat stood still for {GONE_SECONDS:.0f} s during a weight broadcast")
 
     def _run(self) -> None:
