@@ -4,7 +4,8 @@ issues them, with the byte counts it sends; the control messages stay on gloo (n
 staging buffers are made on the bridge's GPU in bytes, each thread sets that GPU as its own, received buckets wait in
 pinned host memory, and a rollout rank makes no device buffer before its engine is built; STOP reaches every rank
 left when a rank is gone, also ranks waiting in a broadcast that never comes; a rollout rank in a broadcast notices a
-silent trainer. Plus the backend chosen per device and its config check."""
+silent trainer. The same stop rule on the CPU bridge (buckets over gloo). Plus the backend chosen per device and its
+config check."""
 from __future__ import annotations
 
 import pickle
@@ -141,16 +142,18 @@ def buckets_of(version: int, sizes: list[int]) -> list:
     return out
 
 
-def make(k: int, dead=(), store=None, absent=()):
+def make(k: int, dead=(), store=None, absent=(), over_nccl: bool = True):
     """Trainer rank 0's sender and the receivers of the rollout ranks not in `dead` / `absent` (an absent rank takes
-    its gloo messages but never joins a broadcast: it died after its header)."""
+    its gloo messages but never joins a broadcast: it died after its header). `over_nccl=False`: the CPU bridge, whose
+    buckets go over gloo after each header."""
     plan = RolePlan(world=1 + k, rollout_ranks=k)
     gloo, nccl = GlooBus(dead), NcclBus(k + 1)
     store = store if store is not None else dist.HashStore()
 
     def bridge(b):
-        return Bridge(plan=plan, rank=plan.global_rank(b), weights=gloo.group(b), weights_data=nccl.group(b),
-                      store=store, device=torch.device("cuda", GPU))
+        return Bridge(plan=plan, rank=plan.global_rank(b), weights=gloo.group(b),
+                      weights_data=nccl.group(b) if over_nccl else None, store=store,
+                      device=torch.device("cuda", GPU) if over_nccl else torch.device("cpu"))
 
     sender = WeightSender(bridge(0), bucket_bytes=1 << 20, dtype=torch.bfloat16)
     receivers = {b: WeightReceiver(bridge(b)) for b in range(1, k + 1) if b not in dead and b not in absent}
@@ -218,6 +221,30 @@ def test_a_dead_rank_before_the_broadcast_still_stops_every_rank_left(fake_gpu):
         assert receivers[b].stopped and "rollout rank 2 is gone" in receivers[b].stop_reason
         assert receivers[b].latest_version == -1
     assert "rollout rank 2 is gone" in store.get(STOP_KEY).decode()
+
+
+def test_over_gloo_a_failed_send_still_stops_every_rollout_rank_left():
+    # the CPU bridge: rank 1 had version 1 before the send to rank 2 failed, rank 3 never got it; both hear STOP
+    # with the reason (a rank left waiting for weights would wait for ever: nothing else ends it on another node)
+    sender, receivers, gloo, _ = make(k=3, dead={2}, over_nccl=False)
+    queue_version(sender, 1, buckets_of(1, [32]))
+    sender._thread.join(timeout=30)
+    assert not sender._thread.is_alive() and "rollout rank 2 is gone" in str(sender._error)
+    for b in (1, 3):
+        receivers[b].wait_stop(timeout=30)
+        assert receivers[b].stopped and "rollout rank 2 is gone" in receivers[b].stop_reason
+    assert receivers[1].latest_version == 1 and receivers[3].latest_version == -1
+    assert not any(d == 2 for _, d, _ in gloo.log)
+
+
+def test_over_gloo_a_clean_close_sends_every_version_then_stop_without_a_reason():
+    sender, receivers, _, _ = make(k=2, over_nccl=False)
+    queue_version(sender, 1, buckets_of(1, [32, 16]))
+    sender.close()
+    assert sender._error is None
+    for r in receivers.values():
+        r.wait_stop(timeout=30)
+        assert r.stop_reason is None and r.latest_version == 1 and r.received_bytes == sender.sent_bytes > 0
 
 
 def test_a_rank_gone_during_a_broadcast_lets_close_stop_the_others(fake_gpu):
