@@ -13,9 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_searchr1.models.convert import (
-    ConversionError, SafetensorsReader, _check_sizes, check_hf_tensor_names, load_hf_config,
-)
+from megatron_searchr1.models.convert import ConversionError, SafetensorsReader, check_hf_tensor_names, load_hf_config
+from megatron_searchr1.models.convert_megatron import check_sizes
 from megatron_searchr1.models.families import mapping_for
 from megatron_searchr1.models.tiny import TinyModelConfig, make_tiny_model
 from tests.dist_utils import REPO, rank_results, run_torchrun
@@ -136,18 +135,18 @@ def test_input_checks(models, tmp_path):
     hf, _ = models["qwen2"]
     cfg = load_hf_config(hf)
     with pytest.raises(ConversionError, match="TP=3 does not divide num_attention_heads=4"):
-        _check_sizes(cfg, 3, 1)
+        check_sizes(cfg, 3, 1)
     with pytest.raises(ConversionError, match="PP=3 does not divide num_hidden_layers=4"):
-        _check_sizes(cfg, 1, 3)
+        check_sizes(cfg, 1, 3)
     with pytest.raises(ConversionError, match="torchrun --nproc_per_node 4"):
-        _check_sizes(cfg, 2, 2)  # this pytest process is a world of one
+        check_sizes(cfg, 2, 2)  # this pytest process is a world of one
     # Megatron's GQA rule: KV heads may divide TP (replicated) but must otherwise be a multiple of it
     cfg.num_key_value_heads = 1
     with pytest.raises(ConversionError, match="torchrun --nproc_per_node 2"):  # the model fits; the world does not
-        _check_sizes(cfg, 2, 1)
+        check_sizes(cfg, 2, 1)
     cfg.num_attention_heads, cfg.num_key_value_heads = 6, 3
     with pytest.raises(ConversionError, match="num_key_value_heads .*=3 must be a multiple of TP=2 .* or divide it"):
-        _check_sizes(cfg, 2, 1)
+        check_sizes(cfg, 2, 1)
     with pytest.raises(ConversionError, match="does not exist"):
         load_hf_config(str(tmp_path / "nope"))
 
