@@ -320,7 +320,8 @@ def read_checkpoint_metadata(ckpt_dir: str) -> dict:
         raise ConversionError(str(e)) from None
     missing = sorted(f for f in _dist_checkpoint_files(ckpt_dir) if not os.path.isfile(os.path.join(ckpt_dir, f)))
     if missing:
-        raise ConversionError(f"{ckpt_dir!r} is incomplete: shard file(s) {missing} listed in its .metadata are missing")
+        raise ConversionError(f"{ckpt_dir!r} is incomplete: shard file(s) {missing} listed in its .metadata are "
+                              "missing")
     if not os.path.isfile(os.path.join(ckpt_dir, HF_SUBDIR, "config.json")):
         raise ConversionError(f"{ckpt_dir!r} has no {HF_SUBDIR}/config.json (the HF config copied at conversion)")
     return meta
