@@ -13,6 +13,11 @@ megatron_to_hf can rebuild a complete HF directory.
 
 Each rank maps only its own shard, one tensor at a time, reading HF tensors lazily from safetensors (no full model
 in memory beyond this rank's Megatron stage). Weight mapping: `megatron_searchr1.models.families`.
+
+This module is the library: the loaders, the gather to HF names and the HF writer, run inside a Megatron world the
+caller started (trainers, the weight sync, the checkpoint code). The two conversions as programs, which start that
+world themselves (`hf_to_megatron`, `megatron_to_hf`), are models/convert_megatron.py; both names still import from
+here.
 """
 from __future__ import annotations
 
@@ -23,7 +28,7 @@ from typing import Any, Iterable, Optional
 
 import torch
 
-from megatron_searchr1.models.config import check_parallel_sizes, padded_vocab_size
+from megatron_searchr1.models.config import padded_vocab_size
 from megatron_searchr1.models.families import (
     ModelFamily, expert_index, get_family, grouped_to_sequential_name, is_expert_param, rename_expert, rename_layer,
     split_layer_name, tp_merge, tp_split,
@@ -110,17 +115,6 @@ def load_hf_config(hf_dir: str):
         return AutoConfig.from_pretrained(hf_dir)
     except Exception as e:  # transformers validates configs strictly (e.g. layer_types vs num_hidden_layers)
         raise ConversionError(f"{hf_dir}/config.json is invalid: {type(e).__name__}: {e}") from None
-
-
-def _check_sizes(hf_config: Any, tp: int, pp: int, ep: int = 1) -> None:
-    """`check_parallel_sizes` for this model, TP/PP/EP and torchrun's world size, as a ConversionError naming the
-    flags, before any process group starts."""
-    try:
-        # expert_tp=tp: the converter's initialize_megatron keeps Megatron's default expert-TP (= TP)
-        check_parallel_sizes(hf_config, tp, pp, world_size=int(os.environ.get("WORLD_SIZE", "1")), ep=ep,
-                             expert_tp=tp)
-    except ValueError as e:
-        raise ConversionError(f"{e} (--tp/--pp{'/--ep' if ep > 1 else ''})") from None
 
 
 def check_hf_tensor_names(mapping: ModelFamily, reader: SafetensorsReader) -> None:
@@ -326,7 +320,8 @@ def read_checkpoint_metadata(ckpt_dir: str) -> dict:
         raise ConversionError(str(e)) from None
     missing = sorted(f for f in _dist_checkpoint_files(ckpt_dir) if not os.path.isfile(os.path.join(ckpt_dir, f)))
     if missing:
-        raise ConversionError(f"{ckpt_dir!r} is incomplete: shard file(s) {missing} listed in its .metadata are missing")
+        raise ConversionError(f"{ckpt_dir!r} is incomplete: shard file(s) {missing} listed in its .metadata are "
+                              "missing")
     if not os.path.isfile(os.path.join(ckpt_dir, HF_SUBDIR, "config.json")):
         raise ConversionError(f"{ckpt_dir!r} has no {HF_SUBDIR}/config.json (the HF config copied at conversion)")
     return meta
@@ -373,104 +368,6 @@ def load_megatron_checkpoint(model: torch.nn.Module, ckpt_dir: str) -> None:
     bad = sorted(k for k in result.missing_keys if not _is_fresh(k)) + sorted(result.unexpected_keys)
     if bad:
         raise ConversionError(f"loading {ckpt_dir!r}: state dict mismatch {bad[:8]}")
-
-
-def all_ranks_ok(fn, *args, **kwargs):
-    """Run `fn` on every rank; if it fails on ANY rank, raise ConversionError on ALL ranks (nobody hangs in the
-    next collective). A shape mismatch, say, may only show on the pipeline stage that holds the bad layer."""
-    import torch.distributed as dist
-
-    result, err = None, None
-    try:
-        result = fn(*args, **kwargs)
-    except (ConversionError, ValueError, KeyError, RuntimeError) as e:
-        err = f"rank {dist.get_rank()}: {e}"
-    errors = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, err)
-    errors = [e for e in errors if e]
-    if errors:
-        raise ConversionError(errors[0] + (f" (and {len(errors) - 1} more rank(s) failed)" if len(errors) > 1 else ""))
-    return result
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# The two conversions
-# ----------------------------------------------------------------------------------------------------------------
-def _resolve_dtype(name: str, hf_config: Any) -> torch.dtype:
-    if name == "auto":
-        d = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None) or torch.float32
-        return getattr(torch, d) if isinstance(d, str) else d
-    return DTYPES[name]
-
-
-def _prepare_out_dir(out_dir: str, overwrite: bool, input_dir: str) -> None:
-    if os.path.realpath(out_dir) == os.path.realpath(input_dir):
-        raise ConversionError(f"output directory {out_dir!r} is the input directory: choose another")
-    if os.path.isdir(out_dir) and os.listdir(out_dir) and not overwrite:
-        raise ConversionError(f"output directory {out_dir!r} is not empty: pass --overwrite or choose another")
-
-
-def hf_to_megatron(hf_dir: str, out_dir: str, *, tp: int = 1, pp: int = 1, dtype: str = "auto",
-                   overwrite: bool = False, ep: int = 1) -> None:
-    """Convert an HF dir to a Megatron dist checkpoint; every rank of the (tp*pp*dp) world calls this."""
-    hf_config = load_hf_config(hf_dir)
-    _check_sizes(hf_config, tp, pp, ep)
-    reader = SafetensorsReader(hf_dir)
-    mapping = get_family(hf_config).from_hf_config(hf_config)
-    check_hf_tensor_names(mapping, reader)
-    _prepare_out_dir(out_dir, overwrite, hf_dir)
-    params_dtype = _resolve_dtype(dtype, hf_config)
-
-    import torch.distributed as dist
-    from megatron.core import dist_checkpointing
-
-    from megatron_searchr1.megatron.initialize import initialize_megatron
-    from megatron_searchr1.models.gpt import build_gpt_model
-
-    initialize_megatron(tp=tp, pp=pp, ep=ep)
-    rank = dist.get_rank()
-    model = all_ranks_ok(build_gpt_model, hf_config, params_dtype=params_dtype)
-    mapping = bind_mapping(hf_config, model)
-    all_ranks_ok(load_hf_weights, model, reader, mapping, progress=rank == 0)
-    if rank == 0:
-        if overwrite and os.path.isdir(out_dir):
-            shutil.rmtree(out_dir)
-        os.makedirs(out_dir, exist_ok=True)
-    dist.barrier()
-    dist_checkpointing.save(model.sharded_state_dict(), out_dir)
-    dist.barrier()
-    if rank == 0:
-        write_checkpoint_metadata(out_dir, hf_dir, tp=tp, pp=pp, padded_vocab_size=mapping.dims.padded_vocab_size,
-                                  dtype=params_dtype)
-        print(f"wrote Megatron checkpoint (saved at TP={tp} PP={pp}; loads at any TP/PP) to {out_dir}")
-    dist.barrier()
-
-
-def megatron_to_hf(ckpt_dir: str, out_dir: str, *, tp: int = 1, pp: int = 1, dtype: str = "auto",
-                   overwrite: bool = False, ep: int = 1) -> None:
-    """Convert a Megatron dist checkpoint (saved at any TP/PP) to an HF safetensors dir, loading it at TP/PP."""
-    meta = read_checkpoint_metadata(ckpt_dir)
-    hf_aux = os.path.join(ckpt_dir, HF_SUBDIR)
-    hf_config = load_hf_config(hf_aux)
-    _check_sizes(hf_config, tp, pp, ep)
-    _prepare_out_dir(out_dir, overwrite, ckpt_dir)
-    params_dtype = DTYPES[meta.get("dtype", "float32")]
-    out_dtype = _resolve_dtype(dtype, hf_config)
-
-    import torch.distributed as dist
-
-    from megatron_searchr1.megatron.initialize import initialize_megatron
-    from megatron_searchr1.models.gpt import build_gpt_model
-
-    initialize_megatron(tp=tp, pp=pp, ep=ep)
-    rank = dist.get_rank()
-    model = all_ranks_ok(build_gpt_model, hf_config, params_dtype=params_dtype)
-    all_ranks_ok(load_megatron_checkpoint, model, ckpt_dir)
-    write_hf_dir(model, bind_mapping(hf_config, model), hf_aux, out_dir, out_dtype, overwrite=overwrite,
-                 progress=rank == 0)
-    if rank == 0:
-        print(f"wrote HF checkpoint ({str(out_dtype).replace('torch.', '')}) to {out_dir}")
-    dist.barrier()
 
 
 def write_hf_dir(model: torch.nn.Module, mapping: ModelFamily, hf_src_dir: str, out_dir: str, dtype: torch.dtype, *,
@@ -530,3 +427,13 @@ def finish_hf_dir(hf_src_dir: str, out_dir: str, dtype: torch.dtype) -> None:
     cfg.pop("torch_dtype", None)
     with open(cfg_path, "w") as f:
         json.dump(cfg, f, indent=2)
+
+
+def __getattr__(name: str) -> Any:
+    """`hf_to_megatron` and `megatron_to_hf` from models/convert_megatron.py (PEP 562), for scripts that import them
+    from here: that module imports this one, so they are looked up on first use rather than imported above."""
+    if name in ("hf_to_megatron", "megatron_to_hf"):
+        from megatron_searchr1.models import convert_megatron
+
+        return getattr(convert_megatron, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,16 +1,17 @@
 """The conversion command lines: checkpoints_convert/{hf_to_megatron,megatron_to_hf}.py and the console scripts
-searchr1-hf-to-megatron / searchr1-megatron-to-hf (the conversion itself: models/convert.py).
+searchr1-hf-to-megatron / searchr1-megatron-to-hf (the conversions themselves: models/convert_megatron.py, over the
+library models/convert.py).
 
     python checkpoints_convert/hf_to_megatron.py --hf-dir HF --out-dir CKPT [--tp 2 --pp 2 under torchrun]
     python checkpoints_convert/megatron_to_hf.py --ckpt-dir CKPT --out-dir HF2 [--dtype bfloat16]
 
-This module imports neither torch nor megatron. Before convert.py loads, it checks what files and flags alone
+This module imports neither torch nor megatron. Before the conversion loads, it checks what files and flags alone
 decide (models/hf_files.py): the input directory and its config.json, the architecture, whether --tp/--pp/--ep fit
 the model's heads, layers and experts and torchrun's world size, the tokenizer files, whole safetensors files (or,
 for megatron_to_hf, the checkpoint's own metadata files), and an output directory that can be written. A mistake is
 one `error:` line naming the file or flag and what to do, exit code 2, in about a second rather than after the
-imports. What needs the tensors (their names and shapes against config.json, a loadable dist checkpoint) convert.py
-checks next, and reports the same way.
+imports. What needs the tensors (their names and shapes against config.json, a loadable dist checkpoint) the
+conversion checks next, and reports the same way.
 """
 from __future__ import annotations
 
@@ -40,8 +41,8 @@ def _common_args(p: ArgumentParser) -> None:
 
 def check_dirs(in_flag: str, in_dir: str, out_dir: str, overwrite: bool) -> None:
     """UsageError for a missing input directory, an output that is the input, a file, a non-empty directory
-    without --overwrite, or one that cannot be written (convert.py checks the first ones again: it is also called
-    from Python)."""
+    without --overwrite, or one that cannot be written (convert_megatron.py checks the first ones again: it is also
+    called from Python)."""
     if not os.path.isdir(in_dir):
         raise UsageError(f"{in_flag} {in_dir!r} does not exist" if not os.path.exists(in_dir)
                          else f"{in_flag} {in_dir!r} is a file: give a directory")
@@ -86,17 +87,19 @@ def check_checkpoint_files(ckpt_dir: str, flag: str = "--ckpt-dir") -> dict:
 
 
 def _convert(name: str, kwargs: dict) -> int:
-    """Import convert.py (torch, megatron) and run `convert.<name>(**kwargs)`; its input errors become UsageErrors."""
+    """Import the conversions (torch, megatron) and run `convert_megatron.<name>(**kwargs)`; their input errors become
+    UsageErrors. Megatron's world, which the conversion started, is taken down on the way out, also after an
+    error."""
     import warnings
 
     # Start-up noise that says nothing about the conversion (no Apex/TE on the CPU, DCP deprecations).
     for pattern in (".*Apex.*", ".*Transformer Engine.*", ".*Please use DTensor instead.*",
                     ".*`load_state_dict` is deprecated.*", ".*full scope is deprecated.*"):
         warnings.filterwarnings("ignore", message=pattern)
-    from megatron_searchr1.models import convert
+    from megatron_searchr1.models import convert, convert_megatron
 
     try:
-        getattr(convert, name)(**kwargs)
+        getattr(convert_megatron, name)(**kwargs)
     except (convert.ConversionError, ValueError) as e:  # ValueError: what the builder / the mapping reject
         raise UsageError(str(e)) from None
     finally:

@@ -26,14 +26,10 @@ that names the rank.
 
 The weight bytes on GPUs (`parallel.bridge_backend`, auto = nccl on cuda): a third bridge group, `weights_data`
 (NCCL). Headers and STOP stay on gloo; each bucket is one NCCL broadcast from bridge rank 0 to all K rollout ranks,
-in the header's order (NCCL has no tags: both sides issue the same broadcasts in the same order). Each side moves a
-bucket through one reused device buffer: trainer rank 0 keeps queued versions in pinned host memory and copies each
-bucket in before broadcasting; a rollout rank copies it out to pinned host memory, where the version waits for the
-main thread's load. Host memory, because up to three versions wait at once, each the whole model, and vLLM holds
-most of the rollout GPU. NCCL does not notice a dead peer (a broadcast waits for the group's timeout), so both
-threads poll their broadcast and give up when the run stops: the sender when close() is given an error, a receiver
-when trainer rank 0 wrote STOP into torchrun's store (before the gloo STOPs) or its heartbeat stood still. On CPUs
-(and with bridge_backend=gloo) each rank gets its buckets over gloo after its header.
+staged through a device buffer and kept in pinned host memory on both sides (rollout/remote_nccl.py). NCCL does not
+notice a dead peer, so both threads poll their broadcast and give up when the run stops: the sender when close() is
+given an error, a receiver when trainer rank 0 wrote STOP into torchrun's store (before the gloo STOPs) or its
+heartbeat stood still. On CPUs (and with bridge_backend=gloo) each rank gets its buckets over gloo after its header.
 
 Weights travel as WeightSync's buckets (rollout/weight_sync.py: TP gather, HF names, the converter's mapping):
 every trainer rank runs the gather, rank 0 keeps each bucket as one flat byte buffer and a thread sends them
@@ -44,9 +40,9 @@ The end of a run, clean or not. Trainer rank 0 ends the weights channel with a S
 the run is over, or the trainer stopped early; a string: the error that stopped it); each rollout rank finishes or
 abandons its batch and answers on the batches channel with DONE, and trainer rank 0 drains the batches channel of
 every rollout rank until that rank said DONE, so a rollout rank in the middle of sending a batch is never left
-blocked (its send completes, into the drain). A peer that dies without a word is found by the heartbeats (`Heartbeat`): every
-rank bumps a counter in torchrun's store once a second, and a rank whose collective or send failed names the ranks
-whose counter stood still ("rank 1 (trainer) is gone") instead of reporting a socket error.
+blocked (its send completes, into the drain). A peer that dies without a word is found by the heartbeats
+(`Heartbeat`): every rank bumps a counter in torchrun's store once a second, and a rank whose collective or send
+failed names the ranks whose counter stood still ("rank 1 (trainer) is gone") instead of reporting a socket error.
 """
 from __future__ import annotations
 
@@ -61,7 +57,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from megatron_searchr1.rollout import weight_sync
+from megatron_searchr1.rollout import remote_nccl, weight_sync
 from megatron_searchr1.rollout.weight_sync import BucketLayout, layout_bucket, pack_bucket, unpack_bucket
 
 TRAINER, ROLLOUT = "trainer", "rollout"
@@ -214,52 +210,6 @@ def recv_object(pg, src: int, tag: int = BATCHES_TAG) -> Any:
 def host_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
     """A flat byte buffer in host memory, pinned when `device` is a GPU (fast copies to and from it)."""
     return torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
-
-
-def device_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
-    """The NCCL path's staging buffer: flat bytes on this rank's GPU."""
-    return torch.empty(nbytes, dtype=torch.uint8, device=device)
-
-
-def use_device(device: torch.device) -> None:
-    """Make `device` the calling thread's current CUDA device, and a stream of its own the thread's current stream.
-    The device: it is per thread, and a new thread starts on GPU 0, where NCCL would make its communicator. The
-    stream: NCCL's stream waits for the caller's current stream and work.wait() makes that stream wait for NCCL; on
-    the default stream (shared with the main thread) a broadcast would queue behind training or generation kernels
-    and block the ones after it for the whole transfer, or for ever when a peer is dead."""
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-        torch.cuda.set_stream(torch.cuda.Stream(device))
-
-
-POLL_SECONDS = 0.002
-"""How often a thread looks whether its NCCL broadcast finished (it sleeps in between, releasing the GIL)."""
-
-
-def await_work(work, check, every: float = 1.0) -> None:
-    """Wait for an NCCL work (a broadcast) by polling it, calling `check()` every `every` seconds, which raises to
-    stop waiting (NCCL itself would wait for a dead peer until the group's timeout)."""
-    last = time.monotonic()
-    while not work.is_completed():
-        time.sleep(POLL_SECONDS)
-        if time.monotonic() - last >= every:
-            last = time.monotonic()
-            check()
-    work.wait()
-
-
-class _Staging:
-    """One reused device buffer for the buckets of the NCCL path (grown to the largest bucket seen); views of it
-    are the broadcast tensors, so sender and receivers hand NCCL tensors of the same byte count."""
-
-    def __init__(self, device: torch.device):
-        self.device, self.buf = device, None
-
-    def view(self, nbytes: int) -> torch.Tensor:
-        if self.buf is None or self.buf.numel() < nbytes:
-            self.buf = None  # the old buffer goes back to the allocator first
-            self.buf = device_buffer(nbytes, self.device)
-        return self.buf[:nbytes]
 
 
 STOP_KEY = f"{STORE_PREFIX}/bridge/stop"
@@ -433,11 +383,7 @@ class WeightSender:
                 gone.add(dst)
                 raise RuntimeError(f"rollout rank {plan.global_rank(dst)} is gone ({e})") from e
         for _, flat in buckets if nccl is not None else ():
-            # slime and verl broadcast from trainer rank 0 to every engine rank of one group (verl: 2 GiB buckets
-            # in a double device buffer; slime: 512 MiB); ours waits by polling so close() can abandon it
-            view = self._staging.view(flat.numel())
-            view.copy_(flat, non_blocking=True)  # NCCL's stream waits for this thread's stream: ordered
-            await_work(nccl.broadcast(view, 0), self._check_abandon)
+            remote_nccl.send_bucket(nccl, self._staging, flat, self._check_abandon)
         self.sent_bytes += sum(flat.numel() for _, flat in buckets)
 
     def _check_abandon(self) -> None:
@@ -447,9 +393,9 @@ class WeightSender:
     def _run(self) -> None:
         pg, plan = self.bridge.weights, self.bridge.plan
         gone: set[int] = set()
-        self._staging = _Staging(self.bridge.device)
+        self._staging = remote_nccl.Staging(self.bridge.device)
         try:
-            use_device(self.bridge.device)
+            remote_nccl.use_device(self.bridge.device)
             while True:
                 with self._cond:
                     self._cond.wait_for(lambda: self._pending is not None or self._closing)
@@ -496,22 +442,6 @@ class WeightSender:
         self._thread.join(timeout=timeout)
 
 
-class _StoppedInBroadcast(Exception):
-    """Trainer rank 0 wrote STOP into the store while this rank waited in an NCCL broadcast."""
-
-    def __init__(self, reason: Optional[str]):
-        super().__init__(reason)
-        self.reason = reason
-
-
-class _TrainerSilent(RuntimeError):
-    """Trainer rank 0's heartbeat stood still while this rank waited in an NCCL broadcast."""
-
-
-class _LocalFailure(RuntimeError):
-    """The receiving rank's own failure in the NCCL path (its message says so; not reported as a gone trainer)."""
-
-
 GONE_SECONDS = 10.0
 """A rollout rank in an NCCL broadcast calls trainer rank 0 gone when its heartbeat stood still this long."""
 
@@ -554,18 +484,19 @@ class WeightReceiver:
         if store is None:
             return
         if store.check([STOP_KEY]):
-            raise _StoppedInBroadcast(store.get(STOP_KEY).decode() or None)
+            raise remote_nccl.StoppedInBroadcast(store.get(STOP_KEY).decode() or None)
         (beat, done), now = heartbeat_counts(store, [0])[0], time.monotonic()
         if beat != self._beat[0]:
             self._beat = (beat, now)
         elif now - self._beat[1] > GONE_SECONDS and not done:
-            raise _TrainerSilent(f"its heartbeat stood still for {GONE_SECONDS:.0f} s during a weight broadcast")
+            raise remote_nccl.TrainerSilent(f"its heartbeat stood still for {GONE_SECONDS:.0f} s during a weight "
+                                            "broadcast")
 
     def _run(self) -> None:
         pg, nccl = self.bridge.weights, self.bridge.weights_data
-        staging = _Staging(self.bridge.device)
+        staging = remote_nccl.Staging(self.bridge.device)
         try:
-            use_device(self.bridge.device)
+            remote_nccl.use_device(self.bridge.device)
             while True:
                 header = recv_object(pg, 0, WEIGHTS_TAG)
                 if is_stop(header):
@@ -575,16 +506,9 @@ class WeightReceiver:
                     flat = host_buffer(layout.nbytes, self.bridge.device)
                     if nccl is None:
                         pg.recv([flat], 0, WEIGHTS_TAG).wait()
-                    else:  # the broadcast trainer rank 0 issues for this bucket (module doc), then to host memory
+                    else:  # the broadcast trainer rank 0 issues for this bucket, then to host memory
                         self.engine_ready.wait()
-                        try:
-                            view = staging.view(layout.nbytes)
-                            await_work(nccl.broadcast(view, 0), self._check_trainer)
-                            flat.copy_(view)
-                        except (_StoppedInBroadcast, _TrainerSilent):
-                            raise
-                        except Exception as e:  # this rank's own failure (out of memory, NCCL), not a gone peer
-                            raise _LocalFailure(f"receiving weights over NCCL failed ({type(e).__name__}: {e})") from e
+                        remote_nccl.receive_bucket(nccl, staging, flat, self._check_trainer)
                     buckets.append((layout, flat))
                 with self._cond:
                     self._latest = (int(header["version"]), buckets)
@@ -592,11 +516,11 @@ class WeightReceiver:
                         self.due.append(self._latest)
                     self.received_bytes += sum(lay.nbytes for lay, _ in buckets)
                     self._cond.notify_all()
-        except _StoppedInBroadcast as e:  # the version in flight is dropped; the run is over
+        except remote_nccl.StoppedInBroadcast as e:  # the version in flight is dropped; the run is over
             self._stop(e.reason)
         except BaseException as e:  # noqa: BLE001 (the main thread raises it)
             with self._cond:
-                self._error = str(e) if isinstance(e, _LocalFailure) else \
+                self._error = str(e) if isinstance(e, remote_nccl.LocalFailure) else \
                     f"trainer rank 0 is gone ({type(e).__name__}: {e})"
                 self._cond.notify_all()
 

@@ -1,5 +1,5 @@
 # torchrun --nproc_per_node 2 tests/models/convert_logits_script.py --hf-dirs HF/qwen2 HF/qwen3 \
-#     --ckpt-dirs C/qwen2 C/qwen3 --cases 2x1 1x2f1@qwen3
+#     --ckpt-dirs C/qwen2 C/qwen3 --cases 2x1 1x2f1@qwen3 [--sync-hf-dirs HF/a HF/b --sync 1x2f1=state_dict]
 """Converted Megatron model logits vs the HF `transformers` model's, at the given TP x PP cases (world = TP*PP).
 
 A case is `TPxPP`, or `TPxPPfN` for an uneven pipeline split with N layers on the first stage
@@ -11,6 +11,11 @@ tensor is bit-identical to the HF file and every HF tensor comes back exactly on
 wrong mappings (no QKV interleave; gate/up swapped) FAIL the logits comparison; then load the converter's dist
 checkpoint (saved at TP=1 PP=1) at this case's TP/PP and compare again. Prints one `RESULT ...` line per check
 (tagged with its case) from the last stage's first TP rank.
+
+`--sync LAYOUT=ENGINE` also runs the weight sync's checks (tests/rollout/weight_sync_script.py, rows tagged with
+`engine`) on `--sync-hf-dirs` right after the convert checks of the case with that layout, in the same processes and
+Megatron world: the convert and weight-sync tests of one world size share one launch (tests/models/launches.py),
+whose start (torch, Megatron and transformers imports, the process group) costs more than most of their checks.
 """
 import argparse
 import json
@@ -47,7 +52,12 @@ def main():
     p.add_argument("--hf-dirs", nargs="+", required=True)
     p.add_argument("--ckpt-dirs", nargs="+", required=True, help="hf_to_megatron output for each HF dir")
     p.add_argument("--cases", nargs="+", required=True, help="TPxPP[fN][@NAME,...], e.g. 2x1 1x2f1@qwen3")
+    p.add_argument("--sync-hf-dirs", nargs="+", default=[], help="models of the weight-sync checks")
+    p.add_argument("--sync", nargs="+", default=[], metavar="LAYOUT=ENGINE",
+                   help="after the case of LAYOUT (TPxPP[fN]), the weight-sync checks with --engine ENGINE")
     a = p.parse_args()
+    syncs = dict(item.split("=") for item in a.sync)
+    assert set(syncs) <= {c.partition("@")[0] for c in a.cases}, f"--sync {a.sync}: a layout with no case"
 
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
@@ -127,7 +137,21 @@ def main():
             load_megatron_checkpoint(fresh, ckpt_dir)
             check(fresh, "dist_checkpoint_tp1", True)
         dist.barrier()
+        if layout in syncs:
+            weight_sync_checks(a.sync_hf_dirs, tp, pp, first, syncs.pop(layout))
     destroy_megatron()
+
+
+def weight_sync_checks(hf_dirs, tp, pp, first, engine):
+    """weight_sync_script.py's checks at this layout, in the world the case left (its main() minus the start)."""
+    from tests.rollout.weight_sync_script import state_dict_checks, vllm_checks
+
+    args = argparse.Namespace(hf_dirs=hf_dirs, tp=tp, pp=pp, ep=1, first_stage_layers=first, bucket_bytes=16 << 10,
+                              engine=engine)
+    if engine in ("state_dict", "both"):
+        state_dict_checks(args)
+    if engine in ("vllm", "both"):
+        vllm_checks(args, hf_dirs[:1] if engine == "both" else hf_dirs)
 
 
 if __name__ == "__main__":

@@ -2,83 +2,32 @@
 
 The logits checks run tests/models/convert_logits_script.py under real torchrun (gloo, world = TP*PP); that script
 also asserts that deliberately wrong mappings (no QKV interleave, gate/up swapped) FAIL the comparison and that the
-converter's dist checkpoint (saved at TP=1) loads at the case's TP/PP with the same logits.
+converter's dist checkpoint (saved at TP=1) loads at the case's TP/PP with the same logits. Its launches, one per
+world size, also run the weight sync's checks for tests/rollout/test_weight_sync.py (tests/models/launches.py).
 """
 import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-from megatron_searchr1.models.convert import (
-    ConversionError, SafetensorsReader, _check_sizes, check_hf_tensor_names, load_hf_config,
-)
+from megatron_searchr1.models.convert import ConversionError, SafetensorsReader, check_hf_tensor_names, load_hf_config
+from megatron_searchr1.models.convert_megatron import check_sizes
 from megatron_searchr1.models.families import mapping_for
-from megatron_searchr1.models.tiny import TinyModelConfig, make_tiny_model
-from tests.dist_utils import REPO, rank_results, run_torchrun
-
-SCRIPT = Path(__file__).with_name("convert_logits_script.py")
-
-
-CONVERT_ALL = """
-import sys
-from megatron_searchr1.models.convert_cli import hf_to_megatron_main
-if __name__ == "__main__":  # dist_checkpointing starts worker processes
-    for hf_dir, out_dir in zip(sys.argv[1::2], sys.argv[2::2]):
-        assert hf_to_megatron_main(["--hf-dir", hf_dir, "--out-dir", out_dir]) == 0
-"""
-
-
-def _hf_to_megatron(pairs, tmp_dir):
-    """The converter's command line (checkpoints_convert/hf_to_megatron.py's main) for each (hf_dir, out_dir), all
-    in one process: starting torch and Megatron costs more than converting a tiny model."""
-    script = os.path.join(tmp_dir, "convert_all.py")
-    with open(script, "w") as f:
-        f.write(CONVERT_ALL)
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
-    proc = subprocess.run([sys.executable, script, *(d for pair in pairs for d in pair)], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-
-
-FAMILIES = (("qwen2", False, 0), ("llama", True, 1), ("qwen3", True, 2), ("mistral", False, 3))
+from tests.dist_utils import rank_results
+from tests.models.launches import ALL, TP2_AND_PP2, UNEVEN_PP2, convert_models, launch
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    """Qwen2 (untied, qkv bias), Llama (tied), Qwen3 (tied, q/k norms) and Mistral (untied) with 4 layers, 4 heads,
-    2 kv heads, plus their TP1 checkpoints.
-
-    init_std 0.1 gives logits of order 1, so a wrong mapping moves them by far more than the 1e-4 tolerance.
-    """
-    root = tmp_path_factory.mktemp("convert")
-    out = {}
-    for arch, tie, seed in FAMILIES:
-        hf = str(root / arch)
-        make_tiny_model(TinyModelConfig(output_dir=hf, arch=arch, num_layers=4, num_heads=4, num_kv_heads=2,
-                                        hidden_size=64, intermediate_size=128, tie_embeddings=tie, init_std=0.1,
-                                        seed=seed))
-        out[arch] = (hf, str(root / f"{arch}-mcore"))
-    _hf_to_megatron(out.values(), str(root))
-    return out
-
-
-def _launch(models, nproc, cases):
-    """One torchrun over every case of `cases` ({case: archs}) at world size `nproc`: the launch (Megatron and
-    transformers imports, the process group) costs more than the checks, so cases of one world size share it."""
-    archs = [a for a, _, _ in FAMILIES if any(a in want for want in cases.values())]
-    args = ["--hf-dirs", *(models[a][0] for a in archs), "--ckpt-dirs", *(models[a][1] for a in archs),
-            "--cases", *(f"{case}@{','.join(want)}" for case, want in cases.items())]
-    return run_torchrun(SCRIPT, nproc, *args, timeout=900)
+    """arch -> (HF dir, TP1 checkpoint) of the four families (launches.convert_models)."""
+    return convert_models(tmp_path_factory)
 
 
 def _check_cases(out, cases):
     """The checks of `cases` ({case: archs}) in a launch's output: all present and passing, right mappings within
     1e-4 of HF's logits, wrong ones far from them."""
-    results = [r for r in rank_results(out) if r["case"].partition("@")[0] in cases]
+    results = [r for r in rank_results(out) if "case" in r and r["case"].partition("@")[0] in cases]
     # families x cases x (right mapping, export round trip, 2 wrong mappings, dist checkpoint)
     assert len(results) == sum(len(archs) for archs in cases.values()) * 5, out[-4000:]
     assert all(r["ok"] for r in results), results
@@ -89,38 +38,25 @@ def _check_cases(out, cases):
     return results
 
 
-ALL = tuple(a for a, _, _ in FAMILIES)
-TP2_AND_PP2 = {"2x1": ("qwen2", "llama"), "1x2": ("qwen2", "llama")}
-UNEVEN_PP2 = {"1x2f1": ("qwen2", "qwen3"), "1x2f3": ("qwen2", "qwen3")}
-
-
-@pytest.fixture(scope="module")
-def two_ranks(models):
-    """The output of the one 2-process launch that serves every world-of-two test below."""
-    return _launch(models, 2, {**TP2_AND_PP2, **UNEVEN_PP2})
-
-
-def test_logits_match_hf_tp1(models):
-    cases = {"1x1": ALL}
-    _check_cases(_launch(models, 1, cases), cases)
+def test_logits_match_hf_tp1(tmp_path_factory):
+    _check_cases(launch(tmp_path_factory, 1), {"1x1": ALL})
 
 
 @pytest.mark.slow
-def test_logits_match_hf_tp2_and_pp2(two_ranks):
-    _check_cases(two_ranks, TP2_AND_PP2)
+def test_logits_match_hf_tp2_and_pp2(tmp_path_factory):
+    _check_cases(launch(tmp_path_factory, 2), TP2_AND_PP2)
 
 
 @pytest.mark.slow
-def test_logits_match_hf_tp2_pp2(models):
-    cases = {"2x2": ALL}
-    _check_cases(_launch(models, 4, cases), cases)
+def test_logits_match_hf_tp2_pp2(tmp_path_factory):
+    _check_cases(launch(tmp_path_factory, 4), {"2x2": ALL})
 
 
 @pytest.mark.slow
-def test_uneven_pipeline_split_loads_and_exports_the_right_layers(two_ranks):
+def test_uneven_pipeline_split_loads_and_exports_the_right_layers(tmp_path_factory):
     """PP=2 with one layer on the first stage and three on the last: every layer's global index comes from the
     layer itself (an even-split assumption would load layer 1's weights into layer 2 and export them misnamed)."""
-    _check_cases(two_ranks, UNEVEN_PP2)
+    _check_cases(launch(tmp_path_factory, 2), UNEVEN_PP2)
 
 
 def test_checkpoint_metadata_written(models):
@@ -136,18 +72,18 @@ def test_input_checks(models, tmp_path):
     hf, _ = models["qwen2"]
     cfg = load_hf_config(hf)
     with pytest.raises(ConversionError, match="TP=3 does not divide num_attention_heads=4"):
-        _check_sizes(cfg, 3, 1)
+        check_sizes(cfg, 3, 1)
     with pytest.raises(ConversionError, match="PP=3 does not divide num_hidden_layers=4"):
-        _check_sizes(cfg, 1, 3)
+        check_sizes(cfg, 1, 3)
     with pytest.raises(ConversionError, match="torchrun --nproc_per_node 4"):
-        _check_sizes(cfg, 2, 2)  # this pytest process is a world of one
+        check_sizes(cfg, 2, 2)  # this pytest process is a world of one
     # Megatron's GQA rule: KV heads may divide TP (replicated) but must otherwise be a multiple of it
     cfg.num_key_value_heads = 1
     with pytest.raises(ConversionError, match="torchrun --nproc_per_node 2"):  # the model fits; the world does not
-        _check_sizes(cfg, 2, 1)
+        check_sizes(cfg, 2, 1)
     cfg.num_attention_heads, cfg.num_key_value_heads = 6, 3
     with pytest.raises(ConversionError, match="num_key_value_heads .*=3 must be a multiple of TP=2 .* or divide it"):
-        _check_sizes(cfg, 2, 1)
+        check_sizes(cfg, 2, 1)
     with pytest.raises(ConversionError, match="does not exist"):
         load_hf_config(str(tmp_path / "nope"))
 

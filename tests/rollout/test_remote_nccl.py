@@ -1,11 +1,11 @@
-"""The weight buckets over NCCL (rollout/remote_sync.py, bridge_backend nccl), on fake process groups in threads (no GPU
-here): what a GPU run would break on. Every rollout rank takes part in every broadcast, in the order trainer rank 0
-issues them, with the byte counts it sends; the control messages stay on gloo (nothing but pickled objects there); the
-staging buffers are made on the bridge's GPU in bytes, each thread sets that GPU as its own, received buckets wait in
-pinned host memory, and a rollout rank makes no device buffer before its engine is built; STOP reaches every rank
-left when a rank is gone, also ranks waiting in a broadcast that never comes; a rollout rank in a broadcast notices a
-silent trainer. The same stop rule on the CPU bridge (buckets over gloo). Plus the backend chosen per device and its
-config check."""
+"""The weight buckets over NCCL (rollout/remote_nccl.py, driven by remote_sync.py's sender and receiver,
+bridge_backend nccl), on fake process groups in threads (no GPU here): what a GPU run would break on. Every rollout
+rank takes part in every broadcast, in the order trainer rank 0 issues them, with the byte counts it sends; the control
+messages stay on gloo (nothing but pickled objects there); the staging buffers are made on the bridge's GPU in bytes,
+each thread sets that GPU as its own, received buckets wait in pinned host memory, and a rollout rank makes no device
+buffer before its engine is built; STOP reaches every rank left when a rank is gone, also ranks waiting in a broadcast
+that never comes; a rollout rank in a broadcast notices a silent trainer. The same stop rule on the CPU bridge
+(buckets over gloo). Plus the backend chosen per device and its config check."""
 from __future__ import annotations
 
 import pickle
@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from megatron_searchr1.cli import UsageError
 from megatron_searchr1.config import ConfigError, load_config
-from megatron_searchr1.rollout import remote_sync
+from megatron_searchr1.rollout import remote_nccl, remote_sync
 from megatron_searchr1.rollout.remote_sync import (STOP, STOP_KEY, Bridge, RolePlan, WeightReceiver, WeightSender,
                                                    bridge_backend)
 from megatron_searchr1.rollout.weight_sync import layout_bucket, pack_bucket
@@ -123,9 +123,9 @@ def fake_gpu(monkeypatch):
         seen["host_buffer"].append((nbytes, device))
         return torch.empty(nbytes, dtype=torch.uint8)
 
-    monkeypatch.setattr(remote_sync, "device_buffer", device_buffer)
+    monkeypatch.setattr(remote_nccl, "device_buffer", device_buffer)
     monkeypatch.setattr(remote_sync, "host_buffer", host_buffer)
-    monkeypatch.setattr(remote_sync, "use_device",
+    monkeypatch.setattr(remote_nccl, "use_device",
                         lambda d: seen["use_device"].append((threading.current_thread().name, d)))
     return seen
 
@@ -310,7 +310,7 @@ def test_a_broadcast_that_fails_on_the_rollout_rank_is_its_own_error_not_a_gone_
     gloo, nccl = GlooBus(), NcclBus(2)
     receiver = WeightReceiver(Bridge(plan=plan, rank=1, weights=gloo.group(1), weights_data=nccl.group(1),
                                      store=dist.HashStore(), device=torch.device("cuda", GPU)))
-    monkeypatch.setattr(remote_sync, "device_buffer", out_of_memory)
+    monkeypatch.setattr(remote_nccl, "device_buffer", out_of_memory)
     receiver.engine_ready.set()
     layout = buckets_of(1, [8])[0][0]
     remote_sync.send_object(gloo.group(0), {"version": 1, "layouts": [layout], "validate": False}, 1,

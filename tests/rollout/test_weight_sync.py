@@ -1,9 +1,11 @@
 """Tests for megatron_searchr1/rollout/weight_sync.py.
 
-Bucketing is tested as pure functions. The sync itself runs tests/rollout/weight_sync_script.py under real torchrun
-(gloo): a tiny Qwen2 (head_dim 32, vocab not a multiple of Megatron's padding so the trim matters), tied and untied,
-synced from Megatron into a receiving `transformers` model: its tensors equal the checkpoint's exactly, its
-log-probs equal Megatron's, and a second sync after the weights change makes them the new model's.
+Bucketing is tested as pure functions. The sync itself runs tests/rollout/weight_sync_script.py's checks under real
+torchrun (gloo): a tiny Qwen2 (head_dim 32, vocab not a multiple of Megatron's padding so the trim matters), tied and
+untied, synced from Megatron into a receiving `transformers` model: its tensors equal the checkpoint's exactly, its
+log-probs equal Megatron's, and a second sync after the weights change makes them the new model's. Those checks run
+inside the convert tests' launches of the same world size (tests/models/launches.py: one start of the ranks for
+both files); the shared-memory transport has a launch of its own.
 """
 from pathlib import Path
 
@@ -11,11 +13,11 @@ import pytest
 import torch
 
 from megatron_searchr1.models.gpt import padded_vocab_size
-from megatron_searchr1.models.tiny import TinyModelConfig, make_tiny_model
 from megatron_searchr1.rollout.weight_sync import (
     ALIGN, layout_bucket, pack_bucket, plan_buckets, unpack_bucket,
 )
 from tests.dist_utils import rank_results, run_torchrun
+from tests.models.launches import launch, sync_models
 
 SCRIPT = Path(__file__).with_name("weight_sync_script.py")
 
@@ -91,21 +93,18 @@ def test_packing_per_planned_bucket_delivers_every_tensor_exactly():
 # ----------------------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def tiny_models(tmp_path_factory):
-    """Qwen2 untied and tied: hidden 64, 2 heads of 32, 1 kv head, 4 layers; init_std 0.1 for order-1 logits."""
-    root = tmp_path_factory.mktemp("wsync")
-    dirs = []
-    for tie, seed in ((False, 0), (True, 1)):
-        d = str(root / f"qwen2-{'tied' if tie else 'untied'}")
-        make_tiny_model(TinyModelConfig(output_dir=d, arch="qwen2", hidden_size=64, num_heads=2, num_kv_heads=1,
-                                        intermediate_size=128, num_layers=4, tie_embeddings=tie, init_std=0.1,
-                                        seed=seed, vocab_size=500))
-        dirs.append(d)
+    """The Qwen2s, untied and tied (launches.sync_models), checked to need vocab padding at TP=2."""
+    dirs = sync_models(tmp_path_factory)
     from transformers import AutoConfig
 
     vocab = AutoConfig.from_pretrained(dirs[0]).vocab_size
     assert padded_vocab_size(vocab, 2) != vocab, "the vocab must need padding so the trim is exercised"
     return dirs
 
+
+def _sync_rows(out: str) -> list[dict]:
+    """The weight-sync rows of a shared launch's output (the convert checks' rows carry no `engine`)."""
+    return [r for r in rank_results(out) if "engine" in r]
 
 
 def _check(results, checks, engine_ranks, archs=2):
@@ -116,22 +115,19 @@ def _check(results, checks, engine_ranks, archs=2):
         assert all(r["ok"] for r in rows), (check, rows)
 
 
-def test_sync_world_of_one(tiny_models):
-    out = run_torchrun(SCRIPT, 1, "--hf-dirs", *tiny_models, timeout=300)
-    _check(rank_results(out), ["names", "exact", "logprobs", "resync", "bf16"], [0])
+def test_sync_world_of_one(tiny_models, tmp_path_factory):
+    _check(_sync_rows(launch(tmp_path_factory, 1)), ["names", "exact", "logprobs", "resync", "bf16"], [0])
 
 
 @pytest.mark.slow
-def test_sync_tp2_pp2_into_both_engines(tiny_models):
+def test_sync_tp2_pp2_into_both_engines(tiny_models, tmp_path_factory):
     """Megatron TP=2 x PP=2 (4 processes, one launch) into two kinds of engine:
     - a `transformers` state dict on ranks 0 and 2 (one per stage; 1 and 3 pass engine=None and only relay), tied
       and untied: names, exact tensors, log-probs, a second sync, bf16;
     - a vLLM engine (fp32, CPU) on every rank, untied: its log-probs of its own greedy tokens equal Megatron's
       (<= 1e-4) after the sync, were not before it, and follow a second sync."""
     pytest.importorskip("vllm")
-    out = run_torchrun(SCRIPT, 4, "--hf-dirs", *tiny_models, "--tp", "2", "--pp", "2", "--engine", "both",
-                       timeout=900, env=dict(VLLM_ENABLE_V1_MULTIPROCESSING="0"))
-    results = rank_results(out)
+    results = _sync_rows(launch(tmp_path_factory, 4))
     state_dict = [r for r in results if r["engine"] == "state_dict"]
     _check(state_dict, ["names", "exact", "logprobs", "resync", "bf16"], [0, 2])
     assert max(r["diff"] for r in state_dict if r["check"] in ("logprobs", "resync")) <= 1e-4
@@ -139,11 +135,10 @@ def test_sync_tp2_pp2_into_both_engines(tiny_models):
 
 
 @pytest.mark.slow
-def test_sync_uneven_pipeline_split(tiny_models):
+def test_sync_uneven_pipeline_split(tiny_models, tmp_path_factory):
     """4 layers at PP=2 split 1 + 3 (num_layers_in_first_pipeline_stage=1): an even-split offset formula would put
     stage 1's first layer at index 2; the sync reads layer_number and the engine matches Megatron."""
-    out = run_torchrun(SCRIPT, 2, "--hf-dirs", *tiny_models, "--pp", "2", "--first-stage-layers", "1", timeout=600)
-    results = rank_results(out)
+    results = _sync_rows(launch(tmp_path_factory, 2))
     _check(results, ["names", "logprobs", "resync"], [0])
     layers = [r["layer_numbers"] for r in results if r["check"] == "layers"]
     assert layers == [[1], [1]], layers  # rank 0 = stage 0 holds only layer 1 (global index 0)
