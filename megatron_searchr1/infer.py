@@ -20,7 +20,7 @@ from megatron_searchr1.data.prompts import TEMPLATES
 
 def _resolve_model(path: str, workdir: str) -> str:
     """An HF dir as is; a Megatron checkpoint (converter's, or a run's checkpoints root) converted to HF first."""
-    from megatron_searchr1.models.convert import megatron_to_hf
+    from megatron_searchr1.models.convert_megatron import megatron_to_hf
     from megatron_searchr1.trainer.sources import resolve_model_source
 
     if os.path.isfile(os.path.join(path, "config.json")) and any(
