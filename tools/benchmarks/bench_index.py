@@ -381,7 +381,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="also serve each type with the real server on loopback: QPS of 1 and of this many HTTP "
                         "clients, and recall@3 of its answers against the served Flat's (0 = off)")
     p.add_argument("--served-queries", type=int, default=200,
-                   help="--served-clients: how many of the queries to ask the server for the served recall")
+                   help="--served-clients: how many of the queries (evenly spaced, so every source is in) to ask "
+                        "the server for the served recall")
     args = p.parse_args(argv)
     types = list(TYPES) if args.types == "all" else [t for t in args.types.split(",") if t]
     bad = [t for t in types if t not in TYPES]
@@ -492,7 +493,7 @@ def main(argv: list[str] | None = None) -> int:
             if kind == "hnsw":
                 flags += ["--ef-search", str(r.faiss_config.hnsw_ef_search)]
             got = served(os.path.join(tmp, f"{kind}_dir"), flags, args.served_clients, args.seconds, threads,
-                         questions[:args.served_queries])
+                         questions[::max(1, len(questions) // args.served_queries)][:args.served_queries])
             served_ids = got.pop("served_ids")
             if kind == "flat":
                 served_exact = served_ids
