@@ -332,6 +332,7 @@ def wiki18_gb(index_type: str, bytes_per_doc: float, dim: int, cfg) -> float:
 
 
 def fmt_load(load) -> str:
+    """The 1, 5 and 15 minute load averages as `uptime` shows them."""
     return " / ".join(f"{v:.1f}" for v in load)
 
 
