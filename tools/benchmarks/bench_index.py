@@ -533,7 +533,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"docs": len(corpus), "corpus": args.corpus, "dim": int(x.shape[1]), "encode_s": encode_s,
-                       "load_avg_start": load_start, "load_avg_end": load_end, "threads": threads, "queries_by_source": {
+                       "load_avg_start": load_start, "load_avg_end": load_end, "threads": threads,
+                       "queries_by_source": {
                            str(k): int(v) for k, v in zip(*np.unique(sources, return_counts=True))},
                        "rows": results, "sweeps": sweeps, "split": split}, f, indent=1)
     return 0
