@@ -44,4 +44,5 @@ def test_smallest_run_times_every_step_on_both_backends(tmp_path):
     rerank = data["rerank_rows"]
     assert [(row["batch"], row["candidates"], row["pairs"]) for row in rerank] == [(2, 3, 6), (2, 5, 10)]
     assert all(row["rerank_s"] > 0 and row["pairs_per_s"] > 0 and 0 < row["rerank_share"] < 1 for row in rerank)
+    assert all(abs(row["rerank_ms_per_query"] - 500 * row["rerank_s"]) < 1e-6 for row in rerank)  # 2 queries
     assert "| 2 | 5 | 10 |" in r.stdout

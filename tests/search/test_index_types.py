@@ -213,13 +213,15 @@ def test_pq_training_skips_polysemous_codes_and_trains_opq_briefly():
 
 
 @pytest.mark.slow
-def test_opq_from_a_flat_file_served_with_exact_refine_from_that_file(tmp_path):
-    """Search-R1's situation: a Flat index file exists (built here by the CLI, like e5_Flat.index). An opq_ivf_pq
-    index built from its vectors (no second encoding) and served on loopback with no knob flags: its top-3 agree
-    with Flat's at the level examples/retrieval.md claims for the defaults, which re-score 4 x topk candidates
-    exactly from the Flat file, memory-mapped (/health names it); at every list probed and 10 x topk re-scored, its
-    ranking is Flat's."""
-    from megatron_searchr1.search.build_index import main as build
+def test_compressed_indexes_built_by_the_cli_serve_search_r1_requests_at_the_claimed_recall(tmp_path):
+    """Search-R1's situation end to end: `tools/build_index.py` (run as a user runs it) builds a Flat index of a
+    1,000-passage MiniLM corpus, then sq6, ivf_pq and opq_ivf_pq from that Flat file's vectors (no second
+    encoding); the server serves each on loopback with no knob flags, and batches of Search-R1's requests
+    (`queries`, `topk`, `return_scores`) get top-3 lists whose recall@3 against the served Flat's is at least what
+    examples/retrieval.md and the README claim at the default knobs (DEFAULT_MIN_RECALL3). sq6 is built with
+    refine off, as a user without a Flat file gets it (the scalar codes alone); the PQ types re-score 4 x topk
+    candidates exactly from the Flat file, memory-mapped (/health names it). At every list probed and 10 x topk
+    re-scored, opq_ivf_pq's ranking and scores are Flat's."""
     from megatron_searchr1.search.corpus import write_corpus
     from megatron_searchr1.search.server import BackgroundServer, ServerConfig, build_arg_parser, load_from_args
     from tests.search.conftest import make_world
@@ -228,34 +230,49 @@ def test_opq_from_a_flat_file_served_with_exact_refine_from_that_file(tmp_path):
     corpus = tmp_path / "corpus.jsonl"
     write_corpus(docs, corpus)
     queries = queries[::5]
-    build(["--corpus", str(corpus), "--out-dir", str(tmp_path / "flat"), "--kind", "dense", "--quiet"])
     flat_file = tmp_path / "flat" / "dense.index"
-    build(["--corpus", str(corpus), "--out-dir", str(tmp_path / "opq"), "--kind", "dense", "--index-type",
-           "opq_ivf_pq", "--from-flat", str(flat_file), "--quiet"])  # the default build: OPQ96, PQ96x8
-    assert not (tmp_path / "opq" / "dense.vectors.npy").exists()  # the Flat file is the refine source
-    flat = load_from_args(build_arg_parser().parse_args(["--index-dir", str(tmp_path / "flat")]))
-    exact_ids, exact_scores = flat.search_ids(queries, 3)
-    want = [[docs[i]["id"] for i in row] for row in exact_ids]
+    builds = {"flat": [], "sq6": ["--from-flat", str(flat_file), "--refine-k-factor", "0"],
+              "ivf_pq": ["--from-flat", str(flat_file)], "opq_ivf_pq": ["--from-flat", str(flat_file)]}
+    for kind, extra in builds.items():
+        r = subprocess.run([sys.executable, "tools/build_index.py", "--corpus", str(corpus), "--out-dir",
+                            str(tmp_path / kind), "--kind", "dense", "--index-type", kind, "--quiet", *extra],
+                           capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, (kind, r.stderr[-2000:])
+    assert not (tmp_path / "opq_ivf_pq" / "dense.vectors.npy").exists()  # the Flat file is the refine source
 
-    def served(*flags):
-        retriever = load_from_args(build_arg_parser().parse_args(["--index-dir", str(tmp_path / "opq"), *flags]))
+    def served(kind, *flags):
+        """/health's search knobs, and the top-3 ids and scores of `queries` asked 8 to a request."""
+        retriever = load_from_args(build_arg_parser().parse_args(["--index-dir", str(tmp_path / kind), *flags]))
+        rows = []
         with BackgroundServer(retriever, ServerConfig(port=0)) as srv:
             knobs = httpx.get(f"{srv.url}/health", timeout=30).json()["search"]
-            body = httpx.post(f"{srv.url}/retrieve", json={"queries": queries, "topk": 3, "return_scores": True},
-                              timeout=120).json()["result"]
-        return knobs, [[hit["document"]["id"] for hit in row] for row in body], [[hit["score"] for hit in row]
-                                                                                for row in body]
+            for s in range(0, len(queries), 8):
+                r = httpx.post(f"{srv.url}/retrieve", json={"queries": queries[s:s + 8], "topk": 3,
+                                                              "return_scores": True}, timeout=120)
+                assert r.status_code == 200, r.text[:300]
+                rows += r.json()["result"]
+        assert len(rows) == len(queries) and all(len(row) == 3 and row[0]["score"] >= row[2]["score"] and
+                                                 set(row[0]["document"]) >= {"id", "contents"} for row in rows)
+        return knobs, [[hit["document"]["id"] for hit in row] for row in rows], [[hit["score"] for hit in row]
+                                                                               for row in rows]
 
-    knobs, got, _ = served()  # no knob flags: the defaults, refine x4 from the Flat file
-    assert knobs["index_type"] == "opq_ivf_pq" and knobs["factory"] == "OPQ96,IVF25,PQ96x8"
-    assert (knobs["nlist"], knobs["nprobe"], knobs["refine_k_factor"]) == (25, 16, 4)
-    assert knobs["refine_from"] == {"kind": "flat_file", "path": str(flat_file.resolve())}
-    recall3 = np.mean([len(set(a) & set(b)) / 3 for a, b in zip(got, want)])
-    assert recall3 >= DEFAULT_MIN_RECALL3, recall3
+    _, want, exact_scores = served("flat")  # the reference: MiniLM ranks the asked passage first for most
+    assert sum(row[0] == docs[i * 5]["id"] for i, row in enumerate(want)) >= 0.7 * len(queries)  # 0.78 measured
+    recall3 = {}
+    for kind in ("sq6", "ivf_pq", "opq_ivf_pq"):
+        knobs, got, _ = served(kind)  # no knob flags: the defaults
+        assert knobs["index_type"] == kind
+        if kind == "sq6":
+            assert knobs["refine_k_factor"] == 0 and knobs["factory"] == "SQ6"
+        else:
+            assert knobs["factory"] == {"ivf_pq": "IVF25,PQ96x8", "opq_ivf_pq": "OPQ96,IVF25,PQ96x8"}[kind]
+            assert (knobs["nlist"], knobs["nprobe"], knobs["refine_k_factor"]) == (25, 16, 4)
+            assert knobs["refine_from"] == {"kind": "flat_file", "path": str(flat_file.resolve())}
+        recall3[kind] = np.mean([len(set(a) & set(b)) / 3 for a, b in zip(got, want)])
+    assert all(v >= DEFAULT_MIN_RECALL3 for v in recall3.values()), recall3
 
-    knobs, got, scores = served("--nprobe", str(knobs["nlist"]), "--refine-k-factor", "10")
-    assert knobs["refine_from"] == {"kind": "flat_file", "path": str(flat_file.resolve())}
-    assert knobs["refine_k_factor"] == 10 and knobs["nprobe"] == knobs["nlist"]
+    knobs, got, scores = served("opq_ivf_pq", "--nprobe", "25", "--refine-k-factor", "10")
+    assert knobs["refine_k_factor"] == 10 and knobs["nprobe"] == knobs["nlist"] == 25
     assert got == want
     np.testing.assert_allclose(scores, exact_scores, rtol=1e-5, atol=1e-5)
 

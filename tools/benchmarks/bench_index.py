@@ -1,17 +1,20 @@
 # python tools/benchmarks/bench_index.py                     (20,000 generated passages, real MiniLM, ~5 min on 2 cores)
 # python tools/benchmarks/bench_index.py --docs 2000 --queries 200 --types flat,ivf_pq
 # python tools/benchmarks/bench_index.py --corpus pydoc --docs 4000   (real English: the stdlib's docs, no internet)
-# python tools/benchmarks/bench_index.py --corpus world+pydoc --docs 24000 --cache-dir ~/.cache/bench_index \
-#     --types flat,fp16,sq8,sq6,hnsw,ivf_flat,ivf_sq8,ivf_pq,opq_ivf_pq     (embeddings kept: a re-run encodes nothing)
+# python tools/benchmarks/bench_index.py --corpus world+pydoc --docs 25000 --pydoc 1000 --types all \
+#     --served-clients 32 --cache-dir ~/.cache/bench_index   (the full table: every type, served over HTTP too;
+#                                                            embeddings kept: a re-run encodes nothing)
 """Every dense index type side by side on one corpus: bytes per passage, build time, QPS at 1 and 32 clients,
 recall@1/3/10 against Flat on the same queries, the memory each would need for wiki-18 (21M passages, 768 dims),
 and where a query's time goes (encode vs search vs rendering the JSON) at the demo's and Search-R1's batch sizes.
 
 The passages are encoded once with the real MiniLM; each index is then built from those vectors with the same code
 the CLI uses (`FaissConfig.resolve_build` + `make_faiss_index`) and searched through `DenseRetriever` (nprobe and
-the refine stage as the server applies them), so the figures isolate the index. "QPS 32" there is 32 threads
-sending one-query searches to the index. "served QPS 32" is 32 HTTP clients sending fresh one-query requests to the
-real server (a separate process, query cache off) over each index: encoding included, the figure a trainer sees.
+the refine stage as the server applies them), so the figures isolate the index. "index QPS 1 / 32" there is 1 or 32
+threads sending one-query searches to the index. With --served-clients N, each index file is also served by the
+real server (a separate process on loopback, query cache off, the same knobs): "served QPS 1 / N" is 1 or N HTTP
+clients sending fresh one-query requests (encoding included, the figure a trainer sees), and "served R@3" the
+recall@3 of its answers to the benchmark's queries, asked in Search-R1's request shape, against the served Flat's.
 --sweep adds recall@3 and one-thread QPS per nprobe (IVF types) and per efSearch (HNSW).
 
 --corpus synthetic: invented-people passages (bench_retrieval.make_corpus); --corpus pydoc: real English text
@@ -163,11 +166,14 @@ def make_bench_corpus(kind: str, path: str, docs: int, n_queries: int, pydoc: in
     return queries
 
 
-def encode_cached(encoder, corpus, queries: list[str], cache: str | None, chunk: int = 2048):
+def encode_cached(encoder, corpus, queries: list[str], cache: str | None, chunk: int = 2048,
+                  first: int | None = None):
     """Passage and query embeddings, from `cache` when they are there; passages are encoded and saved a chunk at a
-    time, so an interrupted run resumes where it stopped. Returns (passages, queries, seconds spent encoding)."""
+    time, so an interrupted run resumes where it stopped. first: only the chunks holding the first `first`
+    passages are read or encoded, and their rows returned. Returns (passages, queries, seconds spent encoding)."""
     t0, parts = time.time(), []
-    for s in range(0, len(corpus), chunk):
+    n = len(corpus) if first is None else min(first, len(corpus))
+    for s in range(0, n, chunk):
         part = os.path.join(cache, f"passages.{s // chunk:05d}.npy") if cache else None
         if part and os.path.exists(part):
             parts.append(np.load(part))
@@ -185,7 +191,7 @@ def encode_cached(encoder, corpus, queries: list[str], cache: str | None, chunk:
         q = encoder.encode(queries, is_query=True)
         if qpath:
             np.save(qpath, q)
-    return np.concatenate(parts), q, time.time() - t0
+    return np.concatenate(parts)[:n], q, time.time() - t0
 
 
 def recall_at(ids, exact, k: int) -> float:
@@ -295,19 +301,26 @@ def recall_by_size(x: np.ndarray, q: np.ndarray, sources: np.ndarray, types: lis
     return rows
 
 
-def served_qps(index_dir: str, flags: list[str], clients: int, seconds: float, threads: int) -> dict:
-    """`clients` HTTP clients sending fresh one-query requests to the real server over `index_dir` (a separate
-    process, query cache off, `threads` CPU threads): QPS and p99 latency (bench_retrieval's load generator)."""
+def served(index_dir: str, flags: list[str], clients: int, seconds: float, threads: int,
+           questions: list[str]) -> dict:
+    """The real server over `index_dir` (a separate process on loopback, query cache off, `threads` CPU threads):
+    QPS and p99 latency of 1 and of `clients` HTTP clients each sending fresh one-query requests back to back
+    (bench_retrieval's load generator), then the top-10 ids it returns for `questions`, asked in Search-R1's
+    shape (`queries` of 16, `topk`, `return_scores`), for recall against the served Flat."""
     import asyncio
 
-    from bench_retrieval import Queries, batches, closed_loop
+    from bench_retrieval import Queries, batches, closed_loop, top_ids
 
     from megatron_searchr1.search.launch import ServerProcess
 
     with ServerProcess(["--index-dir", index_dir, "--log-level", "warning", "--query-cache-size", "0",
                         "--torch-threads", str(threads), *flags]) as srv:
         batches(srv.url, Queries(seed=99).fresh, 8, 3, 1.0)  # warm: pages, thread pools
-        return asyncio.run(closed_loop(srv.url, Queries(seed=0), clients, seconds, 3))
+        one = asyncio.run(closed_loop(srv.url, Queries(seed=0), 1, seconds, 3))
+        many = asyncio.run(closed_loop(srv.url, Queries(seed=1), clients, seconds, 3))
+        ids = top_ids(srv.url, questions, 10)
+    return {"served_qps_1": one["qps"], "served_p99_1_s": one["p99"], "served_qps_n": many["qps"],
+            "served_p99_n_s": many["p99"], "served_errors": one["errors"] + many["errors"], "served_ids": ids}
 
 
 def wiki18_gb(index_type: str, bytes_per_doc: float, dim: int, cfg) -> float:
@@ -316,6 +329,11 @@ def wiki18_gb(index_type: str, bytes_per_doc: float, dim: int, cfg) -> float:
     The quantizers of a 21M-passage IVF (nlist ~18k centroids) add well under 0.1 GB."""
     fixed = 8 if "ivf" in index_type else 8 * cfg.hnsw_m if index_type == "hnsw" else 0
     return ((bytes_per_doc - fixed) * WIKI18_DIM / dim + fixed) * WIKI18_DOCS / 1e9
+
+
+def fmt_load(load) -> str:
+    """The 1, 5 and 15 minute load averages as `uptime` shows them."""
+    return " / ".join(f"{v:.1f}" for v in load)
 
 
 def encode_split(encoder, retriever, queries: list[str], batch: int) -> dict:
@@ -338,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--docs", type=int, default=20000, help="generated passages (bench_retrieval.make_corpus)")
     p.add_argument("--queries", type=int, default=500, help="queries for recall and QPS")
     p.add_argument("--types", default=",".join(DEFAULT_TYPES),
-                   help=f"comma-separated index types, flat first (the reference); all: {','.join(TYPES)}")
+                   help=f"comma-separated index types, flat first (the reference), or all: {','.join(TYPES)}")
     p.add_argument("--seconds", type=float, default=3.0, help="per QPS measurement")
     p.add_argument("--torch-threads", type=int, default=0, help="0 = every core")
     p.add_argument("--out", help="also write the rows as JSON here")
@@ -350,6 +368,10 @@ def main(argv: list[str] | None = None) -> int:
                         "are the world's. Pydoc passages are ~5x longer, so they set most of the encoding time")
     p.add_argument("--cache-dir", help="keep the corpus, queries and embeddings here (one subfolder per corpus, "
                                        "size and query count); a re-run with the same ones encodes nothing")
+    p.add_argument("--first", type=int, default=0,
+                   help="measure on the first N passages of the corpus only (0 = all): with --cache-dir, the "
+                        "chunks encoded so far of a larger corpus whose encoding has not finished. The queries "
+                        "stay the same; recall is against Flat over the same N")
     p.add_argument("--sweep", default="", help="comma-separated knob values: recall@3 and QPS per nprobe (IVF "
                                                "types) and per efSearch (HNSW), e.g. 1,2,4,8,16,32,64,128")
     p.add_argument("--sizes", default="",
@@ -357,14 +379,18 @@ def main(argv: list[str] | None = None) -> int:
                         "sizes (comma-separated; a sample of the encoded passages, or more than were encoded: the "
                         "rest interpolated between encoded neighbours, see grow()), e.g. 2500,5000,10000,20048")
     p.add_argument("--served-clients", type=int, default=0,
-                   help="also measure this many HTTP clients against the real server per type (0 = off)")
+                   help="also serve each type with the real server on loopback: QPS of 1 and of this many HTTP "
+                        "clients, and recall@3 of its answers against the served Flat's (0 = off)")
+    p.add_argument("--served-queries", type=int, default=200,
+                   help="--served-clients: how many of the queries (evenly spaced, so every source is in) to ask "
+                        "the server for the served recall")
     args = p.parse_args(argv)
-    types = [t for t in args.types.split(",") if t]
+    types = list(TYPES) if args.types == "all" else [t for t in args.types.split(",") if t]
     bad = [t for t in types if t not in TYPES]
     if bad:
         raise UsageError(f"--types: unknown {bad}; choose from {','.join(TYPES)}")
-    if args.docs < 1 or args.queries < 1 or args.pydoc < 0:
-        raise UsageError("--docs and --queries must be >= 1, --pydoc >= 0")
+    if args.docs < 1 or args.queries < 1 or args.pydoc < 0 or args.first < 0:
+        raise UsageError("--docs and --queries must be >= 1, --pydoc and --first >= 0")
     try:
         sweep = [int(v) for v in args.sweep.split(",") if v]
     except ValueError:
@@ -373,8 +399,8 @@ def main(argv: list[str] | None = None) -> int:
         sizes = [int(v) for v in args.sizes.split(",") if v]
     except ValueError:
         raise UsageError(f"--sizes takes comma-separated integers, got {args.sizes!r}") from None
-    if any(v < 1 for v in sweep + sizes) or args.served_clients < 0:
-        raise UsageError("--sweep and --sizes values must be >= 1 and --served-clients >= 0")
+    if any(v < 1 for v in sweep + sizes) or args.served_clients < 0 or args.served_queries < 1:
+        raise UsageError("--sweep and --sizes values and --served-queries must be >= 1, --served-clients >= 0")
     import faiss
 
     from megatron_searchr1.search.corpus import open_corpus
@@ -400,10 +426,16 @@ def main(argv: list[str] | None = None) -> int:
     questions, sources = [q for q, _ in pairs], np.array([s for _, s in pairs])
     corpus = open_corpus(corpus_path)
     encoder = Encoder(EncoderConfig())
-    x, q, encode_s = encode_cached(encoder, corpus, questions, cache)
+    x, q, encode_s = encode_cached(encoder, corpus, questions, cache, first=args.first or None)
+    if len(x) < len(corpus):  # --first: the indexes and the server see only those passages
+        with open(corpus_path) as f, open(os.path.join(tmp, "corpus.jsonl"), "w") as out:
+            out.writelines(line for _, line in zip(range(len(x)), f))
+        corpus_path = os.path.join(tmp, "corpus.jsonl")
+        corpus = open_corpus(corpus_path)
     stub = _Vectors(q)
     rng = np.random.default_rng(0)
-    load = os.getloadavg()[0]
+    load_start = os.getloadavg()
+    load = load_start[0]
     counts = ", ".join(f"{k} {int(v)}" for k, v in zip(*np.unique(sources, return_counts=True)))
     print(f"{len(corpus)} {args.corpus} passages, {len(q)} queries ({counts}); "
           f"encoding {encode_s:.1f}s ({threads} threads, load average {load:.1f})", flush=True)
@@ -459,24 +491,37 @@ def main(argv: list[str] | None = None) -> int:
             flags = ["--refine-flat", os.path.join(tmp, "flat.index"), "--refine-k-factor", str(r.refine)]
             if r.ivf is not None:
                 flags += ["--nprobe", str(r.ivf.nprobe)]
-            served = served_qps(os.path.join(tmp, f"{kind}_dir"), flags, args.served_clients, args.seconds, threads)
-            row.update(served_qps_32=served["qps"], served_p99_s=served["p99"], served_errors=served["errors"])
+            if kind == "hnsw":
+                flags += ["--ef-search", str(r.faiss_config.hnsw_ef_search)]
+            got = served(os.path.join(tmp, f"{kind}_dir"), flags, args.served_clients, args.seconds, threads,
+                         questions[::max(1, len(questions) // args.served_queries)][:args.served_queries])
+            served_ids = got.pop("served_ids")
+            if kind == "flat":
+                served_exact = served_ids
+            row.update(got, served_recall3=recall_at(served_ids, served_exact, 3), load_avg=os.getloadavg()[0])
         results.append(row)
         print(json.dumps(row), flush=True)
     flat = DenseRetriever(corpus, faiss.read_index(os.path.join(tmp, "flat.index")), encoder, FaissConfig())
     split = [encode_split(encoder, flat, [f"{s} {b}" for s in questions * 64][: max(256, b)], b) for b in (8, 256)]
-    served_head = f" served QPS {args.served_clients} (HTTP) |" if args.served_clients else ""
+    load_end = os.getloadavg()
+    n = args.served_clients
+    served_head = (f" served QPS 1 (HTTP) | served QPS {n} (HTTP) | served p99 s at {n} | served R@3 |" if n else "")
     srcs = sorted({k[len("recall@3_"):] for r in results for k in r if k.startswith("recall@3_")})
-    print(f"| type | factory | bytes/passage | build s | QPS 1 | QPS 32 (threads on the index) |{served_head} R@1 | "
-          f"R@3 | R@10 |" + "".join(f" R@3 {s} |" for s in srcs) + " wiki-18 RAM GB | load avg |")
-    print("|---|---|---|---|---|---|" + ("---|" if args.served_clients else "") + "---|---|---|---|---|"
-          + "---|" * len(srcs))
+    print(f"\nload average (1, 5, 15 min) at the start of the index stage {fmt_load(load_start)}, at the end "
+          f"{fmt_load(load_end)}\n")
+    print(f"| type | factory | bytes/passage | build s | index QPS 1 (1 thread) | index QPS 32 (32 threads) |"
+          f"{served_head} R@1 | R@3 | R@10 |" + "".join(f" R@3 {s} |" for s in srcs) + " wiki-18 RAM GB | load avg |")
+    print("|---|---|---|---|---|---|" + ("---|" * 4 if n else "") + "---|---|---|---|---|" + "---|" * len(srcs))
     for r in results:
         extra = f" (+{r['wiki18_refine_disk_gb']:.0f} GB fp16 on disk, mapped)" if r["wiki18_refine_disk_gb"] else ""
-        served = f" {r['served_qps_32']:.0f} |" if args.served_clients else ""
-        print(f"| {r['type']} | `{r['factory']}` | {r['bytes_per_doc']:.0f} | {r['build_s']:.1f} | {r['qps_1']:.0f} | "
-              f"{r['qps_32']:.0f} |{served} {r['recall@1']:.3f} | {r['recall@3']:.3f} | {r['recall@10']:.3f} |"
-              + "".join(f" {r['recall@3_' + s]:.3f} |" for s in srcs)
+        knobs = ", ".join(([f"nprobe {r['nprobe']} of {r['nlist']}"] if r.get("nlist") else [])
+                          + ([f"efSearch {r['ef_search']}"] if r.get("ef_search") else [])
+                          + ([f"refine x{r['refine_k_factor']}"] if r.get("refine_k_factor") else []))
+        cells = (f" {r['served_qps_1']:.1f} | {r['served_qps_n']:.1f} | {r['served_p99_n_s']:.2f} | "
+                 f"{r['served_recall3']:.3f} |" if n else "")
+        print(f"| {r['type']}{f' ({knobs})' if knobs else ''} | `{r['factory']}` | {r['bytes_per_doc']:.0f} | "
+              f"{r['build_s']:.1f} | {r['qps_1']:.0f} | {r['qps_32']:.0f} |{cells} {r['recall@1']:.3f} | "
+              f"{r['recall@3']:.3f} | {r['recall@10']:.3f} |" + "".join(f" {r['recall@3_' + s]:.3f} |" for s in srcs)
               + f" {r['wiki18_ram_gb']:.1f}{extra} | {r['load_avg']:.1f} |")
     if sweeps:
         print("\n| type | knob | value | R@3 | QPS 1 |\n|---|---|---|---|---|")
@@ -488,7 +533,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"docs": len(corpus), "corpus": args.corpus, "dim": int(x.shape[1]), "encode_s": encode_s,
-                       "load_avg_start": load, "threads": threads, "queries_by_source": {
+                       "load_avg_start": load_start, "load_avg_end": load_end, "threads": threads,
+                       "queries_by_source": {
                            str(k): int(v) for k, v in zip(*np.unique(sources, return_counts=True))},
                        "rows": results, "sweeps": sweeps, "split": split}, f, indent=1)
     return 0

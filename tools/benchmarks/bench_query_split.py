@@ -200,7 +200,8 @@ def main(argv: list[str] | None = None) -> int:
                 row.update(total_s=total, rerank_share=row["rerank_s"] / total, pairs_per_s=row["pairs"] /
                            row["rerank_s"], ms_per_pair=1000 * row["rerank_s"] / row["pairs"],
                            cpu_ms_per_pair=1000 * row["rerank_cpu_s"] / row["pairs"],
-                           queries_per_s=batch / total, load_avg=os.getloadavg()[0])
+                           rerank_ms_per_query=1000 * row["rerank_s"] / batch, queries_per_s=batch / total,
+                           load_avg=os.getloadavg()[0])
                 rerank_rows.append(row)
                 print(json.dumps(row), flush=True)
     print(f"\n{len(corpus)} {args.corpus} passages, Flat top-3, {threads} threads, load average "
@@ -213,11 +214,13 @@ def main(argv: list[str] | None = None) -> int:
               f"{100 * r['encode_share']:.0f} % | {r['queries_per_s']:.0f} |")
     if rerank_rows:
         print("\n| batch | N re-scored | pairs | encode s | search s | rerank s | render s | rerank share | pairs/s | "
-              "ms/pair | CPU ms/pair | queries/s |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
+              "ms/pair | CPU ms/pair | rerank ms/query | queries/s | load avg |\n"
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         for r in rerank_rows:
             print(f"| {r['batch']} | {r['candidates']} | {r['pairs']} | {r['encode_s']:.4f} | {r['search_s']:.4f} | "
                   f"{r['rerank_s']:.4f} | {r['render_s']:.4f} | {100 * r['rerank_share']:.0f} % | "
-                  f"{r['pairs_per_s']:.0f} | {r['ms_per_pair']:.2f} | {r['cpu_ms_per_pair']:.2f} | {r['queries_per_s']:.1f} |")
+                  f"{r['pairs_per_s']:.1f} | {r['ms_per_pair']:.2f} | {r['cpu_ms_per_pair']:.2f} | "
+                  f"{r['rerank_ms_per_query']:.0f} | {r['queries_per_s']:.2f} | {r['load_avg']:.1f} |")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"docs": len(corpus), "corpus": args.corpus, "threads": threads, "max_embedding_diff": diff,
