@@ -2,12 +2,15 @@
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import httpx
 import numpy as np
 import pytest
 
 from megatron_searchr1.search.dense import FACTORY, FaissConfig, IndexTooSmall
+
+BUILD_INDEX = Path(__file__).resolve().parents[2] / "tools" / "build_index.py"  # run as a user runs it
 
 # What examples/retrieval.md claims for every compressed type served at its default knobs (no knob flags):
 # recall@3 against Flat of at least this, on every corpus size measured there.
@@ -49,7 +52,7 @@ def test_the_default_nprobe_probes_a_fixed_share_of_the_lists_up_to_its_cap():
 
 
 def test_a_corpus_too_small_for_the_type_is_one_error_line(tmp_path, world):
-    r = subprocess.run([sys.executable, "tools/build_index.py", "--corpus", world["path"], "--out-dir",
+    r = subprocess.run([sys.executable, str(BUILD_INDEX), "--corpus", world["path"], "--out-dir",
                         str(tmp_path / "opq"), "--kind", "dense", "--index-type", "opq_ivf_pq", "--quiet"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2, r.stderr
@@ -234,7 +237,7 @@ def test_compressed_indexes_built_by_the_cli_serve_search_r1_requests_at_the_cla
     builds = {"flat": [], "sq6": ["--from-flat", str(flat_file), "--refine-k-factor", "0"],
               "ivf_pq": ["--from-flat", str(flat_file)], "opq_ivf_pq": ["--from-flat", str(flat_file)]}
     for kind, extra in builds.items():
-        r = subprocess.run([sys.executable, "tools/build_index.py", "--corpus", str(corpus), "--out-dir",
+        r = subprocess.run([sys.executable, str(BUILD_INDEX), "--corpus", str(corpus), "--out-dir",
                             str(tmp_path / kind), "--kind", "dense", "--index-type", kind, "--quiet", *extra],
                            capture_output=True, text=True, timeout=600)
         assert r.returncode == 0, (kind, r.stderr[-2000:])
