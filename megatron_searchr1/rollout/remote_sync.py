@@ -246,9 +246,13 @@ def is_stop(msg) -> bool:
     return isinstance(msg, dict) and STOP in msg
 
 
-def heartbeat_counts(store, ranks) -> dict[int, tuple[int, int]]:
-    """(beats, done) of each of `ranks`, read from torchrun's `store` (Heartbeat's counters) without moving them."""
-    beats = dist.PrefixStore(f"{STORE_PREFIX}/heartbeat", store)
+def heartbeat_store(store):
+    """The part of torchrun's `store` that holds the heartbeats: `beat/N` (rank N's counter) and `done/N`."""
+    return dist.PrefixStore(f"{STORE_PREFIX}/heartbeat", store)
+
+
+def heartbeat_counts(beats, ranks) -> dict[int, tuple[int, int]]:
+    """(beats, done) of each of `ranks`, read from `beats` (a `heartbeat_store`) without moving them."""
     return {r: (beats.add(f"beat/{r}", 0), beats.add(f"done/{r}", 0)) for r in ranks}
 
 
@@ -259,8 +263,7 @@ class Heartbeat:
     `done()` (a clean exit). Counters, not clocks: nodes need not agree on the time."""
 
     def __init__(self, store, rank: int, interval: float = 1.0):
-        self.raw_store = store
-        self.store = dist.PrefixStore(f"{STORE_PREFIX}/heartbeat", store)
+        self.store = heartbeat_store(store)
         self.rank, self.interval = rank, interval
         self._stop = threading.Event()
         self._beat()
@@ -282,9 +285,9 @@ class Heartbeat:
         [] when the store itself cannot be read."""
         ranks = [r for r in ranks if r != self.rank]
         try:
-            before = heartbeat_counts(self.raw_store, ranks)
+            before = heartbeat_counts(self.store, ranks)
             time.sleep(3 * self.interval if wait is None else wait)
-            after = heartbeat_counts(self.raw_store, ranks)
+            after = heartbeat_counts(self.store, ranks)
         except Exception:  # noqa: BLE001
             return []
         return [r for r in ranks if after[r][0] == before[r][0] and not after[r][1]]
@@ -485,7 +488,7 @@ class WeightReceiver:
             return
         if store.check([STOP_KEY]):
             raise remote_nccl.StoppedInBroadcast(store.get(STOP_KEY).decode() or None)
-        (beat, done), now = heartbeat_counts(store, [0])[0], time.monotonic()
+        (beat, done), now = heartbeat_counts(heartbeat_store(store), [0])[0], time.monotonic()
         if beat != self._beat[0]:
             self._beat = (beat, now)
         elif now - self._beat[1] > GONE_SECONDS and not done:

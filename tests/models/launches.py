@@ -8,10 +8,13 @@ file asks first; `rank_results` reads it (convert rows carry a `case`, weight-sy
 from __future__ import annotations
 
 import importlib.util
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 from megatron_searchr1.models.tiny import TinyModelConfig, make_tiny_model
-from tests.dist_utils import run_torchrun
+from tests.dist_utils import REPO, run_torchrun
 
 SCRIPT = Path(__file__).with_name("convert_logits_script.py")
 
@@ -52,12 +55,6 @@ def _once(key, make):
 def _convert_all(pairs, tmp_dir) -> None:
     """The converter's command line (checkpoints_convert/hf_to_megatron.py's main) for each (hf_dir, out_dir), all
     in one process: starting torch and Megatron costs more than converting a tiny model."""
-    import os
-    import subprocess
-    import sys
-
-    from tests.dist_utils import REPO
-
     script = os.path.join(tmp_dir, "convert_all.py")
     with open(script, "w") as f:
         f.write("import sys\n"
