@@ -23,6 +23,24 @@ def test_bad_arguments_are_one_error_line():
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == ["error: --seed must be in [0, 100000), got 100000"]
+    proc = subprocess.run([sys.executable, "-m", "megatron_searchr1.demo", "--make-base", "/tmp/b", "--seed", "1"],
+                          cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "error: --make-base trains on the base's own worlds and runs no RL: drop --seed"]
+
+
+def test_a_base_that_is_not_one_is_refused_before_anything_runs(tmp_path):
+    """--base DIR must hold what --make-base writes; a wrong path is one error line and no work dir."""
+    (tmp_path / "half").mkdir()
+    (tmp_path / "half" / "config.json").write_text("{}")
+    proc = subprocess.run([sys.executable, "-m", "megatron_searchr1.demo", "--base", str(tmp_path / "half"),
+                           "--work-dir", str(tmp_path / "w")], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        f"error: --base {tmp_path / 'half'}: no model.safetensors, tokenizer.json, tokenizer_config.json there; pass "
+        "a directory --make-base wrote, or 'scratch' for a random model"]
+    assert not (tmp_path / "w").exists()
 
 
 def test_rl_overrides_are_checked_before_any_stage(tmp_path):
@@ -52,19 +70,56 @@ def test_a_work_dir_keeps_its_seed(tmp_path):
         f"error: {tmp_path} holds a run of seed 1: pass --seed 1 to continue it, --fresh to start over, or another "
         "--work-dir"]
     assert sorted(os.listdir(tmp_path)) == ["seed.json"]
+    (tmp_path / "seed.json").write_text('{"seed": 3, "base": "scratch"}')  # nor under another base
+    proc = subprocess.run([sys.executable, "-m", "megatron_searchr1.demo", "--work-dir", str(tmp_path)], cwd=REPO,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        f"error: {tmp_path} holds a run from base scratch: pass --base scratch to continue it, --fresh to start over, "
+        "or another --work-dir"]
+    assert sorted(os.listdir(tmp_path)) == ["seed.json"]
 
 
 def test_world_seeds_keep_the_warm_up_off_every_rl_world():
-    from megatron_searchr1.demo import SFT_SEED_OFFSET, world_seeds
+    from megatron_searchr1.demo import SFT_SEED_OFFSET, base_seeds, world_seeds
 
+    used = set()
     for seed in (0, 3, SFT_SEED_OFFSET - 1):
         sft, val = world_seeds(seed, 4)
         assert len(set(sft) | {val}) == 5 and min(sft + [val]) >= SFT_SEED_OFFSET  # never an RL world's seed
+        used |= set(sft) | {val, seed}
+    base_sft, base_val = base_seeds(4)
+    # the shipped base trained on worlds no --seed run uses for anything: above the largest seed any run can use
+    assert min(base_sft + [base_val]) > max(SFT_SEED_OFFSET - 1 + 2 * SFT_SEED_OFFSET, *used)
+    assert len(set(base_sft) | {base_val}) == 5
+
+
+def test_the_shipped_base_is_what_the_demo_builds():
+    """examples/demo_base is a base --make-base wrote: the demo's model shape and tokenizer, trained on the base's
+    own worlds (base.json), and it read at least the share of held-out trajectories the warm-up stops at."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from megatron_searchr1.demo import BASE_DIR, MODEL_ARGS, SIZES, base_seeds, check_base
+
+    check_base(BASE_DIR)
+    info = json.loads(open(os.path.join(BASE_DIR, "base.json")).read())
+    full = SIZES["full"]
+    assert (info["sft_worlds"], info["val_world"]) == tuple(base_seeds(full.scratch_sft_worlds))
+    assert info["val_exact"] >= full.sft_stop_at  # it reads as well as the warm-up asks before RL
+    cfg = AutoConfig.from_pretrained(BASE_DIR)
+    tok = AutoTokenizer.from_pretrained(BASE_DIR)
+    assert (cfg.model_type, cfg.hidden_size, cfg.num_hidden_layers, cfg.intermediate_size) == (
+        "qwen2", MODEL_ARGS["hidden_size"], full.model_layers, MODEL_ARGS["intermediate_size"])
+    assert MODEL_ARGS["vocab_size"] <= cfg.vocab_size == len(tok)  # the BPE entries, then the tags
+    for tag in ("<search>", "</search>", "<information>", "</information>", "<answer>", "</answer>"):
+        assert len(tok(tag, add_special_tokens=False)["input_ids"]) == 1, tag  # the tags are whole tokens
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(DEMO_LIMIT_S + 300)  # a mark overrides the command line's --timeout for this test
 def test_ci_sized_demo_runs_every_stage(tmp_path):
+    from megatron_searchr1.demo import BASE_DIR, SIZES
+
     pytest.importorskip("vllm")
     work = tmp_path / "demo"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
@@ -76,24 +131,34 @@ def test_ci_sized_demo_runs_every_stage(tmp_path):
     report = json.loads((work / "report.json").read_text())
     for phase in ("no_search", "before_rl", "after_rl"):
         assert report[phase]["split:validation"]["n"] > 0 and report[phase]["split:test"]["n"] > 0
-    assert report["rl_steps"] == 3 and len(report["samples"]) == 3
-    assert report["seed"] == 0 and report["sft_steps"]["steps"] == 40 and "val_exact" in report["sft_steps"]
+    ci = SIZES["ci"]
+    assert report["rl_steps"] == ci.grpo_steps and len(report["samples"]) == 3
+    assert report["base"] == BASE_DIR  # the warm-up started from the shipped base
+    assert report["seed"] == 0 and report["sft_steps"]["steps"] == ci.sft_steps and "val_exact" in report["sft_steps"]
     assert [os.path.basename(p) for p in report["pictures"]] == [
         "training_loss.png", "training_reward.png", "validation_em.png"]
     assert all(os.path.getsize(p) > 1000 and p in proc.stdout for p in report["pictures"])  # named in the printout
     assert all(f"stage {i}/6 " in proc.stdout for i in range(1, 7))
-    assert [step for step, _ in report["em_by_rl_step"]] == [0, 2, 3]  # before, every test_freq steps, after
+    test_steps = list(range(0, ci.grpo_steps, ci.grpo_test_freq)) + [ci.grpo_steps]
+    assert [step for step, _ in report["em_by_rl_step"]] == test_steps  # before, every test_freq steps, after
     assert "EM (all questions) by GRPO step: 0: " in proc.stdout
+
+    # RL raised held-out EM on its own world: the warm-up reads single-hop answers and searches once; GRPO teaches
+    # it to search again on multi-hop questions (what the full-size runs in the README show, here in 8 steps)
+    before, after = report["before_rl"], report["after_rl"]
+    assert before["synthetic_1hop"]["em"] >= 0.5, before  # the warm-up reads
+    assert after["all"]["em"] >= before["all"]["em"] + 0.05, (before["all"], after["all"])
+    multi = ("synthetic_2hop", "synthetic_3hop")
+    assert sum(after[k]["em"] for k in multi) > sum(before[k]["em"] for k in multi)
+    assert all(after[k]["searches"] > before[k]["searches"] for k in multi)
 
     from megatron_searchr1.metrics import read_scalars
 
     grpo = read_scalars(str(work / "grpo" / "tensorboard"))
-    assert len(grpo["reward/mean"]) == 3 and "val/all/em" in grpo
+    assert len(grpo["reward/mean"]) == ci.grpo_steps and "val/all/em" in grpo
     sft = read_scalars(str(work / "sft" / "tensorboard"))
-    losses = [v for _, v in sft["sft/loss"]]
-    assert losses[-1] < losses[0]  # the warm-up learned something
-    val_losses = [v for _, v in sft["val/loss"]]
-    assert len(val_losses) == 2 and val_losses[-1] < val_losses[0]  # validated at step 20 and at the end
+    assert sft["sft/loss"][0][1] < 2.0  # from the base's weights: a random model starts near ln(vocab) ~ 7.6
+    assert [step for step, _ in sft["val/loss"]] == [20, 40]  # validated every sft_val_freq steps and at the end
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -101,6 +166,35 @@ def test_ci_sized_demo_runs_every_stage(tmp_path):
     tok = AutoTokenizer.from_pretrained(report["hf_model"])
     out = model(**tok("<search> who", return_tensors="pt"))
     assert out.logits.shape[-1] == len(tok)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_make_base_writes_a_base_the_demo_takes(tmp_path):
+    """--make-base end to end at the CI size: the base's own worlds, a tokenizer and random model, the warm-up from
+    scratch (torchrun, DP=2), then the HF export and base.json in the directory --base takes."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from megatron_searchr1.demo import SIZES, base_seeds, check_base
+
+    out = tmp_path / "base"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    proc = subprocess.run([sys.executable, "-m", "megatron_searchr1.demo", "--size", "ci", "--make-base", str(out),
+                           "--work-dir", str(tmp_path / "w")], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=800)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert all(f"stage {i}/3 " in proc.stdout for i in (1, 2, 3)) and "stage 4/" not in proc.stdout
+    check_base(str(out))
+    info = json.loads((out / "base.json").read_text())
+    sft, val = base_seeds(SIZES["ci"].scratch_sft_worlds)
+    assert (info["sft_worlds"], info["val_world"], info["steps"]) == (sft, val, SIZES["ci"].scratch_sft_steps)
+    assert sorted(p.name for p in (tmp_path / "w").iterdir() if p.name.startswith("world_")) == sorted(
+        [f"world_sft_{s}" for s in sft] + [f"world_sftval_{val}"])  # no RL world: the base never meets one
+    assert "--make-base" in info["built_by"] and 0 <= info["val_exact"] <= 1
+    assert (out / "training_loss.png").stat().st_size > 1000  # how the base learned, next to it
+    model = AutoModelForCausalLM.from_pretrained(out)
+    tok = AutoTokenizer.from_pretrained(out)
+    assert model(**tok("<search> who", return_tensors="pt")).logits.shape[-1] == len(tok)
 
 
 def test_per_test_timeout_outlasts_the_demos_own_limit():
