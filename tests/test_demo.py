@@ -188,7 +188,7 @@ def test_make_base_writes_a_base_the_demo_takes(tmp_path):
     info = json.loads((out / "base.json").read_text())
     sft, val = base_seeds(SIZES["ci"].scratch_sft_worlds)
     assert (info["sft_worlds"], info["val_world"], info["steps"]) == (sft, val, SIZES["ci"].scratch_sft_steps)
-    assert sorted(p.name for p in (tmp_path / "w").iterdir() if p.name.startswith("world_")) == sorted(
+    assert sorted(p.name for p in (tmp_path / "w").iterdir() if p.is_dir() and p.name.startswith("world")) == sorted(
         [f"world_sft_{s}" for s in sft] + [f"world_sftval_{val}"])  # no RL world: the base never meets one
     assert "--make-base" in info["built_by"] and 0 <= info["val_exact"] <= 1
     assert (out / "training_loss.png").stat().st_size > 1000  # how the base learned, next to it
