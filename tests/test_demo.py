@@ -9,7 +9,7 @@ import pytest
 
 from tests.dist_utils import REPO
 
-# The CI-sized demo takes ~5 minutes on a free 2-core machine and ~8 on a loaded one; its subprocess gets this
+# The CI-sized demo takes ~2 minutes on a free 2-core machine and ~4 on a loaded one; its subprocess gets this
 # long, and pytest-timeout (CI passes --timeout=900 to every test) gets a few minutes more for the checks after it.
 DEMO_LIMIT_S = 1800
 
