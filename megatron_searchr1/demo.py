@@ -101,10 +101,10 @@ class Size:
     eta_s: tuple[tuple[str, float], ...] = ()
     """Expected seconds per stage on a free 2-core machine (measured: examples/cpu_demo.md), printed as each stage
     starts; SFT's is per step, GRPO's per step including its validations."""
-    grpo_lr: float = 5e-5
-    """GRPO's learning rate. From the base the multi-hop gain comes within 8 steps at 1e-4 or 5e-5 alike, but at
-    1e-4 single-hop EM slipped at one seed of three (seed 2: -0.029) while 5e-5 gave that seed more gain and kept
-    more of it (examples/cpu_demo.md)."""
+    grpo_lr: float = 3e-5
+    """GRPO's learning rate. From the base the multi-hop gain comes within 8-16 steps at 1e-4, 5e-5 or 3e-5 alike,
+    but single-hop EM slipped at one seed of three at the faster rates (seed 2: -0.029 at 1e-4, -0.013 at 5e-5) and
+    held at every seed at 3e-5 (examples/cpu_demo.md)."""
     sft_stop_early: float = 0.0
     """The SFT worlds' lazy demonstrator (make_world --stop-early): at each point where a multi-hop chain needs
     another search, its trajectory answers a guess instead with this probability. Above 0.5 the warm-up's greedy
