@@ -502,6 +502,10 @@ def _check_same_run(work: str, seed: Optional[int], base: Optional[str], make_ba
     if os.path.isfile(path):
         with open(path) as f:
             had = json.load(f)
+        if (had.get("base") == "make-base") != make_base:  # a base build and a demo run never share a work dir
+            what = "a --make-base build" if make_base else "a demo run"
+            raise UsageError(f"{work} holds {'a demo run' if make_base else 'a --make-base build'}, not {what}: "
+                             "--fresh to start over, or another --work-dir")
         if had["seed"] != seed:
             raise UsageError(f"{work} holds a run of seed {had['seed']}: pass --seed {had['seed']} to continue it, "
                              "--fresh to start over, or another --work-dir")

@@ -78,6 +78,12 @@ def test_a_work_dir_keeps_its_seed(tmp_path):
         f"error: {tmp_path} holds a run from base scratch: pass --base scratch to continue it, --fresh to start over, "
         "or another --work-dir"]
     assert sorted(os.listdir(tmp_path)) == ["seed.json"]
+    proc = subprocess.run([sys.executable, "-m", "megatron_searchr1.demo", "--make-base", str(tmp_path / "b"),
+                           "--work-dir", str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2  # nor is a demo's work dir a base build's
+    assert proc.stderr.strip().splitlines() == [
+        f"error: {tmp_path} holds a demo run, not a --make-base build: --fresh to start over, or another --work-dir"]
+    assert sorted(os.listdir(tmp_path)) == ["seed.json"]
 
 
 def test_world_seeds_keep_the_warm_up_off_every_rl_world():
