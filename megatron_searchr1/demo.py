@@ -242,7 +242,7 @@ def world_text(world_dir: Optional[str], out_path: str, sft_worlds: Sequence[str
     import pyarrow.parquet as pq
 
     with open(out_path, "w", encoding="utf-8") as out:
-        for corpus_world in ([world_dir] if world_dir else list(sft_worlds)):
+        for corpus_world in ([world_dir] if world_dir else sft_worlds):
             with open(os.path.join(corpus_world, "corpus.jsonl"), encoding="utf-8") as f:
                 for line in f:
                     out.write(json.loads(line)["contents"] + "\n")
@@ -335,11 +335,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     timings: dict[str, float] = {}
     eta = dict(size.eta_s)
     stages = 3 if a.make_base else 6
+    # the warm-up's plan: from the base (a short fine-tune) or from a random model (--base scratch, --make-base)
+    n_sft, steps, lr, val_freq = (
+        (size.sft_worlds, size.sft_steps, size.sft_lr, size.sft_val_freq) if base else
+        (size.scratch_sft_worlds, size.scratch_sft_steps, size.scratch_sft_lr, size.scratch_val_freq))
 
     # 1. worlds + indexes + gold trajectories
     world = None if a.make_base else os.path.join(work, "world")
     start = time.time()
-    n_sft = size.sft_worlds if base else size.scratch_sft_worlds
     sft_seeds, val_seed = base_seeds(n_sft) if a.make_base else world_seeds(size.seed, n_sft)
     worlds = [] if a.make_base else [("world", ("--seed", str(size.seed), *size.world))]
     worlds += [(f"world_sft_{seed}", ("--seed", str(seed), *size.world, "--stop-early", str(size.sft_stop_early)))
@@ -381,8 +384,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     # 3. SFT warm-up
     sft_dir = os.path.join(work, "sft")
     start = time.time()
-    steps, lr, val_freq = ((size.sft_steps, size.sft_lr, size.sft_val_freq) if base else
-                           (size.scratch_sft_steps, size.scratch_sft_lr, size.scratch_val_freq))
     stop = (f", stopping early once it reproduces {size.sft_stop_at:.0%} of {size.sft_val} held-out single-hop "
             "trajectories" if size.sft_stop_at else "")
     _stage(3, "sft", f"the warm-up from {'the base' if base else 'the random model'}, at most {steps} steps of "

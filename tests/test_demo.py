@@ -108,7 +108,8 @@ def test_the_shipped_base_is_what_the_demo_builds():
     from megatron_searchr1.demo import BASE_DIR, MODEL_ARGS, SIZES, base_seeds, check_base
 
     check_base(BASE_DIR)
-    info = json.loads(open(os.path.join(BASE_DIR, "base.json")).read())
+    with open(os.path.join(BASE_DIR, "base.json")) as f:
+        info = json.load(f)
     full = SIZES["full"]
     assert (info["sft_worlds"], info["val_world"]) == tuple(base_seeds(full.scratch_sft_worlds))
     assert info["val_exact"] >= full.sft_stop_at  # it reads as well as the warm-up asks before RL
