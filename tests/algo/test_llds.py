@@ -58,9 +58,13 @@ def test_response_gate_by_hand():
 
 def test_answer_coef_weighs_the_answer_span():
     old, new, adv, mask = _batch()
-    pen, _ = compute_llds_loss(old, new, adv, mask, coef=1.0, answer_coef=10.0, gate="action")
-    # last actions: row 0 (0.2, 0.1) -> x10; row 3's last action is closed; row 0's first action stays x1
-    assert pen.item() == pytest.approx((0.4 + 10 * 0.3 + 0.5) / 11)
+    pen, _ = compute_llds_loss(old, new, adv, mask, coef=1.0, answer_coef=0.5, gate="action")
+    # last actions: row 0 (0.2, 0.1) -> x0.5; row 3's last action is closed; row 0's first action stays x1
+    assert pen.item() == pytest.approx((0.4 + 0.5 * 0.3 + 0.5) / 11)
+    # the reference (LLDS dp_actor.py) takes min(answer weight, coef): an answer_coef above coef changes nothing
+    capped, _ = compute_llds_loss(old, new, adv, mask, coef=1.0, answer_coef=10.0, gate="action")
+    plain, _ = compute_llds_loss(old, new, adv, mask, coef=1.0, gate="action")
+    assert capped.item() == pytest.approx(plain.item()) == pytest.approx((0.4 + 0.3 + 0.5) / 11)
     answer = torch.zeros(4, 6, dtype=torch.bool)
     answer[3, 0] = True  # say the answer sat in row 3's first action
     pen, _ = compute_llds_loss(old, new, adv, mask, coef=1.0, answer_coef=0.0, answer_mask=answer)
