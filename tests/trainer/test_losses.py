@@ -453,3 +453,96 @@ def test_mis_rejection_mask_applies_to_kl_entropy_and_llds():
     assert rejected.any() and (keep & mb["loss_mask"].bool()).any()
     assert lp.grad[rejected].abs().max() == 0 and entropy.grad[rejected].abs().max() == 0
     assert lp.grad[keep].abs().min() > 0 and entropy.grad[keep].abs().min() > 0
+
+
+# ------------------------------------------------------------------------------------------------ defaults
+DISAGG = ["parallel.rollout_placement=disaggregated", "parallel.rollout_ranks=1"]
+
+
+def test_a_disaggregated_run_corrects_behaviour_vs_proximal_by_default():
+    """algo.rollout_correction defaults to auto: token TIS (cap 2) in the disaggregated placement, where a batch is
+    up to rollout.max_staleness versions old, none when colocated; an explicit mode stays. On main a disaggregated
+    run got no correction unless asked: its stale batch trained as if on-policy."""
+    from megatron_searchr1.config import load_config
+
+    assert load_config(None, []).algo.rollout_correction == "none"
+    assert load_config(None, DISAGG).algo.rollout_correction == "token_tis"
+    assert load_config(None, [*DISAGG, "algo.rollout_correction=icepop"]).algo.rollout_correction == "icepop"
+    assert load_config(None, [*DISAGG, "algo.rollout_correction=none"]).algo.rollout_correction == "none"
+    # the loss of such a run weighs a stale token by min(pi_proximal / pi_behaviour, 2): here 1.5 and 2 (of 3)
+    cfg = load_config(None, [*DISAGG, "algo.use_kl_loss=false"]).algo
+    seqs = losses.to_sequences([_traj("g", [5, 6], [8])])
+    s = seqs[0]
+    s.advantages = torch.ones(len(s.response_ids))
+    s.engine_log_probs = torch.log(torch.tensor([1 / 1.5, 1 / 3, 1, 1 / 1.5, 1 / 3])) * s.loss_mask  # stale
+    (mb,) = _micro_batches(seqs)
+    lp = torch.zeros(mb["loss_mask"].shape, requires_grad=True)  # the trainer's log-probs now (on-policy update)
+    loss, m = losses.actor_loss_fn(cfg)({"log_probs": lp}, mb)
+    loss.backward()
+    assert lp.grad[0].tolist() == pytest.approx([-1.5 / 4, -2 / 4, 0, -1.5 / 4, -2 / 4])
+    assert float(m["rc_clipped_frac"]) == pytest.approx(0.5)
+
+
+def test_cispo_cap_default_is_skyrls():
+    """CISPO's weight cap defaults to 1 + 5 (SkyRL's cispo_eps_clip_high): the weight is detached and only bounds
+    the variance of a token's contribution; on main it was 1.28, PPO's clip-higher range, which damps exactly the
+    large-ratio tokens CISPO exists to keep."""
+    assert AlgoConfig().cispo_clip_ratio_high == 5.0
+    kw = losses._policy_loss_kwargs(AlgoConfig(policy_loss="cispo"))
+    old, new = torch.zeros(1, 1), torch.log(torch.tensor([[3.0]]))
+    _, m = algo.compute_policy_loss_cispo(old, new, torch.ones(1, 1), torch.ones(1, 1), **kw)
+    assert float(m["pg_clipfrac"]) == 0.0  # a ratio of 3 keeps its full weight
+
+
+# ------------------------------------------------------------------------------------------------ turn credit
+class _Tok:
+    words = {70: "Talven", 71: "Orrick", 80: "nothing", 81: "1856"}
+
+    def decode(self, ids):
+        return " ".join(self.words.get(i, "x") for i in ids)
+
+
+def test_turn_credit_adds_step_advantages_to_the_outcome_advantage():
+    """Three samples of one prompt: two searched and saw the same observation (70 71 = "Talven Orrick", the bridge
+    entity, a hop answer), one saw 80; the first was right. GRPO's outcome advantage (1, 0, 0: +1.1547, -0.5774,
+    -0.5774) plus weight 0.5 x the step advantages: first turns share the group of all three; the second turns of
+    the first two share (X,), the third is alone. With retrieved_answer (coef 0.1) the first two earn 0.1 on their
+    first turn."""
+    from megatron_searchr1.config.rl import TurnCreditConfig
+
+    trajs = [_traj("g", [5, 5], [70, 71]), _traj("g", [5, 5], [70, 71]), _traj("g", [5, 5], [80])]
+    seqs = losses.to_sequences(trajs)
+    cfg = AlgoConfig(turn_credit=TurnCreditConfig(weight=0.5, gamma=1.0, turn_reward="retrieved_answer"))
+    turns = losses.turn_inputs(trajs, _Tok(), cfg, gold_answers=[["Talven Orrick"]] * 3)
+    assert turns["rewards"] == [[0.1, 0.0], [0.1, 0.0], [0.0, 0.0]]
+    assert turns["keys"][0] == [(), ((70, 71),)] and turns["keys"][2] == [(), ((80,),)]
+    m = losses.add_advantages(seqs, [1.0, 0.0, 0.0], ["g"] * 3, cfg, turns=turns)
+    # returns (gamma 1): t0 (1.1, 1), t1 (0.1, 0), t2 (0, 0)
+    first = algo.step_group_advantages([[1.1], [0.1], [0.0]], [[()], [()], [()]], ["g"] * 3)
+    outcome = [1.154699, -0.577349, -0.577349]
+    second = [0.707106, -0.707106, 0.0]
+    for i, s in enumerate(seqs):
+        want = [outcome[i] + 0.5 * first[i][0]] * 2 + [0.0] * len(trajs[i].response_ids[2:-2]) + \
+               [outcome[i] + 0.5 * second[i]] * 2
+        assert s.advantages.tolist() == pytest.approx(want, abs=1e-4)
+    assert m["turn/turns"] == 6 and m["turn/reward_per_turn"] == pytest.approx(0.2 / 6)
+    # off: the outcome advantage alone
+    plain = losses.to_sequences(trajs)
+    losses.add_advantages(plain, [1.0, 0.0, 0.0], ["g"] * 3, AlgoConfig(), turns=None)
+    assert plain[2].advantages[0] == pytest.approx(outcome[2], abs=1e-4)
+    assert losses.turn_inputs(trajs, _Tok(), AlgoConfig()) is None
+
+
+def test_a_users_turn_reward_function(monkeypatch):
+    import sys
+    import types
+
+    from megatron_searchr1.config.rl import TurnCreditConfig
+
+    mod = types.ModuleType("my_turn_rewards")
+    mod.reward = lambda observations, meta: [float("1856" in o) for o in observations]
+    monkeypatch.setitem(sys.modules, "my_turn_rewards", mod)
+    trajs = [_traj("g", [5], [81]), _traj("g", [5], [80])]
+    cfg = AlgoConfig(turn_credit=TurnCreditConfig(weight=1.0, turn_reward="my_turn_rewards:reward",
+                                                  turn_reward_coef=2.0))
+    assert losses.turn_inputs(trajs, _Tok(), cfg)["rewards"] == [[2.0, 0.0], [0.0, 0.0]]
