@@ -16,8 +16,12 @@ from tests.test_train import STEP_FIELDS_THAT_VARY, rl_args, step_metrics
 
 TOOLKIT = ["algo.policy_loss=cispo", "algo.clip_ratio_c=null", "algo.rollout_correction=token_tis",
            "algo.rollout_correction_cap=1.5", "algo.llds.coef=0.1", "algo.llds.gate=action",
-           "algo.filter_groups=true", "algo.max_gen_batches=2", "algo.overlong_buffer=64",
-           "algo.overlong_penalty=0.5", "algo.ppo_epochs=2", "trainer.export_hf=false",
+           # the overlong ramp over the whole budget (160): a random model's samples of different lengths score
+           # differently, so dynamic sampling (which judges the shaped score) finds informative groups
+           "algo.filter_groups=true", "algo.max_gen_batches=2", "algo.gen_batches_per_round=2",
+           "algo.overlong_buffer=160", "algo.overlong_penalty=0.5", "algo.ppo_epochs=2", "trainer.export_hf=false",
+           # turn-level credit: GiGPO step groups and the retrieved-answer turn reward
+           "algo.turn_credit.weight=1.0", "algo.turn_credit.turn_reward=retrieved_answer",
            # not 1: the engine's log-probs are at the sampling temperature, as the trainer's are
            "rollout.temperature=0.8"]
 
@@ -32,12 +36,14 @@ def test_cispo_tis_llds_dapo_run_and_resume_exactly(world, tiny_model, server, r
     for step, m in want.items():
         for key in ("actor/pg_loss_cispo", "actor/llds_penalty", "actor/llds_action_gate_frac",
                     "actor/rc_mismatch_kl", "actor/rc_clipped_frac", "actor/rc_ratio_max",
-                    "train/overlong_penalty_mean", "dapo/groups_generated", "dapo/groups_kept"):
+                    "train/overlong_penalty_mean", "dapo/groups_generated", "dapo/groups_kept",
+                    "actor/logp_pos_avg_llds", "turn/turns", "turn/moved_frac", "turn/step_adv_abs_mean"):
             assert key in m and math.isfinite(m[key]), (step, key, m.get(key))
-        # a random model: every group scores the same, so dynamic sampling always makes its 2 generate calls
-        # of data.train_batch_size=4 groups each (TP=2 on 2 ranks: DP=1)
-        assert m["dapo/generate_calls"] == 2 and m["dapo/groups_generated"] == 8
-        assert m["dapo/groups_kept"] <= 4
+        # rounds of 2 x data.train_batch_size=4 prompts (TP=2 on 2 ranks: DP=1), at most 2; never a filler group
+        assert m["dapo/groups_generated"] == 8 * m["dapo/generate_calls"] and 1 <= m["dapo/generate_calls"] <= 2
+        assert 1 <= m["dapo/groups_kept"] <= 4
+        # two turns per trajectory at most (rollout.max_turns=2); first turns share their group's step group
+        assert m["turn/turns"] >= 2 * m["dapo/groups_kept"] and m["turn/moved_frac"] > 0
     # right after the weight sync (fp32 on both sides) the engine's tempered log-probs are the trainer's, so the
     # correction sees no mismatch (with raw engine log-probs the gap at temperature 0.8 is large)
     for m in want.values():
