@@ -62,7 +62,8 @@ __all__ = [
     "masked_mean", "masked_sum", "masked_var", "masked_whiten", "masked_moments", "Reduce",
     "POLICY_LOSSES", "policy_loss_fn", "compute_policy_loss_ppo", "compute_policy_loss_gspo",
     "compute_policy_loss_cispo", "ROLLOUT_CORRECTIONS", "compute_rollout_correction", "mismatch_kl",
-    "overlong_penalty", "overlong_filter_mask", "filter_groups", "LLDS_GATES", "compute_llds_loss", "llds_answer_weight",
+    "overlong_penalty", "overlong_filter_mask", "filter_groups", "LLDS_GATES", "compute_llds_loss",
+    "llds_answer_weight",
     "likelihood_drop", "has_collapsed", "turn_segments", "anchor_keys", "turn_returns", "step_group_advantages",
     "turn_token_advantages", "combine_turn_advantages",
 ]

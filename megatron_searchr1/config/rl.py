@@ -242,7 +242,7 @@ class LLDSConfig:
     answer_coef: Optional[float] = None
     """Weight on the answer span (each response's last action), capped at coef as the reference does; None = coef."""
     answer_adaptive: bool = False
-    """The reference's adaptive answer weight: answer_coef x max(mean searches per trajectory - 1, 0), capped at coef."""
+    """The reference's adaptive answer weight: answer_coef x max(mean searches per trajectory - 1, 0), then <= coef."""
 
     def __post_init__(self):
         check(self.coef >= 0, f"algo.llds.coef must be >= 0 (0 = off), got {self.coef}")
@@ -340,7 +340,7 @@ class AlgoConfig:
     overlong_penalty: float = 1.0
     """Largest overlong penalty (reached at the response budget), subtracted from the score."""
     overlong_filter: bool = False
-    """DAPO overlong filtering: trajectories cut by the response budget get no loss tokens (reward kept in the group)."""
+    """DAPO overlong filtering: trajectories the response budget cut get no loss tokens (their reward stays)."""
     turn_credit: TurnCreditConfig = field(default_factory=TurnCreditConfig)
     """Turn-level credit (GiGPO-style step groups, per-turn rewards) added to the outcome advantage; weight 0 = off."""
     entropy_coeff: float = 0.0

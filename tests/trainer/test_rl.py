@@ -170,7 +170,8 @@ def test_dynamic_sampling_counts_groups_from_the_trained_quantity(monkeypatch):
 
     trainer = _dapo_trainer(monkeypatch, None, ["algo.filter_groups=true", "algo.max_gen_batches=1",
                                                 "algo.gen_batches_per_round=1", "algo.overlong_buffer=8",
-                                                "algo.overlong_filter=true", "rollout.max_response_length=64", "rollout.max_tokens_per_turn=32",
+                                                "algo.overlong_filter=true", "rollout.max_response_length=64",
+                                                "rollout.max_tokens_per_turn=32",
                                                 "data.train_batch_size=3", "algo.ppo_mini_batch_size=1"],
                             make=make)
     trajs, _, _, m = trainer.generate_batch()
