@@ -78,7 +78,8 @@ def dapo_step(trainer) -> None:
             sc["score"] = 1.0 if informative and t.sample == 0 else 0.0
         return scores
 
-    cfg.algo.filter_groups, cfg.algo.max_gen_batches = True, 4
+    # one prompt batch per round (the default oversamples 3x), so a call's groups are the rank's share of one batch
+    cfg.algo.filter_groups, cfg.algo.max_gen_batches, cfg.algo.gen_batches_per_round = True, 4, 1
     worker.generate, losses.score_trajectories = counting_generate, dapo_scores
     try:
         trainer.step_no += 1

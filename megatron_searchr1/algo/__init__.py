@@ -9,7 +9,9 @@
   proximal one: token / sequence TIS, MIS, IcePop, geometric-mean mask, and the mismatch KL;
 - ``dapo``: overlong reward shaping and filtering, the dynamic-sampling group filter;
 - ``llds``: the likelihood-displacement penalty (LLDS) with its response / action gates;
-- ``collapse``: says when the likelihood of positive-advantage tokens has fallen too far.
+- ``collapse``: says when the likelihood of positive-advantage tokens has fallen too far;
+- ``turn_credit``: turn-level advantages for multi-turn search (GiGPO's step groups over anchor states, per-turn
+  rewards) added to the outcome advantage.
 
 One rule runs through all of them: a token with loss mask 0 (retrieved ``<information>`` text, padding) is not
 an action, so it is excluded from every token-level quantity: policy loss, KL, entropy, value loss, GAE and
@@ -43,11 +45,14 @@ from megatron_searchr1.algo.losses import (
 from megatron_searchr1.algo.masked import Reduce, masked_mean, masked_moments, masked_sum, masked_var, masked_whiten
 from megatron_searchr1.algo.collapse import has_collapsed, likelihood_drop
 from megatron_searchr1.algo.dapo import filter_groups, overlong_filter_mask, overlong_penalty
-from megatron_searchr1.algo.llds import LLDS_GATES, compute_llds_loss
+from megatron_searchr1.algo.llds import LLDS_GATES, compute_llds_loss, llds_answer_weight
 from megatron_searchr1.algo.policy_losses import (
     POLICY_LOSSES, compute_policy_loss_cispo, compute_policy_loss_gspo, compute_policy_loss_ppo, policy_loss_fn,
 )
 from megatron_searchr1.algo.rollout_correction import ROLLOUT_CORRECTIONS, compute_rollout_correction, mismatch_kl
+from megatron_searchr1.algo.turn_credit import (
+    anchor_keys, combine_turn_advantages, step_group_advantages, turn_returns, turn_segments, turn_token_advantages,
+)
 
 __all__ = [
     "compute_gae_advantage_return", "compute_grpo_outcome_advantage", "compute_rloo_outcome_advantage",
@@ -58,5 +63,7 @@ __all__ = [
     "POLICY_LOSSES", "policy_loss_fn", "compute_policy_loss_ppo", "compute_policy_loss_gspo",
     "compute_policy_loss_cispo", "ROLLOUT_CORRECTIONS", "compute_rollout_correction", "mismatch_kl",
     "overlong_penalty", "overlong_filter_mask", "filter_groups", "LLDS_GATES", "compute_llds_loss",
-    "likelihood_drop", "has_collapsed",
+    "llds_answer_weight",
+    "likelihood_drop", "has_collapsed", "turn_segments", "anchor_keys", "turn_returns", "step_group_advantages",
+    "turn_token_advantages", "combine_turn_advantages",
 ]

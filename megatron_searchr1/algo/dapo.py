@@ -4,10 +4,14 @@
   the response budget, so that the policy learns to finish before the cut instead of being punished only by a
   wrong (truncated) answer;
 - overlong filtering: the loss mask of truncated trajectories set to 0, so that a response cut by the budget,
-  whose reward says nothing about its reasoning, does not train the policy;
-- dynamic sampling: keep only the groups whose rewards are not all equal. A group whose answers all scored the
-  same has GRPO advantage 0 on every token and adds nothing to the gradient but dilutes the batch; the trainer
-  samples more prompts until it has enough informative groups.
+  whose reward says nothing about its reasoning, does not train the policy. Only its *loss*: as in DAPO, its
+  reward stays in its group's statistics (the mask is applied after the advantages), so four right answers beside
+  one truncated one keep the advantage DAPO gives them;
+- dynamic sampling: keep only the groups that carry a gradient. A group whose answers all scored the same has
+  GRPO advantage 0 on every token and adds nothing to the gradient but dilutes the batch; the trainer samples more
+  prompts until it has enough informative groups. A group counts as informative from the quantity the advantage
+  is computed from (the training score, overlong shaping included), over the rows that stay in the group, and only
+  if a row that can train (not overlong-filtered) gets a nonzero advantage.
 """
 from __future__ import annotations
 
@@ -57,18 +61,26 @@ def overlong_filter_mask(response_mask: torch.Tensor, truncated: torch.Tensor) -
     return torch.where(truncated.unsqueeze(-1), torch.zeros_like(response_mask), response_mask)
 
 
-def filter_groups(scores, index: Optional[Sequence] = None, group_size: Optional[int] = None,
-                  ) -> tuple[torch.Tensor, dict[str, int]]:
-    """DAPO's dynamic-sampling filter: a (B,) bool keep-mask over rows, True on every row of a group whose scores
-    are not all equal (std > 0), and counts ``{"groups", "kept_groups", "kept_rows"}``.
+def filter_groups(scores, index: Optional[Sequence] = None, group_size: Optional[int] = None, *,
+                  trainable=None, counted=None) -> tuple[torch.Tensor, dict[str, int]]:
+    """DAPO's dynamic-sampling filter: a (B,) bool keep-mask over rows, True on every row of an informative group,
+    and counts ``{"groups", "kept_groups", "kept_rows"}``.
 
-    scores: (B,) one outcome score per row (tensor, list or array). Groups are given by `index` (one group id per
+    scores: (B,) one training score per row (tensor, list or array). Groups are given by `index` (one group id per
     row, any order, e.g. ``extra_info.uid``) or by `group_size` (rows ``[0, n)``, ``[n, 2n)``, ...): exactly one.
-    A group of one row has no spread and is dropped.
+    `counted` (B,) bool, default all: rows that stay in their group's statistics (False: a row that leaves its
+    group, such as a failed search the trainer drops). `trainable` (B,) bool, default all: rows whose loss is
+    trained (False: an overlong-filtered row, which stays in the statistics but carries no gradient).
+    A group is informative when its counted scores are not all equal and a counted, trainable row's score differs
+    from the counted mean (its GRPO advantage is nonzero). A group of one counted row has no spread.
 
     >>> keep, counts = filter_groups([1., 1., 0., 1., 0., 0.], group_size=2)
     >>> keep.tolist(), counts
     ([False, False, True, True, False, False], {'groups': 3, 'kept_groups': 1, 'kept_rows': 2})
+    >>> filter_groups([1., 0., 0., 0.], group_size=2, trainable=[True, False, True, True])[0].tolist()
+    [True, True, False, False]
+    >>> filter_groups([1., 1., 0.], group_size=3, trainable=[False, False, True])[0].tolist()  # mean 2/3 != 0
+    [True, True, True]
     """
     scores = torch.as_tensor(scores, dtype=torch.float64).reshape(-1)  # (B,)
     B = scores.shape[0]
@@ -80,11 +92,18 @@ def filter_groups(scores, index: Optional[Sequence] = None, group_size: Optional
         groups = [list(range(start, start + group_size)) for start in range(0, B, group_size)]
     else:
         groups = group_rows(index, B)
+    trainable = torch.ones(B, dtype=torch.bool) if trainable is None else torch.as_tensor(trainable).bool()  # (B,)
+    counted = torch.ones(B, dtype=torch.bool) if counted is None else torch.as_tensor(counted).bool()  # (B,)
     keep = torch.zeros(B, dtype=torch.bool)  # (B,)
     kept_groups = 0
     for rows in groups:
-        group = scores[rows]  # (n,)
-        if group.max() > group.min():
-            keep[rows] = True
+        rows_t = torch.tensor(rows, dtype=torch.long)
+        inside = rows_t[counted[rows_t]]  # (k,) rows in the statistics
+        if len(inside) < 2:
+            continue
+        group = scores[inside]  # (k,)
+        moved = (group - group.mean()).abs() > 1e-12  # (k,) rows with a nonzero advantage
+        if group.max() > group.min() and bool((moved & trainable[inside]).any()):
+            keep[rows_t] = True
             kept_groups += 1
     return keep, {"groups": len(groups), "kept_groups": kept_groups, "kept_rows": int(keep.sum())}

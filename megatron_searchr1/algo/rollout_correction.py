@@ -15,10 +15,17 @@ With ``log r_t = proximal_log_prob_t - behaviour_log_prob_t`` (clamped to +-20 b
 - ``seq_tis``: per sequence, ``w_i = min(exp(sum_t log r_t), cap)`` for every token of the sequence;
 - ``token_mis`` / ``seq_mis``: masked importance sampling: the weight is the (token / sequence) ratio itself
   where it lies in ``[low, high]`` and the token (sequence) is masked out where it does not (default band
-  ``[0, cap]``: only an upper bound);
+  ``[1 / cap, cap]``: verl's rejection sampling takes the reciprocal of the upper threshold when no lower one is
+  given, and slime's MIS uses 0.5 with an upper 2; a ratio near 0 is as far from the engine as one near 2 and
+  carries as little of the engine's evidence, so it is masked too);
 - ``icepop``: ``token_mis`` with the two-sided band of IcePop (Ling team, Ring-1T): ``[0.5, 2]`` by default;
 - ``geo_mask``: masks whole sequences whose geometric-mean ratio ``exp(mean_t log r_t)`` leaves ``[low, high]``
-  (default ``[0.99, 1.01]``); kept sequences get weight 1.
+  (default ``[0.999, 1.001]``, verl's geometric rejection band of 0.1 %: a per-token mean ratio off by 1 % is a
+  large mismatch over a few hundred tokens, which a 1 % band would let through); kept sequences get weight 1.
+
+The masked modes (MIS, IcePop, geo_mask) return the rejection mask: the trainer applies it to every token-level
+term of the actor loss (policy loss, KL, entropy, LLDS), not only to the policy gradient, since a rejected token
+is one whose numbers the trainer should not trust at all.
 
 Sums and means run over the mask-1 tokens only (retrieved ``<information>`` tokens and padding have no ratio:
 the engine did not sample them). The weights are detached: they scale the policy-gradient term and pass no
@@ -37,7 +44,7 @@ ROLLOUT_CORRECTIONS = ("none", "token_tis", "seq_tis", "token_mis", "seq_mis", "
 
 _SAFETY = 20.0
 _ICEPOP_BAND = (0.5, 2.0)
-_GEO_BAND = (0.99, 1.01)
+_GEO_BAND = (0.999, 1.001)
 
 
 def mismatch_kl(proximal_log_prob: torch.Tensor, behaviour_log_prob: torch.Tensor,
@@ -59,7 +66,7 @@ def _band(mode: str, cap: float, low: Optional[float], high: Optional[float]) ->
     elif mode == "geo_mask":
         default = _GEO_BAND
     else:
-        default = (0.0, cap)
+        default = (1.0 / cap, cap) if high is None else (1.0 / high, high)
     band = (default[0] if low is None else low, default[1] if high is None else high)
     if not 0.0 <= band[0] < band[1]:
         raise ValueError(f"rollout correction {mode}: the band needs 0 <= low < high, got low={band[0]}, "

@@ -25,7 +25,7 @@ ESTIMATORS = ("grpo", "gae", "rloo", "reinforce_plus_plus")
 KL_KINDS = ("kl", "abs", "mse", "low_var_kl")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 POLICY_LOSSES = ("ppo", "gspo", "cispo")
-ROLLOUT_CORRECTIONS = ("none", "token_tis", "seq_tis", "token_mis", "seq_mis", "icepop", "geo_mask")
+ROLLOUT_CORRECTIONS = ("none", "token_tis", "seq_tis", "token_mis", "seq_mis", "icepop", "geo_mask", "auto")
 LLDS_GATES = ("action", "response")
 PLACEMENTS = ("colocated", "disaggregated")
 
@@ -240,17 +240,50 @@ class LLDSConfig:
     gate: str = "action"
     """Where the penalty's gate opens: action (per generated span between retrievals, the paper's best) or response."""
     answer_coef: Optional[float] = None
-    """Weight on the answer span (each response's last action; the paper's answer mask) in place of coef; None = coef."""
+    """Weight on the answer span (each response's last action), capped at coef as the reference does; None = coef."""
+    answer_adaptive: bool = False
+    """The reference's adaptive answer weight: answer_coef x max(mean searches per trajectory - 1, 0), then <= coef."""
 
     def __post_init__(self):
         check(self.coef >= 0, f"algo.llds.coef must be >= 0 (0 = off), got {self.coef}")
         check(self.gate in LLDS_GATES, f"algo.llds.gate must be action or response, got {self.gate!r}")
-        check(self.answer_coef is None or self.answer_coef >= 0,
-              f"algo.llds.answer_coef must be >= 0 or null (= coef), got {self.answer_coef}")
+        check(self.answer_coef is None or 0 <= self.answer_coef <= self.coef,
+              f"algo.llds.answer_coef must be in [0, algo.llds.coef={self.coef}] or null (= coef): the answer's weight "
+              f"is min(answer_coef, coef), as in the LLDS reference; got {self.answer_coef}")
+        check(not self.answer_adaptive or self.answer_coef is not None,
+              "algo.llds.answer_adaptive scales algo.llds.answer_coef: set answer_coef too")
 
     @property
     def enabled(self) -> bool:
-        return self.coef > 0 or bool(self.answer_coef)
+        return self.coef > 0
+
+
+TURN_REWARDS = ("none", "retrieved_answer")
+
+
+@dataclass
+class TurnCreditConfig:
+    weight: float = 0.0
+    """Weight of the turn-level (step) advantage added to the outcome advantage (GiGPO's 1.0); 0 = off."""
+    gamma: float = 0.95
+    """Discount of the return from a turn on (GiGPO's 0.95): later rewards count less for earlier turns."""
+    norm_by_std: bool = True
+    """Divide a step group's advantages by its std (GiGPO's mean_std_norm); false: mean only."""
+    turn_reward: str = "none"
+    """Per-turn reward: none, retrieved_answer (the turn's search returned the gold answer), or module:function."""
+    turn_reward_coef: float = 0.1
+    """Scale of the per-turn reward (added per turn, before the return)."""
+
+    def __post_init__(self):
+        check(self.weight >= 0, f"algo.turn_credit.weight must be >= 0 (0 = off), got {self.weight}")
+        check(0 <= self.gamma <= 1, f"algo.turn_credit.gamma must be in [0, 1], got {self.gamma}")
+        check(self.turn_reward in TURN_REWARDS or ":" in self.turn_reward,
+              f"algo.turn_credit.turn_reward must be none, retrieved_answer or module:function, got "
+              f"{self.turn_reward!r}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.weight > 0
 
 
 @dataclass
@@ -283,28 +316,33 @@ class AlgoConfig:
     """GSPO's upper clip range on the sequence ratio (the GSPO paper: 4e-4)."""
     cispo_clip_ratio_low: Optional[float] = None
     """CISPO's lower bound on the IS weight, 1 - this (None = no lower bound, as MiniMax-M1)."""
-    cispo_clip_ratio_high: float = 0.28
-    """CISPO's upper bound on the IS weight, 1 + this."""
-    rollout_correction: str = "none"
-    """Engine-vs-trainer correction: none, token_tis, seq_tis, token_mis, seq_mis, icepop or geo_mask."""
+    cispo_clip_ratio_high: float = 5.0
+    """CISPO's upper bound on the IS weight, 1 + this (SkyRL's 5: a tight cap would damp the tokens CISPO keeps)."""
+    rollout_correction: str = "auto"
+    """Engine-vs-trainer correction: auto (none colocated, token_tis disaggregated), none, token_tis, seq_tis,
+    token_mis, seq_mis, icepop or geo_mask."""
     rollout_correction_cap: float = 2.0
     """Truncation cap of the TIS weights (and the MIS upper bound when rollout_correction_high is null)."""
     rollout_correction_low: Optional[float] = None
-    """Lower end of the MIS / IcePop / geo_mask band (None = the mode's default: 0, 0.5, 0.99)."""
+    """Lower end of the MIS / IcePop / geo_mask band (None = the mode's default: 1/high, 0.5, 0.999)."""
     rollout_correction_high: Optional[float] = None
-    """Upper end of the MIS / IcePop / geo_mask band (None = the mode's default: cap, 2, 1.01)."""
+    """Upper end of the MIS / IcePop / geo_mask band (None = the mode's default: cap, 2, 1.001)."""
     llds: LLDSConfig = field(default_factory=LLDSConfig)
     """LLDS, the lazy-likelihood-displacement regulariser (coef 0 = off)."""
     filter_groups: bool = False
     """DAPO dynamic sampling: drop groups whose rewards are all equal, generate more until the batch is full."""
-    max_gen_batches: int = 3
-    """Most generate calls of one step under filter_groups (then train on what there is and say so)."""
+    gen_batches_per_round: int = 3
+    """filter_groups: prompt batches (of data.train_batch_size) drawn per generate round (verl-recipe DAPO: 3)."""
+    max_gen_batches: int = 10
+    """Most generate rounds of one step under filter_groups (verl-recipe DAPO: 10); then train on fewer groups."""
     overlong_buffer: int = 0
     """DAPO overlong shaping: linear penalty over the last N tokens of rollout.max_response_length (0 = off)."""
     overlong_penalty: float = 1.0
     """Largest overlong penalty (reached at the response budget), subtracted from the score."""
     overlong_filter: bool = False
-    """DAPO overlong filtering: trajectories cut by the response budget get no loss tokens."""
+    """DAPO overlong filtering: trajectories the response budget cut get no loss tokens (their reward stays)."""
+    turn_credit: TurnCreditConfig = field(default_factory=TurnCreditConfig)
+    """Turn-level credit (GiGPO-style step groups, per-turn rewards) added to the outcome advantage; weight 0 = off."""
     entropy_coeff: float = 0.0
     """Entropy bonus weight in the actor loss."""
     use_kl_loss: bool = True
@@ -365,6 +403,17 @@ class AlgoConfig:
         check(lo >= 0 and (hi is None or hi > lo),
               "algo.rollout_correction_low / _high must satisfy 0 <= low < high (or be null for the defaults)")
         check(self.max_gen_batches >= 1, f"algo.max_gen_batches must be >= 1, got {self.max_gen_batches}")
+        check(self.gen_batches_per_round >= 1,
+              f"algo.gen_batches_per_round must be >= 1, got {self.gen_batches_per_round}")
+        # GSPO's policy loss is always seq-mean-token-mean (the paper's, verl's): the global mode applies to the KL /
+        # entropy / LLDS terms; a mode that would mean something else for them than a user expects is refused
+        check(self.policy_loss != "gspo" or self.loss_agg_mode in ("token-mean", "seq-mean-token-mean"),
+              f"algo.policy_loss=gspo aggregates its loss seq-mean-token-mean (the GSPO paper's, verl's), whatever "
+              f"algo.loss_agg_mode says; {self.loss_agg_mode} would apply to the KL / entropy / LLDS terms only: set "
+              "algo.loss_agg_mode=token-mean (default) or seq-mean-token-mean")
+        check(not (self.turn_credit.enabled and self.adv_estimator not in ("grpo", "rloo")),
+              "algo.turn_credit groups turns across a group's trajectories, which needs a group estimator: set "
+              "algo.adv_estimator=grpo (or rloo) or algo.turn_credit.weight=0")
         check(self.overlong_buffer >= 0, f"algo.overlong_buffer must be >= 0 (0 = off), got {self.overlong_buffer}")
         check(self.overlong_penalty >= 0, f"algo.overlong_penalty must be >= 0, got {self.overlong_penalty}")
         check(not self.filter_groups or self.adv_estimator in ("grpo", "rloo"),
@@ -469,6 +518,15 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def __post_init__(self):
+        # algo.rollout_correction=auto: asynchronous (disaggregated) runs train on batches one or more versions old,
+        # so the engine's log-probs (behaviour) differ from the trainer's (proximal) by more than kernels: correct per
+        # token, truncated at the cap (verl's default token TIS; AReaL always weights behaviour vs proximal). A
+        # colocated step samples with the weights it trains, so no correction unless asked.
+        if self.algo.rollout_correction == "auto":
+            disagg = self.parallel.rollout_placement == "disaggregated"
+            self.algo.rollout_correction = "token_tis" if disagg else "none"
 
     def trainer_world(self, world_size: int) -> int:
         """How many of `world_size` ranks train: all of them (colocated), or all but parallel.rollout_ranks."""

@@ -3,8 +3,9 @@ callback (actor: PPO / GSPO / CISPO with rollout correction and LLDS; clipped va
 
     seqs = to_sequences(trajs)                                      # TrainSequence records (megatron/batching.py)
     scores = score_trajectories(trajs, tokenizer, cfg.algo)         # EM on the response, routed by data_source
-    shape_overlong(trajs, scores, seqs, cfg.algo, max_len)          # DAPO's overlong penalty / filter (in place)
+    shape_overlong(trajs, scores, seqs, cfg.algo, max_len)          # DAPO's overlong penalty (in place)
     add_advantages(seqs, scores, cfg.algo, kl_ctrl)                 # advantages/returns (+ token rewards)
+    apply_overlong_filter(trajs, seqs, cfg.algo)                    # DAPO's overlong filter: the loss only
     policy.update(mbs, actor_loss_fn(cfg.algo), ...)                # trainer/roles.py -> megatron/schedule.py
     critic.update(mbs, critic_loss_fn(cfg.algo))
     policy.update(mbs, masked_nll_loss, step_scheduler=True)        # SFT, on [sft_sequence(ids, mask), ...]
@@ -96,8 +97,78 @@ def dp_sum(group=None):
     return reduce
 
 
+def turn_inputs(trajs: Sequence[Trajectory], tokenizer, cfg: AlgoConfig,
+                gold_answers: Optional[Sequence[Sequence[str]]] = None) -> Optional[dict]:
+    """What algo.turn_credit needs per trajectory, or None when it is off: ``keys`` (the anchor state of each turn,
+    algo.turn_credit.anchor_keys over the response's token ids) and ``rewards`` (one per turn, times
+    cfg.turn_credit.turn_reward_coef; all 0 with turn_reward none).
+
+    turn_reward ``retrieved_answer``: a turn earns 1 when the observation that follows it (its search's results)
+    holds a gold answer that no earlier observation of the trajectory held: the final answer (ground_truth) or,
+    where the data carries it (`gold_answers`, e.g. the synthetic world's chain), a hop's answer; normalised as EM
+    normalises. ``module:function``: ``function(observations, meta) -> [reward per turn]`` with the observation
+    text after each turn ("" for none) and the trajectory's meta (plus ``gold_answers``). Observation tokens are
+    decoded only to be read: nothing is re-tokenized."""
+    tc = cfg.turn_credit
+    if not tc.enabled:
+        return None
+    keys, rewards = [], []
+    fn = None
+    if tc.turn_reward not in ("none", "retrieved_answer"):
+        import importlib
+
+        module, _, name = tc.turn_reward.partition(":")
+        fn = getattr(importlib.import_module(module), name)
+    for i, t in enumerate(trajs):
+        keys.append(algo.anchor_keys(t.response_ids, t.loss_mask))
+        turns, obs = algo.turn_segments(t.loss_mask)
+        if tc.turn_reward == "none":
+            rewards.append([0.0] * len(turns))
+            continue
+        texts = [tokenizer.decode(t.response_ids[a:b]) if b > a else "" for a, b in obs]
+        golds = list(gold_answers[i]) if gold_answers is not None else []
+        if fn is not None:
+            r = [float(x) for x in fn(texts, {**t.meta, "gold_answers": golds})]
+            if len(r) != len(turns):
+                raise ValueError(f"algo.turn_credit.turn_reward={tc.turn_reward} returned {len(r)} rewards for "
+                                 f"{len(turns)} turns")
+        else:
+            r = retrieved_answer_rewards(texts, _targets(t.meta.get("ground_truth")) + golds)
+        rewards.append([tc.turn_reward_coef * x for x in r])
+    return {"keys": keys, "rewards": rewards}
+
+
+def _targets(ground_truth) -> list[str]:
+    target = (ground_truth or {}).get("target", []) if isinstance(ground_truth, dict) else ground_truth
+    if isinstance(target, str):
+        return [target]
+    return [str(x) for x in (target if target is not None else [])]
+
+
+def retrieved_answer_rewards(observations: Sequence[str], golds: Sequence[str]) -> list[float]:
+    """Per turn, 1.0 when its observation holds (normalised substring) a gold answer that no earlier observation
+    held, else 0.0.
+
+    >>> retrieved_answer_rewards(["Orrick is CEO", "nothing", "Orrick again; founded 1856"], ["1856", "Talven Orrick",
+    ...                                                                                       "orrick"])
+    [1.0, 0.0, 1.0]
+    """
+    from megatron_searchr1.reward.qa_em import normalize_answer
+
+    wanted = {normalize_answer(g) for g in golds if normalize_answer(g)}
+    found: set = set()
+    out = []
+    for text in observations:
+        norm = normalize_answer(text)
+        new = {g for g in wanted - found if g in norm}
+        found |= new
+        out.append(1.0 if new else 0.0)
+    return out
+
+
 def add_advantages(seqs: list[TrainSequence], scores: Sequence[float], group_ids: Sequence[str], cfg: AlgoConfig,
-                   kl_ctrl=None, reduce: Optional[algo.Reduce] = None) -> dict[str, float]:
+                   kl_ctrl=None, reduce: Optional[algo.Reduce] = None,
+                   turns: Optional[dict] = None) -> dict[str, float]:
     """Set `advantages`, `returns` and `token_rewards` (per response token) on each sequence; returns metrics.
 
     Needs `old_log_probs` (and `ref_log_probs` for KL in the reward, `values` for GAE) already in the sequences.
@@ -114,6 +185,10 @@ def add_advantages(seqs: list[TrainSequence], scores: Sequence[float], group_ids
     its raw score, +1 for a right answer and 0 for a wrong one, with no baseline, unlike every other sample's.
     Here it gets advantage 0: with nothing to compare it with, it carries no signal (its tokens still take part
     in the KL and entropy terms). `train/lone_samples` counts them.
+
+    `turns` (`turn_inputs`, algo.turn_credit on): the outcome advantage plus cfg.turn_credit.weight times each
+    turn's step advantage (algo/turn_credit.py: GiGPO's step groups over anchor states, the return from the turn
+    with its per-turn rewards, outcome = the score).
     """
     lengths = [len(s.response_ids) for s in seqs]
     mask = pad_rows([s.loss_mask for s in seqs])                         # (B, T)
@@ -142,6 +217,25 @@ def add_advantages(seqs: list[TrainSequence], scores: Sequence[float], group_ids
         lone = [i for i, g in enumerate(index) if size[g] == 1 and bool(has_tokens[i])]
         adv = adv.clone()
         adv[lone] = 0.0
+        if turns is not None:
+            tc = cfg.turn_credit
+            rets = [algo.turn_returns(sc, rw, tc.gamma) if bool(has_tokens[i]) else []
+                    for i, (sc, rw) in enumerate(zip(scores, turns["rewards"]))]
+            keys = [k if bool(has_tokens[i]) else [] for i, k in enumerate(turns["keys"])]
+            step = algo.step_group_advantages(rets, keys, index, norm_by_std=tc.norm_by_std)
+            step_tok = algo.turn_token_advantages(step, mask)                       # (B, T)
+            adv = algo.combine_turn_advantages(adv, step_tok, mask, tc.weight)
+            n_turns = sum(len(k) for k in keys)
+            moved = sum(1 for row in step for v in row if v != 0.0)
+            reward_sum = sum(sum(r) for r in turns["rewards"])
+            turn_sums = torch.tensor([float(n_turns), float(moved), reward_sum,
+                                      float(step_tok[mask.bool()].abs().sum())], dtype=torch.float64)
+            if reduce is not None:
+                turn_sums = reduce(turn_sums)
+            nt, nm, rs, sa = turn_sums.tolist()
+            metrics.update({"turn/turns": nt, "turn/moved_frac": nm / max(nt, 1.0),
+                            "turn/reward_per_turn": rs / max(nt, 1.0)})
+            turn_abs = sa
         ret = adv
     else:
         adv, ret = algo.compute_reinforce_plus_plus_outcome_advantage(rewards, mask, cfg.gamma, reduce=reduce)
@@ -160,6 +254,8 @@ def add_advantages(seqs: list[TrainSequence], scores: Sequence[float], group_ids
                     "train/dropped_trajectories": dropped, "train/lone_samples": n_lone})
     if cfg.use_kl_in_reward:
         metrics.update({"actor/reward_kl_penalty": kl_total / max(rows, 1.0), "actor/reward_kl_coef": kl_ctrl.value})
+    if turns is not None and est in ("grpo", "rloo"):
+        metrics["turn/step_adv_abs_mean"] = turn_abs / max(tokens, 1.0)
     return metrics
 
 
@@ -190,7 +286,39 @@ def _policy_loss_kwargs(cfg: AlgoConfig) -> dict:
     return {"clip_ratio_low": low, "clip_ratio_high": high, "clip_ratio_c": cfg.clip_ratio_c}
 
 
-def actor_loss_fn(cfg: AlgoConfig, engine_gap: bool = False, max_response_length: Optional[int] = None):
+# Metrics the actor loss reports as totals over the mini-batch (sums and counts), not as token-weighted means of
+# micro-batch means: the schedule sums `loss_token_weight * value` over micro-batches and DP ranks, so a value
+# divided by its micro-batch's weight comes back as the exact total (`_total`). Trainer.update turns them into
+# ratios (`ratio_metrics`).
+TOTALS = ("logp_pos_sum", "logp_pos_count", "logp_neg_sum", "logp_neg_count")
+
+
+def _total(value: torch.Tensor, mb) -> torch.Tensor:
+    w = mb.loss_token_weight
+    return value / w if w > 0 else torch.zeros_like(value)
+
+
+def ratio_metrics(sums: dict[str, float], prefix: str = "actor/") -> dict[str, float]:
+    """The collapse watch's means from the totals of TOTALS (summed over micro-batches, DP ranks and updates):
+    ``logp_pos_mean = logp_pos_sum / logp_pos_count``, and the same for ``neg``; no key at all when the count is 0
+    (a step without a positive-advantage token has no value, which the collapse watch skips). The totals are
+    removed from `sums`.
+
+    >>> ratio_metrics({"actor/logp_pos_sum": -3.0, "actor/logp_pos_count": 6.0, "actor/logp_neg_sum": 0.0,
+    ...                "actor/logp_neg_count": 0.0})
+    {'actor/logp_pos_mean': -0.5}
+    """
+    out = {}
+    for side in ("pos", "neg"):
+        total = sums.pop(f"{prefix}logp_{side}_sum", 0.0)
+        count = sums.pop(f"{prefix}logp_{side}_count", 0.0)
+        if count > 0:
+            out[f"{prefix}logp_{side}_mean"] = total / count
+    return out
+
+
+def actor_loss_fn(cfg: AlgoConfig, engine_gap: bool = False, max_response_length: Optional[int] = None,
+                  llds_answer_coef: Optional[float] = None):
     """The actor loss for Policy.update (schedule.train_step): `cfg.policy_loss` (ppo / gspo / cispo) with the
     rollout correction's weights, + LLDS, + KL to the reference, - entropy bonus.
 
@@ -201,17 +329,30 @@ def actor_loss_fn(cfg: AlgoConfig, engine_gap: bool = False, max_response_length
     Rollout correction: behaviour = the engine's log-probs (`engine_log_probs`, what sampled the tokens), proximal
     = `old_log_probs` (the trainer's, before this step's first update). Both are fixed for the whole step, so the
     weights are the same in every epoch and mini-batch (ppo_epochs > 1 is right); masked tokens get weight 0 but
-    keep their place in the denominator, so the micro-batch shares (`_weight`) still add up. `rc_*` metrics
-    measure the gap whichever mode is set. `max_response_length` is seq-mean-token-sum-norm's constant divisor.
+    keep their place in the denominator, so the micro-batch shares (`_weight`) still add up. The masked modes'
+    rejection mask applies to every term (policy loss, KL, entropy, LLDS): a rejected token trains nothing. `rc_*`
+    metrics measure the gap whichever mode is set. `max_response_length` is seq-mean-token-sum-norm's constant.
 
-    Metrics are means over micro-batches (so `*_min` / `*_max` are means of per-micro-batch extremes)."""
+    Aggregation: each term with its own micro-batch share. GSPO's policy loss is seq-mean-token-mean whatever
+    `cfg.loss_agg_mode` (the paper's and verl's); the KL, entropy and LLDS terms use `cfg.loss_agg_mode`.
+    `llds_answer_coef` replaces `cfg.llds.answer_coef` (the adaptive weight of this step, Trainer.update).
+
+    Metrics are means over micro-batches (so `*_min` / `*_max` are means of per-micro-batch extremes), except the
+    TOTALS, which are exact sums (see `ratio_metrics`)."""
     pg_fn = algo.policy_loss_fn(cfg.policy_loss)
     pg_kw = _policy_loss_kwargs(cfg)
-    norm = cfg.loss_agg_mode == "seq-mean-token-sum-norm"
+    mode = cfg.loss_agg_mode
+    pg_mode = "seq-mean-token-mean" if cfg.policy_loss == "gspo" else mode
+    norm = mode == "seq-mean-token-sum-norm"
     scale = float(max_response_length) if norm and max_response_length else None
+    # "auto" is resolved by Config (by placement); an AlgoConfig on its own is a colocated one: none
+    rc_mode = "none" if cfg.rollout_correction == "auto" else cfg.rollout_correction
+    masking = rc_mode in ("token_mis", "seq_mis", "icepop", "geo_mask")
+    answer_coef = cfg.llds.answer_coef if llds_answer_coef is None else llds_answer_coef
 
-    def agg(mat, mask):
-        return algo.agg_loss(mat, mask, cfg.loss_agg_mode, loss_scale_factor=scale)
+    def agg(mat, mask, keep):
+        # rejected tokens contribute 0 but keep their place in the denominator (as in the policy loss)
+        return algo.agg_loss(torch.where(keep, mat, 0.0), mask, mode, loss_scale_factor=scale)
 
     def loss_fn(outputs: dict, mb):
         mask = mb["loss_mask"]                                                   # (b, R)
@@ -221,65 +362,100 @@ def actor_loss_fn(cfg: AlgoConfig, engine_gap: bool = False, max_response_length
         old_log_prob = log_prob.detach() if on_policy else mb["old_log_probs"]  # (b, R) the proximal policy
         metrics = {}
         weights = None
+        keep = mask.bool()                                                       # (b, R)
         if "engine_log_probs" in mb:
-            w, _, rc = algo.compute_rollout_correction(
-                old_log_prob.detach(), mb["engine_log_probs"], mask, cfg.rollout_correction,
+            w, rc_keep, rc = algo.compute_rollout_correction(
+                old_log_prob.detach(), mb["engine_log_probs"], mask, rc_mode,
                 cap=cfg.rollout_correction_cap, low=cfg.rollout_correction_low, high=cfg.rollout_correction_high)
             metrics.update({f"rc_{k}": v for k, v in rc.items()})
-            if cfg.rollout_correction != "none":
+            if rc_mode != "none":
                 weights = w                                                      # (b, R) detached, 0 if masked
-        pg_loss, pm = pg_fn(old_log_prob, log_prob, adv, mask, loss_agg_mode=cfg.loss_agg_mode,
+            if masking:
+                keep = rc_keep
+        pg_loss, pm = pg_fn(old_log_prob, log_prob, adv, mask, loss_agg_mode=pg_mode,
                             rollout_is_weights=weights, loss_scale_factor=scale, **pg_kw)
-        loss = pg_loss
+        loss = pg_loss * _weight(mb, pg_mode)
+        other = torch.zeros((), dtype=pg_loss.dtype, device=pg_loss.device)  # terms aggregated under `mode`
         metrics.update({"pg_loss": pg_loss, f"pg_loss_{cfg.policy_loss}": pg_loss, **pm})
         # LLDS: its metrics (old log-prob of positive / negative-advantage tokens, gate shares) are logged always;
         # the penalty joins the loss only when it is on. sum-norm: the row sums over the run's constant.
-        llds_mode = "seq-mean-token-sum" if norm else cfg.loss_agg_mode
-        penalty, lm = algo.compute_llds_loss(old_log_prob, log_prob, adv, mask, coef=cfg.llds.coef,
-                                             gate=cfg.llds.gate, answer_coef=cfg.llds.answer_coef,
-                                             loss_agg_mode=llds_mode)
+        # A rejected token (masked modes) is held at its old log-prob here: no fall, no penalty, no gradient.
+        llds_mode = "seq-mean-token-sum" if norm else mode
+        llds_lp = torch.where(keep, log_prob, old_log_prob.detach()) if masking else log_prob    # (b, R)
+        penalty, lm = algo.compute_llds_loss(old_log_prob, llds_lp, adv, mask, coef=cfg.llds.coef,
+                                             gate=cfg.llds.gate, answer_coef=answer_coef, loss_agg_mode=llds_mode)
         if norm:
             penalty = penalty / (scale if scale else mask.shape[-1])
-            lm["llds_penalty"] = penalty.detach()
+        lm["llds_penalty"] = penalty.detach()
         if cfg.llds.enabled:
-            loss = loss + penalty
+            other = other + penalty
+        for k in TOTALS:
+            lm[k] = _total(lm[k], mb)
+        for side in ("pos", "neg"):  # the step's means come from the totals (ratio_metrics), not from these
+            lm.pop(f"logp_{side}_mean")
         metrics.update(lm)
         if on_policy and engine_gap and "engine_log_probs" in mb:
             gap, tokens = _gap_sums(mb["engine_log_probs"], log_prob.detach(), mask)
             metrics["logprob_gap_engine"] = gap / tokens.clamp(min=1.0)
         if "entropy" in outputs:  # detached at entropy_coeff 0 (Trainer.update: entropy_grad), then only a metric
-            entropy = agg(outputs["entropy"], mask)
+            entropy = agg(outputs["entropy"], mask, keep)
             if cfg.entropy_coeff != 0:
-                loss = loss - cfg.entropy_coeff * entropy
+                other = other - cfg.entropy_coeff * entropy
             metrics["entropy"] = entropy
         if cfg.use_kl_loss:
-            kl = agg(algo.kl_penalty(log_prob, mb["ref_log_probs"], cfg.kl_loss_type), mask)
-            loss = loss + cfg.kl_loss_coef * kl
+            kl = agg(algo.kl_penalty(log_prob, mb["ref_log_probs"], cfg.kl_loss_type), mask, keep)
+            other = other + cfg.kl_loss_coef * kl
             metrics["kl_loss"] = kl
-        return loss * _weight(mb, cfg.loss_agg_mode), {k: v.detach() for k, v in metrics.items()}
+        loss = loss + other * _weight(mb, mode)
+        return loss, {k: v.detach() for k, v in metrics.items()}
 
     return loss_fn
 
 
+def overlong_scores(trajs: Sequence[Trajectory], scores: Sequence[dict], cfg: AlgoConfig,
+                    max_response_length: int) -> list[float]:
+    """The training scores with DAPO's overlong penalty added (`cfg.overlong_buffer` > 0; over the response length
+    the budget counts, observations included); the scores themselves are left alone."""
+    values = [float(sc["score"]) for sc in scores]
+    if cfg.overlong_buffer <= 0 or not values:
+        return values
+    lengths = torch.tensor([len(t.response_ids) for t in trajs], dtype=torch.float32)
+    pen = algo.overlong_penalty(lengths, max_response_length, cfg.overlong_buffer, cfg.overlong_penalty)
+    return [v + p for v, p in zip(values, pen.tolist())]
+
+
+def overlong_truncated(trajs: Sequence[Trajectory], cfg: AlgoConfig) -> list[bool]:
+    """Per trajectory, whether DAPO's overlong filter masks its loss (`cfg.overlong_filter` and the budget cut it)."""
+    return [bool(cfg.overlong_filter) and t.finish_reason == "length" for t in trajs]
+
+
 def shape_overlong(trajs: Sequence[Trajectory], scores: list[dict], seqs: list[TrainSequence], cfg: AlgoConfig,
                    max_response_length: int) -> dict[str, float]:
-    """DAPO's overlong pieces, in place: `cfg.overlong_buffer` > 0 adds algo.overlong_penalty to each score (over
-    the response length the budget counts, observations included); `cfg.overlong_filter` zeroes the loss mask of
-    trajectories the budget cut (finish_reason "length"). Returns this rank's metrics."""
+    """DAPO's overlong shaping, in place on the scores: `cfg.overlong_buffer` > 0 adds algo.overlong_penalty to each
+    score (`overlong_scores`). The overlong *filter* is not applied here: the truncated trajectories keep their
+    reward in their groups' statistics and lose only their loss, after the advantages (`apply_overlong_filter`).
+    Returns this rank's metrics."""
     metrics: dict[str, float] = {}
     if cfg.overlong_buffer > 0:
-        lengths = torch.tensor([len(t.response_ids) for t in trajs], dtype=torch.float32)
-        pen = algo.overlong_penalty(lengths, max_response_length, cfg.overlong_buffer, cfg.overlong_penalty)
-        for sc, p in zip(scores, pen.tolist()):
-            sc["score"] += p
-        metrics["train/overlong_penalty_mean"] = float(pen.mean()) if len(pen) else 0.0
+        shaped = overlong_scores(trajs, scores, cfg, max_response_length)
+        pens = [v - float(sc["score"]) for v, sc in zip(shaped, scores)]
+        for sc, v in zip(scores, shaped):
+            sc["score"] = v
+        metrics["train/overlong_penalty_mean"] = sum(pens) / len(pens) if pens else 0.0
     if cfg.overlong_filter:
-        truncated = torch.tensor([t.finish_reason == "length" for t in trajs], dtype=torch.bool)
-        for s, cut in zip(seqs, truncated.tolist()):
-            if cut:
-                s.loss_mask = torch.zeros_like(s.loss_mask)
-        metrics["train/overlong_filtered"] = float(truncated.sum())
+        metrics["train/overlong_filtered"] = float(sum(overlong_truncated(trajs, cfg)))
     return metrics
+
+
+def apply_overlong_filter(trajs: Sequence[Trajectory], seqs: list[TrainSequence], cfg: AlgoConfig) -> None:
+    """DAPO's overlong filter, after `add_advantages`: the loss mask of each trajectory the budget cut set to 0
+    (algo.overlong_filter_mask), so it trains nothing while its reward has already counted in its group."""
+    cut = overlong_truncated(trajs, cfg)
+    if not any(cut):
+        return
+    for s, c in zip(seqs, cut):
+        if c:
+            s.loss_mask = algo.overlong_filter_mask(s.loss_mask.reshape(1, -1), torch.tensor([True])).reshape(-1)
 
 
 def critic_loss_fn(cfg: AlgoConfig):

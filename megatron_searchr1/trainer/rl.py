@@ -161,12 +161,15 @@ class Trainer:
             # 6. advantages: whitening and the advantage metrics over the whole batch (a sum over DP; every rank
             # takes part, also one whose trajectories were all dropped)
             adv_metrics = losses.add_advantages(seqs, [x["score"] for x in scores], group_ids, a,
-                                                roles.kl_ctrl, reduce=losses.dp_sum(mpu.get_data_parallel_group()))
+                                                roles.kl_ctrl, reduce=losses.dp_sum(mpu.get_data_parallel_group()),
+                                                turns=losses.turn_inputs(trajs, roles.tokenizer, a,
+                                                                         self.gold_answers(trajs)))
+            losses.apply_overlong_filter(trajs, seqs, a)  # after the advantages: the reward stayed in its group
             if a.use_kl_in_reward:  # one coefficient for all ranks: the KL is the whole batch's already
                 roles.kl_ctrl.update(adv_metrics["actor/reward_kl_penalty"], n_steps=cfg.data.train_batch_size * r.n)
             lr_used = self.policy.lr  # before update() steps the schedule
             with timer() as t_train:
-                update_metrics = self.update(seqs)                                                    # critic, actor
+                update_metrics = self.update(seqs, mean_searches=self.mean_searches(trajs))          # critic, actor
             worker.mark_stale()
             # 7. metrics (the rest happens in fit: logging, checkpoints, validation)
             metrics = {**roll_metrics, **adv_metrics, **update_metrics, **self.reward_metrics(trajs, scores),
@@ -187,21 +190,29 @@ class Trainer:
         """This rank's trajectories of one step, their scores, group ids and the rollout metrics.
 
         Without algo.filter_groups: one generate call on the next batch of prompts. With it (DAPO's dynamic
-        sampling): groups whose scores are all equal are set aside and more prompts are generated until this rank
-        holds its share of data.train_batch_size informative groups or algo.max_gen_batches calls have run. A
-        group lives on one rank (its n samples are made there), and the ranks agree after every call, with one
-        all_reduce over the DP group, whether any of them is still short, so every rank makes the same number of
-        generate calls (each one holds collectives). A rank still short at the end fills up with set-aside groups
-        (advantage 0: they add no gradient) so every rank trains on the same number of sequences."""
+        sampling, as verl-recipe's DAPO trainer does it): each round draws algo.gen_batches_per_round batches of
+        prompts (oversampling), keeps the informative groups (algo.filter_groups: judged on the training score with
+        overlong shaping, over the rows that stay in the group, and only if a row that trains moves) and rounds go
+        on until this rank holds its share of data.train_batch_size groups or algo.max_gen_batches rounds have run.
+        Extra informative groups are left unused (verl cuts the batch to its size too). A group lives on one rank
+        (its n samples are made there), and the ranks agree after every round, with one all_reduce over the DP
+        group, whether any of them is still short, so every rank makes the same number of generate calls (each one
+        holds collectives).
+
+        A rank still short at the end trains on the informative groups it has (no uninformative filler: with a KL
+        loss, an entropy bonus or overlong shaping a group of equal rewards still moves the policy), and the
+        losses average over the tokens that are there (the schedule's counts are the mini-batch's). A rank with too
+        few sequences to give each of its mini-batches one: every rank raises together (one line that says what to
+        change), as verl-recipe's trainer raises when its rounds run out."""
         cfg, roles, worker = self.cfg, self.roles, self.worker
         a, r = cfg.algo, cfg.rollout
         want = cfg.data.train_batch_size // roles.dp_size  # groups this rank must hold
         kept: list[tuple] = []  # (trajs, scores, group id) per group
-        spare: list[tuple] = []
         roll_metrics: dict = {}
         calls = generated = 0
+        per_round = a.gen_batches_per_round if a.filter_groups else 1
         while True:
-            rows = [self.data.train[i] for i in self.data.sampler.next_batch()]
+            rows = [self.data.train[i] for _ in range(per_round) for i in self.data.sampler.next_batch()]
             trajs = worker.make_trajectories(dp_shard(rows, roles.dp_rank, roles.dp_size), r.n)
             trajs, m = worker.generate(trajs, seed=self.step_seed() + calls)
             roll_metrics = roll_metrics or m  # the first call's rollout metrics (the one without filtering)
@@ -209,11 +220,14 @@ class Trainer:
             groups: dict[str, list[int]] = {}
             for i, tr in enumerate(trajs):
                 groups.setdefault(tr.uid, []).append(i)
+            if a.filter_groups:
+                keep, _ = algo.filter_groups(
+                    losses.overlong_scores(trajs, scores, a, r.max_response_length), index=[t.uid for t in trajs],
+                    trainable=[not cut for cut in losses.overlong_truncated(trajs, a)],
+                    counted=[not (r.drop_search_errors and t.finish_reason == "search_error") for t in trajs])
             for uid, idx in groups.items():
-                group = ([trajs[i] for i in idx], [scores[i] for i in idx], f"{calls}:{uid}")
-                vals = [scores[i]["score"] for i in idx]
-                informative = max(vals) > min(vals)
-                (kept if informative or not a.filter_groups else spare).append(group)
+                if not a.filter_groups or bool(keep[idx[0]]):
+                    kept.append(([trajs[i] for i in idx], [scores[i] for i in idx], f"{calls}:{uid}"))
             calls += 1
             generated += len(groups)
             if not a.filter_groups:
@@ -222,18 +236,28 @@ class Trainer:
             short = losses.dp_sum(mpu.get_data_parallel_group())(short)
             if float(short) == 0 or calls >= a.max_gen_batches:
                 break
-        n_kept = min(len(kept), want)
-        chosen = kept[:want] + spare[: max(0, want - len(kept))] if a.filter_groups else kept
+        chosen = kept[:want]
+        if a.filter_groups:
+            n_mini = cfg.data.train_batch_size // a.ppo_mini_batch_size
+            too_few = torch.tensor([float(len(chosen) * r.n < n_mini), float(len(chosen))], dtype=torch.float64)
+            too_few = losses.dp_sum(mpu.get_data_parallel_group())(too_few)
+            if float(too_few[0]) > 0:  # every rank sees the same sum, so all raise together
+                from megatron_searchr1.cli import UsageError
+                raise UsageError(
+                    f"step {self.step_no}: algo.filter_groups found {int(too_few[1])} of "
+                    f"{cfg.data.train_batch_size} informative groups in {calls} rounds of "
+                    f"{per_round} x data.train_batch_size prompts, too few for {n_mini} mini-batches on every DP "
+                    "rank: raise algo.max_gen_batches or algo.gen_batches_per_round, use data the policy gets "
+                    "partly right, or set algo.filter_groups=false")
+            roll_metrics = {**roll_metrics, "dapo/groups_generated": float(generated),
+                            "dapo/groups_kept": float(len(chosen)), "dapo/generate_calls": float(calls)}
+            if len(chosen) < want and roles.dp_rank == 0 and self.rank == 0:
+                print(f"step {self.step_no}: algo.filter_groups found {len(chosen)} of {want} informative groups on "
+                      f"rank 0 in {calls} rounds (algo.max_gen_batches); training on those (token-mean over "
+                      "their tokens), no uninformative filler", flush=True)
         out_trajs = [t for g in chosen for t in g[0]]
         out_scores = [sc for g in chosen for sc in g[1]]
         gids = [g[2] for g in chosen for _ in g[0]]
-        if a.filter_groups:
-            roll_metrics = {**roll_metrics, "dapo/groups_generated": float(generated),
-                            "dapo/groups_kept": float(n_kept), "dapo/generate_calls": float(calls)}
-            if n_kept < want and roles.dp_rank == 0 and self.rank == 0:
-                print(f"step {self.step_no}: algo.filter_groups found {n_kept} of {want} informative groups on "
-                      f"rank 0 in {calls} generate calls (algo.max_gen_batches); training on what there is",
-                      flush=True)
         return out_trajs, out_scores, gids, roll_metrics
 
     def engine_comparable(self) -> bool:
@@ -251,8 +275,29 @@ class Trainer:
         return (a.ppo_epochs == 1 and a.ppo_mini_batch_size == self.cfg.data.train_batch_size
                 and not a.use_kl_in_reward)
 
-    def update(self, seqs: list[TrainSequence]) -> dict:
-        """Critic, then actor: ppo_epochs passes over mini-batches of this rank's sequences."""
+    def gold_answers(self, trajs: list) -> list[list[str]] | None:
+        """Per trajectory, the answers of its question's gold chain when the data carries one (the synthetic world's
+        `extra_info.chain`): algo.turn_credit's retrieved_answer reward counts a hop found as progress. None when
+        turn-level rewards are off."""
+        tc = self.cfg.algo.turn_credit
+        if not tc.enabled or tc.turn_reward == "none":
+            return None
+        if getattr(self, "_chains", None) is None:
+            self._chains = {row.uid: [str(h.get("answer", "")) for h in (row.extra.get("chain") or [])]
+                            for row in self.data.train}
+        return [self._chains.get(t.uid, []) for t in trajs]
+
+    def mean_searches(self, trajs: list) -> float:
+        """Searches per trajectory over the whole batch (all DP ranks): LLDS's adaptive answer weight reads it."""
+        if not self.cfg.algo.llds.answer_adaptive:
+            return 0.0
+        t = torch.tensor([float(sum(tr.n_searches for tr in trajs)), float(len(trajs))], dtype=torch.float64)
+        t = losses.dp_sum(mpu.get_data_parallel_group())(t)
+        return float(t[0]) / max(float(t[1]), 1.0)
+
+    def update(self, seqs: list[TrainSequence], mean_searches: float = 0.0) -> dict:
+        """Critic, then actor: ppo_epochs passes over mini-batches of this rank's sequences. `mean_searches`: the
+        batch's searches per trajectory, for algo.llds.answer_adaptive."""
         a, o = self.cfg.algo, self.cfg.optim
         n_mini = self.cfg.data.train_batch_size // a.ppo_mini_batch_size
         sums: dict[str, float] = {}
@@ -270,13 +315,19 @@ class Trainer:
             self.critic.step_schedule()
         if self.step_no >= o.critic_warmup:  # verl: the actor updates once critic_warmup <= step (steps from 1)
             t = self.cfg.rollout.temperature
+            answer = (algo.llds_answer_weight(a.llds.answer_coef, mean_searches) if a.llds.answer_adaptive
+                      else None)
             run(self.policy, losses.actor_loss_fn(a, engine_gap=self.engine_comparable(),
-                                                  max_response_length=self.cfg.rollout.max_response_length),
+                                                  max_response_length=self.cfg.rollout.max_response_length,
+                                                  llds_answer_coef=answer),
                 "actor", temperature=t,
                 with_entropy=True, entropy_grad=a.entropy_coeff != 0)
             self.policy.step_schedule()
         n_updates = a.ppo_epochs * n_mini
-        return {k: v / n_updates for k, v in sums.items()}
+        ratios = losses.ratio_metrics(sums)  # exact totals over every update (removed from sums)
+        if a.llds.answer_adaptive and self.step_no >= o.critic_warmup:
+            ratios["actor/llds_answer_coef"] = min(answer, a.llds.coef)
+        return {**{k: v / n_updates for k, v in sums.items()}, **ratios}
 
     def step_seed(self) -> int:
         return step_seed(self.cfg.trainer.seed, self.step_no)

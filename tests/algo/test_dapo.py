@@ -49,3 +49,24 @@ def test_filter_groups_by_size_and_argument_errors():
         filter_groups([0.0, 1.0], index=[0, 0], group_size=2)
     with pytest.raises(ValueError, match="do not split into groups of 4"):
         filter_groups([0.0] * 6, group_size=4)
+
+
+def test_filter_groups_judges_what_trains():
+    """Rows that leave their group (`counted` False: a failed search) are out of its statistics; rows that stay but
+    do not train (`trainable` False: overlong-filtered) count in them but cannot carry the gradient."""
+    # group 0: [1, 0 failed search]: the 1 is alone -> advantage 0 -> not informative (main: kept)
+    # group 1: four right + one overlong-filtered 0: the right ones move -> informative
+    # group 2: [0 trainable, 1 filtered, 1 filtered]... the trainable 0 moves (mean 2/3) -> informative
+    # group 3: [0.5 filtered, 0.5 trainable, 0.5 trainable, 0.5 filtered] -> equal -> not informative
+    scores = [1.0, 0.0] + [1.0] * 4 + [0.0] + [0.0, 1.0, 1.0] + [0.5] * 4
+    index = [0, 0] + [1] * 5 + [2] * 3 + [3] * 4
+    counted = [True, False] + [True] * 12
+    trainable = [True] * 6 + [False] + [True, False, False] + [False, True, True, False]
+    keep, counts = filter_groups(scores, index=index, trainable=trainable, counted=counted)
+    assert keep.tolist() == [False] * 2 + [True] * 8 + [False] * 4
+    assert counts == {"groups": 4, "kept_groups": 2, "kept_rows": 8}
+    # a group whose only mover cannot train: [1 filtered, 0, 0] -> the trainable zeros move (mean 1/3): kept;
+    # [1 filtered, 0 filtered] -> nothing trains: dropped
+    keep, _ = filter_groups([1.0, 0.0, 0.0, 1.0, 0.0], index=[0, 0, 0, 1, 1], trainable=[False, True, True, False,
+                                                                                              False])
+    assert keep.tolist() == [True, True, True, False, False]

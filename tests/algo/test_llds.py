@@ -58,9 +58,13 @@ def test_response_gate_by_hand():
 
 def test_answer_coef_weighs_the_answer_span():
     old, new, adv, mask = _batch()
-    pen, _ = compute_llds_loss(old, new, adv, mask, coef=1.0, answer_coef=10.0, gate="action")
-    # last actions: row 0 (0.2, 0.1) -> x10; row 3's last action is closed; row 0's first action stays x1
-    assert pen.item() == pytest.approx((0.4 + 10 * 0.3 + 0.5) / 11)
+    pen, _ = compute_llds_loss(old, new, adv, mask, coef=1.0, answer_coef=0.5, gate="action")
+    # last actions: row 0 (0.2, 0.1) -> x0.5; row 3's last action is closed; row 0's first action stays x1
+    assert pen.item() == pytest.approx((0.4 + 0.5 * 0.3 + 0.5) / 11)
+    # the reference (LLDS dp_actor.py) takes min(answer weight, coef): an answer_coef above coef changes nothing
+    capped, _ = compute_llds_loss(old, new, adv, mask, coef=1.0, answer_coef=10.0, gate="action")
+    plain, _ = compute_llds_loss(old, new, adv, mask, coef=1.0, gate="action")
+    assert capped.item() == pytest.approx(plain.item()) == pytest.approx((0.4 + 0.3 + 0.5) / 11)
     answer = torch.zeros(4, 6, dtype=torch.bool)
     answer[3, 0] = True  # say the answer sat in row 3's first action
     pen, _ = compute_llds_loss(old, new, adv, mask, coef=1.0, answer_coef=0.0, answer_mask=answer)
@@ -151,3 +155,39 @@ def test_llds_lowers_the_correct_trajectory_less_than_plain_grpo(seed):
     assert (start_l, first_l) == (start, first)
     # ... after it LLDS pushes the fallen tokens back: at most half of plain GRPO's drop remains
     assert start - llds_end < 0.5 * (start - plain_end)
+
+
+def test_gates_span_mask_times_nonnegative_advantage_as_the_reference():
+    """Under GAE the advantage varies within a response. The LLDS reference (dp_actor.py) forms its gates over
+    mask x [A >= 0]: actions are the runs of such tokens, and a token with A < 0 never counts in a gate's sum.
+    Row: advantages (1, -1, 1, 1), log-prob changes -0.2, -0.5, +0.3, -0.1 (old 0):
+    - action gate: runs {0} (sum 0.2 > 0: open) and {2, 3} (-0.3 + 0.1 < 0: closed) -> 0.2 / 4 tokens;
+    - response gate: 0.2 - 0.3 + 0.1 = 0, not > 0: closed -> 0.
+    On main the A < 0 token's fall (0.5) joined the sums: one action, open, 0.3 / 4, and the response gate open."""
+    old, new = torch.zeros(1, 4), torch.tensor([[-0.2, -0.5, 0.3, -0.1]])
+    adv, mask = torch.tensor([[1.0, -1.0, 1.0, 1.0]]), torch.ones(1, 4)
+    pen, m = compute_llds_loss(old, new, adv, mask, coef=1.0, gate="action")
+    assert pen.item() == pytest.approx(0.2 / 4)
+    assert m["llds_action_gate_frac"].item() == pytest.approx(1 / 2)
+    pen, _ = compute_llds_loss(old, new, adv, mask, coef=1.0, gate="response")
+    assert pen.item() == 0.0
+    # under GRPO (one advantage per row) nothing changes: the gates are the mask's
+    grpo = torch.ones(1, 4)
+    pen, _ = compute_llds_loss(old, new, grpo, mask, coef=1.0, gate="action")
+    assert pen.item() == pytest.approx((0.2 + 0.5 + 0.1) / 4)
+
+
+def test_adaptive_answer_weight_is_the_references():
+    """LLDS reference: answer weight = answer lambda x max(mean valid searches - 1, 0), then min with the main
+    lambda. A batch that searched 2.5 times on average: 0.2 x 1.5 = 0.3, capped at coef 0.25; one that searched
+    once: 0 (the answer is not held)."""
+    from megatron_searchr1.algo.llds import llds_answer_weight
+
+    assert llds_answer_weight(0.2, 2.5) == pytest.approx(0.3)
+    assert llds_answer_weight(0.2, 1.0) == 0.0 and llds_answer_weight(0.2) == 0.2
+    old, new = torch.zeros(1, 4), torch.tensor([[-0.1, -0.1, 0.0, -0.4]])
+    mask = torch.tensor([[1, 1, 0, 1]])  # two actions; the last (token 3) is the answer
+    for mean_searches, answer_w in ((2.5, 0.25), (1.0, 0.0)):
+        pen, _ = compute_llds_loss(old, new, torch.ones(1, 4), mask, coef=0.25,
+                                   answer_coef=llds_answer_weight(0.2, mean_searches))
+        assert pen.item() == pytest.approx((0.25 * 0.2 + answer_w * 0.4) / 3)

@@ -46,9 +46,11 @@ def test_seq_tis_uses_the_product_over_generated_tokens_only():
 
 def test_mis_masks_outside_the_band_and_keeps_the_ratio_inside():
     prox, beh, mask = _lp(3.0, 1.5, 0.25), torch.zeros(1, 3), torch.ones(1, 3)
-    w, keep, m = compute_rollout_correction(prox, beh, mask, "token_mis", cap=2.0)  # band [0, 2]
+    w, keep, m = compute_rollout_correction(prox, beh, mask, "token_mis", cap=2.0)  # band [1/2, 2] (verl: 1/upper)
+    assert w.tolist() == [pytest.approx([0.0, 1.5, 0.0])] and keep.tolist() == [[False, True, False]]
+    assert m["masked_frac"].item() == pytest.approx(2 / 3) and m["clipped_frac"].item() == 0
+    w, keep, m = compute_rollout_correction(prox, beh, mask, "token_mis", cap=2.0, low=0.0)  # only an upper bound
     assert w.tolist() == [pytest.approx([0.0, 1.5, 0.25])] and keep.tolist() == [[False, True, True]]
-    assert m["masked_frac"].item() == pytest.approx(1 / 3) and m["clipped_frac"].item() == 0
     w, keep, _ = compute_rollout_correction(prox, beh, mask, "token_mis", low=0.5, high=4.0)
     assert keep.tolist() == [[True, True, False]] and w.tolist() == [pytest.approx([3.0, 1.5, 0.0])]
     w, keep, _ = compute_rollout_correction(prox, beh, mask, "icepop")  # IcePop's band [0.5, 2]
@@ -60,12 +62,13 @@ def test_mis_masks_outside_the_band_and_keeps_the_ratio_inside():
 
 
 def test_geo_mask_drops_sequences_whose_geometric_mean_ratio_leaves_the_band():
+    # with the band [0.99, 1.01]:
     # row 0: log-ratios +0.02, -0.01 -> mean 0.005, exp = 1.00501 inside [0.99, 1.01]: kept, weight 1
     # row 1: +0.03, +0.01 -> mean 0.02, exp = 1.0202: masked; its product 1.0408 would pass a TIS cap of 2
     # row 2: mean over its one generated token (-0.005) = 0.995: kept (the retrieved 3.0 is not looked at)
     prox = torch.tensor([[0.02, -0.01], [0.03, 0.01], [-0.005, 3.0]])
     mask = torch.tensor([[1, 1], [1, 1], [1, 0]])
-    w, keep, m = compute_rollout_correction(prox, torch.zeros(3, 2), mask, "geo_mask")
+    w, keep, m = compute_rollout_correction(prox, torch.zeros(3, 2), mask, "geo_mask", low=0.99, high=1.01)
     assert keep.tolist() == [[True, True], [False, False], [True, False]]
     assert w.tolist() == [[1.0, 1.0], [0.0, 0.0], [1.0, 0.0]]
     assert m["masked_frac"].item() == pytest.approx(2 / 5)
@@ -112,3 +115,19 @@ def test_bad_arguments_are_refused():
         compute_rollout_correction(x, x, m, "token_tis", cap=0)
     with pytest.raises(ValueError, match="0 <= low < high"):
         compute_rollout_correction(x, x, m, "icepop", low=2.0, high=0.5)
+
+
+def test_default_bands_are_verls():
+    """MIS's lower bound defaults to 1/upper (verl's rejection sampling; slime's 0.5 at an upper 2), the geometric
+    band to verl's 0.1 %: on main the MIS band was [0, cap] and the geometric one [0.99, 1.01]."""
+    prox, beh, mask = _lp(0.4, 1.0, 1.9), torch.zeros(1, 3), torch.ones(1, 3)
+    _, keep, _ = compute_rollout_correction(prox, beh, mask, "token_mis", cap=2.0)
+    assert keep.tolist() == [[False, True, True]]  # 0.4 < 1/2
+    _, keep, _ = compute_rollout_correction(prox, beh, mask, "token_mis", cap=2.0, high=4.0)
+    assert keep.tolist() == [[True, True, True]]  # band [1/4, 4]
+    # a geometric-mean ratio of 1.005 (0.5 % per token) passes a 1 % band, not verl's 0.1 %
+    geo = torch.full((1, 4), 0.005)
+    _, keep, _ = compute_rollout_correction(geo, torch.zeros(1, 4), torch.ones(1, 4), "geo_mask")
+    assert keep.tolist() == [[False] * 4]
+    _, keep, _ = compute_rollout_correction(geo / 10, torch.zeros(1, 4), torch.ones(1, 4), "geo_mask")
+    assert keep.tolist() == [[True] * 4]

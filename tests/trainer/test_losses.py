@@ -1,6 +1,7 @@
 """trainer/losses.py: trajectories -> sequences -> advantages, and the loss callbacks' share of the mini-batch loss."""
 import dataclasses
 import doctest
+import math
 
 import pytest
 import torch
@@ -367,4 +368,181 @@ def test_overlong_shaping_and_filter():
     m = losses.shape_overlong(trajs, scores, seqs, cfg, max_response_length=8)
     # lengths 8 and 3 against a budget of 8 with a buffer of 4: penalties -1 and 0
     assert [s["score"] for s in scores] == [0.0, 0.0] and m["train/overlong_filtered"] == 1.0
+    assert float(seqs[1].loss_mask.sum()) == 2  # the filter waits for the advantages (apply_overlong_filter)
+    losses.apply_overlong_filter(trajs, seqs, cfg)
     assert float(seqs[1].loss_mask.sum()) == 0 and float(seqs[0].loss_mask.sum()) == 6
+
+
+def test_overlong_filter_keeps_the_truncated_reward_in_its_group():
+    """Four right answers and one the budget cut (reward 0): DAPO masks only the cut one's loss, so the four keep the
+    advantage GRPO gives them beside a 0 (mean 0.8, unbiased std sqrt(0.2)): +0.2 / 0.4472 = +0.4472. On main the
+    filter zeroed the mask before the advantages, the cut sample left its group and the four got 0."""
+    trajs = [_traj("g", [5, 6], [8]) for _ in range(4)] + [_traj("g", [5, 6], [8], finish="length")]
+    seqs = losses.to_sequences(trajs)
+    scores = [{"score": 1.0}] * 4 + [{"score": 0.0}]
+    cfg = AlgoConfig(overlong_filter=True)
+    losses.shape_overlong(trajs, scores, seqs, cfg, max_response_length=64)
+    losses.add_advantages(seqs, [sc["score"] for sc in scores], [t.uid for t in trajs], cfg)
+    losses.apply_overlong_filter(trajs, seqs, cfg)
+    want = 0.2 / math.sqrt(0.2)
+    for s in seqs[:4]:
+        assert s.advantages[s.loss_mask.bool()].tolist() == pytest.approx([want] * 4, abs=1e-4)
+    assert float(seqs[4].loss_mask.sum()) == 0  # the truncated sample trains nothing
+
+
+def _ragged_gspo_batch():
+    g = torch.Generator().manual_seed(3)
+    seqs = losses.to_sequences([_traj("g", [5] * n, [8]) for n in (1, 6)])  # 2 and 12 generated tokens
+    for s in seqs:
+        R = len(s.response_ids)
+        s.old_log_probs = -torch.rand(R, generator=g)
+        s.advantages = torch.full((R,), 1.0 if len(s.response_ids) < 5 else -1.0)
+    new = [s.old_log_probs + 0.05 * torch.randn(len(s.old_log_probs), generator=g) for s in seqs]
+    return seqs, new
+
+
+@pytest.mark.parametrize("budget", [10_000, 16])
+def test_gspo_by_name_aggregates_seq_mean_token_mean_whatever_the_global_mode(budget):
+    """algo.policy_loss=gspo under the default loss_agg_mode (token-mean): the policy loss over micro-batches adds up
+    to GSPO's seq-mean-token-mean over the batch (the paper's, verl's), on rows of 2 and 12 generated tokens. On main
+    it was token-mean, which weighs the long row 6x the short one."""
+    seqs, new = _ragged_gspo_batch()
+    cfg = AlgoConfig(policy_loss="gspo", use_kl_loss=False)
+    assert cfg.loss_agg_mode == "token-mean"
+    loss_fn = losses.actor_loss_fn(cfg)
+    total = 0.0
+    for mb in _micro_batches(seqs, budget):
+        lp = torch.zeros_like(mb["old_log_probs"])
+        for row, i in enumerate(mb.indices):
+            lp[row, : len(new[i])] = new[i]
+        total += float(loss_fn({"log_probs": lp}, mb)[0])
+    mask = losses.pad_rows([s.loss_mask for s in seqs])
+    old, adv = losses.pad_rows([s.old_log_probs for s in seqs]), losses.pad_rows([s.advantages for s in seqs])
+    kw = losses._policy_loss_kwargs(cfg)
+    seq_mean, _ = algo.compute_policy_loss_gspo(old, losses.pad_rows(new), adv, mask,
+                                                loss_agg_mode="seq-mean-token-mean", **kw)
+    token_mean, _ = algo.compute_policy_loss_gspo(old, losses.pad_rows(new), adv, mask, loss_agg_mode="token-mean",
+                                                  **kw)
+    assert float(seq_mean) != pytest.approx(float(token_mean), abs=1e-3)  # the two modes differ on this batch
+    assert total == pytest.approx(float(seq_mean), abs=1e-6)
+
+
+def test_gspo_with_a_sum_aggregation_is_refused():
+    from megatron_searchr1.config import ConfigError
+
+    AlgoConfig(policy_loss="gspo", loss_agg_mode="seq-mean-token-mean")  # the paper's: fine
+    with pytest.raises(ConfigError, match="algo.policy_loss=gspo aggregates its loss seq-mean-token-mean"):
+        AlgoConfig(policy_loss="gspo", loss_agg_mode="seq-mean-token-sum")
+
+
+def test_mis_rejection_mask_applies_to_kl_entropy_and_llds():
+    """token_mis rejects tokens whose engine ratio leaves the band: they train nothing, in any term. The gradient at
+    a rejected token is 0 with the KL loss, an entropy bonus and LLDS on; on main only the policy term dropped it."""
+    mb, lp = _one_mb(2)
+    mb.fields["ref_log_probs"] = mb["old_log_probs"] - 0.3
+    base = AlgoConfig(use_kl_loss=True, kl_loss_coef=0.5, entropy_coeff=0.1, rollout_correction="token_mis",
+                      rollout_correction_cap=1.2)
+    cfg = dataclasses.replace(base, llds=dataclasses.replace(base.llds, coef=1.0))
+    lp = (mb["old_log_probs"] - 0.05).detach().requires_grad_(True)  # every likelihood fell: LLDS gates are open
+    entropy = torch.rand(lp.shape, generator=torch.Generator().manual_seed(0)).requires_grad_(True)
+    loss, m = losses.actor_loss_fn(cfg)({"log_probs": lp, "entropy": entropy}, mb)
+    loss.backward()
+    _, keep, _ = algo.compute_rollout_correction(mb["old_log_probs"], mb["engine_log_probs"], mb["loss_mask"],
+                                                 "token_mis", cap=1.2)
+    rejected = mb["loss_mask"].bool() & ~keep
+    assert rejected.any() and (keep & mb["loss_mask"].bool()).any()
+    assert lp.grad[rejected].abs().max() == 0 and entropy.grad[rejected].abs().max() == 0
+    assert lp.grad[keep].abs().min() > 0 and entropy.grad[keep].abs().min() > 0
+
+
+# ------------------------------------------------------------------------------------------------ defaults
+DISAGG = ["parallel.rollout_placement=disaggregated", "parallel.rollout_ranks=1"]
+
+
+def test_a_disaggregated_run_corrects_behaviour_vs_proximal_by_default():
+    """algo.rollout_correction defaults to auto: token TIS (cap 2) in the disaggregated placement, where a batch is
+    up to rollout.max_staleness versions old, none when colocated; an explicit mode stays. On main a disaggregated
+    run got no correction unless asked: its stale batch trained as if on-policy."""
+    from megatron_searchr1.config import load_config
+
+    assert load_config(None, []).algo.rollout_correction == "none"
+    assert load_config(None, DISAGG).algo.rollout_correction == "token_tis"
+    assert load_config(None, [*DISAGG, "algo.rollout_correction=icepop"]).algo.rollout_correction == "icepop"
+    assert load_config(None, [*DISAGG, "algo.rollout_correction=none"]).algo.rollout_correction == "none"
+    # the loss of such a run weighs a stale token by min(pi_proximal / pi_behaviour, 2): here 1.5 and 2 (of 3)
+    cfg = load_config(None, [*DISAGG, "algo.use_kl_loss=false"]).algo
+    seqs = losses.to_sequences([_traj("g", [5, 6], [8])])
+    s = seqs[0]
+    s.advantages = torch.ones(len(s.response_ids))
+    s.engine_log_probs = torch.log(torch.tensor([1 / 1.5, 1 / 3, 1, 1 / 1.5, 1 / 3])) * s.loss_mask  # stale
+    (mb,) = _micro_batches(seqs)
+    lp = torch.zeros(mb["loss_mask"].shape, requires_grad=True)  # the trainer's log-probs now (on-policy update)
+    loss, m = losses.actor_loss_fn(cfg)({"log_probs": lp}, mb)
+    loss.backward()
+    assert lp.grad[0].tolist() == pytest.approx([-1.5 / 4, -2 / 4, 0, -1.5 / 4, -2 / 4])
+    assert float(m["rc_clipped_frac"]) == pytest.approx(0.5)
+
+
+def test_cispo_cap_default_is_skyrls():
+    """CISPO's weight cap defaults to 1 + 5 (SkyRL's cispo_eps_clip_high): the weight is detached and only bounds
+    the variance of a token's contribution; on main it was 1.28, PPO's clip-higher range, which damps exactly the
+    large-ratio tokens CISPO exists to keep."""
+    assert AlgoConfig().cispo_clip_ratio_high == 5.0
+    kw = losses._policy_loss_kwargs(AlgoConfig(policy_loss="cispo"))
+    old, new = torch.zeros(1, 1), torch.log(torch.tensor([[3.0]]))
+    _, m = algo.compute_policy_loss_cispo(old, new, torch.ones(1, 1), torch.ones(1, 1), **kw)
+    assert float(m["pg_clipfrac"]) == 0.0  # a ratio of 3 keeps its full weight
+
+
+# ------------------------------------------------------------------------------------------------ turn credit
+class _Tok:
+    words = {70: "Talven", 71: "Orrick", 80: "nothing", 81: "1856"}
+
+    def decode(self, ids):
+        return " ".join(self.words.get(i, "x") for i in ids)
+
+
+def test_turn_credit_adds_step_advantages_to_the_outcome_advantage():
+    """Three samples of one prompt: two searched and saw the same observation (70 71 = "Talven Orrick", the bridge
+    entity, a hop answer), one saw 80; the first was right. GRPO's outcome advantage (1, 0, 0: +1.1547, -0.5774,
+    -0.5774) plus weight 0.5 x the step advantages: first turns share the group of all three; the second turns of
+    the first two share (X,), the third is alone. With retrieved_answer (coef 0.1) the first two earn 0.1 on their
+    first turn."""
+    from megatron_searchr1.config.rl import TurnCreditConfig
+
+    trajs = [_traj("g", [5, 5], [70, 71]), _traj("g", [5, 5], [70, 71]), _traj("g", [5, 5], [80])]
+    seqs = losses.to_sequences(trajs)
+    cfg = AlgoConfig(turn_credit=TurnCreditConfig(weight=0.5, gamma=1.0, turn_reward="retrieved_answer"))
+    turns = losses.turn_inputs(trajs, _Tok(), cfg, gold_answers=[["Talven Orrick"]] * 3)
+    assert turns["rewards"] == [[0.1, 0.0], [0.1, 0.0], [0.0, 0.0]]
+    assert turns["keys"][0] == [(), ((70, 71),)] and turns["keys"][2] == [(), ((80,),)]
+    m = losses.add_advantages(seqs, [1.0, 0.0, 0.0], ["g"] * 3, cfg, turns=turns)
+    # returns (gamma 1): t0 (1.1, 1), t1 (0.1, 0), t2 (0, 0)
+    first = algo.step_group_advantages([[1.1], [0.1], [0.0]], [[()], [()], [()]], ["g"] * 3)
+    outcome = [1.154699, -0.577349, -0.577349]
+    second = [0.707106, -0.707106, 0.0]
+    for i, s in enumerate(seqs):
+        want = [outcome[i] + 0.5 * first[i][0]] * 2 + [0.0] * len(trajs[i].response_ids[2:-2]) + \
+               [outcome[i] + 0.5 * second[i]] * 2
+        assert s.advantages.tolist() == pytest.approx(want, abs=1e-4)
+    assert m["turn/turns"] == 6 and m["turn/reward_per_turn"] == pytest.approx(0.2 / 6)
+    # off: the outcome advantage alone
+    plain = losses.to_sequences(trajs)
+    losses.add_advantages(plain, [1.0, 0.0, 0.0], ["g"] * 3, AlgoConfig(), turns=None)
+    assert plain[2].advantages[0] == pytest.approx(outcome[2], abs=1e-4)
+    assert losses.turn_inputs(trajs, _Tok(), AlgoConfig()) is None
+
+
+def test_a_users_turn_reward_function(monkeypatch):
+    import sys
+    import types
+
+    from megatron_searchr1.config.rl import TurnCreditConfig
+
+    mod = types.ModuleType("my_turn_rewards")
+    mod.reward = lambda observations, meta: [float("1856" in o) for o in observations]
+    monkeypatch.setitem(sys.modules, "my_turn_rewards", mod)
+    trajs = [_traj("g", [5], [81]), _traj("g", [5], [80])]
+    cfg = AlgoConfig(turn_credit=TurnCreditConfig(weight=1.0, turn_reward="my_turn_rewards:reward",
+                                                  turn_reward_coef=2.0))
+    assert losses.turn_inputs(trajs, _Tok(), cfg)["rewards"] == [[2.0, 0.0], [0.0, 0.0]]
