@@ -51,6 +51,8 @@ HINTS = {
              "or set rollout.sleep_level=1; read the log",
     "cycle_tp": "; engine TP 2 spans two GPUs: check NCCL between them (NCCL_DEBUG=INFO, NCCL_P2P_DISABLE=1 to "
                 "test), or run rollout.engine_tp=1",
+    "padded": "vLLM sampled the padded vocabulary rows: the mask (rollout/engines/vllm_vocab_mask.py) does not "
+              "take effect with this vLLM; use the tested vllm 0.32.x",
     "logprobs": "the engine and the trainer disagree: keep rollout.dtype=auto (the model's dtype) and "
                 "algo.rollout_correction on; padded ids in the output mean vLLM samples the padded vocabulary",
     "memory": "the planner's figures do not match this node: plan with more headroom (lower "
@@ -72,8 +74,9 @@ class Row:
 
 # ------------------------------------------------------------------------------------------------ the models
 def pad_vocabulary(model_dir: str, rows: int = PAD_ROWS) -> int:
-    """Add `rows` embedding and output rows past the tokenizer, the output rows made the most likely: 20 x the sign
-    of the final norm's weight, a large logit wherever the hidden state leans that way. Returns the new vocab size."""
+    """Add `rows` (even) embedding and output rows past the tokenizer, the output rows made the most likely ones at
+    every position: +-50 u for rows / 2 random unit vectors u, so whatever the final hidden state h, some padded row's
+    logit is 50 |u.h| (tens) against the real rows' few units. Returns the new vocab size."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -81,8 +84,10 @@ def pad_vocabulary(model_dir: str, rows: int = PAD_ROWS) -> int:
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.resize_token_embeddings(n + rows, mean_resizing=False)
     with torch.no_grad():
+        u = torch.randn(rows // 2, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+        u = 50.0 * u / u.norm(dim=1, keepdim=True)
         model.get_input_embeddings().weight[n:] = 0.0
-        model.get_output_embeddings().weight[n:] = 20.0 * model.model.norm.weight.sign()
+        model.get_output_embeddings().weight[n:] = torch.cat([u, -u])
     model.save_pretrained(model_dir)
     return n + rows
 
@@ -206,14 +211,15 @@ def engine_checks(model: str, model_dir: str, engine_tp: int, args, write) -> No
             ids = [t for g in first + second for t in g.token_ids]
             padded = [t for t in ids if t >= len(tok)]
             ok = same and not padded and len(ids) == 2 * len(prompts) * args.max_tokens
+            hint = HINTS["padded"] if padded else ""
             detail = (f"{len(ids) // 2} greedy tokens {'equal' if same else 'DIFFER'} after sync -> sleep -> wake -> "
                       f"sync ({lost}); {len(padded)} padded ids; sync {stats.bytes / 2**20:.1f} MiB in "
                       f"{stats.seconds:.2f} s; cycle {time.time() - t0:.1f} s")
         except Exception as e:  # noqa: BLE001 - the row says what failed; the other rows still run
-            ok, detail, second = False, f"{type(e).__name__}: {e}", None
+            ok, detail, second, hint = False, f"{type(e).__name__}: {e}", None, ""
         ok, detail = _gathered(ok, detail)
         write(Row(f"{model}: engine cycle, engine TP {engine_tp}", ok, detail,
-                  "" if ok else HINTS["cycle"] + (HINTS["cycle_tp"] if engine_tp > 1 else "")))
+                  "" if ok else hint or HINTS["cycle"] + (HINTS["cycle_tp"] if engine_tp > 1 else "")))
 
         ok, detail = False, "no generation to compare (the engine cycle failed)"
         if second is not None:
@@ -479,6 +485,10 @@ def parse_args(argv):
     p.add_argument("--config", default=None, help="a run config YAML: add the planner's verdict for it on this node")
     p.add_argument("--nodes", type=at_least(1), default=1, help="with --config: nodes of this node's shape")
     p.add_argument("--model-config", default=None, help="with --config: the model's config.json (planner)")
+    p.add_argument("--gpus-per-node", type=at_least(1), default=None,
+                   help="with --config: GPUs per node (default: this node's; 8 where none is visible)")
+    p.add_argument("--gpu-memory-gib", type=above(0.0), default=None,
+                   help="with --config: one GPU's nominal memory (default: this node's; 80 where none is visible)")
     p.add_argument("overrides", nargs="*", help="with --config: dotted KEY=VALUE overrides")
     p.add_argument("--rank-job", choices=("engines", "bridge"), help=argparse_suppress())
     args = p.parse_args(argv)
@@ -516,8 +526,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.config:  # the command line's last mistake, before anything slow
         from megatron_searchr1.plan import load_plan_inputs
 
-        load_plan_inputs(args.config, args.overrides, args.nodes * (torch.cuda.device_count() or 8),
-                         args.model_config)
+        load_plan_inputs(args.config, args.overrides,
+                         args.nodes * (args.gpus_per_node or torch.cuda.device_count() or 8), args.model_config)
     work = os.path.abspath(args.work_dir)
     shutil.rmtree(work, ignore_errors=True)
     os.makedirs(work)
@@ -545,9 +555,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                                   f"read {log}"))) + "\n")
     rows = read_rows(work)
     if args.config:
+        from megatron_searchr1.planner.memory import USABLE_FRACTION
+
+        # this node's GPUs as CUDA reports them (the planner takes the nominal size and keeps USABLE_FRACTION)
+        gpus = args.gpus_per_node or (torch.cuda.device_count() if gpu else 8)
+        gib = args.gpu_memory_gib or (torch.cuda.mem_get_info()[1] / USABLE_FRACTION / 2**30 if gpu else 80.0)
         try:
-            rows.append(recipe_row(args, torch.cuda.device_count() if gpu else 8,
-                                   torch.cuda.mem_get_info()[1] / 0.989 / 2**30 if gpu else 80.0))
+            rows.append(recipe_row(args, gpus, gib))
         except UsageError as e:
             rows.append(Row("recipe fits (planner)", False, str(e), "fix the config"))
     print(render(rows))
