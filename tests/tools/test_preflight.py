@@ -115,4 +115,4 @@ def test_the_preflight_runs_every_row_on_the_cpu_and_passes(tmp_path):
         with open(os.path.join(path, "config.json")) as f:
             config = json.load(f)
         assert config["vocab_size"] == len(AutoTokenizer.from_pretrained(path)) + PAD_ROWS
-        assert config.get("num_experts") == (4 if name == "moe" else None)
+        assert config.get("num_experts", config.get("num_local_experts")) == (4 if name == "moe" else None)
