@@ -51,10 +51,10 @@ PY
 # the retrieval server failed (bring it back, run the same line: it resumes), 2 for a mistake found after the launch
 # (the `error:` line says what to change), 130 after Ctrl-C, else torchrun's own (1: a crash, read the traceback).
 status_dir=$(mktemp -d "${TMPDIR:-/tmp}/searchr1_exit.XXXXXX")
-interrupted=0
+interrupted=0 child=""
 trap 'rm -rf "$status_dir"' EXIT
 trap 'interrupted=1' INT  # Ctrl-C reaches torchrun and the ranks too: wait for them below
-trap 'kill -TERM "$child" 2>/dev/null' TERM
+trap '[[ -n $child ]] && kill -TERM "$child" 2>/dev/null' TERM
 # in the background so that a TERM sent to this script reaches torchrun; `trap - INT`: a background command would
 # otherwise start with Ctrl-C ignored
 ( trap - INT; SEARCHR1_EXIT_STATUS_DIR="$status_dir" exec torchrun --nnodes "$NNODES" --node-rank "$NODE_RANK" \
