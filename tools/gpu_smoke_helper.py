@@ -256,8 +256,9 @@ def check_steps(metrics: str, steps: int, prefix: str, max_gap: float | None = N
     print(f"{len(rows)} steps in {metrics}: " + ", ".join(
         f"step {r['step']} loss {r[f'{prefix}/loss']:.4g} grad_norm {r[f'{prefix}/grad_norm']:.3g}" for r in rows))
     if len(rows) != steps or bad:
-        print(f"expected {steps} steps with a finite loss and a finite grad norm > 0"
-              f"{'' if max_gap is None else f' and a log-prob gap <= {max_gap:g}'}; steps that are not: {sorted(set(bad))}")
+        gap = "" if max_gap is None else f" and a log-prob gap <= {max_gap:g}"
+        print(f"expected {steps} steps with a finite loss and a finite grad norm > 0{gap}; steps that are not: "
+              f"{sorted(set(bad))}")
         return 1
     return 0
 

@@ -9,8 +9,8 @@ device (bf16 on a GPU, fp32 on the CPU), each check a failure when it does not h
 
 Per model: the actor (Megatron, distributed optimizer) syncs its weights into the hf reference engine
 (rollout/weight_sync.py, the trainer's sync; vLLM does not reach the GPU machine; the MoE model's engine keeps the
-checkpoint's weights, since transformers fuses the experts and takes no per-expert names), the engine samples 16 tokens per
-prompt (never a padded id); Megatron's log-probs of them against the engine's (max |diff| <= --tol, default 0.1 in
+checkpoint's weights, since transformers fuses the experts and takes no per-expert names), the engine samples 16
+tokens per prompt (never a padded id); Megatron's log-probs of them against the engine's (max |diff| <= --tol, default 0.1 in
 bf16, 1e-3 in fp32); one update with the sampled tokens as targets: loss finite, gradient norm finite and > 0;
 then the generation offload (megatron/offload.py: parameters, gradients, Adam state and fp32 masters to host
 memory and back, as around a rollout): every parameter and optimizer state tensor bit-exact afterwards, and on a GPU

@@ -59,8 +59,8 @@ def test_the_dry_run_passes_every_phase_and_installs_only_missing_wheels(tmp_pat
     # numerics: three models, each asserted (gap, padded ids, update, offload round trip)
     numerics = (logs / "numerics.log").read_text()
     for model in ("qwen2_padded", "qwen3", "qwen3_moe"):
-        line = re.search(rf"^NUMERICS {model}: ok \(.*log-prob gap (\S+);.*offload ([\d.]+) MiB, (\d+) tensors", numerics,
-                         re.M)
+        line = re.search(rf"^NUMERICS {model}: ok \(.*log-prob gap (\S+);.*offload ([\d.]+) MiB, (\d+) tensors",
+                         numerics, re.M)
         assert line and float(line.group(1)) <= 1e-3 and float(line.group(2)) > 0, numerics[-3000:]
     assert "engine/trainer log-prob gap per step" in (logs / "grpo.log").read_text()
     assert "CPU dry run (gloo, fp32), engine hf, model.use_te=false" in proc.stdout
