@@ -56,7 +56,7 @@ while [[ $# -gt 0 ]]; do
         --engine) ENGINE="$2"; shift 2 ;;
         --cpu-dry-run) DRY=1; shift ;;
         --timeout-scale) SCALE="$2"; shift 2 ;;
-        -h|--help) sed -n '2,47p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,45p' "$0"; exit 0 ;;
         *) echo "gpu_smoke.sh: error: unknown argument $1 (see --help)" >&2; exit 2 ;;
     esac
 done
