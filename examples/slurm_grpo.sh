@@ -32,7 +32,8 @@ if [[ $# -lt 1 ]]; then
     echo "error: usage: OUTPUT_DIR=DIR sbatch examples/slurm_grpo.sh CONFIG.yaml [KEY=VALUE ...]" >&2
     exit 2
 fi
-MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+hosts=$(scontrol show hostnames "$SLURM_JOB_NODELIST")  # not `| head -n 1`: under pipefail its SIGPIPE fails
+MASTER_ADDR=${hosts%%$'\n'*}                           # the job on a long node list
 export MASTER_ADDR MASTER_PORT=${MASTER_PORT:-29500} OUTPUT_DIR
 RETRIEVAL_ARGS=${RETRIEVAL_ARGS:-"--faiss-index e5_Flat.index --corpus wiki-18.jsonl --encoder intfloat/e5-base-v2"}
 export RETRIEVAL_ARGS="$RETRIEVAL_ARGS --torch-threads ${RETRIEVAL_THREADS:-8}"

@@ -4,7 +4,8 @@ machine as a two-node job: `srun` and `scontrol` are stand-ins on PATH (srun sta
 since two servers cannot share one on a single host; scontrol names the nodes), everything else is the scripts as a
 user submits them.
 
-Quick: a submission without OUTPUT_DIR is one `error:` line, exit 2.
+Quick: a submission without OUTPUT_DIR is one `error:` line, exit 2; a wrong index makes every node's server fail
+to start: each node says so with the server's own error, and the job exits 2.
 Slow (--runslow): one GRPO step over two nodes (TP=2 across them, the hf engine), each node with its own BM25 server,
 the shared output directory written once; then the same job with a prompt budget no prompt fits, found by the ranks
 (not by run_node.sh's own check): the job exits 2 through torchrun, srun and sbatch, where torchrun alone says 1.
@@ -70,6 +71,22 @@ def test_a_job_without_output_dir_is_one_error_line(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == ["error: set OUTPUT_DIR=<a directory every node shares> (the run's "
                                                 "trainer.output_dir)"]
+
+
+def test_a_node_whose_server_does_not_start_fails_the_job_with_2(tmp_path):
+    """The whole path (sbatch script -> srun -> each node's script) in seconds: a wrong index is every node's
+    `error:` line with the server's own, and the job's exit code 2."""
+    out = tmp_path / "shared"
+    env = slurm_env(tmp_path, OUTPUT_DIR=str(out), RETRIEVAL_ARGS=f"--index-dir {tmp_path / 'no_index'}",
+                    RETRIEVAL_THREADS="1")
+    proc = subprocess.run(["bash", SBATCH, "examples/grpo_tiny_cpu.yaml"], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "slurm_grpo.sh: exit 2 (srun 2; nodes: node0:2 node1:2 )" in proc.stdout, proc.stdout
+    for node in (0, 1):
+        text = (tmp_path / "node_logs" / f"node{node}.out").read_text()
+        assert text.startswith(f"error: node {node}: the retrieval server did not start"), text
+        assert "no_index" in text.splitlines()[-1], text  # the server's own line, from its log
 
 
 def test_the_sbatch_header_asks_for_one_task_per_node():
