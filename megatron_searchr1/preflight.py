@@ -423,8 +423,12 @@ def launch(job: str, work: str, nproc: int, argv: Sequence[str], timeout: float)
     log = os.path.join(work, f"{job}.log")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m",
            "megatron_searchr1.preflight", "--rank-job", job, *argv]
+    env = dict(os.environ)
+    # Megatron's TP overlap needs one hardware queue, set before CUDA starts (megatron/initialize.py cuda_env):
+    # engine TP 2 runs the trainer at TP 2 in the same processes
+    env.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env)
         try:
             rc = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
