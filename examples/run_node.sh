@@ -46,5 +46,36 @@ def preflight(argv):
 sys.exit(run_main(preflight, sys.argv[1:]))
 PY
 
-exec torchrun --nnodes "$NNODES" --node-rank "$NODE_RANK" --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" \
-    --nproc-per-node "$NPROC" -m megatron_searchr1.train "$config" "$@"
+# Exit code: torchrun reports any failing rank as 1, so the ranks write their own codes into a directory
+# (megatron_searchr1/cli.py record_exit) and this node exits with the most telling one: 3 when a rank stopped because
+# the retrieval server failed (bring it back, run the same line: it resumes), 2 for a mistake found after the launch
+# (the `error:` line says what to change), 130 after Ctrl-C, else torchrun's own (1: a crash, read the traceback).
+status_dir=$(mktemp -d "${TMPDIR:-/tmp}/searchr1_exit.XXXXXX")
+interrupted=0 child=""
+trap 'rm -rf "$status_dir"' EXIT
+trap 'interrupted=1' INT  # Ctrl-C reaches torchrun and the ranks too: wait for them below
+trap '[[ -n $child ]] && kill -TERM "$child" 2>/dev/null' TERM
+# in the background so that a TERM sent to this script reaches torchrun; `trap - INT`: a background command would
+# otherwise start with Ctrl-C ignored
+( trap - INT; SEARCHR1_EXIT_STATUS_DIR="$status_dir" exec torchrun --nnodes "$NNODES" --node-rank "$NODE_RANK" \
+    --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" --nproc-per-node "$NPROC" \
+    -m megatron_searchr1.train "$config" "$@" ) &
+child=$!
+set +e
+rc=0
+while :; do
+    wait "$child"; rc=$?
+    kill -0 "$child" 2>/dev/null || break  # a trapped signal ended `wait`, not torchrun: wait on
+done
+set -e
+code=$rc
+if [[ $rc != 0 ]]; then
+    for want in 3 2; do  # the ranks' own codes, most telling first
+        ranks=$({ grep -lx "$want" "$status_dir"/rank* 2>/dev/null || true; } | sed 's|.*/rank||' | sort -n \
+            | tr '\n' ' ')
+        if [[ -n "$ranks" ]]; then code=$want; break; fi
+    done
+    [[ $code == "$rc" && $interrupted == 1 ]] && code=130
+    echo "run_node.sh: node $NODE_RANK exits $code (torchrun exited $rc${ranks:+; rank(s) ${ranks% } exited $code})" >&2
+fi
+exit "$code"

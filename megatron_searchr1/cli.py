@@ -113,17 +113,45 @@ RETRIEVAL_DOWN_EXIT = 3
 """Exit code of a run stopped because its retrieval server is gone or hung (2 is a usage mistake)."""
 
 
+EXIT_STATUS_DIR = "SEARCHR1_EXIT_STATUS_DIR"
+"""When this variable names a directory (examples/run_node.sh sets it for its torchrun), each process leaving through
+`run_main` writes its exit code to `<dir>/rank<RANK>`: torchrun reports any failing rank as its own exit code 1, and
+the launcher reads the ranks' codes there (3: retrieval server down, 2: a mistake, 1: a crash)."""
+
+
+def record_exit(code: int) -> None:
+    """Write `code` to this rank's file under $SEARCHR1_EXIT_STATUS_DIR, when it is set (best effort: a launcher's
+    nicety must never change how the process ends)."""
+    folder = os.environ.get(EXIT_STATUS_DIR)
+    if folder:
+        try:
+            with open(os.path.join(folder, f"rank{os.environ.get('RANK', '0')}"), "w") as f:
+                f.write(f"{code}\n")
+        except OSError:
+            pass
+
+
 def run_main(main: Callable[[Optional[Sequence[str]]], Optional[int]], argv: Optional[Sequence[str]] = None) -> int:
     """Call `main(argv)`; a UsageError becomes one `error:` line and exit code 2, a RetrievalDown (every rank
-    raises it together) one `error:` line and exit code 3."""
+    raises it together) one `error:` line and exit code 3. The code is recorded for a launcher (`record_exit`;
+    an exception that propagates records 1)."""
     from megatron_searchr1.search.client import RetrievalDown  # stdlib-only module: no heavy import
 
+    code = 1
     try:
-        return int(main(argv) or 0)
+        code = int(main(argv) or 0)
+        return code
     except UsageError as e:
+        code = 2
         error_exit(str(e))
     except RetrievalDown as e:
+        code = RETRIEVAL_DOWN_EXIT
         error_exit(str(e), code=RETRIEVAL_DOWN_EXIT)
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        raise
+    finally:
+        record_exit(code)
 
 
 def console(main: Callable[[Optional[Sequence[str]]], Optional[int]]) -> Callable[[], int]:

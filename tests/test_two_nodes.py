@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import time
@@ -50,6 +51,96 @@ def test_run_node_refuses_a_config_mistake_before_torchrun():
     assert proc.returncode == 2, proc.stdout + proc.stderr
     lines = [ln for ln in (proc.stdout + proc.stderr).splitlines() if ln.strip()]
     assert lines == ["error: rollout.n must be >= 1, got 0"], lines
+
+
+# -- the ranks' exit codes through torchrun ------------------------------------------------------------------------
+DEMO_BASE = str(REPO / "examples" / "demo_base")  # a shipped model that searches at once: its rollouts hit the server
+
+
+class _PingOnlyServer:
+    """A retrieval server on loopback that answers the trainers' start-up ping and fails every search with HTTP 500
+    (a server that went down after the run started)."""
+
+    def __init__(self):
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        self.searches = 0
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(handler):  # noqa: N802, N805 - http.server's names; `self` is the test's server
+                body = json.loads(handler.rfile.read(int(handler.headers.get("content-length", 0))) or b"{}")
+                if body.get("queries") != ["ping"]:
+                    self.searches += 1
+                    handler.send_response(500)
+                    handler.end_headers()
+                    return
+                data = json.dumps({"result": [[]]}).encode()
+                handler.send_response(200)
+                handler.send_header("content-type", "application/json")
+                handler.send_header("content-length", str(len(data)))
+                handler.end_headers()
+                handler.wfile.write(data)
+
+            def log_message(handler, *args):  # noqa: N805
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/retrieve"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.httpd.shutdown()
+
+
+@pytest.fixture(scope="module")
+def small_world(tmp_path_factory) -> str:
+    """A synthetic world of a few questions, no index (these runs never reach a real server)."""
+    out = str(tmp_path_factory.mktemp("exit_codes") / "world")
+    proc = subprocess.run(["python", "-m", "megatron_searchr1.data.make_world", "--out-dir", out, "--template", "short",
+                           "--seed", "0", "--n-train", "8", "--n-validation", "4", "--n-test", "4"], cwd=REPO,
+                          env=child_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return out
+
+
+def run_node_once(world: str, url: str, out: str, *extra: str) -> subprocess.CompletedProcess:
+    """run_node.sh on one node of 2 ranks (the demo's base model, the hf engine, one step of 2 prompts x 2)."""
+    args = ["examples/grpo_tiny_cpu.yaml", f"model.path={DEMO_BASE}", "model.megatron_ckpt=null",
+            f"data.train_files=[{world}/train.parquet]", "data.val_files=[]", f"retrieval.url={url}",
+            "rollout.engine=hf", "data.train_batch_size=2", "rollout.n=2", "algo.ppo_mini_batch_size=2",
+            "retrieval.timeout=1", "trainer.total_steps=1", f"trainer.output_dir={out}", *extra]
+    env = child_env(NNODES="1", NODE_RANK="0", NPROC_PER_NODE="2", MASTER_PORT=str(_free_port()))
+    return subprocess.run(["bash", RUN_NODE, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.slow
+def test_run_node_exits_with_the_ranks_code_2_and_3_not_torchruns_1(small_world, tmp_path):
+    """torchrun reports a failing rank as its own exit 1: run_node.sh must say 2 (a mistake found in the ranks, here
+    a retrieval server that does not answer the start-up check, which the launcher's own check does not make) and
+    3 (the server failed the run's searches) so that a script can tell them apart."""
+    dead = f"http://127.0.0.1:{_free_port()}/retrieve"
+    proc = run_node_once(small_world, dead, str(tmp_path / "dead"))
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 2, log[-4000:]
+    assert "exitcode  : 2" in log  # what torchrun saw, reported as its own 1
+    # each rank checks the server; the first to exit 2 makes torchrun stop the other, which may not get as far
+    assert re.search(r"^run_node\.sh: node 0 exits 2 \(torchrun exited 1; rank\(s\) [01 ]+ exited 2\)$", proc.stderr,
+                     re.M), log[-4000:]
+    assert any(ln.startswith(f"error: the retrieval server at {dead} does not answer") for ln in log.splitlines())
+
+    server = _PingOnlyServer()
+    try:
+        proc = run_node_once(small_world, server.url, str(tmp_path / "down"))
+    finally:
+        server.close()
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 3, log[-4000:]
+    assert server.searches > 0  # the run got as far as its rollouts
+    assert re.search(r"^run_node\.sh: node 0 exits 3 \(torchrun exited 1; rank\(s\) [01 ]+ exited 3\)$", proc.stderr,
+                     re.M), log[-4000:]
+    errors = [ln for ln in log.splitlines() if ln.startswith("error: ")]
+    assert errors and all("failed 4 of 4 searches during a training step" in e for e in errors), errors
 
 
 def run_two_nodes(args: list[str], timeout: float = 400) -> str:

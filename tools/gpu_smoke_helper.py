@@ -10,7 +10,8 @@
   prepare  the gold SFT trajectories (through the running server) and the random tiny model;
   compare  two Hugging Face directories hold the same tensors (the conversion round trip);
   steps    a run's metrics.jsonl has N steps whose loss is finite and whose gradient norm is finite and > 0 (an
-           exit code of 0 alone would also pass a run whose update silently did nothing);
+           exit code of 0 alone would also pass a run whose update silently did nothing), optionally whose
+           engine/trainer log-prob gap is at most --max-gap;
   same     two runs' metrics agree at one step (a resumed run against the run it resumed from);
   init     (under torchrun) device memory free before Megatron's start-up, after it, and after the first
            collective on each of its process groups: what the communicators cost;
@@ -63,8 +64,9 @@ def _gpu_used_bytes():
         return None
 
 
-def run_phase(name: str, cmd: list[str], log: str, gpu: bool, timeout: float) -> int:
-    """Run `cmd` in its own process group, output to `log`; kill the group at `timeout`; print the PHASE line."""
+def run_phase(name: str, cmd: list[str], log: str, gpu: bool, timeout: float, summary: str = "") -> int:
+    """Run `cmd` in its own process group, output to `log`; kill the group at `timeout`; print the PHASE line (and
+    append it, with a failure's last log lines, to `summary` when given: a file that outlives a killed run)."""
     read = _gpu_used_bytes() if gpu else None
     peak = [read() if read else 0]
     done = threading.Event()
@@ -93,12 +95,16 @@ def run_phase(name: str, cmd: list[str], log: str, gpu: bool, timeout: float) ->
     if watcher:
         watcher.join()
     memory = f"{peak[0] / GIB:.2f} GiB" if read else "n/a"
+    text = ""
     if rc != 0:
         with open(log, errors="replace") as f:
             tail = f.readlines()[-30:]
-        print(f"--- {name} failed (exit {rc}); last lines of {log}:\n{''.join(tail)}---", flush=True)
-    print(f"PHASE {name}: {'pass' if rc == 0 else 'fail'} (peak GPU memory {memory}, {time.time() - t0:.0f} s)",
-          flush=True)
+        text = f"--- {name} failed (exit {rc}); last lines of {log}:\n{''.join(tail)}---\n"
+    text += f"PHASE {name}: {'pass' if rc == 0 else 'fail'} (peak GPU memory {memory}, {time.time() - t0:.0f} s)\n"
+    print(text, end="", flush=True)
+    if summary:
+        with open(summary, "a") as f:
+            f.write(text)
     return rc
 
 
@@ -233,16 +239,26 @@ def compare(a: str, b: str) -> int:
 
 
 # ------------------------------------------------------------------------------------------------ steps
-def check_steps(metrics: str, steps: int, prefix: str) -> int:
-    """0 when `metrics` has `steps` rows with a finite `{prefix}/loss` and a finite, positive `{prefix}/grad_norm`."""
+GAP = "train/logprob_gap_engine"
+"""The mean |engine - trainer| log-prob of a step's generated tokens (trainer/rl.py)."""
+
+
+def check_steps(metrics: str, steps: int, prefix: str, max_gap: float | None = None) -> int:
+    """0 when `metrics` has `steps` rows with a finite `{prefix}/loss` and a finite, positive `{prefix}/grad_norm`
+    (and, with `max_gap`, a finite engine/trainer log-prob gap of at most that)."""
     with open(metrics) as f:
         rows = [r for r in map(json.loads, filter(str.strip, f)) if f"{prefix}/grad_norm" in r]
     loss, norm = f"{prefix}/loss", f"{prefix}/grad_norm"
     bad = [r["step"] for r in rows if not (math.isfinite(r[loss]) and math.isfinite(r[norm]) and r[norm] > 0)]
+    if max_gap is not None:
+        print("engine/trainer log-prob gap per step: " + ", ".join(f"{r.get(GAP)}" for r in rows))
+        bad += [r["step"] for r in rows if not (math.isfinite(r.get(GAP, math.nan)) and r[GAP] <= max_gap)]
     print(f"{len(rows)} steps in {metrics}: " + ", ".join(
         f"step {r['step']} loss {r[f'{prefix}/loss']:.4g} grad_norm {r[f'{prefix}/grad_norm']:.3g}" for r in rows))
     if len(rows) != steps or bad:
-        print(f"expected {steps} steps with a finite loss and a finite grad norm > 0; steps that are not: {bad}")
+        gap = "" if max_gap is None else f" and a log-prob gap <= {max_gap:g}"
+        print(f"expected {steps} steps with a finite loss and a finite grad norm > 0{gap}; steps that are not: "
+              f"{sorted(set(bad))}")
         return 1
     return 0
 
@@ -365,6 +381,7 @@ def main(argv=None) -> int:
     ph.add_argument("--log", required=True)
     ph.add_argument("--gpu", action="store_true", help="watch GPU 0's used memory")
     ph.add_argument("--timeout", type=float, default=600)
+    ph.add_argument("--summary", default="", help="append the PHASE line to this file too")
     sv = sub.add_parser("serve")
     sv.add_argument("--work-dir", required=True)
     sv.add_argument("--url-file", required=True)
@@ -378,6 +395,7 @@ def main(argv=None) -> int:
     st.add_argument("metrics")
     st.add_argument("--steps", type=int, required=True)
     st.add_argument("--prefix", required=True, help="sft or actor")
+    st.add_argument("--max-gap", type=float, default=None, help=f"largest {GAP} allowed")
     sm = sub.add_parser("same")
     sm.add_argument("a")
     sm.add_argument("b")
@@ -399,13 +417,13 @@ def main(argv=None) -> int:
     if args.cmd == "phase":
         if not cmd:
             p.error("phase needs its command after --")
-        return run_phase(args.name, cmd, args.log, args.gpu, args.timeout)
+        return run_phase(args.name, cmd, args.log, args.gpu, args.timeout, args.summary)
     if args.cmd == "serve":
         return serve(args.work_dir, args.url_file)
     if args.cmd == "prepare":
         return prepare(args.work_dir, args.url)
     if args.cmd == "steps":
-        return check_steps(args.metrics, args.steps, args.prefix)
+        return check_steps(args.metrics, args.steps, args.prefix, args.max_gap)
     if args.cmd == "same":
         return same_step(args.a, args.b, args.step, args.keys.split(","), args.tol)
     if args.cmd == "init":
