@@ -97,7 +97,8 @@ def dp_sum(group=None):
 
 
 def add_advantages(seqs: list[TrainSequence], scores: Sequence[float], group_ids: Sequence[str], cfg: AlgoConfig,
-                   kl_ctrl=None, reduce: Optional[algo.Reduce] = None) -> dict[str, float]:
+                   kl_ctrl=None, reduce: Optional[algo.Reduce] = None, trees: Optional[Sequence] = None
+                   ) -> dict[str, float]:
     """Set `advantages`, `returns` and `token_rewards` (per response token) on each sequence; returns metrics.
 
     Needs `old_log_probs` (and `ref_log_probs` for KL in the reward, `values` for GAE) already in the sequences.
@@ -114,6 +115,9 @@ def add_advantages(seqs: list[TrainSequence], scores: Sequence[float], group_ids
     its raw score, +1 for a right answer and 0 for a wrong one, with no baseline, unlike every other sample's.
     Here it gets advantage 0: with nothing to compare it with, it carries no signal (its tokens still take part
     in the KL and entropy terms). `train/lone_samples` counts them.
+
+    tree_grpo (`trees`: each sequence's rollout/tree.py TreeCoords): algo/tree.py's inter- plus intra-tree GRPO, a
+    lone group's part 0 as above, each copy of a token shared by c leaves weighted 1/c (`_tree_advantages`).
     """
     lengths = [len(s.response_ids) for s in seqs]
     mask = pad_rows([s.loss_mask for s in seqs])                         # (B, T)
@@ -143,6 +147,9 @@ def add_advantages(seqs: list[TrainSequence], scores: Sequence[float], group_ids
         adv = adv.clone()
         adv[lone] = 0.0
         ret = adv
+    elif est == "tree_grpo":
+        adv, lone = _tree_advantages(rewards, mask, has_tokens, index, trees, lengths, cfg)
+        ret = adv
     else:
         adv, ret = algo.compute_reinforce_plus_plus_outcome_advantage(rewards, mask, cfg.gamma, reduce=reduce)
     for s, a, r, w in zip(seqs, unpad_rows(adv, lengths), unpad_rows(ret, lengths), unpad_rows(rewards, lengths)):
@@ -161,6 +168,25 @@ def add_advantages(seqs: list[TrainSequence], scores: Sequence[float], group_ids
     if cfg.use_kl_in_reward:
         metrics.update({"actor/reward_kl_penalty": kl_total / max(rows, 1.0), "actor/reward_kl_coef": kl_ctrl.value})
     return metrics
+
+
+def _tree_advantages(rewards, mask, has_tokens, index, trees, lengths, cfg: AlgoConfig):
+    """Tree-GRPO's advantages (algo/tree.py) over (B, T) `rewards` / `mask`, each copy of a shared token weighted
+    1 / (leaves of its tree that hold it and have a loss token); returns (advantages, rows lone in their group)."""
+    from megatron_searchr1.algo import tree as tree_algo
+
+    if trees is None or any(c is None for c in trees):
+        raise ValueError("algo.adv_estimator=tree_grpo needs tree rollouts: every trajectory's meta['tree'] "
+                         "(rollout.tree.trees >= 1)")
+    tree_index = [c.tree if bool(has_tokens[i]) else f"{c.tree}#masked{i}" for i, c in enumerate(trees)]
+    adv, _, _ = tree_algo.compute_tree_grpo_outcome_advantage(
+        rewards, mask, index, tree_index, norm_adv_by_std_in_grpo=cfg.norm_adv_by_std_in_grpo, single_group_zero=True)
+    owners = tree_algo.segment_owners([c.segments for c in trees], lengths)      # (B, T)
+    owners[~has_tokens] = -1  # a dropped leaf trains nothing: it takes no share of a token
+    weights = tree_algo.shared_token_weights(owners, tree_index, mask)            # (B, T)
+    size = Counter(index)
+    lone = [i for i, g in enumerate(index) if size[g] == 1 and bool(has_tokens[i])]
+    return tree_algo.weighted_advantages(adv, weights), lone
 
 
 def _weight(mb, mode: str) -> float:

@@ -161,7 +161,8 @@ class Trainer:
             # 6. advantages: whitening and the advantage metrics over the whole batch (a sum over DP; every rank
             # takes part, also one whose trajectories were all dropped)
             adv_metrics = losses.add_advantages(seqs, [x["score"] for x in scores], group_ids, a,
-                                                roles.kl_ctrl, reduce=losses.dp_sum(mpu.get_data_parallel_group()))
+                                                roles.kl_ctrl, reduce=losses.dp_sum(mpu.get_data_parallel_group()),
+                                                trees=[tr.meta.get("tree") for tr in trajs])
             if a.use_kl_in_reward:  # one coefficient for all ranks: the KL is the whole batch's already
                 roles.kl_ctrl.update(adv_metrics["actor/reward_kl_penalty"], n_steps=cfg.data.train_batch_size * r.n)
             lr_used = self.policy.lr  # before update() steps the schedule

@@ -133,3 +133,34 @@ def test_the_ppo_loss_of_a_weighted_copy_is_the_weighted_loss():
         full, _ = fn(old, new, adv, mask, loss_agg_mode="seq-mean-token-sum", **kw)
         third, _ = fn(old, new, adv / 3, mask, loss_agg_mode="seq-mean-token-sum", **kw)
         assert float(third) == pytest.approx(float(full) / 3, rel=1e-5), name
+
+
+def test_the_trainer_wiring_weights_shared_copies_and_drops_failed_leaves():
+    # trainer/losses.add_advantages with algo.adv_estimator=tree_grpo, on the hand-built tree above (+ a second
+    # tree of two chains), leaves carrying rollout/tree.py's coordinates
+    from megatron_searchr1.config import AlgoConfig
+    from megatron_searchr1.megatron.batching import TrainSequence
+    from megatron_searchr1.rollout.tree import TreeCoords
+    from megatron_searchr1.trainer.losses import add_advantages
+
+    segs = SEGMENTS[:3] + [[(0, 99)], [(1, 99)]]
+    lengths = LENGTHS[:3] + [5, 5]
+    trees = [TreeCoords(t, i, -1, 0, 0, tuple(s)) for i, (t, s) in enumerate(zip(["t"] * 3 + ["u"] * 2, segs))]
+    seqs = [TrainSequence(prompt_ids=[1], response_ids=list(range(n)), loss_mask=torch.ones(n)) for n in lengths]
+    scores = [1.0, 0.0, 1.0, 0.0, 1.0]
+    add_advantages(seqs, scores, ["q"] * 5, AlgoConfig(adv_estimator="tree_grpo"), trees=trees)
+    rewards, mask = _rewards(scores, T=1)
+    full, _, _ = compute_tree_grpo_outcome_advantage(rewards, mask, ["q"] * 5, ["t"] * 3 + ["u"] * 2)
+    a = full[:, 0].tolist()
+    assert seqs[0].advantages[0].item() == pytest.approx(a[0] / 3)       # a token of all three leaves of t
+    assert seqs[1].advantages[5].item() == pytest.approx(a[1] / 2)       # leaf 1's own, shared with leaf 2
+    assert seqs[2].advantages[9].item() == pytest.approx(a[2])           # leaf 2's own
+    assert seqs[3].advantages[0].item() == pytest.approx(a[3])           # tree u: two chains, nothing shared
+    # a leaf that ended in a failed search is dropped: its copies take no share, the others count whole
+    seqs[2].loss_mask = torch.zeros(10)
+    add_advantages(seqs, scores, ["q"] * 5, AlgoConfig(adv_estimator="tree_grpo"), trees=trees)
+    assert float(seqs[2].advantages.abs().sum()) == 0.0
+    assert seqs[1].advantages[5].item() == pytest.approx(seqs[1].advantages[8].item())  # no longer shared
+    assert seqs[0].advantages[0].item() == pytest.approx(seqs[0].advantages[9].item() / 2)  # two leaves hold it
+    with pytest.raises(ValueError, match="needs tree rollouts"):
+        add_advantages(seqs, scores, ["q"] * 5, AlgoConfig(adv_estimator="tree_grpo"))
