@@ -241,6 +241,67 @@ def test_a_tree_config_validates_from_dotted_overrides():
     assert (c.rollout.tree.trees, c.rollout.tree.leaves_per_tree, c.rollout.tree.select) == (2, 2, "uncertainty")
 
 
+# ------------------------------------------------------------------------------------------------ slow: real engine
+class Recorder:
+    """The real engine, its requests recorded: (session key, context, generated ids, num_cached_tokens)."""
+
+    keeps_sessions = True
+
+    def __init__(self, engine):
+        self.engine, self.requests = engine, []
+
+    def generate(self, prompts, params, sessions=None):
+        outs = self.engine.generate(prompts, params, sessions=sessions)
+        self.requests += [(k, tuple(p), list(g.token_ids), g.num_cached_tokens)
+                          for k, p, g in zip(sessions, prompts, outs)]
+        return outs
+
+    def end_sessions(self, keys=None):
+        self.engine.end_sessions(keys)
+
+
+@pytest.mark.slow
+def test_on_vllm_leaves_are_the_engines_ids_and_a_fork_is_served_its_node_from_the_prefix_cache(tiny_model):
+    from transformers import AutoTokenizer
+
+    from megatron_searchr1.rollout.engines import make_engine
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    engine = make_engine("vllm", tiny_model, dtype="float32", kv_cache_gib=0.25, max_model_len=1024, seed=0,
+                         kv_sessions=True)
+    try:
+        assert engine.keeps_sessions
+        block = engine.llm.llm_engine.vllm_config.cache_config.block_size
+        rec = Recorder(engine)
+        roots = _roots(tok, prompts=2, trees=2)
+        s = LoopSettings(max_turns=2, max_tokens_per_turn=24, max_response_length=400, max_obs_length=64,
+                         temperature=1.0, stop_token_ids=(tok.eos_token_id,), seed=3)
+        trees, _ = grow_trees(rec, tok, search, roots, s, TreeSettings(rounds=1, samples=3))
+    finally:
+        engine.close()
+    leaves = [t for tr in trees for t in tr]
+    assert len(leaves) == 16 and all(not t.active for t in leaves)
+    outputs: dict = {}
+    for _, ctx, ids, _ in rec.requests:
+        outputs.setdefault(ctx, []).append(ids)
+    for t in leaves:  # every generated turn is what the engine returned for that context (tokens in, tokens out)
+        starts = [i for i in range(len(t.loss_mask)) if t.loss_mask[i] and (i == 0 or not t.loss_mask[i - 1])]
+        for i in starts:
+            j = next((k for k in range(i, len(t.loss_mask)) if not t.loss_mask[k]), len(t.loss_mask))
+            assert t.response_ids[i:j] in outputs[tuple(t.prompt_ids + t.response_ids[:i])]
+    # a fork's first request is a new session over its node's context: vLLM serves all of its full blocks
+    firsts: dict = {}
+    for key, ctx, _, cached in rec.requests:
+        firsts.setdefault(key, (ctx, cached))
+    forks = [t for t in leaves if t.meta["tree"].shared_prefix > 0]
+    assert forks
+    for t in forks:
+        n = len(t.prompt_ids) + t.meta["tree"].shared_prefix
+        matches = [cached for ctx, cached in firsts.values() if len(ctx) == n and list(ctx) == (
+            t.prompt_ids + t.response_ids[:t.meta["tree"].shared_prefix])]
+        assert matches and min(matches) >= (n - 1) // block * block, (n, matches)
+
+
 # ------------------------------------------------------------------------------------------------ slow: end to end
 @pytest.mark.slow
 def test_tiny_tree_grpo_launch_with_the_vllm_engine_at_tp2(world, tiny_model, server, rl_root):
