@@ -21,7 +21,7 @@ from megatron_searchr1.config.layout import LayoutError, check_engine_layout, no
 from megatron_searchr1.config.loader import ConfigError, check
 from megatron_searchr1.config.rl_rollout import RetrievalConfig, RolloutConfig  # noqa: F401 (importable from here)
 
-ESTIMATORS = ("grpo", "gae", "rloo", "reinforce_plus_plus")
+ESTIMATORS = ("grpo", "gae", "rloo", "reinforce_plus_plus", "tree_grpo")
 KL_KINDS = ("kl", "abs", "mse", "low_var_kl")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 POLICY_LOSSES = ("ppo", "gspo", "cispo")
@@ -289,7 +289,8 @@ class TurnCreditConfig:
 @dataclass
 class AlgoConfig:
     adv_estimator: str = "grpo"
-    """Advantage estimator: grpo, gae (PPO with a critic), rloo, reinforce_plus_plus."""
+    """Advantage estimator: grpo, gae (PPO with a critic), rloo, reinforce_plus_plus, tree_grpo (Tree-GRPO: needs
+    rollout.tree)."""
     gamma: float = 1.0
     """Discount (GAE, REINFORCE++)."""
     lam: float = 1.0
@@ -566,6 +567,14 @@ class Config:
               "rollout.partial=true loads new weights into rollout ranks mid-trajectory, which only the disaggregated "
               "placement has (colocated steps generate with one version): set parallel.rollout_placement="
               "disaggregated or rollout.partial=false")
+        check(a.adv_estimator != "tree_grpo" or r.tree.enabled,
+              "algo.adv_estimator=tree_grpo compares the leaves of trees: set rollout.tree.trees >= 1 (and rollout.n to "
+              "trees * leaves per tree), or another estimator")
+        check(not r.tree.enabled or p.rollout_placement == "colocated",
+              "rollout.tree (tree rollouts) runs in the colocated placement only: the disaggregated rollout ranks "
+              "stream chains; set parallel.rollout_placement=colocated or rollout.tree.trees=0")
+        check(not r.tree.enabled or not a.filter_groups,
+              "rollout.tree with algo.filter_groups is not supported: set algo.filter_groups=false")
         check(r.async_granularity == "share" or p.rollout_placement == "disaggregated",
               "rollout.async_granularity=group streams GRPO groups from rollout ranks of their own, which only the "
               "disaggregated placement has: set parallel.rollout_placement=disaggregated or "
@@ -589,7 +598,7 @@ class Config:
             check(a.overlong_buffer <= r.max_response_length,
                   f"algo.overlong_buffer ({a.overlong_buffer}) must be <= rollout.max_response_length "
                   f"({r.max_response_length}): lower the buffer")
-        if a.adv_estimator in ("grpo", "rloo"):
+        if a.adv_estimator in ("grpo", "rloo", "tree_grpo"):
             check(r.n >= 2, f"algo.adv_estimator={a.adv_estimator} compares samples of one prompt: set rollout.n "
                             f">= 2 (got {r.n})")
         if world_size is not None:

@@ -9,6 +9,45 @@ from typing import Optional
 from megatron_searchr1.config.loader import check
 
 
+TREE_SELECT = ("random", "uncertainty")
+
+
+@dataclass
+class TreeConfig:
+    """Tree rollouts (Tree-GRPO, rollout/tree.py): each prompt grows `trees` trees whose nodes are turn boundaries."""
+
+    trees: int = 0
+    """M: trees per prompt, each started by one chain (0 = off: rollout.n independent chains)."""
+    rounds: int = 1
+    """L: expansion rounds after the first chains."""
+    samples: int = 2
+    """N: new leaves per tree per round, each sampled to the end from a node chosen by `select` (with replacement:
+    a node chosen twice gets two continuations), as the Tree-GRPO repository's ts_n."""
+    select: str = "random"
+    """How nodes are chosen: random (uniform over the tree's root and non-leaf nodes, the paper's) or uncertainty
+    (in proportion to the mean negative log-prob of the turn that led to the node: expand where the policy was
+    least sure; the root weighs the mean of the others)."""
+    max_leaves: int = 0
+    """Leaves kept per tree, drawn at random when more grew (the repository's ts_k); 0 = all 1 + rounds * samples."""
+
+    def __post_init__(self):
+        check(self.trees >= 0, f"rollout.tree.trees must be >= 0 (0 = off), got {self.trees}")
+        check(self.rounds >= 0, f"rollout.tree.rounds must be >= 0, got {self.rounds}")
+        check(self.samples >= 1, f"rollout.tree.samples must be >= 1, got {self.samples}")
+        check(self.select in TREE_SELECT,
+              f"rollout.tree.select must be one of {', '.join(TREE_SELECT)}, got {self.select!r}")
+        check(self.max_leaves >= 0, f"rollout.tree.max_leaves must be >= 0 (0 = no cap), got {self.max_leaves}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.trees > 0
+
+    @property
+    def leaves_per_tree(self) -> int:
+        grown = 1 + self.rounds * self.samples
+        return min(grown, self.max_leaves) if self.max_leaves else grown
+
+
 @dataclass
 class RolloutConfig:
     engine: str = "vllm"
@@ -69,6 +108,8 @@ class RolloutConfig:
     groups_in_flight: int = 0
     """async_granularity=group: GRPO groups a rollout rank keeps in flight (0 = ceil(train_batch_size / rollout
     ranks), the load of a share)."""
+    tree: TreeConfig = field(default_factory=TreeConfig)
+    """Tree rollouts (Tree-GRPO); rollout.n must then be trees * leaves per tree, the group's size."""
 
     def __post_init__(self):
         check(self.engine in ("vllm", "hf"), f"rollout.engine must be vllm or hf, got {self.engine!r}")
@@ -88,6 +129,10 @@ class RolloutConfig:
         check(self.async_granularity in ("share", "group"),
               f"rollout.async_granularity must be share or group, got {self.async_granularity!r}")
         check(self.groups_in_flight >= 0, f"rollout.groups_in_flight must be >= 0, got {self.groups_in_flight}")
+        if self.tree.enabled:
+            want = self.tree.trees * self.tree.leaves_per_tree
+            check(self.n == want, f"rollout.tree grows {self.tree.trees} trees of {self.tree.leaves_per_tree} leaves "
+                                  f"per prompt: set rollout.n={want} (the group's size), got {self.n}")
 
 
 @dataclass

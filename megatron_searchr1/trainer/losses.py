@@ -168,7 +168,7 @@ def retrieved_answer_rewards(observations: Sequence[str], golds: Sequence[str]) 
 
 def add_advantages(seqs: list[TrainSequence], scores: Sequence[float], group_ids: Sequence[str], cfg: AlgoConfig,
                    kl_ctrl=None, reduce: Optional[algo.Reduce] = None,
-                   turns: Optional[dict] = None) -> dict[str, float]:
+                   turns: Optional[dict] = None, trees: Optional[Sequence] = None) -> dict[str, float]:
     """Set `advantages`, `returns` and `token_rewards` (per response token) on each sequence; returns metrics.
 
     Needs `old_log_probs` (and `ref_log_probs` for KL in the reward, `values` for GAE) already in the sequences.
@@ -189,6 +189,8 @@ def add_advantages(seqs: list[TrainSequence], scores: Sequence[float], group_ids
     `turns` (`turn_inputs`, algo.turn_credit on): the outcome advantage plus cfg.turn_credit.weight times each
     turn's step advantage (algo/turn_credit.py: GiGPO's step groups over anchor states, the return from the turn
     with its per-turn rewards, outcome = the score).
+    tree_grpo (`trees`: each sequence's rollout/tree.py TreeCoords): algo/tree.py's inter- plus intra-tree GRPO, a
+    lone group's part 0 as above, each copy of a token shared by c leaves weighted 1/c (`_tree_advantages`).
     """
     lengths = [len(s.response_ids) for s in seqs]
     mask = pad_rows([s.loss_mask for s in seqs])                         # (B, T)
@@ -237,6 +239,9 @@ def add_advantages(seqs: list[TrainSequence], scores: Sequence[float], group_ids
                             "turn/reward_per_turn": rs / max(nt, 1.0)})
             turn_abs = sa
         ret = adv
+    elif est == "tree_grpo":
+        adv, lone = _tree_advantages(rewards, mask, has_tokens, index, trees, lengths, cfg)
+        ret = adv
     else:
         adv, ret = algo.compute_reinforce_plus_plus_outcome_advantage(rewards, mask, cfg.gamma, reduce=reduce)
     for s, a, r, w in zip(seqs, unpad_rows(adv, lengths), unpad_rows(ret, lengths), unpad_rows(rewards, lengths)):
@@ -257,6 +262,25 @@ def add_advantages(seqs: list[TrainSequence], scores: Sequence[float], group_ids
     if turns is not None and est in ("grpo", "rloo"):
         metrics["turn/step_adv_abs_mean"] = turn_abs / max(tokens, 1.0)
     return metrics
+
+
+def _tree_advantages(rewards, mask, has_tokens, index, trees, lengths, cfg: AlgoConfig):
+    """Tree-GRPO's advantages (algo/tree.py) over (B, T) `rewards` / `mask`, each copy of a shared token weighted
+    1 / (leaves of its tree that hold it and have a loss token); returns (advantages, rows lone in their group)."""
+    from megatron_searchr1.algo import tree as tree_algo
+
+    if trees is None or any(c is None for c in trees):
+        raise ValueError("algo.adv_estimator=tree_grpo needs tree rollouts: every trajectory's meta['tree'] "
+                         "(rollout.tree.trees >= 1)")
+    tree_index = [c.tree if bool(has_tokens[i]) else f"{c.tree}#masked{i}" for i, c in enumerate(trees)]
+    adv, _, _ = tree_algo.compute_tree_grpo_outcome_advantage(
+        rewards, mask, index, tree_index, norm_adv_by_std_in_grpo=cfg.norm_adv_by_std_in_grpo, single_group_zero=True)
+    owners = tree_algo.segment_owners([c.segments for c in trees], lengths)      # (B, T)
+    owners[~has_tokens] = -1  # a dropped leaf trains nothing: it takes no share of a token
+    weights = tree_algo.shared_token_weights(owners, tree_index, mask)            # (B, T)
+    size = Counter(index)
+    lone = [i for i, g in enumerate(index) if size[g] == 1 and bool(has_tokens[i])]
+    return tree_algo.weighted_advantages(adv, weights), lone
 
 
 def _weight(mb, mode: str) -> float:

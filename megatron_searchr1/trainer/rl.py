@@ -163,7 +163,8 @@ class Trainer:
             adv_metrics = losses.add_advantages(seqs, [x["score"] for x in scores], group_ids, a,
                                                 roles.kl_ctrl, reduce=losses.dp_sum(mpu.get_data_parallel_group()),
                                                 turns=losses.turn_inputs(trajs, roles.tokenizer, a,
-                                                                         self.gold_answers(trajs)))
+                                                                         self.gold_answers(trajs)),
+                                                trees=[tr.meta.get("tree") for tr in trajs])
             losses.apply_overlong_filter(trajs, seqs, a)  # after the advantages: the reward stayed in its group
             if a.use_kl_in_reward:  # one coefficient for all ranks: the KL is the whole batch's already
                 roles.kl_ctrl.update(adv_metrics["actor/reward_kl_penalty"], n_steps=cfg.data.train_batch_size * r.n)

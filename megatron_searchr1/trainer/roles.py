@@ -296,6 +296,8 @@ class RolloutWorker:
         """Run the search loop. The tp*pp ranks of a DP rank hold the same trajectories: each of their engines
         runs its shard (rollout/engine_groups.py, scope "replica"), and the finished shards are exchanged so every
         rank returns all of them, in order. The engine must be awake (`sync`)."""
+        if self.cfg.rollout.tree.enabled:
+            return self._generate_trees(trajs, seed)
         shard = self.layout.shard(self.rank, "replica")
         mine = shard.take(trajs)
         # one seed per engine: DP ranks and shards draw different noise
@@ -313,6 +315,33 @@ class RolloutWorker:
         failed, searched = self._check_retrieval("a training step")
         metrics["rollout/search_error_rate"] = failed / max(searched, 1)  # the whole step's, the same on every rank
         return trajs, metrics
+
+    def _generate_trees(self, trajs: list, seed: int) -> tuple[list, dict]:
+        """rollout.tree: the first rollout.tree.trees samples of each prompt are roots (`trajs` holds rollout.n per
+        prompt); each engine grows the trees of its share of the roots (rollout/tree.py) and the trees are exchanged
+        whole, so every rank returns each prompt's rollout.n leaves, tree by tree."""
+        from megatron_searchr1.rollout import tree as tree_rollout
+
+        c = self.cfg.rollout.tree
+        roots = [t for t in trajs if t.sample < c.trees]
+        shard = self.layout.shard(self.rank, "replica")
+        settings = dataclasses.replace(self.train_settings, seed=self.layout.sampling_seed(seed, self.rank))
+        trees, stats = tree_rollout.grow_trees(
+            self.engine, self.tokenizer, self.search, shard.take(roots), settings,
+            tree_rollout.TreeSettings(c.rounds, c.samples, c.select, c.max_leaves))
+        mine = [t for tr in trees for t in tr]
+        metrics = {**stats.as_metrics(mine), **tree_rollout.tree_metrics(trees)}
+        group = mpu.get_model_parallel_group()
+        if dist.get_world_size(group) > 1:
+            trees = self._exchange(shard, trees, group)
+            everything = [t for tr in trees for t in tr]
+            metrics.update({k: v for k, v in RolloutStats(finish=Counter(t.finish_reason for t in everything))
+                            .as_metrics(everything).items() if k not in ("time/generate", "time/search",
+                                                                          "rollout/computed_tokens")})
+            metrics.update(tree_rollout.tree_metrics(trees))
+        failed, searched = self._check_retrieval("a training step")
+        metrics["rollout/search_error_rate"] = failed / max(searched, 1)
+        return [t for tr in trees for t in tr], metrics
 
     def validate(self, rows: list, batch_size: int, n_samples: int) -> tuple[list[dict], list[dict]]:
         """Greedy rollouts of the validation rows -> (every engine's records, in row order; this rank's first
