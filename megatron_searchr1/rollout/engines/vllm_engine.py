@@ -53,6 +53,7 @@ import torch
 
 from megatron_searchr1.rollout.engine import KV_CACHE, WEIGHTS, Generation, SamplingParams, derive_seed
 from megatron_searchr1.rollout.engines import vllm_cpu
+from megatron_searchr1.rollout.engines.vllm_args import EngineInputs, platform_llm_kwargs
 from megatron_searchr1.rollout.engines.vllm_sessions import (  # noqa: F401  (stop_candidates: re-exported)
     KVSessions, check_finish, sampled_tokens, sessions_available, stop_candidates,
 )
@@ -217,6 +218,7 @@ class VLLMEngine:
             kv_cache_gib is given.
         kv_cache_gib: KV cache size in GiB. Default on the CPU: $VLLM_CPU_KVCACHE_SPACE or 1 GiB (vLLM would
             otherwise reserve a fraction of all host memory); on GPUs: derived from gpu_memory_utilization.
+            This and every other argument whose GPU default differs from the CPU's: vllm_args.PLATFORM_ARGS.
         max_model_len: longest prompt + response; default: the model config's.
         seed: engine seed (same on every rank of a vLLM TP group).
         enable_prefix_caching: reuse KV of shared prompt prefixes (multi-turn: every turn re-sends the history).
@@ -227,32 +229,26 @@ class VLLMEngine:
         seed_per_request: give each request its own seed (derive_seed(params.seed, index)): a sample independent of
             the rest of the batch, at the cost of vLLM's per-request sampling loop. False (default): one seeded
             random stream per generate() call (the module docstring).
-        llm_kwargs: passed to vllm.LLM as they are.
+        llm_kwargs: passed to vllm.LLM as they are (async_scheduling=True is refused: vllm_args.PLATFORM_ARGS).
         """
         vllm = _import_vllm()
         from vllm.platforms import current_platform
 
         self._vllm = vllm
         self.on_cpu = current_platform.is_cpu()
-        sleep_available = current_platform.is_sleep_mode_available()
-        if enable_sleep_mode is None:
-            enable_sleep_mode = sleep_available
-        if enable_sleep_mode and not sleep_available:
+        if enable_sleep_mode and not current_platform.is_sleep_mode_available():
             raise ValueError("enable_sleep_mode=True: vLLM has no sleep mode on this platform (CPU); leave it unset")
-        if enforce_eager is None:
-            enforce_eager = self.on_cpu
-        if self.on_cpu:
-            kv_cache_gib = vllm_cpu.cpu_kv_cache_gib(kv_cache_gib)
-        if kv_cache_gib is not None:
-            if kv_cache_gib <= 0:
-                raise ValueError(f"kv_cache_gib must be > 0, got {kv_cache_gib}")
-            llm_kwargs["kv_cache_memory_bytes"] = int(kv_cache_gib * 2 ** 30)
+        if kv_cache_gib is not None and kv_cache_gib <= 0:
+            raise ValueError(f"kv_cache_gib must be > 0, got {kv_cache_gib}")
         if self.on_cpu:
             vllm_cpu.use_plain_cpu_linear()
-            vllm_cpu.cpu_llm_defaults(llm_kwargs, max_model_len)
         self.external_launcher = _under_torchrun()
-        if self.external_launcher:
-            llm_kwargs.setdefault("distributed_executor_backend", "external_launcher")
+        # Every argument whose default on GPUs differs from the CPU backend's comes from one table, with its reason
+        # (vllm_args.py): async scheduling pinned off, sleep mode, eager mode, KV cache size, blocks, batching.
+        llm_kwargs = platform_llm_kwargs(
+            self.on_cpu, dict(llm_kwargs, enforce_eager=enforce_eager, enable_sleep_mode=enable_sleep_mode),
+            EngineInputs(kv_cache_gib=kv_cache_gib, max_model_len=max_model_len,
+                         under_torchrun=self.external_launcher))
 
         kv_sessions_asked = bool(kv_sessions)
         if kv_sessions is None:
@@ -263,7 +259,7 @@ class VLLMEngine:
         self.keeps_sessions = bool(kv_sessions)
         self.seed_per_request = bool(seed_per_request)
         """One seed per request instead of one random stream per generate() call (the module docstring)."""
-        self.sleep_mode = bool(enable_sleep_mode)
+        self.sleep_mode = bool(llm_kwargs["enable_sleep_mode"])
         self._has_experts = _has_experts(model_dir)
         """MoE: a weight sync ends by re-processing the experts (_repack_experts)."""
         self._reloading = False
@@ -280,8 +276,7 @@ class VLLMEngine:
             self.llm = vllm.LLM(
                 model=model_dir, tokenizer=tokenizer or model_dir, tensor_parallel_size=tensor_parallel_size,
                 dtype=dtype, gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len, seed=seed,
-                enable_prefix_caching=enable_prefix_caching, enable_sleep_mode=self.sleep_mode,
-                enforce_eager=enforce_eager, logprobs_mode="processed_logprobs", **llm_kwargs,
+                enable_prefix_caching=enable_prefix_caching, logprobs_mode="processed_logprobs", **llm_kwargs,
             )
         # load_format="dummy" (the trainer's engines: its first weight sync overwrites every tensor before the
         # first generate, so reading the checkpoint here would be wasted; verl starts its rollout engines so too)
