@@ -39,7 +39,8 @@ Semantics (the same as the `hf` reference engine, which cross-checks them):
 - `num_cached_tokens`: prompt tokens served from the prefix cache (or held by the sample's session).
 
 Also here: KV sessions (`kv_sessions=True`, the default where vLLM has them: vllm_sessions.py), the CPU backend's
-workarounds (vllm_cpu.py), sleep mode (`sleep`/`wake_up`).
+workarounds (vllm_cpu.py), the arguments GPUs get otherwise than the CPU (vllm_args.py), a padded vocabulary's mask
+(vllm_vocab_mask.py), MoE experts after a sync (vllm_moe.py), sleep mode (`sleep`/`wake_up`).
 """
 from __future__ import annotations
 
@@ -52,7 +53,7 @@ from typing import Hashable, Iterable, Optional, Sequence
 import torch
 
 from megatron_searchr1.rollout.engine import KV_CACHE, WEIGHTS, Generation, SamplingParams, derive_seed
-from megatron_searchr1.rollout.engines import vllm_cpu
+from megatron_searchr1.rollout.engines import vllm_cpu, vllm_moe
 from megatron_searchr1.rollout.engines.vllm_args import EngineInputs, platform_llm_kwargs
 from megatron_searchr1.rollout.engines.vllm_sessions import (  # noqa: F401  (stop_candidates: re-exported)
     KVSessions, check_finish, sampled_tokens, sessions_available, stop_candidates,
@@ -158,20 +159,6 @@ def _load_into_model(worker, weights: list[tuple[str, torch.Tensor]]) -> int:
     return len(weights)
 
 
-def _repack_experts(worker) -> None:
-    """Inside the vLLM worker, after a weight sync of an MoE model: pack the loaded experts again.
-
-    vLLM-cpu pre-packs the fused experts' weights into its grouped-GEMM layout after the first load (the experts
-    kernel's process_weights_after_loading, `cpu_prepack_moe_weight`: same shape, other order); load_weights writes
-    the checkpoint layout over them, and vLLM 0.32's weight-update path re-runs only the shuffling, not this packing
-    (unquantized_fused_moe_method._setup_kernel). A sync sends every expert, so everything is unpacked here. On GPUs
-    the kernels read the loaded layout (no packing): nothing to do."""
-    for module in worker.model_runner.model.modules():
-        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
-        if type(module).__name__ == "RoutedExperts" and kernel is not None and not torch.cuda.is_available():
-            kernel.fused_experts.process_weights_after_loading(module)
-
-
 def _has_experts(model_dir: str) -> bool:
     """Whether the checkpoint is a mixture of experts (its config names a number of experts)."""
     import json
@@ -261,7 +248,7 @@ class VLLMEngine:
         """One seed per request instead of one random stream per generate() call (the module docstring)."""
         self.sleep_mode = bool(llm_kwargs["enable_sleep_mode"])
         self._has_experts = _has_experts(model_dir)
-        """MoE: a weight sync ends by re-processing the experts (_repack_experts)."""
+        """MoE: a weight sync ends with vLLM's post-load processing of the experts (vllm_moe.py)."""
         self._reloading = False
         self._asleep: set[str] = set()
         """The allocations that sleep now (WEIGHTS, KV_CACHE)."""
@@ -282,6 +269,11 @@ class VLLMEngine:
         # first generate, so reading the checkpoint here would be wasted; verl starts its rollout engines so too)
         self._weights_dropped = llm_kwargs.get("load_format") == "dummy"
         self.sessions = KVSessions(self.llm, self._sampling_params)
+        if self._has_experts:  # refuse an experts backend whose layout a sync cannot rebuild, before any rollout
+            problem = next((p for p in self.llm.collective_rpc(vllm_moe.experts_reload_problem) if p), None)
+            if problem:
+                self.close()
+                raise ValueError(problem)
         if self.keeps_sessions and self.sessions.scheduler() is None:
             if kv_sessions_asked:
                 raise ValueError("kv_sessions=True: this vLLM's engine core is not reachable in-process (sessions are "
@@ -376,8 +368,8 @@ class VLLMEngine:
 
     def finish_weight_sync(self) -> None:
         """The cached KV was computed by the old weights: drop it (sessions included)."""
-        if self._reloading:  # an MoE model: the experts' kernel format rebuilt from what was loaded
-            self.llm.collective_rpc(_repack_experts)
+        if self._reloading:  # an MoE model: the experts' kernel layout rebuilt from what was loaded (vllm_moe.py)
+            self.llm.collective_rpc(vllm_moe.post_load)
             self._reloading = False
         self._weights_dropped = False
         self.sessions.end()
