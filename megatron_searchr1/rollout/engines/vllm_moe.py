@@ -29,6 +29,15 @@ RELOADABLE_BACKENDS: dict[str, str] = {
 }
 """vLLM 0.32's unquantized experts backends (UnquantizedMoeBackend names) whose layout a weight sync rebuilds."""
 
+REFUSED_BACKENDS: dict[str, str] = {
+    "MOONEP": "vLLM 0.32 raises on an in-place reload of MoonEP's [E+B] layout; choose another all2all_backend",
+    "XPU": "its post-load transposes the parameters themselves, so a reload writes the checkpoint layout into the "
+           "transposed shapes (not checked)",
+    "TPU": "its post-load is outside vLLM's (not checked)",
+    "OOT": "an out-of-tree platform's post-load is its own (not checked)",
+}
+"""The other backends, and why a sync cannot refresh them; a backend in neither table is refused as not checked."""
+
 
 def moe_layers(model) -> list[tuple[str, object]]:
     """(name, module) of every MoE experts layer of a vLLM model."""
@@ -50,9 +59,11 @@ def reload_problem(methods: Sequence[tuple[str, object]]) -> Optional[str]:
                     f"unquantized weights; serve the model unquantized (no `quantization` in the engine's arguments)")
         backend = method.unquantized_backend
         if backend.name not in RELOADABLE_BACKENDS:
+            why = REFUSED_BACKENDS.get(backend.name, "not checked")
             return (f"MoE layer {name} runs vLLM's {backend.value} experts backend, whose layout a weight sync cannot "
-                    f"rebuild in place (vLLM 0.32 reloads it otherwise or not at all); pass moe_backend='triton' to "
-                    f"the engine (tested backends: {', '.join(sorted(RELOADABLE_BACKENDS))})")
+                    f"rebuild in place: {why}. Run a backend the sync refreshes "
+                    f"({', '.join(sorted(RELOADABLE_BACKENDS))}; on GPUs vLLM's moe_backend='triton' is one), or "
+                    f"the hf engine")
     return None
 
 

@@ -9,7 +9,7 @@ import pytest
 
 vllm = pytest.importorskip("vllm")
 
-from megatron_searchr1.rollout.engines.vllm_moe import RELOADABLE_BACKENDS, reload_problem  # noqa: E402
+from megatron_searchr1.rollout.engines.vllm_moe import REFUSED_BACKENDS, RELOADABLE_BACKENDS, reload_problem  # noqa: E402
 
 
 def _unquantized(backend_name: str):
@@ -35,7 +35,8 @@ def test_other_backends_are_refused_with_what_to_change(backend):
                               ("model.layers.1.mlp.experts", _unquantized(backend))])
     assert problem.startswith(f"MoE layer model.layers.1.mlp.experts runs vLLM's "
                               f"{UnquantizedMoeBackend[backend].value} experts backend")
-    assert "pass moe_backend='triton' to the engine" in problem
+    assert f": {REFUSED_BACKENDS[backend]}. Run a backend the sync refreshes (AITER, " in problem
+    assert "vLLM's moe_backend='triton'" in problem
 
 
 def test_quantized_experts_are_refused():
