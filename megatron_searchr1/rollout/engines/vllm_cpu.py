@@ -10,10 +10,10 @@
 - Sleep. vLLM's sleep mode needs CUDA/ROCm/XPU memory pools; on the CPU `enable_sleep_mode=True` is rejected and
   the CPU worker's sleep() only logs a warning. The engine's sleep()/wake_up() are therefore no-ops there (the KV
   cache is one fixed allocation of `kv_cache_gib`; keep it small).
-- enforce_eager defaults to True on the CPU (no torch.compile warm-up).
 - The KV cache size: `kv_cache_gib`, else $VLLM_CPU_KVCACHE_SPACE, else 1 GiB (vLLM would otherwise reserve a
   fraction of all host memory); `cpu_kv_cache_gib` refuses the two disagreeing.
-- Chunked prefill off and 32-token KV blocks (`cpu_llm_defaults`, reasons next to the code).
+- The vllm.LLM arguments the CPU gets otherwise than GPUs (eager mode, chunked prefill off, 32-token KV blocks, ...)
+  are in vllm_args.PLATFORM_ARGS, each with its reason, beside what GPUs get.
 - llvmlite hidden while the engine starts (`llvmlite_hidden`).
 """
 from __future__ import annotations
@@ -77,18 +77,3 @@ def cpu_kv_cache_gib(kv_cache_gib: Optional[float]) -> float:
         raise ValueError(f"VLLM_CPU_KVCACHE_SPACE={env_kv} and kv_cache_gib={kv_cache_gib} disagree; unset one")
     return float(env_kv or 1) if kv_cache_gib is None else kv_cache_gib
 
-
-def cpu_llm_defaults(llm_kwargs: dict, max_model_len: Optional[int]) -> None:
-    """vllm.LLM arguments the CPU backend needs, set where the caller did not set them."""
-    # vLLM 0.32 on the CPU: a request with its own seed (the engine's seed_per_request=True) whose prefill is split
-    # into chunks crashes the sampler ("CPU Generator does not use offset": it rewinds a Philox offset the CPU
-    # generator does not have). Multi-turn rollouts re-send long contexts, so chunking happens at the second turn;
-    # prefill whole, so that both seeding modes work.
-    llm_kwargs.setdefault("enable_chunked_prefill", False)
-    # The prefix cache reuses whole KV blocks only: with the CPU default of 128 tokens a new request per turn
-    # recomputes up to 127 tokens of context every turn; 32 is the smallest the CPU attention accepts
-    # (tools/benchmarks/NOTES-vllm.md has the measurements). KV sessions recompute nothing; the block size still
-    # decides what samples share of a common prompt.
-    llm_kwargs.setdefault("block_size", 32)
-    if not llm_kwargs["enable_chunked_prefill"] and max_model_len:
-        llm_kwargs.setdefault("max_num_batched_tokens", max(int(max_model_len), 8192))

@@ -39,7 +39,8 @@ Semantics (the same as the `hf` reference engine, which cross-checks them):
 - `num_cached_tokens`: prompt tokens served from the prefix cache (or held by the sample's session).
 
 Also here: KV sessions (`kv_sessions=True`, the default where vLLM has them: vllm_sessions.py), the CPU backend's
-workarounds (vllm_cpu.py), sleep mode (`sleep`/`wake_up`).
+workarounds (vllm_cpu.py), the arguments GPUs get otherwise than the CPU (vllm_args.py), a padded vocabulary's mask
+(vllm_vocab_mask.py), MoE experts after a sync (vllm_moe.py), sleep mode (`sleep`/`wake_up`).
 """
 from __future__ import annotations
 
@@ -52,7 +53,8 @@ from typing import Hashable, Iterable, Optional, Sequence
 import torch
 
 from megatron_searchr1.rollout.engine import KV_CACHE, WEIGHTS, Generation, SamplingParams, derive_seed
-from megatron_searchr1.rollout.engines import vllm_cpu
+from megatron_searchr1.rollout.engines import vllm_cpu, vllm_moe
+from megatron_searchr1.rollout.engines.vllm_args import EngineInputs, platform_llm_kwargs
 from megatron_searchr1.rollout.engines.vllm_sessions import (  # noqa: F401  (stop_candidates: re-exported)
     KVSessions, check_finish, sampled_tokens, sessions_available, stop_candidates,
 )
@@ -157,20 +159,6 @@ def _load_into_model(worker, weights: list[tuple[str, torch.Tensor]]) -> int:
     return len(weights)
 
 
-def _repack_experts(worker) -> None:
-    """Inside the vLLM worker, after a weight sync of an MoE model: pack the loaded experts again.
-
-    vLLM-cpu pre-packs the fused experts' weights into its grouped-GEMM layout after the first load (the experts
-    kernel's process_weights_after_loading, `cpu_prepack_moe_weight`: same shape, other order); load_weights writes
-    the checkpoint layout over them, and vLLM 0.32's weight-update path re-runs only the shuffling, not this packing
-    (unquantized_fused_moe_method._setup_kernel). A sync sends every expert, so everything is unpacked here. On GPUs
-    the kernels read the loaded layout (no packing): nothing to do."""
-    for module in worker.model_runner.model.modules():
-        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
-        if type(module).__name__ == "RoutedExperts" and kernel is not None and not torch.cuda.is_available():
-            kernel.fused_experts.process_weights_after_loading(module)
-
-
 def _has_experts(model_dir: str) -> bool:
     """Whether the checkpoint is a mixture of experts (its config names a number of experts)."""
     import json
@@ -217,6 +205,7 @@ class VLLMEngine:
             kv_cache_gib is given.
         kv_cache_gib: KV cache size in GiB. Default on the CPU: $VLLM_CPU_KVCACHE_SPACE or 1 GiB (vLLM would
             otherwise reserve a fraction of all host memory); on GPUs: derived from gpu_memory_utilization.
+            This and every other argument whose GPU default differs from the CPU's: vllm_args.PLATFORM_ARGS.
         max_model_len: longest prompt + response; default: the model config's.
         seed: engine seed (same on every rank of a vLLM TP group).
         enable_prefix_caching: reuse KV of shared prompt prefixes (multi-turn: every turn re-sends the history).
@@ -227,32 +216,26 @@ class VLLMEngine:
         seed_per_request: give each request its own seed (derive_seed(params.seed, index)): a sample independent of
             the rest of the batch, at the cost of vLLM's per-request sampling loop. False (default): one seeded
             random stream per generate() call (the module docstring).
-        llm_kwargs: passed to vllm.LLM as they are.
+        llm_kwargs: passed to vllm.LLM as they are (async_scheduling=True is refused: vllm_args.PLATFORM_ARGS).
         """
         vllm = _import_vllm()
         from vllm.platforms import current_platform
 
         self._vllm = vllm
         self.on_cpu = current_platform.is_cpu()
-        sleep_available = current_platform.is_sleep_mode_available()
-        if enable_sleep_mode is None:
-            enable_sleep_mode = sleep_available
-        if enable_sleep_mode and not sleep_available:
+        if enable_sleep_mode and not current_platform.is_sleep_mode_available():
             raise ValueError("enable_sleep_mode=True: vLLM has no sleep mode on this platform (CPU); leave it unset")
-        if enforce_eager is None:
-            enforce_eager = self.on_cpu
-        if self.on_cpu:
-            kv_cache_gib = vllm_cpu.cpu_kv_cache_gib(kv_cache_gib)
-        if kv_cache_gib is not None:
-            if kv_cache_gib <= 0:
-                raise ValueError(f"kv_cache_gib must be > 0, got {kv_cache_gib}")
-            llm_kwargs["kv_cache_memory_bytes"] = int(kv_cache_gib * 2 ** 30)
+        if kv_cache_gib is not None and kv_cache_gib <= 0:
+            raise ValueError(f"kv_cache_gib must be > 0, got {kv_cache_gib}")
         if self.on_cpu:
             vllm_cpu.use_plain_cpu_linear()
-            vllm_cpu.cpu_llm_defaults(llm_kwargs, max_model_len)
         self.external_launcher = _under_torchrun()
-        if self.external_launcher:
-            llm_kwargs.setdefault("distributed_executor_backend", "external_launcher")
+        # Every argument whose default on GPUs differs from the CPU backend's comes from one table, with its reason
+        # (vllm_args.py): async scheduling pinned off, sleep mode, eager mode, KV cache size, blocks, batching.
+        llm_kwargs = platform_llm_kwargs(
+            self.on_cpu, dict(llm_kwargs, enforce_eager=enforce_eager, enable_sleep_mode=enable_sleep_mode),
+            EngineInputs(kv_cache_gib=kv_cache_gib, max_model_len=max_model_len,
+                         under_torchrun=self.external_launcher))
 
         kv_sessions_asked = bool(kv_sessions)
         if kv_sessions is None:
@@ -263,9 +246,9 @@ class VLLMEngine:
         self.keeps_sessions = bool(kv_sessions)
         self.seed_per_request = bool(seed_per_request)
         """One seed per request instead of one random stream per generate() call (the module docstring)."""
-        self.sleep_mode = bool(enable_sleep_mode)
+        self.sleep_mode = bool(llm_kwargs["enable_sleep_mode"])
         self._has_experts = _has_experts(model_dir)
-        """MoE: a weight sync ends by re-processing the experts (_repack_experts)."""
+        """MoE: a weight sync ends with vLLM's post-load processing of the experts (vllm_moe.py)."""
         self._reloading = False
         self._asleep: set[str] = set()
         """The allocations that sleep now (WEIGHTS, KV_CACHE)."""
@@ -280,13 +263,17 @@ class VLLMEngine:
             self.llm = vllm.LLM(
                 model=model_dir, tokenizer=tokenizer or model_dir, tensor_parallel_size=tensor_parallel_size,
                 dtype=dtype, gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len, seed=seed,
-                enable_prefix_caching=enable_prefix_caching, enable_sleep_mode=self.sleep_mode,
-                enforce_eager=enforce_eager, logprobs_mode="processed_logprobs", **llm_kwargs,
+                enable_prefix_caching=enable_prefix_caching, logprobs_mode="processed_logprobs", **llm_kwargs,
             )
         # load_format="dummy" (the trainer's engines: its first weight sync overwrites every tensor before the
         # first generate, so reading the checkpoint here would be wasted; verl starts its rollout engines so too)
         self._weights_dropped = llm_kwargs.get("load_format") == "dummy"
         self.sessions = KVSessions(self.llm, self._sampling_params)
+        if self._has_experts:  # refuse an experts backend whose layout a sync cannot rebuild, before any rollout
+            problem = next((p for p in self.llm.collective_rpc(vllm_moe.experts_reload_problem) if p), None)
+            if problem:
+                self.close()
+                raise ValueError(problem)
         if self.keeps_sessions and self.sessions.scheduler() is None:
             if kv_sessions_asked:
                 raise ValueError("kv_sessions=True: this vLLM's engine core is not reachable in-process (sessions are "
@@ -381,8 +368,8 @@ class VLLMEngine:
 
     def finish_weight_sync(self) -> None:
         """The cached KV was computed by the old weights: drop it (sessions included)."""
-        if self._reloading:  # an MoE model: the experts' kernel format rebuilt from what was loaded
-            self.llm.collective_rpc(_repack_experts)
+        if self._reloading:  # an MoE model: the experts' kernel layout rebuilt from what was loaded (vllm_moe.py)
+            self.llm.collective_rpc(vllm_moe.post_load)
             self._reloading = False
         self._weights_dropped = False
         self.sessions.end()

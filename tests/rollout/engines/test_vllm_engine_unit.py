@@ -216,3 +216,91 @@ def test_doctests_of_the_vllm_modules():
     for module in (vllm_engine, vllm_sessions):
         result = doctest.testmod(module)
         assert result.failed == 0 and result.attempted > 0, module.__name__
+
+
+# -- the arguments whose GPU default differs from the CPU's (rollout/engines/vllm_args.py) -------------------------
+@pytest.mark.parametrize("on_cpu, expected", [
+    (True, dict(async_scheduling=False, enforce_eager=True, enable_sleep_mode=False, kv_cache_memory_bytes=2 ** 30,
+                enable_chunked_prefill=False, max_num_batched_tokens=8192, block_size=32)),
+    (False, dict(async_scheduling=False, enforce_eager=False, enable_sleep_mode=True)),
+], ids=["cpu", "gpu"])
+def test_engine_hands_vllm_the_platform_arguments(platform, monkeypatch, on_cpu, expected):
+    """What reaches vllm.LLM for every argument in the platform table: async scheduling pinned off on GPUs too (GPU
+    vLLM turns it on; the KV sessions' step loop was tested without it), GPUs otherwise left to vLLM's defaults."""
+    from megatron_searchr1.rollout.engines.vllm_args import PLATFORM_ARGS
+
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    monkeypatch.delenv("RANK", raising=False)
+    platform(on_cpu)
+    VLLMEngine("/model", kv_sessions=False, max_model_len=512)
+    kw = FakeLLM.last.kwargs
+    assert {k: kw[k] for k in PLATFORM_ARGS if k in kw} == expected
+    monkeypatch.setenv("RANK", "0")  # under torchrun: one vLLM worker per rank, either platform
+    VLLMEngine("/model", kv_sessions=False, kv_cache_gib=0.5)
+    assert FakeLLM.last.kwargs["distributed_executor_backend"] == "external_launcher"
+    assert FakeLLM.last.kwargs["kv_cache_memory_bytes"] == 2 ** 29
+
+
+def test_engine_construction_reads_the_table(platform, monkeypatch):
+    """The table is what the engine passes, not a description beside it: change an entry, vllm.LLM gets the change."""
+    import dataclasses
+
+    from megatron_searchr1.rollout.engines import vllm_args
+
+    platform(False)
+    entry = vllm_args.PLATFORM_ARGS["block_size"]
+    monkeypatch.setitem(vllm_args.PLATFORM_ARGS, "block_size", dataclasses.replace(entry, gpu=16))
+    VLLMEngine("/model", kv_sessions=False)
+    assert FakeLLM.last.kwargs["block_size"] == 16
+
+
+@pytest.mark.parametrize("on_cpu", [True, False], ids=["cpu", "gpu"])
+def test_async_scheduling_on_is_refused(platform, on_cpu):
+    platform(on_cpu)
+    with pytest.raises(ValueError, match="async_scheduling=True: the vllm engine runs vLLM with "
+                                         "async_scheduling=False"):
+        VLLMEngine("/model", kv_sessions=False, kv_cache_gib=0.1, async_scheduling=True)
+    VLLMEngine("/model", kv_sessions=False, kv_cache_gib=0.1, async_scheduling=False)  # the same value: fine
+
+
+def _fields_set_in(module: str, cls: str, method: str = "check_and_update_config") -> set[str]:
+    """Config fields a vLLM method assigns (`x_config.field = ...`) or fills (`x_config.field.update/append(...)`),
+    read from the installed source without importing it (the CUDA platform module needs CUDA)."""
+    import ast
+    import importlib.util
+
+    with open(importlib.util.find_spec(module).origin) as f:
+        tree = ast.parse(f.read())
+    klass = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls)
+    fn = next(n for n in klass.body if isinstance(n, ast.FunctionDef) and n.name == method)
+    fields = set()
+    for node in ast.walk(fn):
+        targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
+        for t in targets:
+            if isinstance(t, ast.Attribute) and "config" in ast.unparse(t.value):
+                fields.add(t.attr)
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                and node.func.attr in ("update", "append", "extend") and isinstance(node.func.value, ast.Attribute)
+                and "config" in ast.unparse(node.func.value.value)):
+            fields.add(node.func.value.attr)
+    return fields
+
+
+def test_platform_table_covers_what_vllms_cpu_and_cuda_platforms_set():
+    """Every config field vLLM 0.32's CPU or CUDA platform sets is in the table (passed per platform, with a reason)
+    or in LEFT_TO_VLLM (with why not); EngineArgs' per-device batch sizes and VllmConfig's async-scheduling choice
+    (on where the executor allows it: the GPU default the table pins off) are in the table too."""
+    from megatron_searchr1.rollout.engines.vllm_args import LEFT_TO_VLLM, PLATFORM_ARGS
+
+    cpu = _fields_set_in("vllm.platforms.cpu", "CpuPlatform")
+    cuda = _fields_set_in("vllm.platforms.cuda", "CudaPlatformBase")
+    assert {"async_scheduling", "block_size", "kv_cache_memory_bytes"} <= cpu and "worker_cls" in cuda  # parsed
+    undecided = (cpu | cuda) - set(PLATFORM_ARGS) - set(LEFT_TO_VLLM)
+    assert not undecided, f"vLLM's platform code sets {sorted(undecided)}: add them to the table or LEFT_TO_VLLM"
+    assert not set(PLATFORM_ARGS) & set(LEFT_TO_VLLM)
+    assert {"max_num_batched_tokens", "max_num_seqs"} <= set(PLATFORM_ARGS)  # EngineArgs.get_batch_defaults
+    assert "async_scheduling" in _fields_set_in("vllm.config.vllm", "VllmConfig", "__post_init__")
+    assert PLATFORM_ARGS["async_scheduling"].pinned
+    for name, arg in PLATFORM_ARGS.items():
+        assert arg.reason and arg.vllm_cpu and arg.vllm_gpu, name
+    assert all(LEFT_TO_VLLM.values())
