@@ -229,10 +229,11 @@ class RolloutWorker:
         self.cfg, self.engine, self.tokenizer, self.client, self.server = cfg, engine, tokenizer, client, server
         self.rank, self.world, self.offload = rank, world, offload
         self.layout = EngineLayout(world, cfg.parallel.tp, cfg.parallel.pp, r.engine_tp)
-        self.train_settings, self.val_settings = settings_from_config(r, stop_token_ids, cfg.trainer.seed)
-        self.sync_dtype = DTYPES[cfg.model.dtype if r.dtype == "auto" else r.dtype]
         q = cfg.retrieval
         url = getattr(client, "base_url", q.url)  # a launched server's URL on every rank
+        self.train_settings, self.val_settings = settings_from_config(r, stop_token_ids, cfg.trainer.seed,
+                                                                      tools_url=url)
+        self.sync_dtype = DTYPES[cfg.model.dtype if r.dtype == "auto" else r.dtype]
         # through `self.client` at call time: tests replace the client or its search after construction
         self.guard = SearchGuard(lambda queries: self.client.search(queries), url, q.max_error_rate,
                                  q.max_failed_rounds)

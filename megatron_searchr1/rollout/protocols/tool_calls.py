@@ -118,8 +118,12 @@ class ToolCallsProtocol(Protocol):
                                 f"({type(e).__name__}: {e}); use rollout.protocol=search_r1 or a template with tool "
                                 "calling") from None
 
+    def render_prompt(self, messages: Sequence[dict]) -> str:
+        """The prompt text: the chat template with the tools' schemas and the generation prompt."""
+        return self._render([dict(m) for m in messages], True)
+
     def prompt_ids(self, messages: Sequence[dict]) -> list[int]:
-        return self.tokenizer.encode(self._render([dict(m) for m in messages], True), add_special_tokens=False)
+        return self.tokenizer.encode(self.render_prompt(messages), add_special_tokens=False)
 
     def _stub(self, content: str, k: int) -> tuple[dict, list[dict]]:
         name = self.spec.tools[0].name

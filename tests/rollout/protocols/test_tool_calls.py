@@ -249,3 +249,24 @@ def test_a_template_that_json_encodes_tool_results_gets_them_json_encoded(base_t
 def test_search_r1_stays_the_default(base_tok):
     assert LoopSettings().protocol_spec.name == "search_r1"
     assert loop.parse_action("<search> q </search>") == ("search", "q")
+
+
+def test_the_trainer_renders_tool_calls_prompts_with_the_tools_and_refuses_a_template_without_them(base_tok, tmp_path):
+    import pandas as pd
+
+    from megatron_searchr1.cli import UsageError
+    from megatron_searchr1.config import load_config
+    from megatron_searchr1.data.rl_data import load_prompts
+    from megatron_searchr1.trainer.build import prompt_renderer
+
+    cfg = load_config(None, ["rollout.protocol=tool_calls", "model.path=M"])
+    with pytest.raises(UsageError, match="model.path=M: the tokenizer's chat template does not render tools"):
+        prompt_renderer(cfg, base_tok)
+    assert prompt_renderer(load_config(None, []), base_tok) is None  # search_r1: render_prompt as before
+    tok = with_template(base_tok, "qwen3")
+    path = tmp_path / "train.parquet"
+    pd.DataFrame([{"prompt": tool_calls_messages("Who founded Acme?"), "data_source": "nq",
+                   "reward_model": {"ground_truth": {"target": ["Bo Lund"]}}, "extra_info": {"uid": "a"}}]).to_parquet(path)
+    (row,), _ = load_prompts([str(path)], tok, 4096, render=prompt_renderer(cfg, tok))
+    text = tok.decode(row.prompt_ids)
+    assert '"name": "open"' in text and '"name": "search"' in text and text.endswith("<|im_start|>assistant\n")
