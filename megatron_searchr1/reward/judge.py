@@ -69,6 +69,22 @@ def read_verdict(text: str) -> Optional[float]:
     return None
 
 
+_JUDGES: dict = {}
+
+
+def judge_for(algo) -> "Judge":
+    """The process's Judge for config.algo's judge settings (one per settings: its cache lives as long as the run)."""
+    template = JUDGE_PROMPT
+    if algo.judge_prompt:
+        with open(algo.judge_prompt, encoding="utf-8") as f:
+            template = f.read()
+    key = (algo.judge_url, algo.judge_model, template, algo.judge_timeout, algo.judge_max_retries, algo.judge_guided)
+    if key not in _JUDGES:
+        _JUDGES[key] = Judge(algo.judge_url, algo.judge_model, template, timeout=algo.judge_timeout,
+                             max_retries=algo.judge_max_retries, guided=algo.judge_guided)
+    return _JUDGES[key]
+
+
 class Judge:
     """The judge client (module doc). Thread-safe; keep one per process: the cache lives in it."""
 

@@ -322,13 +322,23 @@ class RolloutWorker:
         shard = self.layout.shard(self.rank, "world")
         records, samples = [], []
         mine = shard.take(rows)
-        for start in range(0, len(mine), batch_size):
+        judge_down = None  # reward=judge: a judge failure on any rank stops every rank, after the loop (the shards
+        for start in range(0, len(mine), batch_size):  # may differ in batches, so no collective inside it)
             trajs = self.make_trajectories(mine[start:start + batch_size], 1)
             loop.run_rollout(self.engine, self.tokenizer, self.search, trajs, self.val_settings)
-            for tr, sc in zip(trajs, losses.score_trajectories(trajs, self.tokenizer, self.cfg.algo)):
+            try:
+                scores = losses.score_trajectories(trajs, self.tokenizer, self.cfg.algo)
+            except RetrievalDown as e:  # JudgeDown
+                judge_down = e
+                break
+            for tr, sc in zip(trajs, scores):
                 if len(samples) < n_samples:
                     samples.append(reports.eval_sample(self.tokenizer, tr, sc))
                 records.append(reports.eval_record(tr, sc))
+        if self.cfg.algo.reward == "judge" and losses.any_rank(judge_down is not None):
+            from megatron_searchr1.reward.judge import JudgeDown
+
+            raise judge_down or JudgeDown(self.cfg.algo.judge_url, 0, 0, "the judge failed on another rank")
         records = self._exchange(shard, records, group=None)
         try:
             self._check_retrieval("validation")

@@ -147,3 +147,73 @@ def test_a_real_vllm_openai_server_judges(tmp_path):
         proc.wait(timeout=60)
     with pytest.raises(JudgeDown):
         Judge(url, "judge", max_retries=0, timeout=5).score([("q", ["a"], "b")])
+
+
+def _trajs(tok, answers):
+    from megatron_searchr1.rollout.loop import Trajectory
+
+    out = []
+    for i, a in enumerate(answers):
+        ids = tok.encode(f"<think> x </think> <answer> {a} </answer>" if a else "<think> x </think>",
+                         add_special_tokens=False)
+        t = Trajectory(prompt_ids=[1], uid=str(i), meta={"data_source": "nq", "question": "Who founded Acme?",
+                                                         "ground_truth": {"target": ["Bo Lund"]}})
+        t.extend(ids, 1, [0.0] * len(ids))
+        out.append(t)
+    return out
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    from megatron_searchr1.models.tiny import TinyModelConfig, train_tokenizer
+
+    return train_tokenizer(TinyModelConfig(output_dir=str(tmp_path_factory.mktemp("tok")), vocab_size=400))
+
+
+def test_algo_reward_judge_scores_the_trajectories_answers(tok):
+    from megatron_searchr1.config import AlgoConfig, ConfigError
+    from megatron_searchr1.trainer.losses import score_trajectories
+
+    fake = FakeJudge()
+    cfg = AlgoConfig(reward="judge", judge_url=fake.url)
+    scores = score_trajectories(_trajs(tok, ["Bo Lund", "Oslo", None]), tok, cfg)
+    assert [s["score"] for s in scores] == [1.0, 0.0, 0.0] and [s["em"] for s in scores] == [1.0, 0.0, 0.0]
+    asked = sorted(b["messages"][0]["content"].splitlines()[3] for b in fake.bodies)
+    assert asked == ["Predicted answer: Bo Lund", "Predicted answer: Oslo"]  # the <answer>s; none for no answer
+    # a healthy rank raises too when another rank's judge failed: every rank stops together
+    with pytest.raises(JudgeDown, match="failed on another rank"):
+        score_trajectories(_trajs(tok, ["Bo Lund"]), tok, cfg, agree=lambda failed: True)
+    fake.close()
+    with pytest.raises(ConfigError, match="algo.reward=judge needs algo.judge_url"):
+        AlgoConfig(reward="judge")
+
+
+def _rank(rank, url, port, out):
+    import torch.distributed as dist
+
+    from megatron_searchr1.config import AlgoConfig
+    from megatron_searchr1.models.tiny import TinyModelConfig, train_tokenizer
+    from megatron_searchr1.trainer.losses import any_rank, score_trajectories
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    tok = train_tokenizer(TinyModelConfig(output_dir=f"{out}/tok{rank}", vocab_size=400))
+    cfg = AlgoConfig(reward="judge", judge_url=url if rank == 1 else "http://127.0.0.1:9", judge_max_retries=0,
+                     judge_timeout=5)
+    try:
+        score_trajectories(_trajs(tok, ["Bo Lund"]), tok, cfg, agree=any_rank)
+        result = "scored"
+    except JudgeDown as e:
+        result = str(e)
+    with open(f"{out}/rank{rank}", "w") as f:
+        f.write(result)
+    dist.destroy_process_group()
+
+
+def test_a_judge_down_on_one_rank_stops_both_ranks_together(tmp_path):
+    import torch.multiprocessing as mp
+
+    fake = FakeJudge()
+    mp.spawn(_rank, args=(fake.url, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    fake.close()
+    assert "gave no verdict for 1 of 1" in (tmp_path / "rank0").read_text()
+    assert "failed on another rank" in (tmp_path / "rank1").read_text()
