@@ -13,6 +13,11 @@ One turn, for every active sample at once:
   4. all of the turn's queries go to the retrieval client in one call; each observation is
      `data.prompts.format_observation(docs)` tokenized on its own (so rollouts and the SFT data agree byte for
      byte), cut to `max_obs_length` tokens keeping its closing tag, appended with loss mask 0.
+That is Search-R1's protocol (the default, rollout.protocol=search_r1). What a protocol decides (stops, reading a
+turn, observations, feedback) lives in rollout/protocols/: with rollout.protocol=tool_calls a turn's calls are read
+in the model's own format, run on the configured tools (a search is a call of the `search` tool), and their results
+appended as the chat template's tool-message delta; calls that cannot run get error observations, and
+`max_invalid_calls` of them in a row end the trajectory `invalid_calls`.
 After `max_turns` search turns comes one last turn in which a search is no longer run (Search-R1's final
 turn); a sample that still does not answer ends `max_turns` (it searched) or `invalid` (it did not).
 The prompt is never cut: `max_response_length` bounds the response, and a sample that reaches it ends `length`.
