@@ -211,6 +211,10 @@ class ToolCallsProtocol(Protocol):
         if end is None:  # cut at the length limit: nothing the template can close
             return Action("invalid", calls=calls, stop=None)
         if calls:
+            try:  # a turn closed by a token the template never ends an assistant turn with cannot be followed
+                self.delta(len(calls), end)
+            except TemplateError:
+                return Action("invalid", calls=calls, stop=None)
             return Action("calls", calls=calls, stop=end)
         if end == self.parser.call_end:  # a closing string without a call before it
             return Action("calls", calls=[ToolCall(raw=text, error=f"{end} without {self.parser.call_start}")],

@@ -270,3 +270,14 @@ def test_the_trainer_renders_tool_calls_prompts_with_the_tools_and_refuses_a_tem
     (row,), _ = load_prompts([str(path)], tok, 4096, render=prompt_renderer(cfg, tok))
     text = tok.decode(row.prompt_ids)
     assert '"name": "open"' in text and '"name": "search"' in text and text.endswith("<|im_start|>assistant\n")
+
+
+def test_a_call_closed_by_a_token_the_template_never_ends_a_turn_with_is_invalid(base_tok):
+    """A base model's <|endoftext|> after a call (an eos of its generation config, not the template's end of turn):
+    no delta can follow it, so the turn is invalid rather than a crash in the middle of a run."""
+    tok = with_template(base_tok, "qwen2_5")
+    spec = ProtocolSpec("tool_calls", tools=TOOLS, stop_at_call_end=False)
+    endoftext = tok.convert_tokens_to_ids("<|endoftext|>")
+    t, _, _, _ = _rollout(tok, [call("search", query="who founded acme?") + "<|endoftext|>"], spec=spec,
+                          stop_token_ids=(tok.convert_tokens_to_ids("<|im_end|>"), endoftext))
+    assert t.finish_reason == "invalid" and t.n_tool_calls == 0 and t.response_ids[-1] == endoftext
