@@ -48,7 +48,6 @@ from megatron_searchr1.config.rl import RolloutConfig
 from megatron_searchr1.data.prompts import INVALID_ACTION_FEEDBACK
 from megatron_searchr1.rollout.engine import Engine, SamplingParams, keeps_sessions
 from megatron_searchr1.rollout.protocols import Action, ProtocolSpec, build_protocol
-from megatron_searchr1.rollout.protocols.search_r1 import observation_ids as _observation_ids  # noqa: F401
 from megatron_searchr1.rollout.protocols.search_r1 import parse_action  # noqa: F401  (re-exported)
 from megatron_searchr1.rollout.protocols.tools import is_tool_failure, tool_specs
 
