@@ -469,6 +469,10 @@ def load_sft_dataset(dataset_info_dir: str, names: list[str], tokenizer, max_len
                             else sharegpt_messages(record, columns, tags, where))
                 tools = sharegpt_tools(record, columns, where) if fmt == "sharegpt" else None
                 if tools:
+                    if render is not None:
+                        raise SFTDataError(f"{where}: tool records are tokenized with the tokenizer's own chat "
+                                           f"template, as the tool_calls rollout renders them; leave data.template "
+                                           f"empty (it is {template!r})")
                     ids, mask = tokenize_tool_calls(messages, tokenizer, tools, where)
                 elif render is None:
                     ids, mask = tokenize_messages(messages, tokenizer, where)
