@@ -435,7 +435,9 @@ def load_sft_dataset(dataset_info_dir: str, names: list[str], tokenizer, max_len
 
     Examples with more than `max_length` tokens are dropped, counted in `.dropped_too_long` per dataset.
     `template`: a LLaMA-Factory template name (data/templates.py): every conversation in the chat layout rendered
-    with it (what LLaMA-Factory trains on); empty: the layouts above. `max_samples`: the first N records of each
+    with it (what LLaMA-Factory trains on); empty: the layouts above. Tool records (layout 3) always use the
+    tokenizer's own chat template, the one the tool_calls rollout renders, so a LLaMA-Factory YAML's `template`
+    (it names the model family) does not change them. `max_samples`: the first N records of each
     dataset.
     """
     render = None
@@ -468,11 +470,7 @@ def load_sft_dataset(dataset_info_dir: str, names: list[str], tokenizer, max_len
                 messages = (alpaca_messages(record, columns, where) if fmt == "alpaca"
                             else sharegpt_messages(record, columns, tags, where))
                 tools = sharegpt_tools(record, columns, where) if fmt == "sharegpt" else None
-                if tools:
-                    if render is not None:
-                        raise SFTDataError(f"{where}: tool records are tokenized with the tokenizer's own chat "
-                                           f"template, as the tool_calls rollout renders them; leave data.template "
-                                           f"empty (it is {template!r})")
+                if tools:  # the tokenizer's own template, whatever `template` says: what the rollout renders
                     ids, mask = tokenize_tool_calls(messages, tokenizer, tools, where)
                 elif render is None:
                     ids, mask = tokenize_messages(messages, tokenizer, where)
