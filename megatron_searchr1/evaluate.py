@@ -6,7 +6,9 @@ reasons per data_source and split, as a table and as JSON.
     torchrun --nproc_per_node 2 tools/evaluate.py CONFIG parallel.tp=2 ...      # any TP/PP, like training
 
 The RL trainer's config and validation code (`trainer.val_only=true`), so evaluation and training validation are
-the same computation; `rollout.max_turns=0` gives the no-search baseline.
+the same computation; `rollout.max_turns=0` gives the no-search baseline. The protocol is the config's:
+`rollout.protocol=tool_calls` (with `rollout.tools`) evaluates a policy that calls tools in its own format, on data
+whose prompts are the protocol's (make_world --protocol tool_calls).
 """
 from __future__ import annotations
 

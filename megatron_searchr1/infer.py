@@ -3,9 +3,12 @@ r"""Ask a trained model a question with a live retrieval server, and watch it se
     python tools/infer.py --model runs/demo/rl/hf --url http://127.0.0.1:8000 \
         --question "In which year was the university attended by the CEO of Quorvin Labs founded?"
     python tools/infer.py --model runs/demo/rl/checkpoints ...      # a Megatron checkpoint (converted first)
+    python tools/infer.py --model DIR --protocol tool_calls --tools search,open --question "..."   # native tool calls
 
 Runs the same rollout loop as training (rollout/loop.py) on vLLM (`--engine hf` for the transformers reference),
 greedy by default, and prints each generated turn and each observation as it was appended to the context.
+`--protocol tool_calls`: the model's own chat template with the tools' schemas, calls in its own format, results as
+the template's tool messages (rollout/protocols/tool_calls.py); search results carry the document ids `open` takes.
 """
 from __future__ import annotations
 
@@ -49,14 +52,28 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    help="prompt template the model was trained with (data/prompts.py; the CPU demo's is short)")
     p.add_argument("--chat-template", default="auto", choices=["auto", "always", "never"],
                    help="render through the tokenizer's chat template (auto: when it has one)")
+    p.add_argument("--protocol", default="search_r1", choices=["search_r1", "tool_calls"],
+                   help="how the model calls tools: Search-R1's tags, or its chat template's tool calls")
+    p.add_argument("--tools", default="search,open", help="tool_calls: comma list of built-in tools (search, open)")
+    p.add_argument("--tool-parser", default="hermes", help="tool_calls: the format the model writes calls in")
     a = p.parse_args(argv)
+    specs = ()
+    if a.protocol == "tool_calls":
+        from megatron_searchr1.config.tools import TOOL_PARSERS, tool_specs
+
+        try:
+            specs = tool_specs([t.strip() for t in a.tools.split(",") if t.strip()])
+        except ValueError as e:
+            raise UsageError(f"--tools: {e}") from None
+        if not specs or a.tool_parser not in TOOL_PARSERS:
+            raise UsageError(f"--tools names at least one tool and --tool-parser one of {', '.join(TOOL_PARSERS)}")
     if not os.path.isdir(a.model):
         raise UsageError(f"--model {a.model!r} does not exist")
     if a.max_turns < 0 or a.max_tokens_per_turn < 1 or a.topk < 1 or a.temperature < 0:
         raise UsageError("--max-turns >= 0, --max-tokens-per-turn >= 1, --topk >= 1 and --temperature >= 0")
     from megatron_searchr1.search.client import RetrievalClient
 
-    client = RetrievalClient(a.url, topk=a.topk, max_retries=0)
+    client = RetrievalClient(a.url, topk=a.topk, max_retries=0, doc_ids=a.protocol == "tool_calls")
     try:
         client.health()
     except Exception as e:  # noqa: BLE001
@@ -70,25 +87,36 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from megatron_searchr1.data.prompts import make_prompt, normalize_question, render_prompt
     from megatron_searchr1.rollout.engines import make_engine
     from megatron_searchr1.rollout.loop import LoopSettings, Trajectory, run_rollout
+    from megatron_searchr1.rollout.protocols import ProtocolSpec, build_protocol
+    from megatron_searchr1.rollout.protocols.tool_calls import tool_calls_messages
     from megatron_searchr1.trainer.reports import turn_segments
     from megatron_searchr1.trainer.sources import stop_token_ids
 
     with tempfile.TemporaryDirectory() as work:
         model_dir = _resolve_model(a.model, work)
         tok = AutoTokenizer.from_pretrained(model_dir)
-        prompt = render_prompt(make_prompt(normalize_question(a.question), a.template), tok, a.chat_template)
+        spec = ProtocolSpec(a.protocol, a.tool_parser, specs, tools_url=client.base_url)
+        if a.protocol == "tool_calls":
+            try:
+                prompt = build_protocol(spec, tok).render_prompt(tool_calls_messages(normalize_question(a.question)))
+            except ValueError as e:
+                raise UsageError(f"--model {a.model}: {e}") from None
+        else:
+            prompt = render_prompt(make_prompt(normalize_question(a.question), a.template), tok, a.chat_template)
         ids = tok.encode(prompt, add_special_tokens=False)
         kw = {"dtype": "float32", "max_model_len": len(ids) + (a.max_turns + 1) * (a.max_tokens_per_turn + 600)}
         engine = make_engine(a.engine, model_dir, **(kw if a.engine == "vllm" else {}))
         traj = Trajectory(prompt_ids=ids, uid="infer")
         settings = LoopSettings(max_turns=a.max_turns, max_tokens_per_turn=a.max_tokens_per_turn,
                                 max_response_length=(a.max_turns + 1) * (a.max_tokens_per_turn + 600),
-                                temperature=a.temperature, stop_token_ids=stop_token_ids(tok, model_dir))
+                                temperature=a.temperature, stop_token_ids=stop_token_ids(tok, model_dir),
+                                protocol_spec=spec)
         run_rollout(engine, tok, client.search, [traj], settings)
     print(f"[prompt]\n{prompt}")
     for kind, text in turn_segments(tok, traj):
         print(f"[{kind}]\n{text.strip()}\n")
-    print(f"[finish] {traj.finish_reason}; searches: {traj.n_searches}; answer: {traj.answer!r}")
+    calls = f"tool calls: {traj.n_tool_calls}; " if a.protocol == "tool_calls" else ""
+    print(f"[finish] {traj.finish_reason}; searches: {traj.n_searches}; {calls}answer: {traj.answer!r}")
     return 0
 
 

@@ -18,7 +18,9 @@ What each key becomes (LLaMA-Factory's defaults when absent, so the same YAML tr
                                 mlp, input_layernorm, post_attention_layernorm), freeze_extra_modules (embed_tokens,
                                 norm, lm_head) -> model.freeze.trainable_modules / extra_modules (models/freeze.py)
     dataset, dataset_dir        data.datasets (comma-separated), data.dataset_dir (default `data`, as there)
-    template                    data.template
+    template                    data.template (sharegpt tool records, `tools` + function_call / observation, are
+                                tokenized with the tokenizer's own chat template, as the tool_calls rollout renders
+                                them: data/sft_data.py layout 3)
     cutoff_len                  data.max_length (default 2048); longer examples are DROPPED and counted, not cut
     max_samples                 data.max_samples
     train_on_prompt             data.train_on_prompt (default false: the loss on the assistant's tokens only)

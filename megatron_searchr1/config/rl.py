@@ -369,7 +369,20 @@ class AlgoConfig:
     ppo_mini_batch_size: int = 8
     """Prompts per optimizer step (times rollout.n trajectories), over all DP ranks."""
     reward: str = "em"
-    """em (exact match, Search-R1's) or subem / f1; routed by data_source."""
+    """em (exact match, Search-R1's) or subem / f1, routed by data_source; or judge (an LLM judge, algo.judge_*:
+    reward/judge.py)."""
+    judge_url: str = ""
+    """reward=judge: the judge's OpenAI-compatible server root (e.g. vLLM's api_server, http://127.0.0.1:8001)."""
+    judge_model: str = "judge"
+    """reward=judge: the model name the judge's server serves (--served-model-name)."""
+    judge_prompt: str = ""
+    """reward=judge: a file holding the prompt template ({question}, {gold}, {prediction}); empty = the built-in."""
+    judge_timeout: float = 60.0
+    """reward=judge: seconds per judge request."""
+    judge_max_retries: int = 2
+    """reward=judge: retries of a request that fails or answers neither yes nor no; then the run stops (exit 3)."""
+    judge_guided: bool = True
+    """reward=judge: constrain the verdict to yes/no with vLLM's structured outputs (false for other servers)."""
     format_score: float = 0.0
     """Reward for a well-formed response with a wrong answer (Search-R1's format_score)."""
 
@@ -385,7 +398,12 @@ class AlgoConfig:
         check(self.ppo_epochs >= 1 and self.ppo_mini_batch_size >= 1,
               "algo.ppo_epochs and algo.ppo_mini_batch_size must be >= 1")
         check(0 <= self.gamma <= 1 and 0 <= self.lam <= 1, "algo.gamma and algo.lam must be in [0, 1]")
-        check(self.reward in ("em", "subem", "f1"), f"algo.reward must be em, subem or f1, got {self.reward!r}")
+        check(self.reward in ("em", "subem", "f1", "judge"),
+              f"algo.reward must be em, subem, f1 or judge, got {self.reward!r}")
+        check(self.reward != "judge" or bool(self.judge_url),
+              "algo.reward=judge needs algo.judge_url (the judge's OpenAI-compatible server, e.g. http://127.0.0.1:8001)")
+        check(self.judge_timeout > 0 and self.judge_max_retries >= 0,
+              "algo.judge_timeout must be > 0 and algo.judge_max_retries >= 0")
         check(not (self.use_kl_loss and self.use_kl_in_reward),
               "choose one of algo.use_kl_loss and algo.use_kl_in_reward, not both")
         check(self.policy_loss in POLICY_LOSSES,

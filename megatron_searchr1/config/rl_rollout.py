@@ -4,9 +4,10 @@ checks what spans sections: e.g. `rollout.partial` needs the disaggregated place
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 from megatron_searchr1.config.loader import check
+from megatron_searchr1.config.tools import TOOL_PARSERS, tool_specs
 
 
 TREE_SELECT = ("random", "uncertainty")
@@ -110,6 +111,22 @@ class RolloutConfig:
     ranks), the load of a share)."""
     tree: TreeConfig = field(default_factory=TreeConfig)
     """Tree rollouts (Tree-GRPO); rollout.n must then be trees * leaves per tree, the group's size."""
+    protocol: str = "search_r1"
+    """How the policy calls tools: search_r1 (Search-R1's <search>/<information>/<answer> tags) or tool_calls (the
+    model's chat template with the tools' JSON schemas, calls in its own format; examples/tool_calls.md)."""
+    tool_parser: str = "hermes"
+    """tool_calls: the format the model writes calls in (hermes: <tool_call>{json}</tool_call>, Qwen2.5/Qwen3)."""
+    tools: list[Any] = field(default_factory=lambda: ["search", "open"])
+    """tool_calls: the tools, by built-in name (search, open) or declared {name, description, parameters (JSON
+    schema), endpoint (search | http(s)://... | /path on the retrieval server | python:module:function), options}."""
+    max_invalid_calls: int = 3
+    """tool_calls: consecutive invalid calls (unknown tool, bad JSON, bad arguments) that end a trajectory
+    `invalid_calls`; each one before gets an error observation."""
+    stop_at_call_end: bool = True
+    """tool_calls: stop a turn at the end of its first call (the parser's closing tag), as Search-R1's protocol stops
+    at </search>; false: only at the end of the assistant turn (several calls per turn)."""
+    tool_timeout: float = 60.0
+    """tool_calls: seconds per request of an HTTP tool."""
 
     def __post_init__(self):
         check(self.engine in ("vllm", "hf"), f"rollout.engine must be vllm or hf, got {self.engine!r}")
@@ -133,6 +150,18 @@ class RolloutConfig:
             want = self.tree.trees * self.tree.leaves_per_tree
             check(self.n == want, f"rollout.tree grows {self.tree.trees} trees of {self.tree.leaves_per_tree} leaves "
                                   f"per prompt: set rollout.n={want} (the group's size), got {self.n}")
+        check(self.protocol in ("search_r1", "tool_calls"),
+              f"rollout.protocol must be search_r1 or tool_calls, got {self.protocol!r}")
+        check(self.max_invalid_calls >= 1, f"rollout.max_invalid_calls must be >= 1, got {self.max_invalid_calls}")
+        check(self.tool_timeout > 0, f"rollout.tool_timeout must be > 0, got {self.tool_timeout}")
+        if self.protocol == "tool_calls":
+            check(self.tool_parser in TOOL_PARSERS,
+                  f"rollout.tool_parser must be one of {', '.join(TOOL_PARSERS)}, got {self.tool_parser!r}")
+            try:
+                specs = tool_specs(self.tools)
+            except ValueError as e:
+                check(False, str(e))
+            check(bool(specs), "rollout.protocol=tool_calls needs at least one tool in rollout.tools")
 
 
 @dataclass

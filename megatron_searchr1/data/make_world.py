@@ -45,6 +45,9 @@ def build_arg_parser() -> ArgumentParser:
     p.add_argument("--keep-heldout", action="store_true",
                    help="also write train trajectories whose searches returned a held-out passage (flagged "
                         "shows_heldout); by default they are dropped so SFT never shows a validation/test fact")
+    p.add_argument("--protocol", choices=("search_r1", "tool_calls"), default="search_r1",
+                   help="the protocol of the parquet prompts and of the gold trajectories: Search-R1's tags, or the "
+                        "model's own tool calls (LLaMA-Factory tool data; rollout.protocol=tool_calls)")
     p.add_argument("--stop-early", type=float, default=0.0,
                    help="a lazy demonstrator: the probability, at each point where a multi-hop gold chain needs "
                         "another search, that its trajectory answers a guess instead (leaves RL the decision to "
@@ -56,8 +59,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_arg_parser().parse_args(argv)
     try:
         hop_fractions = tuple(float(x) for x in args.hop_fractions.split(","))
-        cfg = WorldConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(WorldConfig)
-                             if f.name != "hop_fractions"}, hop_fractions=hop_fractions)
+        fields = {f.name: getattr(args, f.name) for f in dataclasses.fields(WorldConfig) if f.name != "hop_fractions"}
+        if args.protocol == "tool_calls":
+            fields["template"] = "tool_calls"  # the tool_calls protocol's prompt
+        cfg = WorldConfig(**fields, hop_fractions=hop_fractions)
     except ValueError as e:
         raise UsageError(f"{e} (--hop-fractions and the size flags)") from None
     splits = [s for s in args.oracle_splits.split(",") if s]
@@ -91,7 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.oracle_url:
         from megatron_searchr1.search.client import RetrievalClient
 
-        search = oracle.client_searcher(RetrievalClient(args.oracle_url, topk=args.topk))
+        search = oracle.client_searcher(RetrievalClient(args.oracle_url, topk=args.topk,
+                                                        doc_ids=args.protocol == "tool_calls"))
     else:
         from megatron_searchr1.search.retrievers import index_corpus, load_retriever
 
@@ -101,12 +107,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"built {args.oracle} index -> {index_dir}")
         else:
             retriever = load_retriever(args.oracle_index_dir)
-        search = oracle.retriever_searcher(retriever, topk=args.topk)
+        search = oracle.retriever_searcher(retriever, topk=args.topk, doc_ids=args.protocol == "tool_calls")
     gold_text = {p["id"]: p["text"] for p in world.passages}
     # only train trajectories are checked for held-out passages: those passages are validation/test's own gold
     held = heldout_titles(world)
     trajs = {s: oracle.gold_trajectories(rows[s], search, gold_text, heldout_titles=held if s == "train" else None,
-                                         stop_early=args.stop_early, seed=cfg.seed)
+                                         stop_early=args.stop_early, seed=cfg.seed, protocol=args.protocol)
              for s in splits}
     sft_dir = os.path.join(args.out_dir, "sft")
     counts = oracle.write_sft(trajs, sft_dir, keep_misses=args.keep_misses, keep_heldout=args.keep_heldout)

@@ -31,6 +31,13 @@ Why: a warm-up on perfect chains leaves RL little to do; one that copies a demon
 multi-hop questions leaves the decision Search-R1's RL is about (search again, or answer now) to be learned from
 the reward. Single-hop trajectories always search (the warm-up must still know how to search and read).
 
+Either protocol (`protocol`): Search-R1's tags as above, or the tool_calls protocol's (rows made with the
+`tool_calls` template): LLaMA-Factory's own tool data, each search a `function_call` message
+(`{"name": "search", "arguments": {"query": ...}}`), its result an `observation` message (the search tool's text,
+document ids included: pass a searcher that writes them, `retriever_searcher(..., doc_ids=True)`), the answer an
+assistant message, and the record's `tools` (the search tool's schema); `write_sft` declares the `tools` column.
+data/sft_data.py tokenizes such records to the tool_calls rollout's ids.
+
 Output: sharegpt-style JSONL (`{"messages": [{"role", "content"}, ...]}` with roles system?/user/assistant/
 observation) and a LLaMA-Factory `dataset_info.json` describing it.
 """
@@ -54,13 +61,13 @@ DATASET_TAGS = {"role_tag": "role", "content_tag": "content", "user_tag": "user"
                 "observation_tag": "observation", "system_tag": "system"}
 
 
-def retriever_searcher(retriever, topk: int = 3) -> Searcher:
+def retriever_searcher(retriever, topk: int = 3, doc_ids: bool = False) -> Searcher:
     """Search in-process with a retriever object (`load_retriever(index_dir)`), formatted like the server's
-    results are by the client."""
+    results are by the client (`doc_ids`: with each document's id, as the tool_calls protocol's search tool)."""
     from megatron_searchr1.search.client import format_docs
 
     def search(queries: list[str]) -> list[str]:
-        return [format_docs([doc for doc, _ in hits]) for hits in retriever.search(queries, topk)]
+        return [format_docs([doc for doc, _ in hits], doc_ids) for hits in retriever.search(queries, topk)]
 
     return search
 
@@ -71,7 +78,7 @@ def client_searcher(client) -> Searcher:
 
 
 # one `Doc {i}(Title: "{title}") text` entry of client.format_docs; titles of FlashRAG corpora keep their quotes
-_DOC_HEAD = re.compile(r'^Doc (\d+)\(Title: "(.*?)"\) ', re.MULTILINE)
+_DOC_HEAD = re.compile(r'^Doc (\d+)\((?:id: [^,\n]*, )?Title: "(.*?)"\) ', re.MULTILINE)
 
 
 def observed_titles(text: str) -> list[str]:
@@ -80,7 +87,7 @@ def observed_titles(text: str) -> list[str]:
     Only heads numbered 1, 2, 3, ... in sequence count, so a passage text that happens to contain a line like
     `Doc 2(Title: "x") ` cannot add a title out of order.
 
-    >>> observed_titles('Doc 1(Title: "Paris") Capital.\\nDoc 2(Title: "Lyon") A city.\\n')
+    >>> observed_titles('Doc 1(Title: "Paris") Capital.\\nDoc 2(id: 9, Title: "Lyon") A city.\\n')
     ['Paris', 'Lyon']
     """
     titles = []
@@ -101,7 +108,7 @@ def _cap(s: str) -> str:
 
 def gold_trajectories(rows: list[dict], search: Searcher, gold_text: dict[str, str] | None = None,
                       batch_size: int = 256, heldout_titles: Collection[str] | None = None,
-                      stop_early: float = 0.0, seed: int = 0) -> list[dict]:
+                      stop_early: float = 0.0, seed: int = 0, protocol: str = "search_r1") -> list[dict]:
     """One trajectory per parquet row (a synthetic question with `extra_info.chain`).
 
     Queries of the same hop are sent together in batches of `batch_size`. gold_text maps doc id -> passage text;
@@ -110,8 +117,11 @@ def gold_trajectories(rows: list[dict], search: Searcher, gold_text: dict[str, s
     held-out passages are the gold of validation/test): `shows_heldout` is true when any observation contains a
     passage with one of these titles (always false without it). stop_early: the lazy demonstrator's probability of
     answering a guess at each point where a chain needs another search (module docstring), drawn with `seed`;
-    `searches` says how many hops a trajectory searched and `answer` is what it answers.
+    `searches` says how many hops a trajectory searched and `answer` is what it answers. protocol: search_r1 or
+    tool_calls (module docstring).
     """
+    if protocol not in ("search_r1", "tool_calls"):
+        raise ValueError(f"protocol must be search_r1 or tool_calls, got {protocol!r}")
     if not 0.0 <= stop_early <= 1.0:
         raise ValueError(f"stop_early must be a probability in [0, 1], got {stop_early}")
     rows = [plain(r) for r in rows]
@@ -140,8 +150,13 @@ def gold_trajectories(rows: list[dict], search: Searcher, gold_text: dict[str, s
         found, shown = True, False
         answer = chain[-1]["answer"]
         for h, (hop, text) in enumerate(zip(chain, texts)):
-            messages.append({"role": "assistant", "content": search_turn(thought, hop["query"])})
-            messages.append({"role": "observation", "content": format_observation(text)})
+            if protocol == "tool_calls":
+                messages.append({"role": "function_call",
+                                 "content": json.dumps({"name": "search", "arguments": {"query": hop["query"]}})})
+                messages.append({"role": "observation", "content": text.strip()})
+            else:
+                messages.append({"role": "assistant", "content": search_turn(thought, hop["query"])})
+                messages.append({"role": "observation", "content": format_observation(text)})
             if gold_text is not None:
                 found &= gold_text[hop["doc_id"]] in text
             else:
@@ -160,6 +175,11 @@ def gold_trajectories(rows: list[dict], search: Searcher, gold_text: dict[str, s
         out.append({"messages": messages, "uid": row["extra_info"]["uid"], "data_source": row["data_source"],
                     "hops": len(chain), "searches": h + 1, "answer": answer, "gold_retrieved": bool(found),
                     "shows_heldout": shown})
+        if protocol == "tool_calls":
+            from megatron_searchr1.config.tools import BUILTIN
+
+            s = BUILTIN["search"]
+            out[-1]["tools"] = json.dumps([{"name": s.name, "description": s.description, "parameters": s.parameters}])
     return out
 
 
@@ -181,6 +201,9 @@ def write_sft(trajectories: dict[str, list[dict]], out_dir: str, prefix: str = "
                 f.write(json.dumps(t, ensure_ascii=False) + "\n")
         info[f"{prefix}_{split}"] = {"file_name": f"{split}.jsonl", "formatting": "sharegpt",
                                      "columns": {"messages": "messages"}, "tags": dict(DATASET_TAGS)}
+        if any("tools" in t for t in trajs):  # the tool_calls protocol's records (gold_trajectories)
+            info[f"{prefix}_{split}"]["columns"]["tools"] = "tools"
+            info[f"{prefix}_{split}"]["tags"]["function_tag"] = "function_call"
         counts[split] = len(kept)
     with open(os.path.join(out_dir, "dataset_info.json"), "w", encoding="utf-8") as f:
         json.dump(info, f, indent=2)

@@ -134,9 +134,10 @@ def read_rows(paths: list[str]) -> list[dict]:
 
 
 def load_prompts(paths: list[str], tokenizer, max_prompt_length: int, chat_template: str = "auto",
-                 limit: int | None = None, reports: list | None = None) -> tuple[list[PromptRow], int]:
+                 limit: int | None = None, reports: list | None = None, render=None) -> tuple[list[PromptRow], int]:
     """(prompt rows, number dropped for being longer than max_prompt_length); `limit`: the first N rows of EACH file
-    (validation on a sample of every split); `reports`: a list that receives one FileReport per file."""
+    (validation on a sample of every split); `reports`: a list that receives one FileReport per file; `render`:
+    messages -> prompt text instead of render_prompt (the tool_calls protocol renders the tools' schemas too)."""
     out, dropped = [], 0
     seen: set[str] = set()
     i = 0
@@ -150,7 +151,8 @@ def load_prompts(paths: list[str], tokenizer, max_prompt_length: int, chat_templ
                 uid = f"{uid}#{i}"
             seen.add(uid)
             i += 1
-            ids = tokenizer.encode(render_prompt(row["prompt"], tokenizer, chat_template), add_special_tokens=False)
+            text = render(row["prompt"]) if render is not None else render_prompt(row["prompt"], tokenizer, chat_template)
+            ids = tokenizer.encode(text, add_special_tokens=False)
             report.longest = max(report.longest, len(ids))
             if len(ids) > max_prompt_length:
                 report.dropped += 1

@@ -35,6 +35,14 @@ tokenised in one of two layouts:
    the prefix before turn k tokenises as it would when the model is prompted with it. Observations are refused in
    this layout: the search loop has a single question, and a chat template's tool turn is a format RL never sees.
 
+3. **Tool-calling layout** (a sharegpt record with a `tools` column: LLaMA-Factory's tool data, `function_call` and
+   `observation` turns): exactly what the rollout's tool_calls protocol produces (rollout/protocols/tool_calls.py):
+   the prompt rendered once by the chat template with the record's tools, each `function_call` (LLaMA-Factory's
+   JSON: `{"name", "arguments"}` or a list of them) written in the model's call format (hermes:
+   `<tool_call>{json}</tool_call>`), the following `observation` appended as the template's tool-message delta
+   (mask 0), the final answer closed by the eos (mask 1, as the engine generates it). One call per turn, as the
+   rollout stops at the end of a call (`tokenize_tool_calls(stop_at_call_end=False)`: several calls, then the eos).
+
 `loss_mask[i]` is aligned with `input_ids[i]`: 1 when token i is one the model must learn to produce (the trainer
 shifts it against the logits). Examples longer than `max_length` are dropped and counted, never truncated: a cut
 prompt loses the question, a cut response teaches an unfinished trajectory.
@@ -215,9 +223,6 @@ def sharegpt_messages(record: dict, columns: dict, tags: dict, where: str) -> li
     raw = _column(record, columns["messages"], where)
     if not isinstance(raw, list) or not raw:
         raise SFTDataError(f"{where}: column {columns['messages']!r} must be a non-empty list of messages")
-    if columns["tools"] and _column(record, columns["tools"], where, required=False):
-        raise SFTDataError(f"{where}: tool descriptions (column {columns['tools']!r}) are not supported: describe "
-                           "the search tool in the prompt text, as Search-R1's instruction does")
     role_of = {tags["user_tag"]: "user", tags["assistant_tag"]: "assistant", tags["observation_tag"]: "observation",
                tags["function_tag"]: "assistant", tags["system_tag"]: "system"}
     messages = []
@@ -237,9 +242,28 @@ def sharegpt_messages(record: dict, columns: dict, tags: dict, where: str) -> li
         if role_of[role] == "system" and i != 0:
             raise SFTDataError(f"{where}: a system message may only come first (message {i})")
         messages.append({"role": role_of[role], "content": _text(m[tags["content_tag"]], f"{where}: message {i}")})
+        if role == tags["function_tag"]:
+            messages[-1]["function_call"] = True
     if sum(m["role"] == "system" for m in messages) > 1:
         raise SFTDataError(f"{where}: both the system column and a leading system message are set; keep one")
     return messages
+
+
+def sharegpt_tools(record: dict, columns: dict, where: str) -> list[dict] | None:
+    """The record's tools (LLaMA-Factory's `tools` column: a JSON list, or its string, of `{"name", "description",
+    "parameters"}` or OpenAI's `{"type": "function", "function": {...}}`), or None when it has none."""
+    raw = _column(record, columns["tools"], where, required=False) if columns["tools"] else None
+    if not raw:
+        return None
+    try:
+        tools = json.loads(raw) if isinstance(raw, str) else raw
+    except json.JSONDecodeError as e:
+        raise SFTDataError(f"{where}: column {columns['tools']!r} is not JSON ({e.msg})") from None
+    tools = [t.get("function", t) if isinstance(t, dict) else t for t in (tools if isinstance(tools, list) else [tools])]
+    if not all(isinstance(t, dict) and isinstance(t.get("name"), str) for t in tools):
+        raise SFTDataError(f"{where}: column {columns['tools']!r} must list tools as {{\"name\", \"description\", "
+                           "\"parameters\"}")
+    return tools
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -312,6 +336,63 @@ def tokenize_chat(messages: list[dict], tokenizer, where: str = "conversation", 
     return ids, mask
 
 
+def tokenize_tool_calls(messages: list[dict], tokenizer, tools: list[dict], where: str = "conversation",
+                        tool_parser: str = "hermes", stop_at_call_end: bool = True) -> tuple[list[int], list[int]]:
+    """Tool-calling layout (module doc): the ids the tool_calls rollout produces for this conversation."""
+    from megatron_searchr1.rollout.protocols import Action, ProtocolSpec, build_protocol
+    from megatron_searchr1.rollout.protocols.tools import ToolSpec
+
+    _check_order(messages, where)
+    if sum(m["role"] == "user" for m in messages) != 1:
+        raise SFTDataError(f"{where}: a tool-calling conversation has one user message (the question)")
+    specs = tuple(ToolSpec(t["name"], t.get("description", ""), t.get("parameters") or {"type": "object",
+                                                                                         "properties": {}})
+                  for t in tools)
+    try:
+        proto = build_protocol(ProtocolSpec("tool_calls", tool_parser=tool_parser, tools=specs,
+                                            stop_at_call_end=stop_at_call_end), tokenizer)
+    except ValueError as e:
+        raise SFTDataError(f"{where}: {e}") from None
+    eos = tokenizer.eos_token_id
+    n_prompt = 2 if messages[0]["role"] == "system" else 1
+    ids = proto.prompt_ids(messages[:n_prompt])
+    mask = [0] * len(ids)
+    body = messages[n_prompt:]
+    for k, m in enumerate(body):
+        if m["role"] == "observation":
+            continue  # appended with the call before it
+        if not m.get("function_call"):
+            if k != len(body) - 1:
+                raise SFTDataError(f"{where}: an assistant message that calls no tool must be the last (the answer)")
+            seg = _ids(tokenizer, m["content"]) + [eos]
+            ids, mask = ids + seg, mask + [1] * len(seg)
+            continue
+        try:
+            calls = json.loads(m["content"])
+        except json.JSONDecodeError as e:
+            raise SFTDataError(f"{where}: a function_call must be JSON {{\"name\", \"arguments\"}} ({e.msg})") from None
+        calls = calls if isinstance(calls, list) else [calls]
+        if stop_at_call_end and len(calls) != 1:
+            raise SFTDataError(f"{where}: {len(calls)} calls in one turn, but the rollout stops at the end of a call "
+                               "(rollout.stop_at_call_end): one call per function_call turn")
+        if not all(isinstance(c, dict) and isinstance(c.get("name"), str) for c in calls):
+            raise SFTDataError(f"{where}: a function_call is {{\"name\": ..., \"arguments\": {{...}}}} or a list of them")
+        args = [json.loads(c["arguments"]) if isinstance(c.get("arguments"), str) else c.get("arguments", {})
+                for c in calls]
+        text = "\n".join(proto.parser.render_call(c["name"], a) for c, a in zip(calls, args))
+        seg = _ids(tokenizer, text) + ([] if stop_at_call_end else [eos])
+        ids, mask = ids + seg, mask + [1] * len(seg)
+        obs = body[k + 1]["content"]
+        results = [obs] if len(calls) == 1 else json.loads(obs)
+        if not isinstance(results, list) or len(results) != len(calls):
+            raise SFTDataError(f"{where}: {len(calls)} calls need a JSON list of {len(calls)} results in the "
+                               "observation after them")
+        end = proto.parser.call_end if stop_at_call_end else tokenizer.eos_token
+        delta = proto.observation_ids(Action("calls", stop=end), [str(r) for r in results], 1 << 30, 1 << 30)
+        ids, mask = ids + delta, mask + [0] * len(delta)
+    return ids, mask
+
+
 def tokenize_messages(messages: list[dict], tokenizer, where: str = "conversation") -> tuple[list[int], list[int]]:
     """(input_ids, loss_mask) of one normalised conversation: rollout layout for a single question (with or without
     observations), chat layout for several user turns."""
@@ -354,7 +435,9 @@ def load_sft_dataset(dataset_info_dir: str, names: list[str], tokenizer, max_len
 
     Examples with more than `max_length` tokens are dropped, counted in `.dropped_too_long` per dataset.
     `template`: a LLaMA-Factory template name (data/templates.py): every conversation in the chat layout rendered
-    with it (what LLaMA-Factory trains on); empty: the layouts above. `max_samples`: the first N records of each
+    with it (what LLaMA-Factory trains on); empty: the layouts above. Tool records (layout 3) always use the
+    tokenizer's own chat template, the one the tool_calls rollout renders, so a LLaMA-Factory YAML's `template`
+    (it names the model family) does not change them. `max_samples`: the first N records of each
     dataset.
     """
     render = None
@@ -386,7 +469,10 @@ def load_sft_dataset(dataset_info_dir: str, names: list[str], tokenizer, max_len
                     raise SFTDataError(f"{where}: a record must be a JSON object")
                 messages = (alpaca_messages(record, columns, where) if fmt == "alpaca"
                             else sharegpt_messages(record, columns, tags, where))
-                if render is None:
+                tools = sharegpt_tools(record, columns, where) if fmt == "sharegpt" else None
+                if tools:  # the tokenizer's own template, whatever `template` says: what the rollout renders
+                    ids, mask = tokenize_tool_calls(messages, tokenizer, tools, where)
+                elif render is None:
                     ids, mask = tokenize_messages(messages, tokenizer, where)
                 else:
                     if any(m["role"] == "observation" for m in messages):

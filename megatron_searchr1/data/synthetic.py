@@ -104,7 +104,8 @@ class WorldConfig:
     trajectory (a model cannot pass the test by memorising the train world; see the module docstring for what
     retrieval can still show). 0 = one region for all splits."""
     template: str = "base"
-    """prompt template of the parquet rows: base (Search-R1 raw prompt) or chat."""
+    """prompt template of the parquet rows: base (Search-R1 raw prompt), chat, short, or tool_calls (the tool_calls
+    protocol's prompt: rollout.protocol=tool_calls)."""
 
     def __post_init__(self):
         self.hop_fractions = tuple(float(f) for f in self.hop_fractions)
@@ -120,8 +121,8 @@ class WorldConfig:
         if not 0 <= self.heldout_fraction < 1:
             raise ValueError(f"heldout_fraction must be in [0, 1), got {self.heldout_fraction}")
         region_sizes(self)  # raises if a region would lack entities
-        if self.template not in TEMPLATES:
-            raise ValueError(f"template must be one of {TEMPLATES}, got {self.template!r}")
+        if self.template not in TEMPLATES + ("tool_calls",):
+            raise ValueError(f"template must be one of {TEMPLATES + ('tool_calls',)}, got {self.template!r}")
 
 
 # ----------------------------------------------------------------------------------------------- names
@@ -471,15 +472,22 @@ def split_questions(questions: list[dict], cfg: WorldConfig) -> dict[str, list[d
 
 
 def question_rows(split_qs: dict[str, list[dict]], template: str = "base") -> dict[str, list[dict]]:
-    """Search-R1 parquet rows; `data_source` is synthetic_<h>hop so validation metrics break down by hop count."""
+    """Search-R1 parquet rows; `data_source` is synthetic_<h>hop so validation metrics break down by hop count.
+    template `tool_calls`: the prompt is the tool_calls protocol's (rollout/protocols/tool_calls.py
+    `tool_calls_messages`; the chat template adds the tools when the rollout renders it)."""
     out = {}
     for split, qs in split_qs.items():
         out[split] = [
             make_row(q["question"], [q["answer"]], f"{DATA_SOURCE}_{q['hops']}hop", split, i,
-                     uid=f"{DATA_SOURCE}-{split}-{i}", template=template,
+                     uid=f"{DATA_SOURCE}-{split}-{i}", template="chat" if template == "tool_calls" else template,
                      extra={"hops": q["hops"], "chain": q["chain"]})
             for i, q in enumerate(qs)
         ]
+        if template == "tool_calls":
+            from megatron_searchr1.rollout.protocols.tool_calls import tool_calls_messages
+
+            for row in out[split]:
+                row["prompt"] = tool_calls_messages(row["extra_info"]["question"])
     return out
 
 

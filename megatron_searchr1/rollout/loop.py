@@ -13,6 +13,11 @@ One turn, for every active sample at once:
   4. all of the turn's queries go to the retrieval client in one call; each observation is
      `data.prompts.format_observation(docs)` tokenized on its own (so rollouts and the SFT data agree byte for
      byte), cut to `max_obs_length` tokens keeping its closing tag, appended with loss mask 0.
+That is Search-R1's protocol (the default, rollout.protocol=search_r1). What a protocol decides (stops, reading a
+turn, observations, feedback) lives in rollout/protocols/: with rollout.protocol=tool_calls a turn's calls are read
+in the model's own format, run on the configured tools (a search is a call of the `search` tool), and their results
+appended as the chat template's tool-message delta; calls that cannot run get error observations, and
+`max_invalid_calls` of them in a row end the trajectory `invalid_calls`.
 After `max_turns` search turns comes one last turn in which a search is no longer run (Search-R1's final
 turn); a sample that still does not answer ends `max_turns` (it searched) or `invalid` (it did not).
 The prompt is never cut: `max_response_length` bounds the response, and a sample that reaches it ends `length`.
@@ -34,47 +39,22 @@ session ends right away, the rest when the rollout ends.
 """
 from __future__ import annotations
 
-import re
 import time
 from collections import Counter
 from dataclasses import dataclass, field, fields
 from typing import Callable, Optional, Sequence
 
 from megatron_searchr1.config.rl import RolloutConfig
-from megatron_searchr1.data.prompts import (
-    ANSWER_END, ANSWER_START, INFO_END, INVALID_ACTION_FEEDBACK, SEARCH_END, SEARCH_START, STOP_STRINGS,
-    format_observation,
-)
+from megatron_searchr1.data.prompts import INVALID_ACTION_FEEDBACK
 from megatron_searchr1.rollout.engine import Engine, SamplingParams, keeps_sessions
-from megatron_searchr1.search.client import is_search_failure
+from megatron_searchr1.rollout.protocols import Action, ProtocolSpec, build_protocol
+from megatron_searchr1.rollout.protocols.search_r1 import parse_action  # noqa: F401  (re-exported)
+from megatron_searchr1.rollout.protocols.tools import is_tool_failure, tool_specs
 
-FINISH_REASONS = ("answer", "length", "max_turns", "invalid", "search_error")
+FINISH_REASONS = ("answer", "length", "max_turns", "invalid", "search_error", "invalid_calls")
 
 # queries -> one observation text per query (RetrievalClient.search: formatted docs or a SearchFailure)
 Searcher = Callable[[list[str]], list[str]]
-
-_ACTION = re.compile(rf"{re.escape(SEARCH_START)}(.*?){re.escape(SEARCH_END)}|"
-                     rf"{re.escape(ANSWER_START)}(.*?){re.escape(ANSWER_END)}", re.DOTALL)
-
-
-def parse_action(turn_text: str) -> tuple[str, Optional[str]]:
-    """('search', query) | ('answer', answer) | ('invalid', None) for the text of ONE generated turn.
-
-    The first complete tag pair decides (generation stops at the first closing tag anyway).
-
-    >>> parse_action("<think> x </think>\\n<search> who founded Acme? </search>")
-    ('search', 'who founded Acme?')
-    >>> parse_action("<think> done </think>\\n<answer> 1856 </answer>")
-    ('answer', '1856')
-    >>> parse_action("<think> I will search for </think>")
-    ('invalid', None)
-    """
-    m = _ACTION.search(turn_text)
-    if m is None:
-        return "invalid", None
-    if m.group(1) is not None:
-        return "search", m.group(1).strip()
-    return "answer", m.group(2).strip()
 
 
 @dataclass
@@ -102,6 +82,12 @@ class Trajectory:
     """Searches run (queries sent)."""
     n_invalid: int = 0
     """Turns with neither a search nor an answer."""
+    n_tool_calls: int = 0
+    """Tool calls the model made (tool_calls protocol; a search is one under either protocol)."""
+    n_invalid_calls: int = 0
+    """Calls that could not run: unknown tool, unreadable JSON, arguments off the tool's schema."""
+    invalid_streak: int = 0
+    """Invalid calls in a row (rollout.max_invalid_calls of them end the trajectory `invalid_calls`)."""
     queries: list[str] = field(default_factory=list)
     """The queries, in order."""
     finish_reason: Optional[str] = None
@@ -155,16 +141,25 @@ class LoopSettings:
     """Token ids that end a turn besides the stop strings (eos); such a turn is an invalid action."""
     seed: Optional[int] = None
     """Sampling seed: each generate call's base seed; the loop adds the turn number."""
+    protocol_spec: ProtocolSpec = ProtocolSpec()
+    """How the policy calls its tools (rollout.protocol and the tool fields; rollout/protocols/)."""
+
+
+def protocol_from_config(r: RolloutConfig, tools_url: Optional[str] = None) -> ProtocolSpec:
+    """config.rollout's protocol fields as a ProtocolSpec; `tools_url`: the retrieval server's root, where `/path`
+    tool endpoints (the built-in `open`) live."""
+    return ProtocolSpec(r.protocol, r.tool_parser, tool_specs(r.tools) if r.protocol == "tool_calls" else (),
+                        r.max_invalid_calls, r.stop_at_call_end, tools_url, r.tool_timeout)
 
 
 def settings_from_config(r: RolloutConfig, stop_token_ids: Sequence[int],
-                         seed: Optional[int]) -> tuple[LoopSettings, LoopSettings]:
+                         seed: Optional[int], tools_url: Optional[str] = None) -> tuple[LoopSettings, LoopSettings]:
     """The training and validation settings of config.rollout `r`, for every placement that runs the loop:
     training samples at `r.temperature` (top-p / top-k only when it samples: greedy decoding ignores them),
-    validation at `r.val_temperature` with the run's `seed`."""
+    validation at `r.val_temperature` with the run's `seed`. `tools_url`: protocol_from_config."""
     common = dict(max_turns=r.max_turns, max_tokens_per_turn=r.max_tokens_per_turn,
                   max_response_length=r.max_response_length, max_obs_length=r.max_obs_length,
-                  stop_token_ids=tuple(stop_token_ids))
+                  stop_token_ids=tuple(stop_token_ids), protocol_spec=protocol_from_config(r, tools_url))
     train = LoopSettings(**common, temperature=r.temperature, top_p=r.top_p if r.temperature > 0 else 1.0,
                          top_k=r.top_k if r.temperature > 0 else -1)
     return train, LoopSettings(**common, temperature=r.val_temperature, seed=seed)
@@ -191,6 +186,8 @@ class RolloutStats:
             "rollout/turns_mean": sum(t.turns for t in trajs) / n,
             "rollout/searches_mean": sum(t.n_searches for t in trajs) / n,
             "rollout/invalid_turns_mean": sum(t.n_invalid for t in trajs) / n,
+            "rollout/tool_calls_mean": sum(t.n_tool_calls for t in trajs) / n,
+            "rollout/invalid_calls_mean": sum(t.n_invalid_calls for t in trajs) / n,
             "rollout/valid_action_ratio": 1.0 - sum(t.n_invalid for t in trajs) / max(sum(t.turns for t in trajs), 1),
             "rollout/response_length_mean": sum(len(t.response_ids) for t in trajs) / n,
             "rollout/response_length_max": max((len(t.response_ids) for t in trajs), default=0),
@@ -201,15 +198,6 @@ class RolloutStats:
             "time/search": self.search_seconds,
         })
         return out
-
-
-def _observation_ids(tokenizer, docs_text: str, budget: int) -> list[int]:
-    """Token ids of `format_observation(docs_text)`, at most `budget` of them, the closing tag kept when cut."""
-    ids = tokenizer.encode(format_observation(docs_text), add_special_tokens=False)
-    if len(ids) <= budget:
-        return ids
-    tail = tokenizer.encode(f"{INFO_END}\n\n", add_special_tokens=False)
-    return ids[: max(budget - len(tail), 0)] + tail[:budget]
 
 
 def run_rollout(engine: Engine, tokenizer, search: Searcher, trajs: list[Trajectory], settings: LoopSettings,
@@ -255,9 +243,13 @@ def advance(engine: Engine, tokenizer, search: Searcher, active: list[Trajectory
             stats_of: Callable[[Trajectory], RolloutStats], invalid_ids: list[int], sessions: bool, version: int,
             seed: Optional[int]) -> None:
     """One turn of every trajectory in `active` (all active; each at its own turn, `t.turns`, so a streaming caller
-    may mix trajectories that started at different times): generate, read the action, search. Counters go to
+    may mix trajectories that started at different times): generate, read the action, run its calls. Counters go to
     `stats_of(t)`; a generate call's or a search round's time goes to each distinct stats object of its
-    trajectories. `version` is the engine's policy version for this turn, `seed` the calls' base seed."""
+    trajectories. `version` is the engine's policy version for this turn, `seed` the calls' base seed. What the
+    protocol decides (stops, reading a turn, observations, feedback) comes from `s.protocol_spec`
+    (rollout/protocols/); `invalid_ids` is kept for callers and unused: the protocol holds Search-R1's feedback."""
+    proto = build_protocol(s.protocol_spec, tokenizer)
+    stop_ids = tuple(s.stop_token_ids) + tuple(i for i in proto.stop_token_ids if i not in s.stop_token_ids)
     # One generate call per distinct turn budget (nearly always one: only samples near their response budget get a
     # smaller one).
     by_budget: dict[int, list[Trajectory]] = {}
@@ -265,11 +257,12 @@ def advance(engine: Engine, tokenizer, search: Searcher, active: list[Trajectory
         left = s.max_response_length - len(t.response_ids)
         by_budget.setdefault(min(s.max_tokens_per_turn, left), []).append(t)
     turn_start = {id(t): len(t.response_ids) for t in active}
+    stop_of = {}
     final = {id(t): t.turns >= s.max_turns for t in active}  # the last turn: no search, the sample must answer
     for budget, group in sorted(by_budget.items(), reverse=True):
         start = time.perf_counter()
         params = SamplingParams(max_tokens=budget, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-                                stop=STOP_STRINGS, stop_token_ids=tuple(s.stop_token_ids), logprobs=True, seed=seed)
+                                stop=proto.stop_strings, stop_token_ids=stop_ids, logprobs=True, seed=seed)
         prompts = [t.prompt_ids + t.response_ids for t in group]
         if sessions:  # each sample keeps its KV in the engine from turn to turn
             outs = engine.generate(prompts, params, sessions=[id(t) for t in group])
@@ -283,47 +276,65 @@ def advance(engine: Engine, tokenizer, search: Searcher, active: list[Trajectory
             st.prefill_tokens += len(t.prompt_ids) + len(t.response_ids) - g.num_cached_tokens
             t.extend(g.token_ids, 1, g.logprobs, version)
             t.turns += 1
+            stop_of[id(t)] = g.stop_reason
         elapsed = time.perf_counter() - start
         for st in {id(st): st for st in map(stats_of, group)}.values():
             st.turns += 1
             st.gen_seconds += elapsed
 
-    pending: list[tuple[Trajectory, str]] = []
+    pending: list[tuple[Trajectory, Action]] = []
     for t in active:
-        turn_ids = t.response_ids[turn_start[id(t)]:]
-        action, content = parse_action(tokenizer.decode(turn_ids, skip_special_tokens=False))
-        if action == "answer":
-            t.answer = content
+        action = proto.read(t.response_ids[turn_start[id(t)]:], stop_of.get(id(t)), stop_ids)
+        if action.kind == "answer":
+            t.answer = action.answer
             t.finish("answer")
-        elif action == "search" and not final[id(t)]:
-            t.queries.append(content)
-            pending.append((t, content))
+        elif action.kind == "calls" and not final[id(t)]:
+            t.queries += [c.arguments["query"].strip() for c in action.calls
+                          if c.name == "search" and c.error is None and isinstance((c.arguments or {}).get("query"), str)]
+            pending.append((t, action))
         elif final[id(t)]:
-            if action == "invalid":
+            if action.kind == "invalid":
                 t.n_invalid += 1
-            t.finish("max_turns" if action == "search" else "invalid")
+            t.finish("max_turns" if action.kind == "calls" else "invalid")
         else:
             t.n_invalid += 1
-            t.extend(invalid_ids[: s.max_response_length - len(t.response_ids)], 0, version=version)
+            feedback = proto.feedback_ids(s.max_response_length - len(t.response_ids))
+            if feedback is None:  # the protocol cannot go on after such a turn
+                t.finish("invalid")
+            else:
+                t.extend(feedback, 0, version=version)
         if t.active and len(t.response_ids) >= s.max_response_length:
             t.finish("length")
-    pending = [(t, q) for t, q in pending if t.active]
+    pending = [(t, a) for t, a in pending if t.active]
 
     if pending:
+        calls = [c for _, a in pending for c in a.calls]
         start = time.perf_counter()
-        results = search([q for _, q in pending])
+        outcomes = proto.run(calls, search)
         elapsed = time.perf_counter() - start
         for st in {id(st): st for st in (stats_of(t) for t, _ in pending)}.values():
             st.search_seconds += elapsed
-        if len(results) != len(pending):
-            raise RuntimeError(f"search returned {len(results)} results for {len(pending)} queries")
-        for (t, _), docs in zip(pending, results):
-            t.n_searches += 1
+        at = 0
+        for t, action in pending:
+            mine, at = outcomes[at: at + len(action.calls)], at + len(action.calls)
+            for c, o in zip(action.calls, mine):
+                t.n_tool_calls += 1
+                if o.status == "invalid":
+                    t.n_invalid_calls += 1
+                    t.invalid_streak += 1
+                else:
+                    t.invalid_streak = 0
+                    t.n_searches += c.name == "search"
             room = s.max_response_length - len(t.response_ids)
-            ids = _observation_ids(tokenizer, docs, min(s.max_obs_length, room))
+            ids = proto.observation_ids(action, [o.text for o in mine], room, s.max_obs_length)
+            if ids is None:  # the results cannot follow within the budget
+                t.finish("length")
+                continue
             t.extend(ids, 0, version=version)
-            if is_search_failure(docs):
+            if any(is_tool_failure(o.text) for o in mine):
                 t.finish("search_error")
+            elif t.invalid_streak >= s.protocol_spec.max_invalid_calls:
+                t.finish("invalid_calls")
             elif len(t.response_ids) >= s.max_response_length:
                 t.finish("length")
     if sessions:  # a finished sample's KV is not needed any more

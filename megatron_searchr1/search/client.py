@@ -31,8 +31,10 @@ DEFAULT_CHUNK = 64
 """Queries per request when the server's limit is unknown (its /health did not answer)."""
 
 
-def format_docs(docs: list) -> str:
+def format_docs(docs: list, with_ids: bool = False) -> str:
     """Search-R1's `_passages2string`: `Doc {i}(Title: {title}) {text}\\n` per doc, 1-based, concatenated.
+    `with_ids`: `Doc {i}(id: {id}, Title: {title}) {text}`, the id a tool-calling policy opens the document by (the
+    `open` tool; a doc without an id is written without one).
 
     The title is the first line of `contents` as it stands (FlashRAG titles keep their quotes), the text the rest.
     Accepts the server's items with or without scores ({"document": doc, "score": s} or doc), or
@@ -43,6 +45,8 @@ def format_docs(docs: list) -> str:
     'Doc 1(Title: "Paris") Capital of France.\\nOn the Seine.\\n'
     >>> format_docs([{"document": '"Paris"\\nCapital of France.', "score": 0.9}])
     'Doc 1(Title: "Paris") Capital of France.\\n'
+    >>> format_docs([{"document": {"id": "7", "contents": '"Paris"\\nCapital of France.'}}], with_ids=True)
+    'Doc 1(id: 7, Title: "Paris") Capital of France.\\n'
     """
     out = []
     for i, item in enumerate(docs, start=1):
@@ -53,7 +57,9 @@ def format_docs(docs: list) -> str:
         if contents is None:
             contents = f'"{doc.get("title", "")}"\n{doc.get("text", "")}'
         lines = contents.split("\n")
-        out.append(f"Doc {i}(Title: {lines[0]}) {chr(10).join(lines[1:])}\n")
+        doc_id = doc.get("id") if with_ids and isinstance(doc, dict) else None
+        where = f"id: {doc_id}, " if doc_id is not None else ""
+        out.append(f"Doc {i}({where}Title: {lines[0]}) {chr(10).join(lines[1:])}\n")
     return "".join(out)
 
 
@@ -197,11 +203,13 @@ class RetrievalClient:
     seconds, doubled per retry up to max_backoff (with 10% jitter so many ranks do not retry in lockstep).
     max_queries_per_request: chunk size; None = the server's limit from /health (no /health: the whole batch).
     overload_deadline: seconds a chunk keeps retrying while the server answers 429 (busy, not broken).
+    doc_ids: write each passage's document id into the observation (`format_docs(with_ids=True)`), for policies that
+    open documents by id (the tool_calls protocol's `open` tool, served by the server's `/open`).
     """
 
     def __init__(self, url: str, topk: int = 3, timeout: float = 30.0, max_retries: int = 3, backoff: float = 0.5,
                  max_backoff: float = 8.0, max_queries_per_request: int | None = None, max_concurrency: int = 8,
-                 overload_deadline: float = 300.0):
+                 overload_deadline: float = 300.0, doc_ids: bool = False):
         import httpx
 
         if topk < 1 or max_retries < 0 or timeout <= 0 or max_concurrency < 1:
@@ -214,6 +222,7 @@ class RetrievalClient:
         self.max_retries, self.backoff, self.max_backoff = max_retries, backoff, max_backoff
         self.max_queries_per_request, self.max_concurrency = max_queries_per_request, max_concurrency
         self.overload_deadline = overload_deadline
+        self.doc_ids = doc_ids
         self.stats = ClientStats()
         self._lock = threading.Lock()
         self._http = httpx.Client(timeout=timeout,
@@ -239,7 +248,7 @@ class RetrievalClient:
             for (start, chunk), outcome in zip(chunks, outcomes):
                 if not isinstance(outcome, Exception):
                     try:  # a malformed item fails its own chunk only, not the chunks around it
-                        texts = [format_docs(docs) for docs in outcome]
+                        texts = [format_docs(docs, self.doc_ids) for docs in outcome]
                     except Exception as e:  # noqa: BLE001 - any shape the server may send
                         outcome = RetrievalError(f"malformed result item: {type(e).__name__}: {e}")
                 if isinstance(outcome, Exception):

@@ -1,4 +1,5 @@
-r"""The retrieval server: Search-R1's `POST /retrieve` over any of our retrievers, plus `GET /health`.
+r"""The retrieval server: Search-R1's `POST /retrieve` over any of our retrievers, `POST /open` (a document by its
+id, for tool-calling policies) and `GET /health`.
 
     python -m megatron_searchr1.search.server --index-dir /data/index --host 127.0.0.1 --port 8000
     python -m megatron_searchr1.search.server --faiss-index e5_Flat.index --corpus wiki-18.jsonl \
@@ -14,12 +15,21 @@ whose `detail` says what is wrong and what the limit is, and the server stays up
 Retry-After instead of growing the queue without bound. A search that runs past `search_timeout_s` fails its
 requests with 503 and turns /health to 503 "stalled" until it finishes.
 
+`POST /open` serves the tool_calls protocol's `open` tool (rollout/protocols/tools.py's HTTP contract): the request
+`{"arguments": [{"doc_id": "7", "offset": 0}, ...], "max_chars": 1000}`, the response `{"results": [text, ...]}`, one
+text per call: `Document 7 (Title: ...), characters 0-1000 of 5120:` and the window of the document's text, ending
+with how to read on. A call the server cannot answer (an unknown id, an offset past the end) gets its reason as its
+text (`Error: ...`): the model reads it like any observation. A request that is not of this shape gets a 400. The
+window is at most `max_chars` (the tool's length budget, capped at OPEN_MAX_CHARS). Ids are looked up as corpus row
+numbers first (wiki-18's ids are), then through an id -> row map built at the first request that needs it.
+
 Every setting of `ServerConfig` (protocol.py) is declared once, as a dataclass field with its docstring; the flags
 of the "server" group are generated from those fields.
 """
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import dataclasses
 import json
@@ -45,6 +55,46 @@ from megatron_searchr1.search.protocol import (  # noqa: F401  (re-exported: cal
 )
 
 logger = logging.getLogger("megatron_searchr1.search.server")
+
+OPEN_MAX_CHARS = 20000
+"""The most characters one /open call returns, whatever the request asks."""
+
+
+class DocLookup:
+    """Corpus rows by document id: the row number when the row holds that id (wiki-18, our corpora), else a map built
+    once, on first need, under a lock (one pass over the corpus)."""
+
+    def __init__(self, corpus):
+        self.corpus, self._map, self._lock = corpus, None, threading.Lock()
+
+    def row(self, doc_id: str):
+        if doc_id.isdigit() and int(doc_id) < len(self.corpus) and str(self.corpus[int(doc_id)]["id"]) == doc_id:
+            return int(doc_id)
+        with self._lock:
+            if self._map is None:
+                self._map = {str(doc["id"]): i for i, doc in enumerate(self.corpus)}
+        return self._map.get(doc_id)
+
+    def window(self, args: dict, max_chars: int) -> str:
+        """The text of one /open call (module doc)."""
+        doc_id, offset = args.get("doc_id"), args.get("offset", 0)
+        if isinstance(doc_id, int) and not isinstance(doc_id, bool):
+            doc_id = str(doc_id)
+        if not isinstance(doc_id, str) or not doc_id.strip():
+            return "Error: doc_id must be the id a search result carried, e.g. \"7\""
+        if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
+            return f"Error: offset must be a character position >= 0, got {json.dumps(offset)}"
+        row = self.row(doc_id.strip())
+        if row is None:
+            return f"Error: no document with id {json.dumps(doc_id)}; open an id a search result carried"
+        doc = self.corpus[row]
+        text = doc.get("text", "")
+        if offset and offset >= len(text):
+            return f"Error: offset {offset} is past the end of document {doc['id']} ({len(text)} characters)"
+        end = min(offset + max_chars, len(text))
+        more = f"\n(continues: open it with offset {end})" if end < len(text) else ""
+        return (f"Document {doc['id']} (Title: {doc.get('title', '')}), characters {offset}-{end} of {len(text)}:\n"
+                f"{text[offset:end]}{more}")
 
 
 def create_app(retriever: Retriever, config: ServerConfig | None = None, on_ready=None, on_stop=None):
@@ -118,6 +168,32 @@ def create_app(retriever: Retriever, config: ServerConfig | None = None, on_read
         except Exception as e:  # noqa: BLE001 - the server must stay up; the client sees a 500 and retries
             return JSONResponse({"detail": f"retrieval failed: {type(e).__name__}: {e}"}, status_code=500)
         return Response(content, media_type="application/json")
+
+    lookup = DocLookup(retriever.corpus)
+
+    @app.post("/open")
+    async def open_document(request: Request):
+        body = await request.body()
+        if len(body) > config.max_body_bytes:
+            return too_big(str(len(body)))
+        try:
+            req = json.loads(body or b"{}")
+            calls, max_chars = req["arguments"], req.get("max_chars", 1000)
+            ok = (isinstance(calls, list) and all(isinstance(c, dict) for c in calls) and isinstance(max_chars, int)
+                  and not isinstance(max_chars, bool) and max_chars >= 1)
+        except (ValueError, KeyError, TypeError, AttributeError):
+            ok = False
+        if not ok:
+            return JSONResponse({"detail": 'expected {"arguments": [{"doc_id": "7", "offset": 0}, ...], "max_chars": '
+                                           'N >= 1}'}, status_code=400)
+        if len(calls) > config.max_queries:
+            return JSONResponse({"detail": f"{len(calls)} calls in one request, the limit is {config.max_queries} "
+                                           "(server --max-queries); split the batch"}, status_code=400)
+        max_chars = min(max_chars, OPEN_MAX_CHARS)
+        # off the event loop: the first lookup of a non-row id reads the whole corpus once
+        loop = asyncio.get_running_loop()
+        results = await loop.run_in_executor(None, lambda: [lookup.window(c, max_chars) for c in calls])
+        return JSONResponse({"results": results})
 
     return app
 

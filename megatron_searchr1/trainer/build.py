@@ -170,17 +170,32 @@ def load_tokenizer(path: str, hf_config, chat_template: str = "auto"):
     return tokenizer
 
 
+def prompt_renderer(cfg: Config, tokenizer):
+    """rollout.protocol=tool_calls: the protocol's prompt rendering (the chat template with the tools' schemas); a
+    tokenizer whose template cannot carry it is a UsageError. None (render_prompt) for search_r1."""
+    if cfg.rollout.protocol != "tool_calls":
+        return None
+    from megatron_searchr1.rollout.loop import protocol_from_config
+    from megatron_searchr1.rollout.protocols import build_protocol
+
+    try:
+        return build_protocol(protocol_from_config(cfg.rollout), tokenizer).render_prompt
+    except ValueError as e:
+        raise UsageError(f"model.path={cfg.model.path}: {e}") from None
+
+
 def load_data(cfg: Config, tokenizer, log: bool = True) -> Data:
     """The run's prompts, tokenized, with one line per file (rows, dropped for length, used) when `log`; a run left
     with no usable training prompt, or too few for one batch, is a UsageError naming the field to change."""
     d, t = cfg.data, cfg.trainer
     train_data, val_data, reports = [], [], {"data.train_files": [], "data.val_files": []}
+    render = prompt_renderer(cfg, tokenizer)
     if d.train_files and not t.val_only:
         train_data, _ = load_prompts(d.train_files, tokenizer, d.max_prompt_length, d.chat_template,
-                                     reports=reports["data.train_files"])
+                                     reports=reports["data.train_files"], render=render)
     if d.val_files:
         val_data, _ = load_prompts(d.val_files, tokenizer, d.max_prompt_length, d.chat_template,
-                                   limit=d.val_max_samples, reports=reports["data.val_files"])
+                                   limit=d.val_max_samples, reports=reports["data.val_files"], render=render)
     for (what, files), rows in zip(reports.items(), (train_data, val_data)):
         if log:
             for report in files:
@@ -271,7 +286,8 @@ def build_roles(cfg: Config) -> Roles:
         server, url = None, cfg.retrieval.url
         if cfg.retrieval.launch:
             server, url = launch_server(cfg)
-        client = RetrievalClient(url, topk=cfg.retrieval.topk, timeout=cfg.retrieval.timeout)
+        client = RetrievalClient(url, topk=cfg.retrieval.topk, timeout=cfg.retrieval.timeout,
+                                 doc_ids=r.protocol == "tool_calls")  # the open tool takes the ids results carry
         engine = make_engine(r.engine, hf_dir, **engine_kwargs(cfg, rank))
         offload = GenerationOffload(cfg.model, actor=actor, actor_opt=actor_opt,
                                     critic=critic.model if critic else None,

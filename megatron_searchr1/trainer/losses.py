@@ -58,24 +58,57 @@ def to_sequences(trajs: Sequence[Trajectory], drop_search_errors: bool = True) -
     return seqs
 
 
-def score_trajectories(trajs: Sequence[Trajectory], tokenizer, cfg: AlgoConfig) -> list[dict]:
+def score_trajectories(trajs: Sequence[Trajectory], tokenizer, cfg: AlgoConfig, agree=None) -> list[dict]:
     """Per trajectory: `score` (the training reward: cfg.reward with cfg.format_score) plus em / subem / f1 for logs.
 
     Only what the model generated is scored (`generated_text`: loss-mask-1 tokens): not the prompt's example
     answer, not the retrieved documents, not the invalid-action feedback (it spells out ``<answer> and
-    </answer>``)."""
-    from megatron_searchr1.reward import compute_score
+    </answer>``). reward=judge: the LLM judge (reward/judge.py) scores each `<answer>` against the gold answers;
+    `agree(failed) -> any rank failed` (a collective over the callers' ranks) makes every rank raise JudgeDown
+    together when the judge failed on any of them, so no rank is left waiting in a collective."""
+    from megatron_searchr1.reward import compute_score, extract_solution
 
     out = []
-    for t in trajs:
-        text = generated_text(tokenizer, t)
+    texts = [generated_text(tokenizer, t) for t in trajs]
+    for t, text in zip(trajs, texts):
         source, truth = t.meta["data_source"], t.meta["ground_truth"]
         kw = {"format_score": cfg.format_score} if cfg.reward in ("em", "subem") else {}
-        out.append({"score": float(compute_score(source, text, truth, kind=cfg.reward, **kw)),
+        out.append({"score": float(compute_score(source, text, truth, kind=cfg.reward, **kw))
+                    if cfg.reward != "judge" else 0.0,
                     "em": float(compute_score(source, text, truth, kind="em")),
                     "subem": float(compute_score(source, text, truth, kind="subem")),
                     "f1": float(compute_score(source, text, truth, kind="f1"))})
+    if cfg.reward == "judge":
+        from megatron_searchr1.reward.judge import JudgeDown, judge_for
+
+        judge = judge_for(cfg)
+        failure = None
+        try:
+            verdicts = judge.score([(t.meta.get("question", ""), list(t.meta["ground_truth"].get("target", [])),
+                                     extract_solution(text)) for t, text in zip(trajs, texts)])
+        except JudgeDown as e:
+            failure = e
+        if agree is not None and agree(failure is not None) and failure is None:
+            failure = JudgeDown(judge.url, 0, 0, "the judge failed on another rank")
+        if failure is not None:
+            raise failure
+        for o, v in zip(out, verdicts):
+            o["score"] = o["judge"] = v
     return out
+
+
+def any_rank(failed: bool) -> bool:
+    """True on every rank when `failed` is true on any rank of the default process group (the `agree` of
+    score_trajectories for callers that all score together)."""
+    import torch.distributed as dist
+
+    from megatron_searchr1.collectives import collective_device
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return failed
+    flag = torch.tensor([int(failed)], dtype=torch.int64, device=collective_device())
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
 
 
 def dp_sum(group=None):

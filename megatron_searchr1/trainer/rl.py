@@ -217,7 +217,7 @@ class Trainer:
             trajs = worker.make_trajectories(dp_shard(rows, roles.dp_rank, roles.dp_size), r.n)
             trajs, m = worker.generate(trajs, seed=self.step_seed() + calls)
             roll_metrics = roll_metrics or m  # the first call's rollout metrics (the one without filtering)
-            scores = losses.score_trajectories(trajs, roles.tokenizer, a)
+            scores = losses.score_trajectories(trajs, roles.tokenizer, a, agree=losses.any_rank)
             groups: dict[str, list[int]] = {}
             for i, tr in enumerate(trajs):
                 groups.setdefault(tr.uid, []).append(i)

@@ -229,10 +229,11 @@ class RolloutWorker:
         self.cfg, self.engine, self.tokenizer, self.client, self.server = cfg, engine, tokenizer, client, server
         self.rank, self.world, self.offload = rank, world, offload
         self.layout = EngineLayout(world, cfg.parallel.tp, cfg.parallel.pp, r.engine_tp)
-        self.train_settings, self.val_settings = settings_from_config(r, stop_token_ids, cfg.trainer.seed)
-        self.sync_dtype = DTYPES[cfg.model.dtype if r.dtype == "auto" else r.dtype]
         q = cfg.retrieval
         url = getattr(client, "base_url", q.url)  # a launched server's URL on every rank
+        self.train_settings, self.val_settings = settings_from_config(r, stop_token_ids, cfg.trainer.seed,
+                                                                      tools_url=url)
+        self.sync_dtype = DTYPES[cfg.model.dtype if r.dtype == "auto" else r.dtype]
         # through `self.client` at call time: tests replace the client or its search after construction
         self.guard = SearchGuard(lambda queries: self.client.search(queries), url, q.max_error_rate,
                                  q.max_failed_rounds)
@@ -350,13 +351,23 @@ class RolloutWorker:
         shard = self.layout.shard(self.rank, "world")
         records, samples = [], []
         mine = shard.take(rows)
-        for start in range(0, len(mine), batch_size):
+        judge_down = None  # reward=judge: a judge failure on any rank stops every rank, after the loop (the shards
+        for start in range(0, len(mine), batch_size):  # may differ in batches, so no collective inside it)
             trajs = self.make_trajectories(mine[start:start + batch_size], 1)
             loop.run_rollout(self.engine, self.tokenizer, self.search, trajs, self.val_settings)
-            for tr, sc in zip(trajs, losses.score_trajectories(trajs, self.tokenizer, self.cfg.algo)):
+            try:
+                scores = losses.score_trajectories(trajs, self.tokenizer, self.cfg.algo)
+            except RetrievalDown as e:  # JudgeDown
+                judge_down = e
+                break
+            for tr, sc in zip(trajs, scores):
                 if len(samples) < n_samples:
                     samples.append(reports.eval_sample(self.tokenizer, tr, sc))
                 records.append(reports.eval_record(tr, sc))
+        if self.cfg.algo.reward == "judge" and losses.any_rank(judge_down is not None):
+            from megatron_searchr1.reward.judge import JudgeDown
+
+            raise judge_down or JudgeDown(self.cfg.algo.judge_url, 0, 0, "the judge failed on another rank")
         records = self._exchange(shard, records, group=None)
         try:
             self._check_retrieval("validation")

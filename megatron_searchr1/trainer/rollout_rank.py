@@ -97,9 +97,10 @@ def serve_rollouts(cfg, bridge: Bridge) -> None:
                   flush=True)
     engine = make_engine(r.engine, cfg.model.path, **engine_kwargs(cfg, dist.get_rank()))
     receiver.engine_ready.set()  # weights over NCCL: its buffers come after vLLM took its share of the GPU
-    client = RetrievalClient(url, topk=q.topk, timeout=q.timeout)
+    client = RetrievalClient(url, topk=q.topk, timeout=q.timeout, doc_ids=r.protocol == "tool_calls")
     guard = SearchGuard(client.search, url, q.max_error_rate, q.max_failed_rounds)
-    settings, val_settings = settings_from_config(r, stop_token_ids(tokenizer, cfg.model.path), t.seed)
+    settings, val_settings = settings_from_config(r, stop_token_ids(tokenizer, cfg.model.path), t.seed,
+                                                  tools_url=client.base_url)
 
     def validate_due() -> None:
         """Validate this rank's share of the rows with each version the trainer marked, and send it to trainer rank

@@ -91,7 +91,7 @@ def _dapo_trainer(monkeypatch, informative, overrides, make=None):
     import megatron_searchr1.trainer.rl as rl
 
     monkeypatch.setattr(rl, "mpu", SimpleNamespace(get_data_parallel_group=lambda: None))
-    monkeypatch.setattr(rl.losses, "score_trajectories", lambda trajs, tok, a: [{"score": t.score} for t in trajs])
+    monkeypatch.setattr(rl.losses, "score_trajectories", lambda trajs, tok, a, **kw: [{"score": t.score} for t in trajs])
     trainer = Trainer.__new__(Trainer)
     trainer.cfg = load_config(None, ["data.train_batch_size=3", "algo.ppo_mini_batch_size=3", "rollout.n=2",
                                      *overrides])
