@@ -60,11 +60,16 @@ def _write_bad(kind: str, path) -> None:
     elif kind == "reward_model_not_struct":
         pq.write_table(pa.table({"prompt": [[{"role": "user", "content": "q"}]], "data_source": ["nq"],
                                  "reward_model": ["Bo"]}), str(path))
+    elif kind == "prompt_not_messages":  # the schema is right, the rows are not (passed the check, failed 9 s later)
+        pq.write_table(pa.table({"prompt": [["q"]], "data_source": ["nq"],
+                                 "reward_model": [{"ground_truth": {"target": ["Bo"]}}]}), str(path))
 
 
 SCHEMA_CASES = {"empty": "has no rows", "not_parquet": "is not a readable parquet file",
                 "no_reward_model": "lacks column(s) ['reward_model']",
-                "reward_model_not_struct": "reward_model must be a struct with a ground_truth field"}
+                "reward_model_not_struct": "reward_model must be a struct with a ground_truth field",
+                "prompt_not_messages": "row 0 has a prompt that is ['q']; the prompt column must hold a list of chat "
+                                       "messages"}
 
 
 @pytest.mark.parametrize("kind", sorted(SCHEMA_CASES))
