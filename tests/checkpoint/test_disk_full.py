@@ -212,8 +212,7 @@ def test_a_torn_last_row_is_cut_when_a_run_opens_its_logs(tmp_path):
     (out / "trajectories.jsonl").write_text('{"step": 1, "uid": "a"}\n{"step": 2, "uid": "b", "resp')
     (out / "metrics.jsonl").write_text('{"step": 1, "x": 1}\n')
     (out / "val_trajectories.jsonl").write_text('{"step": 1, "uid"')  # torn first row: the file becomes empty
-    logger = RunLogger(str(out), enabled=True, tensorboard=False)
-    logger.resume_at(1)
+    logger = RunLogger(str(out), enabled=True, tensorboard=False)  # no resume_at: no checkpoint to resume from
     logger.trajectories(2, [{"uid": "c"}])
     logger.trajectories(2, [{"uid": "d"}], name="val_trajectories.jsonl")
     assert [json.loads(ln)["uid"] for ln in open(out / "trajectories.jsonl")] == ["a", "c"]
