@@ -154,15 +154,16 @@ class RunLogger:
             os.makedirs(output_dir, exist_ok=True)
             for name in sorted(os.listdir(output_dir)):  # the rows this run appends must start on their own line
                 if name.endswith(".jsonl") and os.path.isfile(os.path.join(output_dir, name)):
-                    self._guarded(os.path.join(output_dir, name), cut_torn_last_line, os.path.join(output_dir, name))
+                    self.guarded(os.path.join(output_dir, name), cut_torn_last_line, os.path.join(output_dir, name))
             if tensorboard:
                 from torch.utils.tensorboard import SummaryWriter
 
                 _quiet_tensorboard_storage_errors()
-                self._writer = self._guarded(self.tb_dir, SummaryWriter, self.tb_dir)
+                self._writer = self.guarded(self.tb_dir, SummaryWriter, self.tb_dir)
 
-    def _guarded(self, path: str, fn, *args):
-        """fn(*args), unless a write already failed; a storage failure is remembered (see raise_if_failed)."""
+    def guarded(self, path: str, fn, *args):
+        """fn(*args) (a write under `path`, e.g. a plot) unless a write already failed; a storage failure is
+        remembered (see raise_if_failed), anything else raised."""
         if self.failure is not None:
             return None
         try:
@@ -183,7 +184,7 @@ class RunLogger:
             write(self._writer)
             self._writer.flush()
 
-        self._guarded(self.tb_dir, run)
+        self.guarded(self.tb_dir, run)
         if self.failure is not None:
             self._writer = None  # its file is in an unknown state and its close would raise again
 
@@ -202,7 +203,7 @@ class RunLogger:
         """Append `rows` to `<output_dir>/<name>` (a JSONL log), each whole or none (`append_jsonl`)."""
         if self.enabled and rows:
             path = os.path.join(self.output_dir, name)
-            self._guarded(path, append_jsonl, path, rows)
+            self.guarded(path, append_jsonl, path, rows)
 
     def raise_if_failed(self, group=None) -> None:
         """Every rank of `group` (all ranks if None) calls this at the same point: when rank 0's logger failed to
@@ -239,17 +240,17 @@ class RunLogger:
         for name in sorted(os.listdir(self.output_dir)):
             if name.endswith(".jsonl"):
                 path = os.path.join(self.output_dir, name)
-                self._guarded(path, truncate_jsonl_after, path, step)
+                self.guarded(path, truncate_jsonl_after, path, step)
         if self._writer is not None:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._guarded(self.tb_dir, self._writer.close)
-            self._writer = self._guarded(self.tb_dir, lambda: SummaryWriter(self.tb_dir, purge_step=step + 1))
+            self.guarded(self.tb_dir, self._writer.close)
+            self._writer = self.guarded(self.tb_dir, lambda: SummaryWriter(self.tb_dir, purge_step=step + 1))
 
     def close(self) -> None:
         if self._writer is not None:
             writer, self._writer = self._writer, None
-            self._guarded(self.tb_dir, writer.close)
+            self.guarded(self.tb_dir, writer.close)
 
 
 def truncate_jsonl_after(path: str, step: int) -> int:

@@ -116,7 +116,7 @@ class Trainer:
             self.export(os.path.join(t.output_dir, "hf"))
         if self.cfg.logging.plot and self.rank == 0:
             from megatron_searchr1.plots import plot_rl_curves
-            plot_rl_curves(t.output_dir)
+            logger.guarded(t.output_dir, plot_rl_curves, t.output_dir)
         logger.raise_if_failed()  # the final validation's logs
         return final
 
