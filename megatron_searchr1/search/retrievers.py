@@ -6,8 +6,8 @@ An index directory holds `index_meta.json` and the index files:
 index_meta.json records the kind, the corpus path (absolute, or relative to the directory when the corpus was
 copied in), the doc count, a fingerprint of the corpus (a hash of its first and last passages: a corpus swapped for
 another of the same size is refused, not served), and everything the query side must repeat (BM25 tokenisation,
-encoder pooling and prefixes). `register_faiss_index` writes a meta for an existing Search-R1 `e5_Flat.index` + `wiki-18.jsonl`
-without touching either file.
+encoder pooling and prefixes). `register_faiss_index` writes a meta for an existing Search-R1 `e5_Flat.index` +
+`wiki-18.jsonl` without touching either file.
 """
 from __future__ import annotations
 
@@ -284,7 +284,9 @@ def check_corpus_file(corpus_file: str, index_dir=None, meta: dict | None = None
     the index's `meta`, is not the corpus the index was built over (its fingerprint differs). Milliseconds: the
     file's two ends are read. An index built before fingerprints were recorded is served after one warning."""
     if not os.path.isfile(corpus_file):
-        if index_dir is None:
+        named = meta is not None and index_dir is not None and isinstance(meta.get("corpus"), str) and \
+            os.path.abspath(corpus_file) == os.path.abspath(_in_dir(index_dir, meta["corpus"]))
+        if not named:
             raise IndexFileError(f"corpus file not found: {corpus_file}: pass the corpus with --corpus")
         raise IndexFileError(f"{corpus_file}, the corpus {os.path.join(index_dir, META_FILE)} names, does not exist "
                              f"(an index moved without its corpus): pass the corpus with --corpus PATH, or rebuild "
