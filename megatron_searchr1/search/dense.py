@@ -308,8 +308,9 @@ def open_flat_vectors(path: str | os.PathLike, expect: tuple[int, int] | None = 
 
 
 FLAT_ROW_MIN_COSINE = 0.9
-"""How close the Flat file's vector of a passage must be to this encoder's vector of it (cosine). The same encoder
-on another device or in fp16 stays above 0.99; another passage of a corpus of look-alike passages falls below 0.9."""
+"""How close the Flat file's vector of a passage must be to this encoder's vector of it (cosine). Measured with the
+packaged MiniLM: 1.000 for the same passage with the stored vector rounded to fp16; at most 0.83 between two different
+passages of tests/search's 300 look-alike passages (0.27 and 0.34 between rows of two such corpora)."""
 
 
 def check_flat_rows(vectors: np.ndarray, corpus: Sequence[dict], encoder, path) -> None:
