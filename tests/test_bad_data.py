@@ -60,11 +60,16 @@ def _write_bad(kind: str, path) -> None:
     elif kind == "reward_model_not_struct":
         pq.write_table(pa.table({"prompt": [[{"role": "user", "content": "q"}]], "data_source": ["nq"],
                                  "reward_model": ["Bo"]}), str(path))
+    elif kind == "prompt_not_messages":  # the schema is right, the rows are not (passed the check, failed 9 s later)
+        pq.write_table(pa.table({"prompt": [["q"]], "data_source": ["nq"],
+                                 "reward_model": [{"ground_truth": {"target": ["Bo"]}}]}), str(path))
 
 
 SCHEMA_CASES = {"empty": "has no rows", "not_parquet": "is not a readable parquet file",
                 "no_reward_model": "lacks column(s) ['reward_model']",
-                "reward_model_not_struct": "reward_model must be a struct with a ground_truth field"}
+                "reward_model_not_struct": "reward_model must be a struct with a ground_truth field",
+                "prompt_not_messages": "row 0 has a prompt that is ['q']; the prompt column must hold a list of chat "
+                                       "messages"}
 
 
 @pytest.mark.parametrize("kind", sorted(SCHEMA_CASES))
@@ -180,3 +185,23 @@ def test_evaluation_does_not_need_the_train_files(tmp_path, model_dir):
     line = _one_error_line(proc)
     assert f"the retrieval server at http://127.0.0.1:{port}/retrieve does not answer" in line, line
     assert "train.parquet" not in line
+
+
+def test_a_truncated_safetensors_under_model_path_is_the_converters_one_line(tmp_path, model_dir):
+    """The converter refused this directory in one line; the trainer's ranks crashed with SafetensorError after the
+    whole start-up. The config check runs the converter's check (headers and sizes) before torch loads."""
+    import shutil
+
+    cut = tmp_path / "cut_model"
+    shutil.copytree(model_dir, cut)
+    weights = cut / "model.safetensors"
+    size = weights.stat().st_size
+    with open(weights, "r+b") as f:
+        f.truncate(size - 1000)
+    proc, elapsed = _run_train(str(cut), _good(tmp_path / "train.parquet"), _good(tmp_path / "val.parquet"),
+                               tmp_path / "out")
+    line = _one_error_line(proc)
+    assert f"model.path={cut}: {weights} has {size - 1000} bytes but its tensors need {size}" in line, line
+    assert "truncated or corrupt: copy or download it again" in line
+    assert elapsed < 15, f"{elapsed:.1f}s: the weights must be checked before torch loads"
+    assert not (tmp_path / "out").exists()

@@ -137,3 +137,46 @@ def test_ctrl_c_stops_every_rank_in_seconds_with_one_line_each(world, tiny_model
     assert "KeyboardInterrupt" not in log and "megatron_searchr1/" not in rest, rest[-6000:]  # no traceback of ours
     assert returncode != 0 and seconds < 10, (returncode, seconds)
     assert not left, f"left running after Ctrl-C: {left}"
+
+
+@pytest.mark.slow
+def test_a_full_disk_under_the_logs_stops_every_rank_with_one_line_and_the_resume_appends_whole_rows(
+        world, tiny_model, rl_root):
+    """The disk fills when no checkpoint is due: rank 0 crashed in metrics.py with OSError [Errno 28], rank 1 with a
+    gloo "connection closed" traceback, and trajectories.jsonl kept a cut row that the next run appended to. Now
+    (the real entry point, two ranks, real ENOSPC from a small tmpfs under trainer.output_dir, the checkpoints on a
+    second one) each rank prints one `error:` line and exits 2, the step's checkpoint is saved on the way out, and
+    the resume cuts a torn last row (planted here, as a killed run leaves it) before it appends: every JSONL parses."""
+    from megatron_searchr1.search.launch import ServerProcess
+    from tests.checkpoint.small_fs import small_fs
+
+    out = os.path.join(rl_root, "disk_full")
+    train = os.path.join(world, "train.parquet")
+    with small_fs(out, 2 << 20) as mounted, small_fs(os.path.join(out, "checkpoints"), 256 << 20) as mounted_ckpt:
+        if not (mounted and mounted_ckpt):
+            pytest.skip("mounting a tmpfs is not permitted here (tests/checkpoint/test_disk_full.py injects instead)")
+        with ServerProcess(["--index-dir", os.path.join(world, "index_bm25")]) as server:
+            proc = run_module("tests.train_failures_script", ["disk_full", tiny_model, train, out, server.url, "1",
+                                                              "3"], nproc=2, timeout=600, check=False)
+            log = proc.stdout + proc.stderr
+            assert "FILLED after step 1" in log, log[-6000:]
+            errors = [ln for ln in log.splitlines() if ln.startswith("error: ")]
+            assert len(errors) == 2 and len(set(errors)) == 1, log[-6000:]  # one line per rank, the same
+            assert errors[0].startswith(f"error: writing the run's logs failed: no space left on the device ({out}/"), \
+                errors[0]
+            assert "exitcode  : 2" in log and "exitcode  : 1" not in log, log[-6000:]
+            assert "onnection closed" not in log and "OSError" not in log, log[-6000:]
+            assert os.path.isfile(os.path.join(out, "checkpoints", "step_000001", "checkpoint.json"))
+            os.remove(os.path.join(out, "filler"))
+            with open(os.path.join(out, "trajectories.jsonl"), "a") as f:
+                f.write('{"step": 2, "uid": "torn", "respo')  # a row cut by a kill
+            proc = run_module("tests.train_failures_script", ["disk_full", tiny_model, train, out, server.url, "0",
+                                                              "2"], nproc=2, timeout=600, check=False)
+            log = proc.stdout + proc.stderr
+            assert proc.returncode == 0 and "resumed from" in log and "at step 1" in log, log[-6000:]
+        for name in sorted(os.listdir(out)):
+            if name.endswith(".jsonl"):
+                rows = [json.loads(line) for line in open(os.path.join(out, name))]  # every row parses
+                assert all(r.get("uid") != "torn" for r in rows), name
+                if name in ("metrics.jsonl", "trajectories.jsonl"):
+                    assert 2 in {r["step"] for r in rows}, (name, rows[-1])

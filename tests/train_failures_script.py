@@ -20,6 +20,12 @@ ranks (rollout.engine_tp=2), against a real retrieval server at URL; rank 1's cl
 searcher that fails on that rank only). After step AFTER_STEP rank 0 stops (SIGSTOP: hung) or kills (SIGKILL) the
 server. Every rank prints its client's request count after each step (only the engine's first rank may ask the
 server, so rank 1's steps still complete) and rank 0 the time of the signal.
+
+    torchrun --nproc_per_node 2 -m tests.train_failures_script disk_full MODEL_DIR TRAIN_PARQUET OUT_DIR URL \
+        FILL_AFTER TOTAL_STEPS
+
+disk_full: the real entry point at DP=2 against the server at URL; after step FILL_AFTER rank 0 fills the
+filesystem holding OUT_DIR, when no checkpoint is due (see `disk_full`).
 """
 import json
 import os
@@ -133,6 +139,48 @@ def retriever(model_dir: str, train_file: str, out: str, url: str, server_pid: s
     ])
 
 
+def disk_full(model_dir: str, train_file: str, out: str, url: str, fill_after: str, total_steps: str) -> int:
+    """The real entry point at DP=2; after step FILL_AFTER (0: never) rank 0 fills the filesystem holding OUT (the
+    logs' filesystem: the test mounts the checkpoints on another one), so that step's logs fail when no checkpoint
+    is due (trainer.save_freq=0)."""
+    import megatron_searchr1.trainer.rl as rl
+    from megatron_searchr1 import train
+    from megatron_searchr1.cli import run_main
+
+    build_roles = rl.build_roles
+
+    def scripted_roles(cfg):
+        roles = build_roles(cfg)
+        roles.worker.engine.generate = scripted_generate(roles.tokenizer)
+        return roles
+
+    step = rl.Trainer.step
+
+    def step_then_fill(self):
+        metrics = step(self)
+        if self.step_no == int(fill_after) and self.rank == 0:
+            with open(os.path.join(out, "filler"), "ab", buffering=0) as f:
+                for chunk in (1 << 16, 1):
+                    try:
+                        while True:
+                            f.write(b"x" * chunk)
+                    except OSError:
+                        pass
+            print(f"FILLED after step {self.step_no}", flush=True)
+        return metrics
+
+    rl.build_roles, rl.Trainer.step = scripted_roles, step_then_fill
+    return run_main(train.main, [
+        f"model.path={model_dir}", f"data.train_files=[{train_file}]", f"data.val_files=[{train_file}]",
+        f"trainer.output_dir={out}", "rollout.engine=hf", "parallel.tp=1", "parallel.timeout_minutes=3",
+        "data.train_batch_size=2", "algo.ppo_mini_batch_size=2", "rollout.n=2", "rollout.max_turns=1",
+        "rollout.max_tokens_per_turn=16", "rollout.max_response_length=96", "rollout.max_obs_length=32",
+        f"trainer.total_steps={total_steps}", "trainer.val_before_train=false", "trainer.test_freq=0",
+        "trainer.save_freq=0", "trainer.export_hf=false", "logging.tensorboard=true", "logging.progress_bar=false",
+        "logging.plot=false", "algo.use_kl_loss=false", f"retrieval.url={url}",
+    ])
+
+
 def main(estimator: str, model_dir: str, train_file: str, out: str) -> None:
     initialize_megatron(tp=1, pp=1, seed=1, timeout_minutes=2)
     cfg = load_config(None, [
@@ -174,4 +222,6 @@ def main(estimator: str, model_dir: str, train_file: str, out: str) -> None:
 if __name__ == "__main__":
     if sys.argv[1] == "retriever":
         sys.exit(retriever(*sys.argv[2:]))
+    if sys.argv[1] == "disk_full":
+        sys.exit(disk_full(*sys.argv[2:]))
     main(*sys.argv[1:5])

@@ -78,7 +78,8 @@ from megatron_searchr1.checkpoint.optimizer import (  # noqa: F401  (names of th
     load_optimizer, optimizer_metadata, optimizer_model_state, prepare_for_load, share_adam_step,
 )
 from megatron_searchr1.checkpoint.space import (
-    CheckpointStorageError, dir_size, free_bytes, looks_full, make_room, storage_cause, storage_error,
+    CheckpointStorageError, dir_size, free_bytes, looks_full, make_room, resume_room_problem, storage_cause,
+    storage_error,
 )
 from megatron_searchr1.models.forward import unwrap
 from megatron_searchr1.models.freeze import is_frozen_subset
@@ -179,12 +180,15 @@ def resume_target(resume: str, ckpt_root: str) -> Optional[tuple[str, Union[str,
     return os.path.dirname(path), int(m.group(1))
 
 
-def agreed_resume_target(resume: str, ckpt_root: str) -> Optional[tuple[str, int]]:
+def agreed_resume_target(resume: str, ckpt_root: str, keep_last=None, check_room: bool = False
+                         ) -> Optional[tuple[str, int]]:
     """`resume_target` decided by rank 0 alone, with "latest" resolved to its step, and broadcast to every rank.
 
     Each node reading its own `latest` could pick different steps (a save finishing while another node starts, a
     stale file cache); one decision cannot. A mistake in `trainer.resume` is raised on every rank, not only on rank
-    0 while the others wait in the broadcast.
+    0 while the others wait in the broadcast. check_room: a resume into `ckpt_root` whose next save cannot fit
+    (free space, plus what `keep_last` would prune, below the size of the checkpoint resumed from) is a
+    CheckpointStorageError now, on every rank, instead of after a step of training.
     """
     box: list = [None]
     if _rank() == 0:
@@ -193,7 +197,11 @@ def agreed_resume_target(resume: str, ckpt_root: str) -> Optional[tuple[str, int
             target = resume_target(resume, ckpt_root)
             if target is not None:
                 target = (target[0], _resolve_step(*target))
-            box = [("ok", target)]
+            problem = None
+            if check_room and target is not None and os.path.abspath(target[0]) == os.path.abspath(ckpt_root):
+                problem = resume_room_problem(ckpt_root, target[1], keep_last, _complete_steps(ckpt_root),
+                                              lambda s: dir_size(step_dir(ckpt_root, s)))
+            box = [("storage", str(problem))] if problem is not None else [("ok", target)]
         except CheckpointError as e:
             box = [("error", str(e))]
         except OSError as e:  # removing a crashed save's tree, or reading the root
@@ -416,7 +424,7 @@ def save_checkpoint(ckpt_root: str, step: int, models: dict[str, torch.nn.Module
                 os.makedirs(os.path.join(tmp, sub))
         except OSError as e:
             failure = e
-    _fail_together(failure, step, ckpt_root, need)
+    _fail_together(failure, step, ckpt_root, need, keep_last)
 
     try:
         for name, model in models.items():
@@ -434,14 +442,14 @@ def save_checkpoint(ckpt_root: str, step: int, models: dict[str, torch.nn.Module
         raise
     except BaseException as e:  # noqa: BLE001  (torch's CheckpointException is a BaseException; made collective)
         failure = e
-    _fail_together(failure, step, ckpt_root, need)  # also the barrier: every rank's files are on disk
+    _fail_together(failure, step, ckpt_root, need, keep_last)  # also the barrier: every rank's files are on disk
 
     if rank == 0:
         try:
             _finish(ckpt_root, step, tmp, final, models, optimizers, schedulers, extra, hf_dirs, layout, keep_last)
         except Exception as e:  # noqa: BLE001
             failure = e
-    _fail_together(failure, step, ckpt_root, need)
+    _fail_together(failure, step, ckpt_root, need, keep_last)
     return final
 
 
@@ -474,7 +482,8 @@ def _finish(ckpt_root, step, tmp, final, models, optimizers, schedulers, extra, 
         _prune(ckpt_root, keep_last, protect=step)
 
 
-def _fail_together(failure: Optional[BaseException], step: int, ckpt_root: str, need: Optional[int]) -> None:
+def _fail_together(failure: Optional[BaseException], step: int, ckpt_root: str, need: Optional[int],
+                   keep_last: Optional[int] = None) -> None:
     """A save is collective, so is its failure: every rank learns whether any rank failed (a rank raising alone
     would leave the others waiting in the next collective). On a failure rank 0 removes the partial
     `step_N.tmp` and words one message for all; every rank raises it: CheckpointStorageError (one `error:` line
@@ -504,7 +513,8 @@ def _fail_together(failure: Optional[BaseException], step: int, ckpt_root: str, 
                          else "at least what was written before it failed")
             err = storage_error(f"saving checkpoint step {step} to {step_dir(ckpt_root, step)} (rank "
                                 f"{storage[0][0]})", ckpt_root, storage[0][1][0],
-                                need=need if need is not None else written, need_from=need_from, free=free)
+                                need=need if need is not None else written, need_from=need_from, free=free,
+                                keep_last=keep_last)
             box = [("storage", f"{err}; the partial {os.path.basename(tmp)} was removed, {kept}")]
         else:
             r, (_, msg) = failed[0]

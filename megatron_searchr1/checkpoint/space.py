@@ -101,6 +101,24 @@ def human(n: Optional[int]) -> str:
     return ""
 
 
+def resume_room_problem(ckpt_root: str, step: int, keep_last: Optional[int], complete: list[int],
+                        step_size: Callable[[int], int]) -> Optional[CheckpointStorageError]:
+    """Rank 0, at start-up of a resumed run: the error to raise when the next save cannot fit, or None. The next
+    save needs about the size of the checkpoint resumed from; what `make_room` would prune before it counts as free.
+    A disk still full would otherwise train a whole step (or more) before failing the same save again."""
+    free = free_bytes(ckpt_root)
+    if free is None or step not in complete:
+        return None
+    need = step_size(step)
+    prunable = complete[:-max(keep_last - 1, 1)] if keep_last is not None else []
+    room = free + sum(step_size(s) for s in prunable)
+    if room >= need:
+        return None
+    return storage_error(f"resuming from checkpoint step {step} in {ckpt_root} (its next save will not fit)",
+                         ckpt_root, errno.ENOSPC, need=need, need_from=f"the size of step {step}'s checkpoint",
+                         free=free, keep_last=keep_last)
+
+
 def make_room(ckpt_root: str, keep_last: Optional[int], complete: list[int], step_size: Callable[[int], int],
               remove: Callable[[int], None]) -> Optional[int]:
     """Rank 0, before a save: the size of the newest complete checkpoint (the estimate of what the save needs;
@@ -121,11 +139,33 @@ def make_room(ckpt_root: str, keep_last: Optional[int], complete: list[int], ste
     return need
 
 
+_UNSET = object()
+
+
+def space_advice(keep_last: Optional[int]) -> str:
+    """What to do when checkpoints do not fit: lowering trainer.keep_last only where it can go lower.
+
+    >>> space_advice(1)
+    'free space there or put trainer.output_dir on a larger filesystem'
+    >>> space_advice(3)
+    'free space there, lower trainer.keep_last (now 3), or put trainer.output_dir on a larger filesystem'
+    """
+    if keep_last is None:
+        return "free space there, set trainer.keep_last to keep fewer checkpoints, or put trainer.output_dir on a " \
+               "larger filesystem"
+    if keep_last > 1:
+        return f"free space there, lower trainer.keep_last (now {keep_last}), or put trainer.output_dir on a larger " \
+               "filesystem"
+    return "free space there or put trainer.output_dir on a larger filesystem"  # keep_last=1: nothing to lower
+
+
 def storage_error(what: str, path: str, code: int, *, need: Optional[int], need_from: str,
-                  free: Optional[int] = None) -> CheckpointStorageError:
+                  free: Optional[int] = None, keep_last=_UNSET) -> CheckpointStorageError:
     """One line: what failed where, the cause, the space needed and free (for space; `free`: as measured when it
-    failed, else now), and what to do."""
+    failed, else now), and what to do (with `keep_last`, the run's trainer.keep_last: whether lowering it helps)."""
     cause, todo = STORAGE_ERRNOS[code]
+    if keep_last is not _UNSET and code in (errno.ENOSPC, errno.EDQUOT):
+        todo = space_advice(keep_last)
     line = f"{what} failed: {cause} ({path}"
     if code in (errno.ENOSPC, errno.EDQUOT):
         if free is None:

@@ -34,6 +34,39 @@ def check(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that refuses a key set twice in one mapping: PyYAML keeps the last silently, so a second
+    `trainer:` section would replace the first whole (and a repeated field would win unseen). Merge keys (`<<:`)
+    are left to PyYAML."""
+
+    path = "the config"
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict = {}
+        for key_node, value_node in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=True)
+            try:
+                first = seen.get(key)
+            except TypeError:  # an unhashable key: PyYAML's own error says so
+                continue
+            line = key_node.start_mark.line + 1
+            if first is not None:
+                what = "section" if isinstance(value_node, yaml.MappingNode) else "key"
+                raise ConfigError(f"{self.path}:{line}: {what} {key!r} appears a second time (first on line {first}); "
+                                  f"YAML would keep only the last one: merge the two into one {key!r}")
+            seen[key] = line
+        return super().construct_mapping(node, deep)
+
+
+def read_yaml(path: str):
+    """The YAML document in `path`; a ConfigError names the line of a duplicated key or section."""
+    loader_cls = type("_Loader", (_UniqueKeyLoader,), {"path": path})
+    with open(path) as f:
+        return yaml.load(f, Loader=loader_cls)  # noqa: S506 - a SafeLoader subclass
+
+
 def _coerce(tp: Any, value: Any, where: str) -> Any:
     """Convert a YAML/CLI value to the field's annotated type (only the types our configs use)."""
     origin = typing.get_origin(tp)
@@ -128,11 +161,10 @@ def load(cls, path: Optional[str] = None, overrides: Optional[list[str]] = None,
     if path:
         if not os.path.isfile(path):
             raise ConfigError(f"config file {path!r} does not exist")
-        with open(path) as f:
-            try:
-                raw = yaml.safe_load(f) or {}
-            except yaml.YAMLError as e:
-                raise ConfigError(f"{path} is not valid YAML: {e}") from None
+        try:
+            raw = read_yaml(path) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path} is not valid YAML: {e}") from None
         if not isinstance(raw, dict):
             raise ConfigError(f"{path} must hold a mapping of sections (data:, model:, ...)")
     raw = apply_overrides(raw, list(overrides or []))

@@ -659,6 +659,14 @@ class Config:
                                        "model dir (tools/make_tiny_model.py writes one)")
         with open(hf_json) as f:
             hf = json.load(f)
+        # the converter's check: a *.safetensors cut short (or a shard missing) is one line here, not a
+        # SafetensorError on every rank after the process groups, the model and the engine are up
+        from megatron_searchr1.cli import UsageError
+        from megatron_searchr1.models.hf_files import check_weight_files
+        try:
+            check_weight_files(self.model.path, "model.path", require=False)
+        except UsageError as e:
+            raise ConfigError(f"model.path={self.model.path}: {e}") from None
         heads, layers = hf.get("num_attention_heads", 1), hf.get("num_hidden_layers", 1)
         check(heads % p.tp == 0, f"parallel.tp={p.tp} does not divide the model's num_attention_heads={heads}: "
                                  "choose a TP that divides it")

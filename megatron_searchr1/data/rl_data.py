@@ -11,7 +11,11 @@ rendered with `data.prompts.render_prompt` (the same call the SFT data makes) an
 longer than `max_prompt_length` is dropped and counted, never cut (Search-R1 keeps only the rightmost tokens,
 which can drop the question).
 
-`check_schema` reads only the parquet footers (no rows, no torch), so a run can refuse a missing, unreadable,
+The `prompt` column holds a list of chat messages (`[{"role": "user", "content": ...}]`, what the data tools write)
+or a plain string, which is read as one user message: `prompt_messages` turns either into messages, and
+`check_schema` refuses any other shape, so the check and the loader agree on what a row may hold.
+
+`check_schema` reads the parquet footers and two columns (no torch), so a run can refuse a missing, unreadable,
 empty or schema-less file in a second, before any model is built; `load_prompts(..., reports=[])` says per file
 how many rows it read, how many it dropped and why.
 """
@@ -30,6 +34,41 @@ class DataError(ValueError):
 
 
 REQUIRED_COLUMNS = ("prompt", "data_source", "reward_model")
+PROMPT_SHAPE = ('a list of chat messages [{"role": "user", "content": "..."}] (tools/prepare_qa_data.py writes '
+                'them) or a plain string (one user message)')
+
+
+def prompt_messages(prompt) -> list[dict]:
+    """The chat messages of one row's `prompt` value: a plain string is one user message; a list of
+    {"role", "content"} dicts is kept. Any other shape raises DataError (without the file name: the caller adds it).
+
+    >>> prompt_messages("Question: who wrote Dune?")
+    [{'role': 'user', 'content': 'Question: who wrote Dune?'}]
+    >>> prompt_messages([{"role": "user", "content": "q"}])
+    [{'role': 'user', 'content': 'q'}]
+    """
+    if isinstance(prompt, str):
+        if not prompt.strip():
+            raise DataError("an empty prompt")
+        return [{"role": "user", "content": prompt}]
+    if isinstance(prompt, (list, tuple)) and prompt and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in prompt):
+        return [dict(m) for m in prompt]
+    shown = repr(prompt)
+    raise DataError(f"a prompt that is {shown[:80] + '...' if len(shown) > 80 else shown}")
+
+
+def _check_prompts(path: str, what: str, hint: str) -> None:
+    """Read the `prompt` column and refuse the first row whose value `prompt_messages` cannot read."""
+    import pyarrow.parquet as pq
+
+    for i, value in enumerate(pq.read_table(path, columns=["prompt"]).column(0).to_pylist()):
+        try:
+            prompt_messages(value)
+        except DataError as e:
+            raise DataError(f"{what}: {path}: row {i} has {e}; the prompt column must hold {PROMPT_SHAPE}: "
+                            f"{hint}") from None
 
 
 def unscored_sources(sources) -> list:
@@ -53,9 +92,10 @@ def known_sources() -> str:
 
 
 def check_schema(paths: list[str], what: str = "data file") -> dict[str, int]:
-    """{path: number of rows} of Search-R1-style parquet files, from their footers only; a DataError names the
-    first file that is missing, unreadable, lacks a required column (or `reward_model.ground_truth`), has no row,
-    or has a data_source the reward registry cannot score (that one column is read, not the rows).
+    """{path: number of rows} of Search-R1-style parquet files, from their footers and two columns; a DataError names
+    the first file that is missing, unreadable, lacks a required column (or `reward_model.ground_truth`), has no row,
+    has a prompt `prompt_messages` cannot read (the `prompt` column is read) or has a data_source the reward registry
+    cannot score (that column is read too).
     `what` names the config field in the message (e.g. "data.train_files")."""
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -79,6 +119,7 @@ def check_schema(paths: list[str], what: str = "data file") -> dict[str, int]:
                             f"({{'ground_truth': {{'target': [answers]}}}}), got {reward}: {hint}")
         if meta.metadata.num_rows == 0:
             raise DataError(f"{what}: {path} has no rows")
+        _check_prompts(path, what, hint)
         unknown = unscored_sources(pq.read_table(path, columns=["data_source"]).column(0).unique().to_pylist())
         if unknown:  # else every rank fails in its first reward, after the models and the engine are built
             raise DataError(f"{what}: {path}: no reward for data_source {', '.join(map(repr, unknown))}; "
@@ -123,13 +164,16 @@ class PromptRow:
 
 
 def read_rows(paths: list[str]) -> list[dict]:
-    """All rows of the parquet files, in order, as plain python (lists, dicts)."""
+    """All rows of the parquet files, in order, as plain python (lists, dicts); `prompt` as chat messages."""
     import pyarrow.parquet as pq
 
     rows = []
     for path in paths:
         check_schema([path])
-        rows += [plain(r) for r in pq.read_table(path).to_pylist()]
+        for r in pq.read_table(path).to_pylist():
+            r = plain(r)
+            r["prompt"] = prompt_messages(r["prompt"])  # a plain string becomes one user message
+            rows.append(r)
     return rows
 
 

@@ -161,6 +161,13 @@ def check_hf_files(hf_dir: str, flag: str = "--hf-dir") -> None:
         except (ValueError, UnicodeDecodeError):
             raise UsageError(f"{tok_json} is not valid JSON (truncated or corrupt): copy the model's tokenizer "
                              "again (tokenizer.save_pretrained(dir))") from None
+    check_weight_files(hf_dir, flag)
+
+
+def check_weight_files(hf_dir: str, flag: str = "--hf-dir", require: bool = True) -> None:
+    """UsageError unless every shard model.safetensors.index.json lists is there and every *.safetensors file is
+    whole (`check_safetensors`): headers and sizes only, so the converter and the trainer's config check refuse a
+    copy cut short in milliseconds, naming the file. require: no *.safetensors at all is an error too."""
     shards = sorted(f for f in os.listdir(hf_dir) if f.endswith(".safetensors"))
     index = os.path.join(hf_dir, "model.safetensors.index.json")
     if os.path.isfile(index):  # a sharded model: every shard its index lists must be there
@@ -174,7 +181,7 @@ def check_hf_files(hf_dir: str, flag: str = "--hf-dir") -> None:
         if missing:
             raise UsageError(f"{hf_dir}: shard file(s) {', '.join(missing)} listed in model.safetensors.index.json "
                              "are missing: copy or download them")
-    if not shards:
+    if not shards and require:
         raise UsageError(f"{flag} {hf_dir!r} has no *.safetensors weights: save the model with "
                          "save_pretrained(dir, safe_serialization=True)")
     for name in shards:

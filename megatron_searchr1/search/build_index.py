@@ -93,9 +93,13 @@ def main(argv: list[str] | None = None) -> int:
         if not os.path.isfile(args.from_flat):
             raise UsageError(f"--from-flat {args.from_flat!r} is not a file")
         from megatron_searchr1.search.dense import IndexFileError, flat_file_layout
+        from megatron_searchr1.search.retrievers import check_flat_file_corpus
         try:
             flat_file_layout(args.from_flat)
-        except IndexFileError as e:
+            # a Flat file our builder wrote carries its corpus's fingerprint (index_meta.json beside it): compared
+            # here, in milliseconds; one without (e5_Flat.index) is checked from its vectors once the encoder loads
+            check_flat_file_corpus(args.from_flat, args.corpus)
+        except (IndexFileError, ValueError) as e:
             raise UsageError(str(e)) from None
     if problem := encoder_args_problem(args):
         raise UsageError(problem)

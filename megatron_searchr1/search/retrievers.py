@@ -4,9 +4,10 @@ An index directory holds `index_meta.json` and the index files:
   bm25/          bm25s's own files            (kind bm25 or hybrid)
   dense.index    a faiss index, row i = doc i (kind dense or hybrid; may instead point to a file elsewhere)
 index_meta.json records the kind, the corpus path (absolute, or relative to the directory when the corpus was
-copied in), the doc count, and everything the query side must repeat (BM25 tokenisation, encoder pooling and
-prefixes). `register_faiss_index` writes a meta for an existing Search-R1 `e5_Flat.index` + `wiki-18.jsonl`
-without touching either file.
+copied in), the doc count, a fingerprint of the corpus (a hash of its first and last passages: a corpus swapped for
+another of the same size is refused, not served), and everything the query side must repeat (BM25 tokenisation,
+encoder pooling and prefixes). `register_faiss_index` writes a meta for an existing Search-R1 `e5_Flat.index` +
+`wiki-18.jsonl` without touching either file.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ import numpy as np
 
 from megatron_searchr1.search.base import Retriever
 from megatron_searchr1.search.bm25 import BM25Config, BM25Retriever
-from megatron_searchr1.search.corpus import last_row_problem, open_corpus
+from megatron_searchr1.search.corpus import corpus_fingerprint, last_row_problem, open_corpus
 from megatron_searchr1.search.dense import (VECTORS_FILE_SUFFIX, DenseRetriever, FaissConfig, IndexFileError,
                                             check_corpus_size, index_type_of, read_faiss_index)
 from megatron_searchr1.search.encoder import EncoderConfig
@@ -83,7 +84,10 @@ def index_corpus(corpus_path: str | os.PathLike, out_dir: str | os.PathLike, kin
     if kind != "bm25":
         check_corpus_size(faiss_cfg.index_type, len(corpus))  # before the encoder loads
     meta = {"format_version": FORMAT_VERSION, "kind": kind, "corpus": corpus_ref, "num_docs": len(corpus),
+            "corpus_fingerprint": corpus_fingerprint(corpus_path),
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    if from_flat is not None and kind != "bm25":
+        check_flat_file_corpus(from_flat, corpus_path, meta["corpus_fingerprint"])
     t0 = time.time()
     bm25 = dense = None
     if kind in ("bm25", "hybrid"):
@@ -121,6 +125,8 @@ def faiss_index_meta(faiss_index_path: str | os.PathLike, corpus_path: str | os.
                       "encoder": encoder_cfg.index_fields()},
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     del index
+    if os.path.isfile(corpus_path) and not last_row_problem(corpus_path):  # else the load says what is wrong
+        meta["corpus_fingerprint"] = corpus_fingerprint(corpus_path)
     return meta
 
 
@@ -194,6 +200,23 @@ def npy_problem(path: str | os.PathLike) -> str | None:
     return None if have >= need else f"truncated: {have} bytes, its header needs {need}"
 
 
+def bm25_files(method: str = "lucene") -> list[str]:
+    """The files `bm25s.BM25.load` opens for an index of `method`, read from its own signature (its `*_name`
+    arguments' defaults), so a file a later bm25s adds is checked too. Two are opened only on a condition: the
+    corpus copy (only with load_corpus=True, which we never pass: the corpus is ours) and the non-occurrence array
+    (only for the methods bm25s lists as needing it)."""
+    import inspect
+
+    import bm25s
+
+    names = {k: p.default for k, p in inspect.signature(bm25s.BM25.load).parameters.items()
+             if k.endswith("_name") and isinstance(p.default, str)}
+    names.pop("corpus_name", None)
+    if method not in bm25s.BM25(method=method).methods_requiring_nonoccurrence:
+        names.pop("nnoc_name", None)
+    return sorted(names.values())
+
+
 def index_file_problems(index_dir, meta: dict) -> list[str]:
     """The index files of `meta` that are missing, truncated or not parseable, each as "PATH: what". Cheap
     (headers and sizes only), so the server runs it before faiss, torch or the corpus load."""
@@ -203,6 +226,9 @@ def index_file_problems(index_dir, meta: dict) -> list[str]:
         if not os.path.isdir(bm25_dir):
             problems.append(f"{bm25_dir}: missing")
         else:
+            method = meta["bm25"].get("method") or "lucene"
+            problems += [f"{os.path.join(bm25_dir, name)}: missing" for name in bm25_files(method)
+                         if not os.path.isfile(os.path.join(bm25_dir, name))]
             for name in sorted(os.listdir(bm25_dir)):
                 path = os.path.join(bm25_dir, name)
                 if name.endswith(".npy"):
@@ -224,29 +250,102 @@ def index_file_problems(index_dir, meta: dict) -> list[str]:
             if not m.get(key):
                 continue
             path = _in_dir(index_dir, m[key])
-            if not os.path.isfile(path):
+            if not os.path.isfile(path) and key == "refine_flat":  # outside the directory: rebuilding will not help
+                problems.append(f"{path}: missing: the index re-scores from this Flat file (it was built with "
+                                f"--from-flat {path}), which lives outside {index_dir}: put the file back there, or "
+                                f"start the server with --refine-flat NEW_PATH")
+            elif not os.path.isfile(path):
                 problems.append(f"{path}: missing")
             elif key == "vectors" and npy_problem(path):
                 problems.append(f"{path}: {npy_problem(path)}")
     return problems
 
 
-def check_index_files(index_dir, meta: dict | None = None) -> None:
-    """IndexFileError naming the first damaged file of the index in `index_dir` and how to get a good one."""
+def check_index_files(index_dir, meta: dict | None = None, refine_flat=None) -> None:
+    """IndexFileError naming the first damaged file of the index in `index_dir` and how to get a good one.
+    refine_flat: the Flat file given at load time (--refine-flat), which replaces the one the meta records."""
     meta = read_index_meta(index_dir) if meta is None else meta
+    if refine_flat and isinstance(meta.get("dense"), dict):
+        meta = {**meta, "dense": {k: v for k, v in meta["dense"].items() if k != "refine_flat"}}
     problems = index_file_problems(index_dir, meta)
     if problems:
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        if "--refine-flat NEW_PATH" in problems[0]:  # the hint is in the problem: the file is not the directory's
+            raise IndexFileError(f"{problems[0]}{more}")
         raise IndexFileError(f"{problems[0]}{more}: rebuild the index with tools/build_index.py "
                              f"--out-dir {index_dir} (or copy the whole directory again)")
 
 
-def check_corpus_file(corpus_file: str) -> None:
-    """IndexFileError when the corpus ends in half a row (cut short by a copy or a full disk)."""
+_SAID_NO_FINGERPRINT: set[str] = set()
+
+
+def check_corpus_file(corpus_file: str, index_dir=None, meta: dict | None = None) -> None:
+    """IndexFileError when the corpus is missing, ends in half a row (cut short by a copy or a full disk) or, with
+    the index's `meta`, is not the corpus the index was built over (its fingerprint differs). Milliseconds: the
+    file's two ends are read. An index built before fingerprints were recorded is served after one warning."""
+    if not os.path.isfile(corpus_file):
+        named = meta is not None and index_dir is not None and isinstance(meta.get("corpus"), str) and \
+            os.path.abspath(corpus_file) == os.path.abspath(_in_dir(index_dir, meta["corpus"]))
+        if not named:
+            raise IndexFileError(f"corpus file not found: {corpus_file}: pass the corpus with --corpus")
+        raise IndexFileError(f"{corpus_file}, the corpus {os.path.join(index_dir, META_FILE)} names, does not exist "
+                             f"(an index moved without its corpus): pass the corpus with --corpus PATH, or rebuild "
+                             f"the index with --copy-corpus so that the corpus moves with the directory")
     problem = last_row_problem(corpus_file)
     if problem:
         raise IndexFileError(f"{corpus_file}: {problem}: the file looks cut short; pass the complete corpus "
                              f"with --corpus (or copy it again)")
+    if meta is None:
+        return
+    recorded = meta.get("corpus_fingerprint")
+    if not isinstance(recorded, dict):
+        key = os.path.abspath(os.fspath(index_dir))
+        if key not in _SAID_NO_FINGERPRINT:
+            _SAID_NO_FINGERPRINT.add(key)
+            logger.warning("%s records no corpus fingerprint (built before indexes kept one): %s is checked by "
+                           "its passage count only; rebuild the index to have it checked fully",
+                           os.path.join(index_dir, META_FILE), corpus_file)
+        return
+    try:
+        found = corpus_fingerprint(corpus_file)
+    except ValueError as e:
+        raise IndexFileError(f"{e}: pass an intact corpus with --corpus (or copy it again)") from None
+    if found != {k: recorded.get(k) for k in found}:
+        raise IndexFileError(f"{corpus_file} is not the corpus the index in {index_dir} was built over (its first "
+                             f"or last passage differs from the fingerprint in {META_FILE}): pass that corpus with "
+                             f"--corpus, or rebuild the index over this one (tools/build_index.py --corpus "
+                             f"{corpus_file} --out-dir {index_dir})")
+
+
+def flat_file_fingerprint(flat_path) -> dict | None:
+    """The corpus fingerprint recorded for a Flat faiss file: the index_meta.json beside it when that meta's dense
+    index is this file (a Flat index built by tools/build_index.py); None for a file without one (Search-R1's
+    e5_Flat.index), which `DenseRetriever.build` checks from its vectors instead."""
+    flat_path = os.path.abspath(os.fspath(flat_path))
+    meta_path = os.path.join(os.path.dirname(flat_path), META_FILE)
+    try:
+        with open(meta_path) as f:
+            meta = json.load(f)
+        faiss_index = meta["dense"]["faiss_index"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if os.path.abspath(_in_dir(os.path.dirname(flat_path), faiss_index)) != flat_path:
+        return None
+    fingerprint = meta.get("corpus_fingerprint")
+    return fingerprint if isinstance(fingerprint, dict) else None
+
+
+def check_flat_file_corpus(flat_path, corpus_path, fingerprint: dict | None = None) -> None:
+    """IndexFileError when the Flat file's recorded corpus fingerprint (`flat_file_fingerprint`) is not the
+    corpus's: its vectors are another corpus's passages, and an index built from them retrieves the wrong ones."""
+    recorded = flat_file_fingerprint(flat_path)
+    if recorded is None:
+        return
+    fingerprint = fingerprint or corpus_fingerprint(corpus_path)
+    if {k: recorded.get(k) for k in fingerprint} != fingerprint:
+        raise IndexFileError(f"{flat_path} was built over another corpus than {corpus_path} (the corpus fingerprint "
+                             f"in {os.path.join(os.path.dirname(os.path.abspath(flat_path)), META_FILE)} differs): "
+                             f"pass the Flat file made from {corpus_path}, or the corpus that file was made from")
 
 
 def load_retriever(index_dir: str | os.PathLike, corpus_path: str | os.PathLike | None = None,
@@ -262,6 +361,7 @@ def load_retriever(index_dir: str | os.PathLike, corpus_path: str | os.PathLike 
     """
     meta = read_index_meta(index_dir)
     corpus_file = os.fspath(corpus_path) if corpus_path else _in_dir(index_dir, meta["corpus"])
+    check_corpus_file(corpus_file, index_dir, meta)
     offsets_cache = os.path.join(index_dir, "corpus_offsets.npz") if os.access(index_dir, os.W_OK) else None
     return _open(meta, index_dir, corpus_file, lazy_corpus, offsets_cache, runtime)
 
@@ -281,7 +381,7 @@ def _open(meta: dict, index_dir, corpus_file: str, lazy_corpus: bool | None, off
         raise TypeError(f"load_retriever cannot change {sorted(bad)} (fixed at build time); "
                         f"runtime options: "
                         f"{sorted(allowed | {'bm25_mmap', 'faiss_mmap', 'query_cache_size', 'refine_flat'})}")
-    check_index_files(index_dir, meta)
+    check_index_files(index_dir, meta, refine_flat=refine_flat)
     if os.path.isfile(corpus_file):
         check_corpus_file(corpus_file)
     try:

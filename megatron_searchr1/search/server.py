@@ -336,15 +336,15 @@ def check_index_contents(args) -> None:
     from megatron_searchr1.search.retrievers import (IndexFileError, check_corpus_file, check_index_files,
                                                      read_index_meta)
     try:
-        corpus = args.corpus
+        corpus, meta = args.corpus, None
         if args.index_dir:
             meta = read_index_meta(args.index_dir)
-            check_index_files(args.index_dir, meta)
+            check_index_files(args.index_dir, meta, refine_flat=args.refine_flat)
             if not corpus and isinstance(meta.get("corpus"), str):
                 corpus = meta["corpus"] if os.path.isabs(meta["corpus"]) else os.path.join(args.index_dir,
                                                                                             meta["corpus"])
-        if corpus and os.path.isfile(corpus):
-            check_corpus_file(corpus)
+        if corpus and (os.path.isfile(corpus) or not args.corpus):  # a missing --corpus: check_args names the flag
+            check_corpus_file(corpus, args.index_dir, meta)  # missing, cut short, or not the index's (fingerprint)
     except IndexFileError as e:
         raise UsageError(str(e)) from None
 

@@ -25,7 +25,6 @@ One step (`Trainer.step`):
 """
 from __future__ import annotations
 
-import json
 import os
 
 import torch
@@ -40,7 +39,7 @@ from megatron_searchr1.config import Config, save_config
 from megatron_searchr1.console import progress
 from megatron_searchr1.data.rl_data import dp_shard
 from megatron_searchr1.megatron.batching import TrainSequence, make_micro_batches, split_mini_batches
-from megatron_searchr1.metrics import mean_over_ranks, timer
+from megatron_searchr1.metrics import LogStorageError, mean_over_ranks, timer
 from megatron_searchr1.search.client import RetrievalDown
 from megatron_searchr1.trainer import losses
 from megatron_searchr1.trainer.build import Roles, build_roles
@@ -94,13 +93,14 @@ class Trainer:
                 bar.set_postfix(reward=f"{metrics.get('reward/mean', 0):.3f}",
                                 searches=f"{metrics.get('rollout/searches_mean', 0):.2f}")
                 logger.console(self.step_no, t.total_steps, metrics, write=bar.write)
+                logger.raise_if_failed()  # a full disk under the logs (this step's or the last validation's): all ranks
                 if self.collapsed(metrics):
                     break
                 if t.save_freq and self.step_no % t.save_freq == 0 and self.step_no < t.total_steps:
                     self.save()
                 if t.test_freq and self.step_no % t.test_freq == 0 and self.data.val:
                     self.validate()
-        except RetrievalDown:
+        except (RetrievalDown, LogStorageError):
             # every rank raises it together (RolloutWorker checks collectively), so the save's collectives match;
             # the engine goes to sleep first, which also brings offloaded trainer memory back
             bar.close()
@@ -116,7 +116,8 @@ class Trainer:
             self.export(os.path.join(t.output_dir, "hf"))
         if self.cfg.logging.plot and self.rank == 0:
             from megatron_searchr1.plots import plot_rl_curves
-            plot_rl_curves(t.output_dir)
+            logger.guarded(t.output_dir, plot_rl_curves, t.output_dir)
+        logger.raise_if_failed()  # the final validation's logs
         return final
 
     def collapsed(self, metrics: dict) -> bool:
@@ -354,8 +355,7 @@ class Trainer:
         logger.trajectories(step, samples, name="val_trajectories.jsonl")
         if self.rank == 0:
             print(format_eval_table(report, title=f"validation at step {step}{where}"), flush=True)
-            with open(os.path.join(cfg.trainer.output_dir, "val_report.jsonl"), "a") as f:
-                f.write(json.dumps({"step": step, **report}) + "\n")
+            logger.append("val_report.jsonl", [{"step": step, **report}])
         return report
 
     # -- checkpoints and export --------------------------------------------------------------------------------
@@ -379,7 +379,8 @@ class Trainer:
         interrupt.note_checkpoint(step_dir(self.ckpt_root, self.step_no))
 
     def _resume(self) -> None:
-        target = agreed_resume_target(self.cfg.trainer.resume, self.ckpt_root)  # rank 0 decides for every node
+        target = agreed_resume_target(self.cfg.trainer.resume, self.ckpt_root,  # rank 0 decides for every node
+                                      keep_last=self.cfg.trainer.keep_last, check_room=not self.cfg.trainer.val_only)
         if target is None:
             return
         root, step = target

@@ -175,6 +175,7 @@ class SFTTrainer:
                 if target is not None and metrics["val/exact"] >= target:
                     self.stopped_early = {"step": self.step_no, "val/exact": metrics["val/exact"], "target": target}
             logger.log(self.step_no, metrics)
+            logger.raise_if_failed()  # a full disk under the logs: one line on every rank together (metrics.py)
             bar.update(1)
             bar.set_postfix(loss=f"{metrics['sft/loss']:.4f}")
             if t.log_every and self.step_no % t.log_every == 0 and self.rank == 0:
@@ -191,6 +192,7 @@ class SFTTrainer:
             final = self.validate()
             metrics.update(final)
             logger.log(self.step_no, final)
+            logger.raise_if_failed()
             self.say(self._val_line(final))
         self.save()
         if t.export_hf:

@@ -1,5 +1,6 @@
 """Config: YAML + dotted overrides, typed fields, messages that say what to change, resolved config saved."""
 import json
+import re
 
 import pytest
 
@@ -144,3 +145,45 @@ def test_toolkit_recipes_load_and_set_their_algorithm(recipe, expect):
             obj = getattr(obj, part)
         assert obj == value, key
     assert cfg.algo.llds.enabled is (recipe == "grpo_llds_qwen2.5-3b")
+
+
+@pytest.mark.parametrize("text, line, message", [
+    # a second trainer: section replaced the first whole (the run wrote to runs/default, test_freq 0 became 25)
+    ("trainer:\n  output_dir: runs/mine\n  test_freq: 0\nrollout:\n  n: 4\ntrainer:\n  total_steps: 3\n", 6,
+     "section 'trainer' appears a second time (first on line 1)"),
+    ("rollout:\n  n: 4\n  max_turns: 2\n  n: 8\n", 4, "key 'n' appears a second time (first on line 2)"),
+    ("algo:\n  llds:\n    coef: 0.1\n    coef: 0.2\n", 4, "key 'coef' appears a second time (first on line 3)"),
+])
+def test_duplicated_yaml_keys_and_sections_are_refused_naming_the_line(tmp_path, text, line, message):
+    path = tmp_path / "exp.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=rf"^{path}:{line}: {re.escape(message)}; YAML would keep only the last one"):
+        load_config(str(path))
+
+
+def test_the_same_key_in_two_sections_and_merge_keys_still_load(tmp_path):
+    path = tmp_path / "exp.yaml"
+    path.write_text("base: &b\n  n: 4\nrollout:\n  <<: *b\n  max_turns: 3\ntrainer:\n  total_steps: 3\n")
+    import yaml
+
+    from megatron_searchr1.config.loader import read_yaml
+
+    assert read_yaml(str(path))["rollout"] == {"n": 4, "max_turns": 3} == yaml.safe_load(path.read_text())["rollout"]
+    path.write_text("rollout:\n  n: 4\nalgo:\n  llds:\n    coef: 0.1\n  kl_coef: 0.1\n")  # one name, two places
+    assert load_config(str(path)).rollout.n == 4
+
+
+def test_a_duplicated_section_is_one_error_line_from_train(tmp_path):
+    import subprocess
+    import sys
+
+    from tests.dist_utils import REPO
+    from tests.rl_fixtures import child_env
+
+    path = tmp_path / "exp.yaml"
+    path.write_text("trainer:\n  test_freq: 0\ntrainer:\n  total_steps: 3\n")
+    proc = subprocess.run([sys.executable, "-m", "megatron_searchr1.train", str(path)], cwd=REPO, capture_output=True,
+                          text=True, env=child_env(), timeout=120)
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-2000:]
+    assert lines[0].startswith(f"error: {path}:3: section 'trainer' appears a second time (first on line 1)")

@@ -1,4 +1,6 @@
 """RL prompt loading: render + tokenize once, drop (never cut) long prompts, unique group ids, resumable order."""
+import re
+
 import pytest
 
 from megatron_searchr1.data import rl_data
@@ -106,3 +108,48 @@ def test_check_schema_reads_footers_and_names_the_field(tmp_path):
     pq.write_table(pa.table({"prompt": ["p"], "data_source": ["nq"], "reward_model": [{"style": "rule"}]}), str(no_gt))
     with pytest.raises(rl_data.DataError, match="must be a struct with a ground_truth field"):
         rl_data.check_schema([str(no_gt)])
+
+
+def test_plain_string_prompts_are_one_user_message_in_the_check_and_the_loader(tmp_path, tok):
+    """A parquet whose `prompt` column holds plain strings passed the footer check and then failed in render_prompt
+    (a ValueError 9 s into the run): the check reads the rows and the loader reads a string as one user message."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    chat = make_row("who founded acme", ["Bo"], "nq", "train", 0, uid="nq-train-0")
+    text = chat["prompt"][0]["content"]
+    path = tmp_path / "strings.parquet"
+    pq.write_table(pa.table({"prompt": [text, "Question: when was bo born?\n"], "data_source": ["nq", "nq"],
+                             "reward_model": [chat["reward_model"]] * 2}), str(path))
+    assert rl_data.check_schema([str(path)], "data.train_files") == {str(path): 2}
+    for mode in ("auto", "never"):
+        data, dropped = load_prompts([str(path)], tok, max_prompt_length=10_000, chat_template=mode)
+        assert dropped == 0 and len(data) == 2
+        # exactly what the same text as a one-message chat list renders to (data/prompts.py's render_prompt)
+        assert data[0].prompt_ids == tok.encode(render_prompt(chat["prompt"], tok, mode), add_special_tokens=False)
+        assert data[1].prompt_ids == tok.encode(render_prompt([{"role": "user", "content": "Question: when was bo "
+                                                                "born?\n"}], tok, mode), add_special_tokens=False)
+    assert rl_data.read_rows([str(path)])[1]["prompt"] == [{"role": "user", "content": "Question: when was bo born?\n"}]
+
+
+@pytest.mark.parametrize("prompts, shown", [
+    ([[1, 2]], "a prompt that is [1, 2]"),
+    ([7], "a prompt that is 7"),
+    (["   "], "an empty prompt"),
+    ([[]], "a prompt that is []"),
+    ([None], "a prompt that is None"),
+    ([[{"role": "user"}]], "a prompt that is [{'role': 'user'}]"),
+])
+def test_prompts_of_another_shape_are_refused_by_the_check_naming_the_row(tmp_path, tok, prompts, shown):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    good = make_row("q", ["a"], "nq", "train", 0, uid="u0")
+    path = tmp_path / "bad.parquet"
+    pq.write_table(pa.table({"prompt": prompts, "data_source": ["nq"], "reward_model": [good["reward_model"]]}),
+                   str(path))
+    with pytest.raises(rl_data.DataError, match=rf"data.train_files: {path}: row 0 has {re.escape(shown)}; "
+                                                r"the prompt column must hold a list of chat messages"):
+        rl_data.check_schema([str(path)], "data.train_files")
+    with pytest.raises(rl_data.DataError, match="row 0 has"):
+        load_prompts([str(path)], tok, 100)

@@ -304,8 +304,8 @@ def test_a_file_that_is_not_an_inner_product_flat_index_is_one_error_line(tmp_pa
 
 
 def test_build_from_a_flat_file_writes_no_copy_and_refines_from_it(tmp_path):
-    """DenseRetriever.build with from_flat: the Flat file's vectors are indexed (the encoder is never asked to
-    encode a passage), no fp16 copy is written, the saved meta names the file, and a reopened index re-scoring
+    """DenseRetriever.build with from_flat: the Flat file's vectors are indexed (the encoder encodes only the three
+    passages that check the file is this corpus's), no fp16 copy is written, the saved meta names the file, and a reopened index re-scoring
     from it gives the exact top-3 although its own coarse PQ codes do not."""
     import faiss
 
@@ -318,8 +318,13 @@ def test_build_from_a_flat_file_writes_no_copy_and_refines_from_it(tmp_path):
     flat.add(x)
     faiss.write_index(flat, str(tmp_path / "e5_Flat.index"))
 
-    class Enc:  # queries are row numbers of x; passages are never encoded
+    class Enc:  # queries and passages are row numbers of x
         dim = 16
+        encoded: list = []
+
+        def encode(self, texts, is_query):
+            self.encoded += texts
+            return x[[int(t) for t in texts]]
 
         class config:
             model = "rows"
@@ -331,12 +336,13 @@ def test_build_from_a_flat_file_writes_no_copy_and_refines_from_it(tmp_path):
         def encode_unique_queries(self, qs):
             return x[[int(q) for q in qs]] + 0.05, np.arange(len(qs))
 
-    corpus = [{"id": str(i), "contents": ""} for i in range(1000)]
+    corpus = [{"id": str(i), "contents": str(i)} for i in range(1000)]
     cfg = FaissConfig(index_type="ivf_pq", pq_m=2, nlist=8)
     built = DenseRetriever.build(corpus, encoder=Enc(), faiss_config=cfg, show_progress=False,
                                  from_flat=tmp_path / "e5_Flat.index", vectors_path=tmp_path / "dense.vectors.npy",
                                  shard_dir=tmp_path / "shards")
     assert not (tmp_path / "dense.vectors.npy").exists() and not (tmp_path / "shards").exists()
+    assert Enc.encoded == ["0", "500", "999"]  # the check's rows; the indexed vectors come from the file
     meta = built.save(tmp_path / "dense.index")
     assert meta["refine_flat"] == str(tmp_path / "e5_Flat.index") and "vectors" not in meta
     qs = [str(i) for i in range(0, 1000, 10)]

@@ -190,8 +190,11 @@ def test_meta_records_what_the_query_side_must_repeat(dense_index):
 def test_load_rejects_a_corpus_of_another_size(tmp_path, bm25_index, world):
     from megatron_searchr1.search.corpus import write_corpus
 
-    write_corpus(world["docs"][:10], tmp_path / "short.jsonl")
-    with pytest.raises(ValueError, match="built over 300"):
+    write_corpus(world["docs"][:10], tmp_path / "short.jsonl")  # its last passage is not the index's: the fingerprint
+    with pytest.raises(ValueError, match="short.jsonl is not the corpus the index in .* was built over"):
+        load_retriever(bm25_index[0], corpus_path=tmp_path / "short.jsonl")
+    write_corpus(world["docs"][:100] + world["docs"][101:], tmp_path / "short.jsonl")  # the same two ends: the count
+    with pytest.raises(ValueError, match="has 299 docs but the index .* was built over 300"):
         load_retriever(bm25_index[0], corpus_path=tmp_path / "short.jsonl")
     with pytest.raises(TypeError, match="fixed at build time"):
         load_retriever(bm25_index[0], pooling="cls")
