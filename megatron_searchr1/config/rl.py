@@ -661,11 +661,10 @@ class Config:
             hf = json.load(f)
         # the converter's check: a *.safetensors cut short (or a shard missing) is one line here, not a
         # SafetensorError on every rank after the process groups, the model and the engine are up
-        from megatron_searchr1.cli import UsageError
-        from megatron_searchr1.models.hf_files import check_weight_files
+        from megatron_searchr1.weight_files import WeightFileError, check_weight_files
         try:
             check_weight_files(self.model.path, "model.path", require=False)
-        except UsageError as e:
+        except WeightFileError as e:
             raise ConfigError(f"model.path={self.model.path}: {e}") from None
         heads, layers = hf.get("num_attention_heads", 1), hf.get("num_hidden_layers", 1)
         check(heads % p.tp == 0, f"parallel.tp={p.tp} does not divide the model's num_attention_heads={heads}: "

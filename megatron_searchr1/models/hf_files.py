@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import json
 import os
-import struct
 import tempfile
 
+from megatron_searchr1 import weight_files
 from megatron_searchr1.cli import UsageError
 
 # Any one of these holds a vocabulary. tokenizer_config.json alone does not: transformers then builds a tokenizer of
@@ -165,46 +165,17 @@ def check_hf_files(hf_dir: str, flag: str = "--hf-dir") -> None:
 
 
 def check_weight_files(hf_dir: str, flag: str = "--hf-dir", require: bool = True) -> None:
-    """UsageError unless every shard model.safetensors.index.json lists is there and every *.safetensors file is
-    whole (`check_safetensors`): headers and sizes only, so the converter and the trainer's config check refuse a
-    copy cut short in milliseconds, naming the file. require: no *.safetensors at all is an error too."""
-    shards = sorted(f for f in os.listdir(hf_dir) if f.endswith(".safetensors"))
-    index = os.path.join(hf_dir, "model.safetensors.index.json")
-    if os.path.isfile(index):  # a sharded model: every shard its index lists must be there
-        try:
-            with open(index, encoding="utf-8") as f:
-                listed = sorted(set(json.load(f)["weight_map"].values()))
-        except (ValueError, KeyError, TypeError, AttributeError):
-            raise UsageError(f"{index} is not a valid safetensors index (JSON with a weight_map): copy it "
-                             "again") from None
-        missing = [name for name in listed if name not in shards]
-        if missing:
-            raise UsageError(f"{hf_dir}: shard file(s) {', '.join(missing)} listed in model.safetensors.index.json "
-                             "are missing: copy or download them")
-    if not shards and require:
-        raise UsageError(f"{flag} {hf_dir!r} has no *.safetensors weights: save the model with "
-                         "save_pretrained(dir, safe_serialization=True)")
-    for name in shards:
-        check_safetensors(os.path.join(hf_dir, name))
+    """UsageError unless every *.safetensors file (and shard listed by the index) is whole: weight_files.py's check,
+    shared with the trainer's config check."""
+    try:
+        weight_files.check_weight_files(hf_dir, flag, require)
+    except weight_files.WeightFileError as e:
+        raise UsageError(str(e)) from None
 
 
 def check_safetensors(path: str) -> None:
-    """UsageError naming `path` when it is not a whole safetensors file: an 8-byte little-endian header length, a
-    JSON header, then the tensor bytes, whose largest end offset must fit in the file."""
-    size = os.path.getsize(path)
-    fix = "the file is truncated or corrupt: copy or download it again"
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise UsageError(f"{path} has {size} bytes, too few for a safetensors header: {fix}")
-        (n,) = struct.unpack("<Q", head)
-        if n > size - 8:
-            raise UsageError(f"{path}: its header claims {n} bytes but the file has {size}: {fix}")
-        try:
-            header = json.loads(f.read(n))
-        except ValueError:
-            raise UsageError(f"{path}: its header is not valid JSON: {fix}") from None
-    ends = [t["data_offsets"][1] for k, t in header.items() if k != "__metadata__" and isinstance(t, dict)
-            and "data_offsets" in t]
-    if ends and 8 + n + max(ends) > size:
-        raise UsageError(f"{path} has {size} bytes but its tensors need {8 + n + max(ends)}: {fix}")
+    """UsageError naming `path` when it is not a whole safetensors file (weight_files.check_safetensors)."""
+    try:
+        weight_files.check_safetensors(path)
+    except weight_files.WeightFileError as e:
+        raise UsageError(str(e)) from None

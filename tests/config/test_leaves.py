@@ -24,7 +24,7 @@ def _imported_modules(path: pathlib.Path) -> set[str]:
     return out
 
 
-SHARED_LEAVES = {"megatron_searchr1.field_docs"}
+SHARED_LEAVES = {"megatron_searchr1.field_docs", "megatron_searchr1.weight_files"}
 """Package-root modules config/ may import: stdlib-only helpers it shares with services outside the trainer."""
 
 
