@@ -19,6 +19,13 @@ call a `check` between polls that raises to give up: the sender's when close() w
 trainer rank 0 wrote STOP into torchrun's store or its heartbeat stood still (remote_sync.WeightReceiver). What that
 check raises passes through `receive_bucket`; any other failure there is the receiving rank's own (`LocalFailure`),
 not a gone trainer.
+
+A broadcast given up is still queued on the GPU: its kernel waits for peers that will never join, and anything that
+synchronises the device afterwards (vLLM's shutdown, the trainer's last CUDA calls, process exit) waits with it until
+the group's watchdog fires (`parallel.timeout_minutes`, 30 by default). So giving up also aborts the communicator
+(`abort`: ProcessGroupNCCL.abort(), i.e. ncclCommAbort, which kills the pending kernel and returns; torch's own
+`_abort_process_group` and destroy_process_group's shutdown do the same for groups it registered). The group is
+unusable afterwards, which is fine: the run is ending.
 """
 from __future__ import annotations
 
@@ -63,15 +70,33 @@ def use_device(device: torch.device) -> None:
         torch.cuda.set_stream(torch.cuda.Stream(device))
 
 
-def await_work(work, check: Callable[[], None], every: float = 1.0) -> None:
+def abort(group) -> None:
+    """Abort `group`'s NCCL communicators (module doc): the kernel of a broadcast given up stops waiting for its peers.
+    Best effort: the run is already stopping, and a failed abort must not hide why."""
+    fn = getattr(group, "abort", None)
+    if fn is None:
+        return
+    try:
+        fn()
+    except Exception:  # noqa: BLE001 (the watchdog still ends the communicator, later)
+        pass
+
+
+def await_work(work, check: Callable[[], None], every: float = 1.0, group=None) -> None:
     """Wait for an NCCL work (a broadcast) by polling it, calling `check()` every `every` seconds, which raises to
-    stop waiting (NCCL itself would wait for a dead peer until the group's timeout)."""
+    stop waiting (NCCL itself would wait for a dead peer until the group's timeout). When `check` raises, `group`'s
+    communicator is aborted first (module doc), then the error passes on."""
     last = time.monotonic()
     while not work.is_completed():
         time.sleep(POLL_SECONDS)
         if time.monotonic() - last >= every:
             last = time.monotonic()
-            check()
+            try:
+                check()
+            except BaseException:
+                if group is not None:
+                    abort(group)
+                raise
     work.wait()
 
 
@@ -96,7 +121,7 @@ def send_bucket(group, staging: Staging, flat: torch.Tensor, check: Callable[[],
     # double device buffer; slime: 512 MiB); ours waits by polling so close() can abandon it
     view = staging.view(flat.numel())
     view.copy_(flat, non_blocking=True)  # NCCL's stream waits for this thread's stream: ordered
-    await_work(group.broadcast(view, 0), check)
+    await_work(group.broadcast(view, 0), check, group=group)
 
 
 def receive_bucket(group, staging: Staging, flat: torch.Tensor, check: Callable[[], None]) -> None:
@@ -105,7 +130,7 @@ def receive_bucket(group, staging: Staging, flat: torch.Tensor, check: Callable[
     other failure (out of memory, NCCL) is raised as LocalFailure."""
     try:
         view = staging.view(flat.numel())
-        await_work(group.broadcast(view, 0), check)
+        await_work(group.broadcast(view, 0), check, group=group)
         flat.copy_(view)
     except (StoppedInBroadcast, TrainerSilent):
         raise

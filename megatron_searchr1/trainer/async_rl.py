@@ -60,6 +60,8 @@ failed: ..."), a dead trainer rank 0 by the rollout ranks' weight receivers ("tr
 from __future__ import annotations
 
 import os
+import signal
+import sys
 import threading
 import time
 from typing import Optional
@@ -81,14 +83,17 @@ from megatron_searchr1.trainer.rollout_rank import serve_rollouts
 
 def run_disaggregated(cfg) -> int:
     """The whole job on this rank: join its role world, then train (AsyncTrainer) or generate (serve_rollouts).
-    A failure here is reported with the ranks that are gone, when a peer's death caused it (`stopping_line`)."""
+    Returns 0 after a clean run; any other end is one line on stderr and an exit code (`leave`)."""
+    from megatron_searchr1.cli import RETRIEVAL_DOWN_EXIT, UsageError
     from megatron_searchr1.megatron.initialize import resolve_device
 
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     plan, device = RolePlan(world, cfg.parallel.rollout_ranks), resolve_device()
     backend = bridge_backend(cfg.parallel.bridge_backend, device)  # nccl without CUDA: one error line, exit 2
-    bridge = init_role_world(plan, rank, device, cfg.parallel.timeout_minutes, backend)
+    bridge = join_role_world(cfg, plan, rank, device, backend)
     heartbeat = Heartbeat(bridge.store, rank)
+    exit = Exit(bridge, heartbeat)
+    exit.watch()
     try:
         if bridge.role == ROLLOUT:
             serve_rollouts(cfg, bridge)
@@ -97,34 +102,145 @@ def run_disaggregated(cfg) -> int:
             try:
                 trainer.fit()
             except BaseException as e:
-                trainer.close(reason=stopping_line(bridge, heartbeat, e) or type(e).__name__)  # rollout ranks stop
+                if not isinstance(e, KeyboardInterrupt):
+                    trainer.close(reason=stopping_line(bridge, heartbeat, e) or type(e).__name__)  # rollout ranks stop
                 raise
             trainer.close()
-    except Exception as e:
-        line = stopping_line(bridge, heartbeat, e)
-        if line is None:
-            raise
-        stderr_line(line)
-        raise RuntimeError(line) from e
+    except UsageError as e:
+        exit.leave(2, "error: " + " ".join(str(e).split()))
+    except RetrievalDown as e:
+        exit.leave(RETRIEVAL_DOWN_EXIT, "error: " + " ".join(str(e).split()))
+    except Exception as e:  # noqa: BLE001 (one line naming the dead rank, or the error: no traceback)
+        exit.leave(1, stopping_line(bridge, heartbeat, e))
+    exit.done()
     heartbeat.done()
     return 0
 
 
-def stopping_line(bridge: Bridge, heartbeat: Heartbeat, error: BaseException) -> Optional[str]:
-    """One line for the failure `error` on this rank, naming the ranks that are gone when there are any
-    (heartbeats; found once, kept on the error); None for Ctrl-C, a lost retrieval server and a user mistake,
-    which have lines of their own (interrupt.py, cli.run_main)."""
-    from megatron_searchr1.cli import UsageError
+def join_role_world(cfg, plan: RolePlan, rank: int, device: str, backend: str) -> Bridge:
+    """The CUDA environment Megatron needs (trainer ranks: CUDA_DEVICE_MAX_CONNECTIONS=1 at TP > 1), then the role
+    world (remote_sync.init_role_world, whose first CUDA call is torch.cuda.set_device). The order matters: the
+    driver reads CUDA_DEVICE_MAX_CONNECTIONS once, when the context is made, so set after set_device it is ignored
+    and Megatron's TP communication may overlap the wrong way (megatron/initialize.py cuda_env)."""
+    from megatron_searchr1.megatron.initialize import apply_cuda_env, cuda_env
 
-    if isinstance(error, (KeyboardInterrupt, RetrievalDown, UsageError)):
-        return None
+    if plan.role(rank) != ROLLOUT:  # vLLM on the rollout ranks sets up its own
+        p = cfg.parallel
+        apply_cuda_env(cuda_env(device, p.tp, p.sequence_parallel))
+    return init_role_world(plan, rank, device, cfg.parallel.timeout_minutes, backend)
+
+
+WATCH_SILENT_SECONDS = 60.0
+"""A rank whose heartbeat stood still this long (and which did not say done or fail) is gone for Exit's watchdog.
+Generous on purpose: a main thread may hold the GIL for seconds (a big unpickle, a compile), starving its heartbeat;
+a dead peer is usually found sooner by the collective or channel that fails."""
+
+WATCH_GRACE_SECONDS = 5.0
+"""How long the watchdog leaves the ordinary path (a channel that fails, a STOP) to end this rank after a peer said
+it failed, before it ends the rank itself."""
+
+JOIN_SECONDS = 10.0
+"""How long a leaving rank waits for its bridge threads to end, all together (within torchrun's 30 s grace)."""
+
+
+class Exit:
+    """How a rank of a disaggregated run ends when it does not end cleanly: one line on stderr, its reason left in
+    torchrun's store for the other ranks (Heartbeat.fail), its threads stopped and joined, then `os._exit(code)`.
+
+    Why os._exit and not the interpreter's own exit: a thread still inside a blocking C++ call when the interpreter
+    finalises (a gloo receive whose peer answers late, a library's worker) is torn down by a forced unwind, and the
+    process dies with SIGABRT ("terminate called without an active exception") instead of its exit code; after the
+    rank's own threads are joined nothing left needs the interpreter's teardown (logs are closed by then).
+
+    Two more ways in, each ending with the same one line: a watchdog thread (`watch`) that ends this rank when
+    another rank left its reason in the store (after WATCH_GRACE_SECONDS, if nothing else ended it) or stopped
+    beating for WATCH_SILENT_SECONDS, which bounds what a dead rank on another node costs (a collective would wait
+    `parallel.timeout_minutes`, 30 by default); and SIGTERM, which torchrun sends every rank of a node once one of them
+    died: the rank names the ranks that are gone (heartbeats) and exits 143."""
+
+    def __init__(self, bridge: Bridge, heartbeat: Heartbeat):
+        self.bridge, self.heartbeat = bridge, heartbeat
+        self.me = f"rank {bridge.rank} ({bridge.role})"
+        self._leaving = threading.Lock()
+        self._done = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+
+    def leave(self, code: int, line: str):
+        """Print `line`, tell the other ranks, stop and join this rank's bridge threads, exit with `code` (class
+        doc). Whoever comes second (main thread, watchdog, SIGTERM) waits here until the process is gone."""
+        if not self._leaving.acquire(blocking=False):
+            while True:
+                time.sleep(1)
+        try:
+            stderr_line(line)
+            self.heartbeat.fail(line)
+            self.heartbeat.stop()
+            self.bridge.stop_threads(JOIN_SECONDS)
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+
+    def done(self) -> None:
+        """The rank ends cleanly: the watchdog stops and is joined (it may be in a store call: a thread left there
+        when the interpreter finalises aborts the process, class doc)."""
+        self._done.set()
+        if self._thread is not None:
+            self._thread.join(timeout=JOIN_SECONDS)
+
+    def watch(self) -> None:
+        """Start the watchdog thread and, from the main thread, the SIGTERM handler (class doc)."""
+        self._thread = threading.Thread(target=self._watch, name="peer-watchdog", daemon=True)
+        self._thread.start()
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _on_sigterm(self, signum, frame) -> None:
+        if interrupt.exiting() or self._done.is_set():
+            return
+        gone = self.heartbeat.gone(range(self.bridge.plan.world), wait=2.5)
+        what = f"{name_ranks(self.bridge.plan, gone)} {'is' if len(gone) == 1 else 'are'} gone" if gone else \
+            "no other rank is gone"
+        self.leave(128 + signal.SIGTERM, f"{self.me}: {what}; stopping (torchrun ended the job: SIGTERM)")
+
+    def _watch(self) -> None:
+        plan, ranks = self.bridge.plan, range(self.bridge.plan.world)
+        seen: dict[int, tuple[int, float]] = {}  # rank -> (its counter, when it last moved)
+        failed_at: Optional[float] = None
+        while not self._done.wait(1.0):
+            try:
+                failures = self.heartbeat.failures(ranks)
+                counts = self.heartbeat.counts([r for r in ranks if r != self.bridge.rank])
+            except Exception:  # noqa: BLE001 (the store is gone: torchrun's agent ended; nothing to name)
+                return
+            now = time.monotonic()
+            if failures:
+                failed_at = failed_at or now
+                if now - failed_at >= WATCH_GRACE_SECONDS:
+                    r = min(failures)
+                    self.leave(1, f"{self.me}: {name_ranks(plan, [r])} failed; stopping ({failures[r]})")
+                continue
+            silent = []
+            for r, (beat, done) in counts.items():
+                if beat != seen.get(r, (None, 0.0))[0]:
+                    seen[r] = (beat, now)
+                elif beat > 0 and not done and now - seen[r][1] >= WATCH_SILENT_SECONDS:
+                    silent.append(r)
+            if silent:
+                self.leave(1, f"{self.me}: {name_ranks(plan, silent)} {'is' if len(silent) == 1 else 'are'} gone "
+                              f"(no heartbeat for {WATCH_SILENT_SECONDS:.0f} s); stopping")
+
+
+def stopping_line(bridge: Bridge, heartbeat: Heartbeat, error: BaseException) -> str:
+    """One line for the failure `error` on this rank, naming the ranks that are gone when there are any
+    (heartbeats; found once, kept on the error)."""
     if getattr(error, "stopping_line", None):
         return error.stopping_line
     me = f"rank {bridge.rank} ({bridge.role})"
     text = str(error).splitlines()[0] if str(error) else ""
     gone = heartbeat.gone(range(bridge.plan.world))
-    line = (f"{me}: {name_ranks(bridge.plan, gone)} is gone; stopping ({type(error).__name__}: {text})" if gone
-            else f"{me}: stopping on {type(error).__name__}: {text}")
+    line = (f"{me}: {name_ranks(bridge.plan, gone)} {'is' if len(gone) == 1 else 'are'} gone; stopping "
+            f"({type(error).__name__}: {text})" if gone else f"{me}: stopping on {type(error).__name__}: {text}")
     try:
         error.stopping_line = line
     except AttributeError:
@@ -150,6 +266,10 @@ def staleness_metrics(lags: list[int], max_staleness: int) -> dict[str, float]:
 # ----------------------------------------------------------------------------------------------------------------
 # The trainer side
 # ----------------------------------------------------------------------------------------------------------------
+CLOSE_SECONDS = 600.0
+"""How long trainer rank 0's close() waits for every rollout rank's DONE (each finishes or abandons its share first)."""
+
+
 class RemoteRollout:
     """The trainer ranks' stand-in for a RolloutWorker: `sync` sends the weights, `take(step)` returns this DP
     rank's share of the step's batch; `sleep` / `mark_stale` have nothing to do (no local engine). On trainer rank 0
@@ -197,6 +317,8 @@ class RemoteRollout:
         self._threads = [threading.Thread(target=self._receive, args=(src,), name=f"parts-from-{src}", daemon=True)
                          for src in range(1, k + 1)]
         self._threads.append(threading.Thread(target=self._assemble, name="batch-assembler", daemon=True))
+        for thread in self._threads:  # a receiving thread ends on its rank's DONE or a failed receive
+            self.bridge.own(thread, self.finish_batches)
         for thread in self._threads:
             thread.start()
 
@@ -222,11 +344,13 @@ class RemoteRollout:
                                  if not self._batches_done else "")
                     self._fail(f"{name} is gone{where} ({type(e).__name__}: "
                                f"{str(e).splitlines()[0] if str(e) else ''})")
+                    self._stop_rollout_ranks(f"{name} is gone")
                     return
                 if msg == DONE:
                     return
                 if isinstance(msg, dict) and "error" in msg:
                     self._fail(f"{name} failed: {msg['error']}")
+                    self._stop_rollout_ranks(f"{name} failed: {msg['error']}")
                     return
                 with self._cond:
                     if isinstance(msg, dict) and "val" in msg:
@@ -240,6 +364,14 @@ class RemoteRollout:
             with self._cond:
                 self._live.discard(src)
                 self._cond.notify_all()
+
+    def _stop_rollout_ranks(self, reason: str) -> None:
+        """A rollout rank failed or is gone: STOP the others now (with `reason`) rather than after the trainer's
+        step ends, and answer a failed rank, whose weight receiver waits for STOP before it exits."""
+        with self._cond:
+            if self._batches_done:  # the run is ending anyway: close() sends STOP
+                return
+        self.sender.close(reason=reason, wait=False)
 
     def _add_val_part(self, msg: dict) -> None:
         """(Under the condition.) Keep a validation part; the report is complete once every rollout rank's is in."""
@@ -337,7 +469,8 @@ class RemoteRollout:
         self._closed = True
         self.finish_batches()
         self.sender.close(reason=reason)
-        deadline = time.monotonic() + self.bridge.timeout.total_seconds()
+        # each rollout rank answers STOP with DONE within a share's generation; a dead one's receive fails at once
+        deadline = time.monotonic() + min(self.bridge.timeout.total_seconds(), CLOSE_SECONDS)
         for thread in self._threads:
             thread.join(timeout=max(deadline - time.monotonic(), 0.0))
 
