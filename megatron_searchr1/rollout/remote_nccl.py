@@ -11,8 +11,9 @@ runs, so the gloo path never reads it.
 Each bucket is one NCCL broadcast from bridge rank 0 to all K rollout ranks, in the header's order (NCCL has no tags:
 both sides issue the same broadcasts in the same order). Each side moves a bucket through one reused device buffer:
 trainer rank 0 keeps queued versions in pinned host memory and copies each bucket in before broadcasting; a rollout
-rank copies it out to pinned host memory, where the version waits for the main thread's load. Host memory, because
-up to three versions wait at once, each the whole model, and vLLM holds most of the rollout GPU.
+rank copies it out to pinned host memory (one of its two reused slots, rollout/host_slots.py), where the version waits
+for the main thread's load. Host memory, because a version waits there while the engine generates, each the whole
+model, and vLLM holds most of the rollout GPU.
 
 NCCL does not notice a dead peer (a broadcast waits for the group's timeout), so both sides poll their broadcast and
 call a `check` between polls that raises to give up: the sender's when close() was given an error, a receiver's when

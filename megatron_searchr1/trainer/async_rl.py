@@ -55,13 +55,13 @@ receiving threads drains its rollout rank until that rank said DONE, so an early
 clean exit on every rank. A rank whose collective, send or receive fails names the ranks that are gone (heartbeats in
 torchrun's store) in one line; trainer rank 0 passes its line to the rollout ranks with STOP; a dead rollout rank is
 named by its receiving thread ("rollout rank 2 is gone"), an error on one by the line it sent ("rollout rank 2
-failed: ..."), a dead trainer rank 0 by the rollout ranks' weight receivers ("trainer rank 0 is gone").
+failed: ...", after which trainer rank 0 STOPs the other rollout ranks at once), a dead trainer rank 0 by the rollout
+ranks ("trainer rank 0 is gone"). Every such end is one line per rank, no traceback, the rank's threads joined and
+its exit code (trainer/async_exit.py: also the watchdog and SIGTERM paths).
 """
 from __future__ import annotations
 
 import os
-import signal
-import sys
 import threading
 import time
 from typing import Optional
@@ -69,14 +69,14 @@ from typing import Optional
 import torch.distributed as dist
 
 from megatron_searchr1 import interrupt
-from megatron_searchr1.cli import stderr_line
 from megatron_searchr1.data.rl_data import dp_shard
 from megatron_searchr1.rollout.async_buffer import AsyncBuffer, BufferClosed, GeneratedBatch, lag, version_metrics
 from megatron_searchr1.rollout.batch_parts import PartAssembler, assemble_report, contributors
 from megatron_searchr1.rollout.remote_sync import (BATCHES_TAG, DONE, ROLLOUT, Bridge, Heartbeat, RolePlan,
-                                                   WeightSender, bridge_backend, init_role_world, name_ranks,
-                                                   recv_object, send_object)
+                                                   WeightSender, bridge_backend, heartbeat_counts, heartbeat_store,
+                                                   init_role_world, recv_object, send_object)
 from megatron_searchr1.search.client import RetrievalDown
+from megatron_searchr1.trainer.async_exit import Exit, stopping_line
 from megatron_searchr1.trainer.rl import Trainer
 from megatron_searchr1.trainer.rollout_rank import serve_rollouts
 
@@ -130,124 +130,6 @@ def join_role_world(cfg, plan: RolePlan, rank: int, device: str, backend: str) -
     return init_role_world(plan, rank, device, cfg.parallel.timeout_minutes, backend)
 
 
-WATCH_SILENT_SECONDS = 60.0
-"""A rank whose heartbeat stood still this long (and which did not say done or fail) is gone for Exit's watchdog.
-Generous on purpose: a main thread may hold the GIL for seconds (a big unpickle, a compile), starving its heartbeat;
-a dead peer is usually found sooner by the collective or channel that fails."""
-
-WATCH_GRACE_SECONDS = 5.0
-"""How long the watchdog leaves the ordinary path (a channel that fails, a STOP) to end this rank after a peer said
-it failed, before it ends the rank itself."""
-
-JOIN_SECONDS = 10.0
-"""How long a leaving rank waits for its bridge threads to end, all together (within torchrun's 30 s grace)."""
-
-
-class Exit:
-    """How a rank of a disaggregated run ends when it does not end cleanly: one line on stderr, its reason left in
-    torchrun's store for the other ranks (Heartbeat.fail), its threads stopped and joined, then `os._exit(code)`.
-
-    Why os._exit and not the interpreter's own exit: a thread still inside a blocking C++ call when the interpreter
-    finalises (a gloo receive whose peer answers late, a library's worker) is torn down by a forced unwind, and the
-    process dies with SIGABRT ("terminate called without an active exception") instead of its exit code; after the
-    rank's own threads are joined nothing left needs the interpreter's teardown (logs are closed by then).
-
-    Two more ways in, each ending with the same one line: a watchdog thread (`watch`) that ends this rank when
-    another rank left its reason in the store (after WATCH_GRACE_SECONDS, if nothing else ended it) or stopped
-    beating for WATCH_SILENT_SECONDS, which bounds what a dead rank on another node costs (a collective would wait
-    `parallel.timeout_minutes`, 30 by default); and SIGTERM, which torchrun sends every rank of a node once one of them
-    died: the rank names the ranks that are gone (heartbeats) and exits 143."""
-
-    def __init__(self, bridge: Bridge, heartbeat: Heartbeat):
-        self.bridge, self.heartbeat = bridge, heartbeat
-        self.me = f"rank {bridge.rank} ({bridge.role})"
-        self._leaving = threading.Lock()
-        self._done = threading.Event()
-        self._thread: Optional[threading.Thread] = None
-
-    def leave(self, code: int, line: str):
-        """Print `line`, tell the other ranks, stop and join this rank's bridge threads, exit with `code` (class
-        doc). Whoever comes second (main thread, watchdog, SIGTERM) waits here until the process is gone."""
-        if not self._leaving.acquire(blocking=False):
-            while True:
-                time.sleep(1)
-        try:
-            stderr_line(line)
-            self.heartbeat.fail(line)
-            self.heartbeat.stop()
-            self.bridge.stop_threads(JOIN_SECONDS)
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code)
-
-    def done(self) -> None:
-        """The rank ends cleanly: the watchdog stops and is joined (it may be in a store call: a thread left there
-        when the interpreter finalises aborts the process, class doc)."""
-        self._done.set()
-        if self._thread is not None:
-            self._thread.join(timeout=JOIN_SECONDS)
-
-    def watch(self) -> None:
-        """Start the watchdog thread and, from the main thread, the SIGTERM handler (class doc)."""
-        self._thread = threading.Thread(target=self._watch, name="peer-watchdog", daemon=True)
-        self._thread.start()
-        if threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, self._on_sigterm)
-
-    def _on_sigterm(self, signum, frame) -> None:
-        if interrupt.exiting() or self._done.is_set():
-            return
-        gone = self.heartbeat.gone(range(self.bridge.plan.world), wait=2.5)
-        what = f"{name_ranks(self.bridge.plan, gone)} {'is' if len(gone) == 1 else 'are'} gone" if gone else \
-            "no other rank is gone"
-        self.leave(128 + signal.SIGTERM, f"{self.me}: {what}; stopping (torchrun ended the job: SIGTERM)")
-
-    def _watch(self) -> None:
-        plan, ranks = self.bridge.plan, range(self.bridge.plan.world)
-        seen: dict[int, tuple[int, float]] = {}  # rank -> (its counter, when it last moved)
-        failed_at: Optional[float] = None
-        while not self._done.wait(1.0):
-            try:
-                failures = self.heartbeat.failures(ranks)
-                counts = self.heartbeat.counts([r for r in ranks if r != self.bridge.rank])
-            except Exception:  # noqa: BLE001 (the store is gone: torchrun's agent ended; nothing to name)
-                return
-            now = time.monotonic()
-            if failures:
-                failed_at = failed_at or now
-                if now - failed_at >= WATCH_GRACE_SECONDS:
-                    r = min(failures)
-                    self.leave(1, f"{self.me}: {name_ranks(plan, [r])} failed; stopping ({failures[r]})")
-                continue
-            silent = []
-            for r, (beat, done) in counts.items():
-                if beat != seen.get(r, (None, 0.0))[0]:
-                    seen[r] = (beat, now)
-                elif beat > 0 and not done and now - seen[r][1] >= WATCH_SILENT_SECONDS:
-                    silent.append(r)
-            if silent:
-                self.leave(1, f"{self.me}: {name_ranks(plan, silent)} {'is' if len(silent) == 1 else 'are'} gone "
-                              f"(no heartbeat for {WATCH_SILENT_SECONDS:.0f} s); stopping")
-
-
-def stopping_line(bridge: Bridge, heartbeat: Heartbeat, error: BaseException) -> str:
-    """One line for the failure `error` on this rank, naming the ranks that are gone when there are any
-    (heartbeats; found once, kept on the error)."""
-    if getattr(error, "stopping_line", None):
-        return error.stopping_line
-    me = f"rank {bridge.rank} ({bridge.role})"
-    text = str(error).splitlines()[0] if str(error) else ""
-    gone = heartbeat.gone(range(bridge.plan.world))
-    line = (f"{me}: {name_ranks(bridge.plan, gone)} {'is' if len(gone) == 1 else 'are'} gone; stopping "
-            f"({type(error).__name__}: {text})" if gone else f"{me}: stopping on {type(error).__name__}: {text}")
-    try:
-        error.stopping_line = line
-    except AttributeError:
-        pass
-    return line
-
-
 def staleness_metrics(lags: list[int], max_staleness: int) -> dict[str, float]:
     """The staleness histogram of one batch as scalars: the share of its samples at each lag 0..k+1 (the bound:
     the same keys at every step), their mean and max.
@@ -266,6 +148,12 @@ def staleness_metrics(lags: list[int], max_staleness: int) -> dict[str, float]:
 # ----------------------------------------------------------------------------------------------------------------
 # The trainer side
 # ----------------------------------------------------------------------------------------------------------------
+WAIT_ROUND_SECONDS = 30.0
+"""Trainer rank 0 waits for a batch in rounds this long, each ending in a broadcast to the other trainer ranks."""
+
+WAIT_NOTE_SECONDS = 60.0
+"""How often trainer rank 0 says it is still waiting for a batch."""
+
 CLOSE_SECONDS = 600.0
 """How long trainer rank 0's close() waits for every rollout rank's DONE (each finishes or abandons its share first)."""
 
@@ -342,9 +230,15 @@ class RemoteRollout:
                     with self._cond:
                         where = (f" while the trainer waited for batch {self._assembler.next}"
                                  if not self._batches_done else "")
-                    self._fail(f"{name} is gone{where} ({type(e).__name__}: "
-                               f"{str(e).splitlines()[0] if str(e) else ''})")
-                    self._stop_rollout_ranks(f"{name} is gone")
+                    why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                    minutes = self.bridge.timeout.total_seconds() / 60
+                    if "timed out" in why.lower() and self._beating(src):  # alive, only slow: say which knob
+                        self._fail(f"{name} sent nothing for parallel.timeout_minutes={minutes:g}{where}, though it "
+                                   "is alive: raise parallel.timeout_minutes if its batches take longer")
+                    else:
+                        self._fail(f"{name} is gone{where} ({why})")
+                    self._stop_rollout_ranks(f"{name} is gone" if "timed out" not in why.lower()
+                                             else f"{name} timed out")
                     return
                 if msg == DONE:
                     return
@@ -364,6 +258,17 @@ class RemoteRollout:
             with self._cond:
                 self._live.discard(src)
                 self._cond.notify_all()
+
+    def _beating(self, src: int) -> bool:
+        """Whether bridge rank `src`'s heartbeat moves (over 3 s)."""
+        rank = self.bridge.plan.global_rank(src)
+        try:
+            beats = heartbeat_store(self.bridge.store)
+            before = heartbeat_counts(beats, [rank])[rank][0]
+            time.sleep(3.0)
+            return heartbeat_counts(beats, [rank])[rank][0] != before
+        except Exception:  # noqa: BLE001 (no store: nothing to tell)
+            return False
 
     def _stop_rollout_ranks(self, reason: str) -> None:
         """A rollout rank failed or is gone: STOP the others now (with `reason`) rather than after the trainer's
@@ -438,21 +343,38 @@ class RemoteRollout:
     def take(self, step: int) -> tuple[GeneratedBatch, float, int]:
         """The batch step `step` trains, the same on every trainer rank: rank 0 takes it from the buffer and
         broadcasts it (or the error that stops the run, so no rank is left waiting). Returns (batch, seconds
-        waited, batches dropped so far)."""
+        waited, batches dropped so far).
+
+        Rank 0 waits in rounds of WAIT_ROUND_SECONDS and tells the other trainer ranks after each, so no collective
+        of theirs waits long enough to time out (parallel.timeout_minutes) while the rollout ranks are slow but
+        alive: the first batch waits for their engines to start. Rank 0 says how long it has waited, once a minute;
+        what bounds the wait is a rollout rank that fails, dies (its channel, the heartbeats) or sends nothing for
+        parallel.timeout_minutes (its channel's timeout, `_receive`)."""
         start = time.perf_counter()
-        box: list = [None]
-        if self.leader:
-            try:
-                batch = self.buffer.take(step, check=self.sender.raise_if_failed)
-                box[0] = (batch, self.buffer.dropped)
-            except (BufferClosed, RuntimeError) as e:
-                box[0] = ("error", str(e))
-        if dist.get_world_size() > 1:
-            dist.broadcast_object_list(box, src=0)
-        if box[0][0] == "error":
-            raise RuntimeError(f"step {step}: {box[0][1]}")
-        batch, dropped = box[0]
-        return batch, time.perf_counter() - start, dropped
+        said = start
+        while True:
+            box: list = [None]
+            if self.leader:
+                try:
+                    batch = self.buffer.take(step, timeout=WAIT_ROUND_SECONDS, check=self.sender.raise_if_failed)
+                    box[0] = (batch, self.buffer.dropped)
+                except TimeoutError:
+                    box[0] = ("wait", None)
+                    if time.perf_counter() - said >= WAIT_NOTE_SECONDS:
+                        said = time.perf_counter()
+                        first = " (the first: their engines start up, then generate it)" if self.version == 0 else ""
+                        print(f"rank 0 (trainer): step {step} has waited {said - start:.0f} s for batch {step - 1}"
+                              f" from the rollout ranks{first}", flush=True)
+                except (BufferClosed, RuntimeError) as e:
+                    box[0] = ("error", str(e))
+            if dist.get_world_size() > 1:
+                dist.broadcast_object_list(box, src=0)
+            if box[0][0] == "wait":
+                continue
+            if box[0][0] == "error":
+                raise RuntimeError(f"step {step}: {box[0][1]}")
+            batch, dropped = box[0]
+            return batch, time.perf_counter() - start, dropped
 
     def finish_batches(self) -> None:
         """No batch is trained any more: the buffer closes, the receiving threads discard parts from now on (and

@@ -142,3 +142,31 @@ def test_the_role_set_up_sets_the_cuda_environment_before_its_first_cuda_call(mo
     with pytest.raises(Stop):  # a rollout rank: vLLM's business, not set
         async_rl.join_role_world(cfg, plan, rank=2, device="cuda", backend="gloo")
     assert calls[0] == ("set_device", 1, None), calls
+
+
+def test_trainer_rank_0_waits_for_a_batch_in_rounds_the_other_trainer_ranks_hear(monkeypatch, capsys):
+    """The first batch may take minutes (the rollout ranks' engines start first): trainer rank 0 waits in rounds and
+    broadcasts after each, so the other trainer ranks' collective never waits as long as parallel.timeout_minutes,
+    and it says how long it has waited."""
+    import threading
+    from types import SimpleNamespace
+
+    from megatron_searchr1.rollout.async_buffer import AsyncBuffer, GeneratedBatch
+    from megatron_searchr1.trainer import async_rl
+
+    monkeypatch.setattr(async_rl, "WAIT_ROUND_SECONDS", 0.2)
+    monkeypatch.setattr(async_rl, "WAIT_NOTE_SECONDS", 0.5)
+    rounds = []
+    monkeypatch.setattr(async_rl.dist, "get_world_size", lambda: 2)
+    monkeypatch.setattr(async_rl.dist, "broadcast_object_list", lambda box, src: rounds.append(box[0][0]))
+    remote = async_rl.RemoteRollout.__new__(async_rl.RemoteRollout)
+    remote.leader, remote.version = True, 0
+    remote.buffer = AsyncBuffer(capacity=1, max_staleness=0)
+    remote.sender = SimpleNamespace(raise_if_failed=lambda: None)
+    batch = GeneratedBatch(index=0, version=0, payload={}, gen_start=0.0, gen_end=0.0, rank=2, extra={})
+    threading.Timer(1.5, lambda: remote.buffer.put(batch)).start()
+    got, waited, dropped = remote.take(step=1)
+    assert got is batch and waited >= 1.4 and dropped == 0
+    assert rounds[-1] is batch and set(rounds[:-1]) == {"wait"} and len(rounds) >= 5, rounds
+    said = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("rank 0 (trainer): step 1 has waited")]
+    assert said and all("for batch 0 from the rollout ranks (the first: their engines start up" in ln for ln in said)
