@@ -60,6 +60,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_searchr1.rollout import remote_nccl, weight_sync
+from megatron_searchr1.rollout.host_slots import HOST_SLOTS
 from megatron_searchr1.rollout.weight_sync import BucketLayout, layout_bucket, pack_bucket
 
 TRAINER, ROLLOUT = "trainer", "rollout"
@@ -244,16 +245,25 @@ waiting in an NCCL broadcast that will never come reads it there."""
 
 class _BucketCollector:
     """Stands in for an engine in WeightSync.sync on trainer rank 0: keeps each bucket as one flat byte buffer
-    in host memory (the sync's views are valid during its call only)."""
+    in host memory (the sync's views are valid during its call only). With `reuse` (one of the sender's two slots:
+    a list of buffers by bucket index) a bucket goes into the slot's buffer when it fits, else a new buffer replaces
+    it there; `allocated` counts the new ones."""
 
-    def __init__(self, device: torch.device = torch.device("cpu")):
+    def __init__(self, device: torch.device = torch.device("cpu"), reuse: Optional[list] = None):
         self.buckets: list[tuple[BucketLayout, torch.Tensor]] = []
-        self.device = device
+        self.device, self.reuse, self.allocated = device, reuse, 0
 
     def load_weights(self, pairs) -> None:
         pairs = list(pairs)
         layout = layout_bucket([(n, tuple(t.shape), t.dtype) for n, t in pairs])
-        flat = host_buffer(layout.nbytes, self.device)
+        i, reuse = len(self.buckets), self.reuse
+        if reuse is not None and i < len(reuse) and reuse[i].numel() >= layout.nbytes:
+            flat = reuse[i][:layout.nbytes]
+        else:
+            flat = host_buffer(layout.nbytes, self.device)
+            self.allocated += 1
+            if reuse is not None:
+                reuse[i:i + 1] = [flat]
         pack_bucket([t.detach().cpu() for _, t in pairs], layout, out=flat)
         self.buckets.append((layout, flat))
 
@@ -397,6 +407,14 @@ class WeightSender:
         self.sent_versions: list[int] = []
         self.sent_bytes = 0
         """Bucket bytes sent per rollout rank (what each rank receives), over every version sent."""
+        # trainer rank 0 gathers each version into one of two reused host slots (pinned on GPUs), as the rollout ranks
+        # receive into two (rollout/host_slots.py): one being sent, one queued; a version marked for validation keeps
+        # its slot until it is sent, and a gather waits for a free slot rather than allocating a third
+        self._slots: list[list[torch.Tensor]] = [[] for _ in range(HOST_SLOTS)]
+        self._slot_of: dict[int, int] = {}  # id(a queued version's buckets) -> its slot
+        self._in_flight: set = set()  # slots the thread is sending
+        self.host_allocations = 0
+        """Host buffers allocated for buckets so far (2 x the buckets of a version, in a run whose layout holds)."""
         self._thread = None
         if self.leader:
             self._thread = bridge.own(threading.Thread(target=self._run, name="weight-sender", daemon=True),
@@ -409,15 +427,40 @@ class WeightSender:
         validated version is then sent first). Returns the `sync/remote_*` metrics (without the prefix), the same
         on every trainer rank."""
         self.raise_if_failed()
-        collector = _BucketCollector(self.bridge.device) if self.leader else None
+        collector = None
+        if self.leader:
+            slot = self._take_slot()
+            collector = _BucketCollector(self.bridge.device, reuse=self._slots[slot])
         stats = weight_sync.sync_weights(policy.model, collector, policy.mapping, bucket_bytes=self.bucket_bytes,
                                          dtype=self.dtype, transport="auto")
         if self.leader:
             with self._cond:
+                self.host_allocations += collector.allocated
                 self._pending = queue_version(self._pending or [], (version, collector.buckets, validate))
+                self._slot_of[id(collector.buckets)] = slot
                 self._cond.notify_all()
         return {"remote_bytes": float(stats.bytes), "remote_buckets": float(stats.buckets),
                 "remote_gather_seconds": stats.seconds, "remote_version": float(version)}
+
+    def _free_slot(self) -> Optional[int]:
+        """(Under the condition.) A slot the next gather may write: not being sent and not holding a version queued
+        for validation; one holding an unmarked queued version only if no slot is idle (that version is superseded)."""
+        pending = self._pending or []
+        held = {self._slot_of.get(id(b)) for _, b, val in pending if val} | self._in_flight
+        queued = {self._slot_of.get(id(b)) for _, b, val in pending if not val}
+        free = [s for s in range(HOST_SLOTS) if s not in held]
+        free.sort(key=lambda s: s in queued)
+        return free[0] if free else None
+
+    def _take_slot(self) -> int:
+        """Wait for a free slot (the thread frees one as it finishes a version) and clear it of a superseded one."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._free_slot() is not None or self._error is not None)
+            self.raise_if_failed()
+            slot = self._free_slot()
+            if self._pending:
+                self._pending = [it for it in self._pending if self._slot_of.get(id(it[1])) != slot] or None
+            return slot
 
     def raise_if_failed(self) -> None:
         if self._error is not None:
@@ -454,6 +497,7 @@ class WeightSender:
                 with self._cond:
                     self._cond.wait_for(lambda: self._pending is not None or self._closing)
                     items, self._pending = self._pending, None
+                    self._in_flight = {self._slot_of.get(id(b)) for _, b, _ in items or []}
                 if items is None:  # closing, nothing left to send
                     break
                 for version, buckets, validate in items:
@@ -461,8 +505,13 @@ class WeightSender:
                     self._send_version(version, buckets, validate, gone)
                     self.last_send_seconds = time.perf_counter() - start
                     self.sent_versions.append(version)
+                    with self._cond:  # its slot may take the next gather
+                        self._in_flight.discard(self._slot_of.pop(id(buckets), None))
+                        self._cond.notify_all()
         except BaseException as e:  # noqa: BLE001 (reported to the trainer's thread by raise_if_failed)
-            self._error = e
+            with self._cond:
+                self._error = e
+                self._cond.notify_all()  # a gather waiting for a slot
         finally:
             # every rollout rank still there hears STOP, also when sending to another one failed: a rollout rank
             # that waits for weights would otherwise wait for ever (on other nodes nothing else ends it); one in an

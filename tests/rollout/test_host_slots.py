@@ -155,3 +155,55 @@ def test_the_planner_counts_the_receivers_slots(megatron_world):
     cfg, hf = recipe("grpo_qwen2.5-7b_async", nodes=2)
     result, counts, _ = plan.plan_config(cfg, hf, nodes=2)
     assert result.host_bytes_per_node == HOST_SLOTS * counts.hf_params * 2 * 8
+
+
+def test_trainer_rank_0_gathers_into_two_reused_slots_and_every_version_arrives_whole(allocations, monkeypatch):
+    # the sender's side: each send() gathers a version into a slot (sync_weights stood in for: it hands the collector
+    # one version's buckets, as WeightSync does); over 10 versions, some marked for validation, trainer rank 0
+    # allocates 2 x the buckets of one version, and every version the rollout rank loads is exactly the one sent
+    from types import SimpleNamespace
+
+    sizes = [300, 17, 64]
+
+    def sync_weights(model, collector, mapping, **kw):
+        v = model.version
+        if collector is not None:
+            for i, n in enumerate(sizes):
+                collector.load_weights([(f"w{i}", torch.full((n,), float(v * 10 + i), dtype=torch.bfloat16))])
+        return SimpleNamespace(bytes=0, buckets=len(sizes), seconds=0.0)
+
+    monkeypatch.setattr(remote_sync.weight_sync, "sync_weights", sync_weights)
+    sender, receiver = pair()
+    validated, loaded = [], []
+
+    class Engine:
+        def load_weights(self, pairs):
+            self.pairs = [t.float().tolist() for _, t in pairs]
+            loaded.append(self.pairs)
+
+        def finish_weight_sync(self):
+            pass
+
+    def serve():
+        while (due := receiver.take_due()) is not None:
+            receiver.load_due(Engine(), due)
+            validated.append(due.version)
+
+    for v in range(1, 11):
+        sender.send(SimpleNamespace(model=SimpleNamespace(version=v), mapping=None), v, validate=v % 4 == 0)
+        if v % 3 == 0:  # the rollout rank catches up now and then
+            receiver.wait_for(v, timeout=30, serve=serve)
+            receiver.apply(Engine())
+    sender.close()
+    receiver.wait_stop(timeout=30)
+    serve()
+    receiver.apply(Engine())
+    assert validated == [4, 8] and receiver.applied_version == 10
+    for buckets in loaded:  # each bucket load is one tensor of one version, never a mix
+        (values,) = buckets
+        assert len(set(values)) == 1
+    sender_allocs = [n for n, _ in allocations][: sender.host_allocations]
+    assert sender.host_allocations == HOST_SLOTS * len(sizes), sender.host_allocations
+    assert receiver.slots.allocations == HOST_SLOTS
+    assert sorted(sender.sent_versions)[-1] == 10 and sender_allocs
+    assert receiver.close(timeout=30)
