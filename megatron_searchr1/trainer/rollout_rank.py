@@ -27,7 +27,9 @@ Partial rollouts (`rollout.partial`): newer weights are also loaded between two 
 
 The end: after its last batch the rank validates what is still due until the trainer says STOP, then sends DONE on
 the batches channel (trainer rank 0 drains until every rank said it); on an error it sends the error first, so
-trainer rank 0 reports it as one line naming this rank, and fails.
+trainer rank 0 reports it as one line naming this rank (and answers with STOP at once), and fails. On every path the
+rank stops what it started (`_Started`): its weight receiver's thread is ended and joined (a thread left in a gloo
+receive while the interpreter finalises aborts the process), the engine, the client and a launched server closed.
 """
 from __future__ import annotations
 
@@ -67,7 +69,7 @@ def check_engine_weights(engine, pairs: list) -> tuple[float, int]:
     return max(float((got[n] - sent[n].float()).abs().max()) for n in names), len(names)
 
 
-RECEIVER_JOIN_SECONDS = 30.0
+RECEIVER_JOIN_SECONDS = 10.0
 """How long a rollout rank that stops waits for its weight receiver's thread to end (trainer rank 0 answers its error or
 DONE with STOP at once; a dead trainer closes the connection): trainer/async_rl.py exits hard if it is still alive."""
 
