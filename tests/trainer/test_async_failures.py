@@ -170,3 +170,47 @@ def test_trainer_rank_0_waits_for_a_batch_in_rounds_the_other_trainer_ranks_hear
     assert rounds[-1] is batch and set(rounds[:-1]) == {"wait"} and len(rounds) >= 5, rounds
     said = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("rank 0 (trainer): step 1 has waited")]
     assert said and all("for batch 0 from the rollout ranks (the first: their engines start up" in ln for ln in said)
+
+
+@pytest.mark.parametrize("how", ["failed", "silent"])
+def test_the_watchdog_ends_a_rank_whose_peer_failed_or_fell_silent(monkeypatch, capsys, how):
+    """On several nodes a rank that fails at start-up (an OOM while the models build) leaves its line in the store,
+    and a killed one stops beating: the other ranks' watchdogs end them in seconds, naming it, where a collective
+    would wait parallel.timeout_minutes (NCCL)."""
+    import threading
+
+    import torch.distributed as dist
+
+    from megatron_searchr1.rollout.remote_sync import Bridge, Heartbeat, RolePlan
+    from megatron_searchr1.trainer import async_exit
+
+    exits = []
+    left = threading.Event()
+
+    def fake_exit(code):
+        exits.append(code)
+        left.set()
+        raise SystemExit(code)
+
+    monkeypatch.setattr(async_exit.os, "_exit", fake_exit)
+    monkeypatch.setattr(async_exit, "WATCH_GRACE_SECONDS", 1.0)
+    monkeypatch.setattr(async_exit, "WATCH_SILENT_SECONDS", 2.0)
+    store, plan = dist.HashStore(), RolePlan(world=3, rollout_ranks=1)
+    beats = {r: Heartbeat(store, r, interval=0.2) for r in range(3)}
+    exit = async_exit.Exit(Bridge(plan=plan, rank=0, store=store), beats[0])
+    monkeypatch.setattr(async_exit.signal, "signal", lambda *a: None)  # no handler installed from a test
+    exit.watch()
+    if how == "failed":  # trainer rank 1 ran out of memory building its model
+        beats[1].fail("rank 1 (trainer): stopping on OutOfMemoryError: CUDA out of memory")
+    else:  # the rollout rank was killed: its counter stands still
+        beats[2].stop()
+    assert left.wait(30), "the watchdog did not end the rank"
+    err = capsys.readouterr().err.splitlines()
+    assert exits == [1] and len(err) == 1, (exits, err)
+    if how == "failed":
+        assert err[0] == ("rank 0 (trainer): trainer rank 1 failed; stopping (rank 1 (trainer): stopping on "
+                          "OutOfMemoryError: CUDA out of memory)")
+    else:
+        assert err[0] == "rank 0 (trainer): rollout rank 2 is gone (no heartbeat for 2 s); stopping"
+    for b in beats.values():
+        b.stop()
