@@ -12,6 +12,7 @@ node=${SLURM_NODEID:?slurm_node.sh runs under srun (examples/slurm_grpo.sh)}
 port=${RETRIEVAL_PORT:-8000}
 log="$OUTPUT_DIR/slurm/server_node$node.log"
 finish() { echo "$1" > "$status/node$node"; exit "$1"; }
+: > "$log"  # made here: the background server opens it only after the wait loop's first grep may have run
 # shellcheck disable=SC2086  # RETRIEVAL_ARGS is a list of flags
 python -m megatron_searchr1.search.server $RETRIEVAL_ARGS --host 127.0.0.1 --port "$port" >"$log" 2>&1 &
 server=$!

@@ -66,6 +66,11 @@ def message() -> str:
             f"{_checkpoint or 'none saved yet'}")
 
 
+def exiting() -> bool:
+    """Whether this process is leaving through the interrupt exit (another exit path then stays out of its way)."""
+    return _exiting.locked()
+
+
 def enable() -> bool:
     """Handle SIGINT as the module docstring says, in this process from now on; idempotent (a second call
     re-installs the handler if a library replaced it). Only the main thread can install signal handlers: called

@@ -21,6 +21,7 @@ TENSOR_COLLECTIVES = {"all_reduce", "broadcast", "all_gather", "all_gather_into_
 PLACED = {
     ("metrics.py", "mean_over_ranks", "all_reduce"): "packed with device=collective_device()",
     ("trainer/losses.py", "dp_sum.reduce", "all_reduce"): "copied to collective_device() and back",
+    ("trainer/losses.py", "any_rank", "all_reduce"): "made with device=collective_device()",
     ("trainer/sft.py", "SFTTrainer.validate", "all_reduce"): "validation totals moved to collective_device()",
     ("megatron/vocab_parallel.py", "_all_reduce", "all_reduce"): "softmax statistics of the logits (model output)",
     ("models/convert.py", "gather_hf_weights", "all_gather"): "TP shards of model parameters (empty_like them)",

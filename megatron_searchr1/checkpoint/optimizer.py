@@ -63,20 +63,27 @@ def _torch_optimizer_dicts(sd: Any) -> list[dict]:
 def share_adam_step(opt_sd: dict) -> None:
     """Every rank's optimizer state dict gets the Adam step (in place; every rank calls it).
 
-    Megatron saves Adam's per-parameter step once, as `state.common_step`, a non-sharded value that only rank 0
-    writes (common.pt) and every rank reads back. A freeze run's rank 0 may train nothing (PP stage 0 when the last
-    layers train) and so has no step: the checkpoint would lose it and the other ranks' load fail (torch's Adam:
-    KeyError 'step'). The step is the same wherever there is one; take it from a rank that has it."""
-    states = [d["state"] for d in _torch_optimizer_dicts(opt_sd)]
-    mine = [s.get("common_step") for s in states]
+    Where the step lives depends on the optimizer megatron-core built. torch's Adam (the CPU) keeps one per
+    parameter, which Megatron saves once, as `state.common_step`; Transformer Engine's FusedAdam (GPUs) keeps it in
+    each param group (`param_groups[i]["step"]`), and only for groups that hold parameters. Both are non-sharded
+    values that only rank 0 writes (common.pt) and every rank reads back. A freeze run's rank 0 may train nothing
+    (PP stage 0 when the last layers train) and so has no step: the checkpoint would lose it, and the other ranks'
+    load fail (torch's Adam: KeyError 'step') or restart the bias correction at step 1 (TE's: a drifting resume).
+    The step is the same wherever there is one; take it from a rank that has it."""
+    dicts = _torch_optimizer_dicts(opt_sd)
+    mine = [(d["state"].get("common_step"), [g["step"] for g in d["param_groups"] if "step" in g][:1])
+            for d in dicts]
     every = [mine]
     if _world_size() > 1:
         every = [None] * _world_size()
         dist.all_gather_object(every, mine)
-    for i, state in enumerate(states):
-        steps = [m[i] for m in every if i < len(m) and m[i] is not None]
-        if steps and "common_step" not in state:
-            state["common_step"] = steps[0]
+    for i, d in enumerate(dicts):
+        steps = [m[i][0] for m in every if i < len(m) and m[i][0] is not None]
+        if steps and "common_step" not in d["state"]:
+            d["state"]["common_step"] = steps[0]
+        group_steps = [m[i][1][0] for m in every if i < len(m) and m[i][1]]
+        for g in d["param_groups"] if group_steps else ():
+            g.setdefault("step", group_steps[0])
 
 
 def freeze_marker(model: torch.nn.Module) -> Optional[dict]:

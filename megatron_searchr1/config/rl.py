@@ -191,9 +191,9 @@ class ParallelConfig:
     """Disaggregated placement: how many of the world's ranks (the last ones) only generate; tp / pp / DP apply to
     the other ranks (Config.trainer_world)."""
     bridge_backend: str = "auto"
-    """Disaggregated placement: how the weight buckets go from trainer rank 0 to the rollout ranks: nccl (GPU to
-    GPU broadcasts), gloo (host memory over sockets), auto (nccl when the device is cuda). Control messages always
-    go over gloo (rollout/remote_sync.py)."""
+    """Disaggregated placement: how the weight buckets go from trainer rank 0 to the rollout ranks: gloo (host
+    memory over sockets, the tested path), nccl (GPU to GPU broadcasts; opt-in, not yet run on a GPU), auto (gloo
+    on every device until a GPU run of nccl passes). Control messages always go over gloo (rollout/remote_sync.py)."""
 
     def __post_init__(self):
         check(self.tp >= 1 and self.pp >= 1, f"parallel.tp and parallel.pp must be >= 1, got {self.tp}, {self.pp}")

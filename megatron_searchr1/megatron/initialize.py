@@ -131,6 +131,10 @@ def _apply_cuda_env(wanted: dict[str, str]) -> None:
         os.environ[key] = value
 
 
+apply_cuda_env = _apply_cuda_env
+"""Public name: trainer/async_rl.py sets the environment before its role world's first CUDA call."""
+
+
 def _init_process_group(timeout_minutes: int, device: str) -> None:
     if dist.is_initialized():
         return

@@ -118,7 +118,13 @@ def offload_grads(model: torch.nn.Module, stash: Stash) -> None:
 
 def _optimizer_tensors(optimizer) -> list[torch.Tensor]:
     """Adam's state tensors and the fp32 master copies of low-precision parameters, of a Megatron optimizer
-    (chained or not). The parameters of an fp32 model are their own master weights: left to offload_params."""
+    (chained or not). The parameters of an fp32 model are their own master weights: left to offload_params.
+
+    The inner optimizer is torch's Adam(W) on the CPU and Transformer Engine's FusedAdam on GPUs (megatron-core picks
+    TE's when it imports). Their state differs: torch keeps {step, exp_avg, exp_avg_sq} per parameter; TE keeps
+    {exp_avg, exp_avg_sq} (+ master_param with its master weights) per parameter, the step in the param groups, and
+    the scales of low-precision states in `_scales[param][name]` beside the state; an fp8 state is a Float8Tensor,
+    a wrapper whose bytes live in its `_data` (its storage is not the bytes: `_state_tensors`)."""
     tensors = []
     for opt in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
         for groups in (getattr(opt, "fp32_from_float16_groups", None), getattr(opt, "shard_fp32_from_float16_groups",
@@ -128,8 +134,19 @@ def _optimizer_tensors(optimizer) -> list[torch.Tensor]:
         inner = getattr(opt, "optimizer", None)
         if inner is not None:
             for state in inner.state.values():
-                tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
+                tensors += [t for v in state.values() if isinstance(v, torch.Tensor) for t in _state_tensors(v)]
+            for scales in (getattr(inner, "_scales", None) or {}).values():  # TE FusedAdam
+                tensors += [v for v in scales.values() if isinstance(v, torch.Tensor)]
     return tensors
+
+
+def _state_tensors(t: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors that hold `t`'s bytes: `t` itself, or a quantized wrapper's inner data and scales (TE's
+    Float8Tensor keeps them in `_data`, `_scale_inv` and, once made, `_transpose`)."""
+    if type(t) in (torch.Tensor, torch.nn.Parameter) or not hasattr(t, "_data"):
+        return [t]
+    return [v for v in (getattr(t, name, None) for name in ("_data", "_scale_inv", "_transpose"))
+            if isinstance(v, torch.Tensor)]
 
 
 def offload_optimizer(optimizer, stash: Stash) -> None:

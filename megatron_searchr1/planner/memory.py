@@ -54,6 +54,11 @@ from typing import Optional
 
 from megatron_searchr1.planner.counts import ModelCounts, sync_plan
 
+BRIDGE_HOST_VERSIONS = 2
+"""Weight versions a rank of the disaggregated bridge keeps in host memory at most: a rollout rank's two reused slots
+(rollout/host_slots.py HOST_SLOTS; a test keeps the two equal), and trainer rank 0's version in flight plus the newest
+queued behind it."""
+
 GiB = 1 << 30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -392,14 +397,15 @@ def plan_memory(cfg, counts: ModelCounts, *, world: int, gpu_bytes: int, gpus_pe
         phases = phases + rollout_rank_phases(vllm_share=vllm_share, vllm_weights=vllm_weights, residue=residue,
                                               vllm_act=vllm_act, kv=kv, bucket=r.sync_bucket_mb << 20)
         # the bridge moves host memory: trainer rank 0 keeps the version it sends and the newest one queued behind
-        # it; a rollout rank the newest version it holds and the one it receives (rollout/remote_sync.py)
+        # it; a rollout rank its two reused slots, the newest version it holds and the one it receives
         version = counts.hf_params * eb
-        rollout_node = 2 * version * min(gpus_per_node, rollout_ranks)
-        host_node = max(2 * version, rollout_node)
+        rollout_node = BRIDGE_HOST_VERSIONS * version * min(gpus_per_node, rollout_ranks)
+        host_node = max(BRIDGE_HOST_VERSIONS * version, rollout_node)
         notes.append(f"disaggregated: {trainers} trainer ranks (TPxPPxDP {tp}x{pp}x{dp}) hold no engine and offload "
                      f"nothing; {rollout_ranks} rollout ranks hold one vLLM engine each, awake all run. Host memory "
-                     f"of the weights in flight: {2 * version / GiB:.0f} GiB on trainer rank 0, "
-                     f"{2 * version / GiB:.0f} GiB per rollout rank ({rollout_node / GiB:.0f} GiB on a rollout node)")
+                     f"of the weights in flight: {BRIDGE_HOST_VERSIONS * version / GiB:.0f} GiB on trainer rank 0, "
+                     f"{BRIDGE_HOST_VERSIONS * version / GiB:.0f} GiB per rollout rank ({rollout_node / GiB:.0f} GiB "
+                     "on a rollout node)")
         notes.append(f"disaggregated: a rollout rank generates a whole batch ({per_engine} trajectories) on its "
                      f"engine, and at most rollout.max_staleness + 2 = {r.max_staleness + 2} batches are in "
                      f"flight, so {min(rollout_ranks, r.max_staleness + 2)} of the {rollout_ranks} rollout ranks "

@@ -11,14 +11,22 @@ runs, so the gloo path never reads it.
 Each bucket is one NCCL broadcast from bridge rank 0 to all K rollout ranks, in the header's order (NCCL has no tags:
 both sides issue the same broadcasts in the same order). Each side moves a bucket through one reused device buffer:
 trainer rank 0 keeps queued versions in pinned host memory and copies each bucket in before broadcasting; a rollout
-rank copies it out to pinned host memory, where the version waits for the main thread's load. Host memory, because
-up to three versions wait at once, each the whole model, and vLLM holds most of the rollout GPU.
+rank copies it out to pinned host memory (one of its two reused slots, rollout/host_slots.py), where the version waits
+for the main thread's load. Host memory, because a version waits there while the engine generates, each the whole
+model, and vLLM holds most of the rollout GPU.
 
 NCCL does not notice a dead peer (a broadcast waits for the group's timeout), so both sides poll their broadcast and
 call a `check` between polls that raises to give up: the sender's when close() was given an error, a receiver's when
 trainer rank 0 wrote STOP into torchrun's store or its heartbeat stood still (remote_sync.WeightReceiver). What that
 check raises passes through `receive_bucket`; any other failure there is the receiving rank's own (`LocalFailure`),
 not a gone trainer.
+
+A broadcast given up is still queued on the GPU: its kernel waits for peers that will never join, and anything that
+synchronises the device afterwards (vLLM's shutdown, the trainer's last CUDA calls, process exit) waits with it until
+the group's watchdog fires (`parallel.timeout_minutes`, 30 by default). So giving up also aborts the communicator
+(`abort`: ProcessGroupNCCL.abort(), i.e. ncclCommAbort, which kills the pending kernel and returns; torch's own
+`_abort_process_group` and destroy_process_group's shutdown do the same for groups it registered). The group is
+unusable afterwards, which is fine: the run is ending.
 """
 from __future__ import annotations
 
@@ -63,15 +71,33 @@ def use_device(device: torch.device) -> None:
         torch.cuda.set_stream(torch.cuda.Stream(device))
 
 
-def await_work(work, check: Callable[[], None], every: float = 1.0) -> None:
+def abort(group) -> None:
+    """Abort `group`'s NCCL communicators (module doc): the kernel of a broadcast given up stops waiting for its peers.
+    Best effort: the run is already stopping, and a failed abort must not hide why."""
+    fn = getattr(group, "abort", None)
+    if fn is None:
+        return
+    try:
+        fn()
+    except Exception:  # noqa: BLE001 (the watchdog still ends the communicator, later)
+        pass
+
+
+def await_work(work, check: Callable[[], None], every: float = 1.0, group=None) -> None:
     """Wait for an NCCL work (a broadcast) by polling it, calling `check()` every `every` seconds, which raises to
-    stop waiting (NCCL itself would wait for a dead peer until the group's timeout)."""
+    stop waiting (NCCL itself would wait for a dead peer until the group's timeout). When `check` raises, `group`'s
+    communicator is aborted first (module doc), then the error passes on."""
     last = time.monotonic()
     while not work.is_completed():
         time.sleep(POLL_SECONDS)
         if time.monotonic() - last >= every:
             last = time.monotonic()
-            check()
+            try:
+                check()
+            except BaseException:
+                if group is not None:
+                    abort(group)
+                raise
     work.wait()
 
 
@@ -96,7 +122,7 @@ def send_bucket(group, staging: Staging, flat: torch.Tensor, check: Callable[[],
     # double device buffer; slime: 512 MiB); ours waits by polling so close() can abandon it
     view = staging.view(flat.numel())
     view.copy_(flat, non_blocking=True)  # NCCL's stream waits for this thread's stream: ordered
-    await_work(group.broadcast(view, 0), check)
+    await_work(group.broadcast(view, 0), check, group=group)
 
 
 def receive_bucket(group, staging: Staging, flat: torch.Tensor, check: Callable[[], None]) -> None:
@@ -105,7 +131,7 @@ def receive_bucket(group, staging: Staging, flat: torch.Tensor, check: Callable[
     other failure (out of memory, NCCL) is raised as LocalFailure."""
     try:
         view = staging.view(flat.numel())
-        await_work(group.broadcast(view, 0), check)
+        await_work(group.broadcast(view, 0), check, group=group)
         flat.copy_(view)
     except (StoppedInBroadcast, TrainerSilent):
         raise

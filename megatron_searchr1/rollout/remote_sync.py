@@ -24,12 +24,14 @@ receiving thread per rollout rank, so a rollout rank's send never waits behind a
 failed send or receive on the surviving side ("Connection closed by peer"), which the threads turn into an error
 that names the rank.
 
-The weight bytes on GPUs (`parallel.bridge_backend`, auto = nccl on cuda): a third bridge group, `weights_data`
-(NCCL). Headers and STOP stay on gloo; each bucket is one NCCL broadcast from bridge rank 0 to all K rollout ranks,
-staged through a device buffer and kept in pinned host memory on both sides (rollout/remote_nccl.py). NCCL does not
+The weight bytes over NCCL (`parallel.bridge_backend: nccl`, opt-in: auto means gloo everywhere until a GPU run of
+the NCCL path passes): a third bridge group, `weights_data`. Headers and STOP stay on gloo; each bucket is one NCCL
+broadcast from bridge rank 0 to all K rollout ranks, staged through a device buffer and kept in pinned host memory on
+both sides (rollout/remote_nccl.py). NCCL does not
 notice a dead peer, so both threads poll their broadcast and give up when the run stops: the sender when close() is
 given an error, a receiver when trainer rank 0 wrote STOP into torchrun's store (before the gloo STOPs) or its
-heartbeat stood still. On CPUs (and with bridge_backend=gloo) each rank gets its buckets over gloo after its header.
+heartbeat stood still; either side that gives up a broadcast aborts the communicator, so no NCCL kernel is left
+waiting for the watchdog. Otherwise (auto, gloo) each rank gets its buckets over gloo after its header.
 
 Weights travel as WeightSync's buckets (rollout/weight_sync.py: TP gather, HF names, the converter's mapping):
 every trainer rank runs the gather, rank 0 keeps each bucket as one flat byte buffer and a thread sends them
@@ -51,14 +53,15 @@ import os
 import pickle
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
 from megatron_searchr1.rollout import remote_nccl, weight_sync
-from megatron_searchr1.rollout.weight_sync import BucketLayout, layout_bucket, pack_bucket, unpack_bucket
+from megatron_searchr1.rollout.host_slots import HOST_SLOTS
+from megatron_searchr1.rollout.weight_sync import BucketLayout, layout_bucket, pack_bucket
 
 TRAINER, ROLLOUT = "trainer", "rollout"
 STORE_PREFIX = "searchr1"
@@ -106,18 +109,19 @@ class RolePlan:
 
 def bridge_backend(choice: str, device: str) -> str:
     """The backend of the weight buckets between the roles: `parallel.bridge_backend` (auto | gloo | nccl, checked
-    by the config) resolved for this run's device (auto: nccl when it is cuda). nccl without CUDA is a UsageError
-    naming the field (one `error:` line, exit 2).
+    by the config) resolved for this run's device. auto is the tested transport, gloo, on every device: the NCCL path
+    has run on fake process groups only (tests/rollout/test_remote_nccl.py), never on a GPU, so it stays opt-in
+    (`nccl`) until a GPU run passes. nccl without CUDA is a UsageError naming the field (one `error:` line, exit 2).
 
-    >>> bridge_backend("auto", "cuda"), bridge_backend("auto", "cpu"), bridge_backend("gloo", "cuda")
-    ('nccl', 'gloo', 'gloo')
+    >>> bridge_backend("auto", "cuda"), bridge_backend("auto", "cpu"), bridge_backend("nccl", "cuda")
+    ('gloo', 'gloo', 'nccl')
     """
     from megatron_searchr1.cli import UsageError
 
     if choice == "nccl" and device != "cuda":
         raise UsageError(f"parallel.bridge_backend=nccl needs CUDA, but this run's device is {device}: set "
                          "parallel.bridge_backend=auto or gloo")
-    return "nccl" if choice == "nccl" or (choice == "auto" and device == "cuda") else "gloo"
+    return "nccl" if choice == "nccl" else "gloo"
 
 
 @dataclass
@@ -137,6 +141,28 @@ class Bridge:
     """The NCCL group that carries the weight buckets (bridge_backend nccl), None when they go over `weights`."""
     device: torch.device = torch.device("cpu")
     """This rank's device: where the staging buffer of the NCCL path lives."""
+    threads: list = field(default_factory=list)
+    """[(thread, stop)]: every thread started for this bridge and how to ask it to end without waiting (`own`), so
+    a rank that leaves can stop and join them all (trainer/async_rl.py Exit)."""
+
+    def own(self, thread: threading.Thread, stop) -> threading.Thread:
+        """Record a thread of the bridge and its stop function (module doc); returns the thread."""
+        self.threads.append((thread, stop))
+        return thread
+
+    def stop_threads(self, timeout: float) -> list[str]:
+        """Ask every recorded thread to end, then join them all within `timeout` seconds together; the names of
+        those still alive."""
+        for _, stop in self.threads:
+            try:
+                stop()
+            except Exception:  # noqa: BLE001 (best effort: the rank is leaving)
+                pass
+        deadline = time.monotonic() + timeout
+        for thread, _ in self.threads:
+            if thread is not threading.current_thread():
+                thread.join(timeout=max(deadline - time.monotonic(), 0.0))
+        return [t.name for t, _ in self.threads if t.is_alive() and t is not threading.current_thread()]
 
     @property
     def role(self) -> str:
@@ -219,16 +245,25 @@ waiting in an NCCL broadcast that will never come reads it there."""
 
 class _BucketCollector:
     """Stands in for an engine in WeightSync.sync on trainer rank 0: keeps each bucket as one flat byte buffer
-    in host memory (the sync's views are valid during its call only)."""
+    in host memory (the sync's views are valid during its call only). With `reuse` (one of the sender's two slots:
+    a list of buffers by bucket index) a bucket goes into the slot's buffer when it fits, else a new buffer replaces
+    it there; `allocated` counts the new ones."""
 
-    def __init__(self, device: torch.device = torch.device("cpu")):
+    def __init__(self, device: torch.device = torch.device("cpu"), reuse: Optional[list] = None):
         self.buckets: list[tuple[BucketLayout, torch.Tensor]] = []
-        self.device = device
+        self.device, self.reuse, self.allocated = device, reuse, 0
 
     def load_weights(self, pairs) -> None:
         pairs = list(pairs)
         layout = layout_bucket([(n, tuple(t.shape), t.dtype) for n, t in pairs])
-        flat = host_buffer(layout.nbytes, self.device)
+        i, reuse = len(self.buckets), self.reuse
+        if reuse is not None and i < len(reuse) and reuse[i].numel() >= layout.nbytes:
+            flat = reuse[i][:layout.nbytes]
+        else:
+            flat = host_buffer(layout.nbytes, self.device)
+            self.allocated += 1
+            if reuse is not None:
+                reuse[i:i + 1] = [flat]
         pack_bucket([t.detach().cpu() for _, t in pairs], layout, out=flat)
         self.buckets.append((layout, flat))
 
@@ -293,22 +328,47 @@ class Heartbeat:
         return [r for r in ranks if after[r][0] == before[r][0] and not after[r][1]]
 
     def done(self) -> None:
-        """This rank leaves cleanly: it stops beating and is not reported as gone."""
-        self._stop.set()
+        """This rank leaves cleanly: it stops beating (the thread joined) and is not reported as gone."""
+        self.stop()
         try:
             self.store.add(f"done/{self.rank}", 1)
         except Exception:  # noqa: BLE001
             pass
 
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop beating and join the thread (a rank that fails: the others will call it gone)."""
+        self._stop.set()
+        self._thread.join(timeout=timeout)
+
+    def fail(self, line: str) -> None:
+        """Leave this rank's one-line reason where the other ranks' watchdogs read it (`failures`), so they stop at
+        once naming it instead of waiting for a collective or a heartbeat to time out."""
+        try:
+            self.store.set(f"failed/{self.rank}", line)
+        except Exception:  # noqa: BLE001 (the store is gone: the job is ending anyway)
+            pass
+
+    def failures(self, ranks) -> dict[int, str]:
+        """{rank: its line} for those of `ranks` (not this one) that said `fail`."""
+        out = {}
+        for r in ranks:
+            if r != self.rank and self.store.check([f"failed/{r}"]):
+                out[r] = self.store.get(f"failed/{r}").decode()
+        return out
+
+    def counts(self, ranks) -> dict[int, tuple[int, int]]:
+        """(beats, done) of each of `ranks`, now."""
+        return heartbeat_counts(self.store, ranks)
+
 
 def name_ranks(plan: RolePlan, ranks: list[int]) -> str:
-    """"rank 1 (trainer)", "ranks 1 (trainer), 2 (rollout)".
+    """"trainer rank 1", "trainer rank 1 and rollout rank 2" (the names the rest of the bridge's lines use).
 
-    >>> name_ranks(RolePlan(world=3, rollout_ranks=1), [1, 2])
-    'ranks 1 (trainer), 2 (rollout)'
+    >>> name_ranks(RolePlan(world=4, rollout_ranks=2), [1, 2, 3])
+    'trainer rank 1, rollout rank 2 and rollout rank 3'
     """
-    parts = [f"{r} ({plan.role(r)})" for r in ranks]
-    return ("rank " if len(parts) == 1 else "ranks ") + ", ".join(parts)
+    parts = [f"{plan.role(r)} rank {r}" for r in ranks]
+    return parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " and " + parts[-1]
 
 
 def queue_version(pending: list, item: tuple) -> list:
@@ -347,9 +407,18 @@ class WeightSender:
         self.sent_versions: list[int] = []
         self.sent_bytes = 0
         """Bucket bytes sent per rollout rank (what each rank receives), over every version sent."""
+        # trainer rank 0 gathers each version into one of two reused host slots (pinned on GPUs), as the rollout ranks
+        # receive into two (rollout/host_slots.py): one being sent, one queued; a version marked for validation keeps
+        # its slot until it is sent, and a gather waits for a free slot rather than allocating a third
+        self._slots: list[list[torch.Tensor]] = [[] for _ in range(HOST_SLOTS)]
+        self._slot_of: dict[int, int] = {}  # id(a queued version's buckets) -> its slot
+        self._in_flight: set = set()  # slots the thread is sending
+        self.host_allocations = 0
+        """Host buffers allocated for buckets so far (2 x the buckets of a version, in a run whose layout holds)."""
         self._thread = None
         if self.leader:
-            self._thread = threading.Thread(target=self._run, name="weight-sender", daemon=True)
+            self._thread = bridge.own(threading.Thread(target=self._run, name="weight-sender", daemon=True),
+                                      lambda: self.close(reason="this rank is leaving", wait=False))
             self._thread.start()
 
     def send(self, policy, version: int, validate: bool = False) -> dict:
@@ -358,15 +427,40 @@ class WeightSender:
         validated version is then sent first). Returns the `sync/remote_*` metrics (without the prefix), the same
         on every trainer rank."""
         self.raise_if_failed()
-        collector = _BucketCollector(self.bridge.device) if self.leader else None
+        collector = None
+        if self.leader:
+            slot = self._take_slot()
+            collector = _BucketCollector(self.bridge.device, reuse=self._slots[slot])
         stats = weight_sync.sync_weights(policy.model, collector, policy.mapping, bucket_bytes=self.bucket_bytes,
                                          dtype=self.dtype, transport="auto")
         if self.leader:
             with self._cond:
+                self.host_allocations += collector.allocated
                 self._pending = queue_version(self._pending or [], (version, collector.buckets, validate))
+                self._slot_of[id(collector.buckets)] = slot
                 self._cond.notify_all()
         return {"remote_bytes": float(stats.bytes), "remote_buckets": float(stats.buckets),
                 "remote_gather_seconds": stats.seconds, "remote_version": float(version)}
+
+    def _free_slot(self) -> Optional[int]:
+        """(Under the condition.) A slot the next gather may write: not being sent and not holding a version queued
+        for validation; one holding an unmarked queued version only if no slot is idle (that version is superseded)."""
+        pending = self._pending or []
+        held = {self._slot_of.get(id(b)) for _, b, val in pending if val} | self._in_flight
+        queued = {self._slot_of.get(id(b)) for _, b, val in pending if not val}
+        free = [s for s in range(HOST_SLOTS) if s not in held]
+        free.sort(key=lambda s: s in queued)
+        return free[0] if free else None
+
+    def _take_slot(self) -> int:
+        """Wait for a free slot (the thread frees one as it finishes a version) and clear it of a superseded one."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._free_slot() is not None or self._error is not None)
+            self.raise_if_failed()
+            slot = self._free_slot()
+            if self._pending:
+                self._pending = [it for it in self._pending if self._slot_of.get(id(it[1])) != slot] or None
+            return slot
 
     def raise_if_failed(self) -> None:
         if self._error is not None:
@@ -403,6 +497,7 @@ class WeightSender:
                 with self._cond:
                     self._cond.wait_for(lambda: self._pending is not None or self._closing)
                     items, self._pending = self._pending, None
+                    self._in_flight = {self._slot_of.get(id(b)) for _, b, _ in items or []}
                 if items is None:  # closing, nothing left to send
                     break
                 for version, buckets, validate in items:
@@ -410,8 +505,13 @@ class WeightSender:
                     self._send_version(version, buckets, validate, gone)
                     self.last_send_seconds = time.perf_counter() - start
                     self.sent_versions.append(version)
+                    with self._cond:  # its slot may take the next gather
+                        self._in_flight.discard(self._slot_of.pop(id(buckets), None))
+                        self._cond.notify_all()
         except BaseException as e:  # noqa: BLE001 (reported to the trainer's thread by raise_if_failed)
-            self._error = e
+            with self._cond:
+                self._error = e
+                self._cond.notify_all()  # a gather waiting for a slot
         finally:
             # every rollout rank still there hears STOP, also when sending to another one failed: a rollout rank
             # that waits for weights would otherwise wait for ever (on other nodes nothing else ends it); one in an
@@ -430,158 +530,30 @@ class WeightSender:
                         if self._error is None:
                             self._error = e
 
-    def close(self, reason: Optional[str] = None, timeout: float = 60.0) -> None:
+    def close(self, reason: Optional[str] = None, timeout: float = 60.0, wait: bool = True) -> None:
         """Send what is pending (nothing when `reason`, an error, is given), then STOP with `reason` to every
-        rollout rank (they finish or abandon their batch and exit)."""
+        rollout rank (they finish or abandon their batch and exit); with `wait`, join the sending thread (up to
+        `timeout` seconds). A second call only waits (the first reason stays)."""
         if self._thread is None:
             return
         with self._cond:
-            self._reason = reason
-            if reason is not None:
-                self._pending = None
-                self._abandon = f"the trainer stopped: {reason}"
-            self._closing = True
-            self._cond.notify_all()
-        self._thread.join(timeout=timeout)
+            if not self._closing:
+                self._reason = reason
+                if reason is not None:
+                    self._pending = None
+                    self._abandon = f"the trainer stopped: {reason}"
+                self._closing = True
+                self._cond.notify_all()
+        if wait:
+            self._thread.join(timeout=timeout)
+
+    @property
+    def thread(self) -> Optional[threading.Thread]:
+        return self._thread
 
 
 GONE_SECONDS = 10.0
 """A rollout rank in an NCCL broadcast calls trainer rank 0 gone when its heartbeat stood still this long."""
 
 
-class WeightReceiver:
-    """The rollout side of the weights: a thread receives every version trainer rank 0 sends and keeps the newest
-    (host memory, pinned on GPUs: module doc); the main thread loads it into its engine between generate calls
-    (`apply`), so the engine is never touched from two threads."""
-
-    def __init__(self, bridge: Bridge):
-        self.bridge = bridge
-        self._cond = threading.Condition()
-        self._latest: Optional[tuple[int, list]] = None
-        self._error: Optional[str] = None
-        self.stopped = False
-        self.stop_reason: Optional[str] = None
-        """Why the trainer stopped, when an error stopped it (STOP's reason)."""
-        self.applied_version = -1
-        self.due: list[tuple[int, list]] = []
-        """Versions the trainer asked this rank to validate, oldest first (their own buckets: newer versions do not
-        replace them, and each is validated: the trainer waits for every report it asked for)."""
-        self.received_bytes = 0
-        self.engine_ready = threading.Event()
-        """Set once the engine is built: the NCCL path makes its communicator and staging buffer after that, not
-        while vLLM measures the GPU memory it may take."""
-        self._beat = (-1, time.monotonic())  # trainer rank 0's heartbeat counter, and when it last moved
-        self._thread = threading.Thread(target=self._run, name="weight-receiver", daemon=True)
-        self._thread.start()
-
-    def _stop(self, reason: Optional[str]) -> None:
-        with self._cond:
-            self.stop_reason = reason
-            self.stopped = True
-            self._cond.notify_all()
-
-    def _check_trainer(self) -> None:
-        """While in an NCCL broadcast: raise when trainer rank 0 said STOP (in the store) or its heartbeat stood
-        still for GONE_SECONDS."""
-        store = self.bridge.store
-        if store is None:
-            return
-        if store.check([STOP_KEY]):
-            raise remote_nccl.StoppedInBroadcast(store.get(STOP_KEY).decode() or None)
-        (beat, done), now = heartbeat_counts(heartbeat_store(store), [0])[0], time.monotonic()
-        if beat != self._beat[0]:
-            self._beat = (beat, now)
-        elif now - self._beat[1] > GONE_SECONDS and not done:
-            raise remote_nccl.TrainerSilent(f"its heartbeat stood still for {GONE_SECONDS:.0f} s during a weight "
-                                            "broadcast")
-
-    def _run(self) -> None:
-        pg, nccl = self.bridge.weights, self.bridge.weights_data
-        staging = remote_nccl.Staging(self.bridge.device)
-        try:
-            remote_nccl.use_device(self.bridge.device)
-            while True:
-                header = recv_object(pg, 0, WEIGHTS_TAG)
-                if is_stop(header):
-                    return self._stop(header[STOP])
-                buckets = []
-                for layout in header["layouts"]:
-                    flat = host_buffer(layout.nbytes, self.bridge.device)
-                    if nccl is None:
-                        pg.recv([flat], 0, WEIGHTS_TAG).wait()
-                    else:  # the broadcast trainer rank 0 issues for this bucket, then to host memory
-                        self.engine_ready.wait()
-                        remote_nccl.receive_bucket(nccl, staging, flat, self._check_trainer)
-                    buckets.append((layout, flat))
-                with self._cond:
-                    self._latest = (int(header["version"]), buckets)
-                    if header.get("validate"):
-                        self.due.append(self._latest)
-                    self.received_bytes += sum(lay.nbytes for lay, _ in buckets)
-                    self._cond.notify_all()
-        except remote_nccl.StoppedInBroadcast as e:  # the version in flight is dropped; the run is over
-            self._stop(e.reason)
-        except BaseException as e:  # noqa: BLE001 (the main thread raises it)
-            with self._cond:
-                self._error = str(e) if isinstance(e, remote_nccl.LocalFailure) else \
-                    f"trainer rank 0 is gone ({type(e).__name__}: {e})"
-                self._cond.notify_all()
-
-    @property
-    def latest_version(self) -> int:
-        with self._cond:
-            return self._latest[0] if self._latest else -1
-
-    def wait_for(self, version: int, timeout: Optional[float] = None) -> bool:
-        """Block until a version >= `version` has arrived (True) or the trainer said STOP (False); raises
-        RuntimeError when the trainer's side is gone, TimeoutError after `timeout` seconds."""
-        with self._cond:
-            ok = self._cond.wait_for(lambda: (self._latest is not None and self._latest[0] >= version)
-                                     or self.stopped or self._error, timeout=timeout)
-            if self._error:
-                raise RuntimeError(self._error)
-            if not ok:
-                raise TimeoutError(f"no policy version >= {version} from the trainer within {timeout} s")
-            return not (self.stopped and (self._latest is None or self._latest[0] < version))
-
-    def apply(self, engine) -> Optional[tuple[int, list]]:
-        """Load the newest received version into `engine` if it is newer than the one applied: one load_weights
-        call per bucket, then finish_weight_sync. Returns (version, [(name, tensor)...]) of what was loaded (the
-        tensors are views into the received buckets), None when there was nothing new."""
-        with self._cond:
-            latest = self._latest
-        if latest is None or latest[0] <= self.applied_version:
-            return None
-        version, buckets = latest
-        return version, self.load(engine, version, buckets)
-
-    def take_due(self) -> Optional[tuple[int, list]]:
-        """The oldest version to validate, if one is due (it is no longer due after this call)."""
-        with self._cond:
-            return self.due.pop(0) if self.due else None
-
-    def wait_due_or_stop(self) -> None:
-        """Block until a validation is due or the trainer says STOP; raises when the trainer's side is gone."""
-        with self._cond:
-            self._cond.wait_for(lambda: bool(self.due) or self.stopped or self._error)
-            if self._error and not self.stopped:
-                raise RuntimeError(self._error)
-
-    def load(self, engine, version: int, buckets: list) -> list:
-        """Load `buckets` (of `version`) into `engine`: one load_weights call per bucket, then finish_weight_sync.
-        Returns the (name, tensor) pairs loaded (views into the buckets)."""
-        pairs = []
-        for layout, flat in buckets:
-            bucket = unpack_bucket(flat, layout)
-            engine.load_weights(iter(bucket))
-            pairs.extend(bucket)
-        engine.finish_weight_sync()
-        self.applied_version = version
-        return pairs
-
-    def wait_stop(self, timeout: Optional[float] = None) -> None:
-        """Block until the trainer says STOP (the run's end); raises when the trainer's side is gone."""
-        with self._cond:
-            self._cond.wait_for(lambda: self.stopped or self._error, timeout=timeout)
-            if self._error and not self.stopped:
-                raise RuntimeError(self._error)
+from megatron_searchr1.rollout.remote_receiver import WeightReceiver  # noqa: E402,F401 (the rollout side, re-exported)

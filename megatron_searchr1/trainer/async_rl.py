@@ -55,7 +55,9 @@ receiving threads drains its rollout rank until that rank said DONE, so an early
 clean exit on every rank. A rank whose collective, send or receive fails names the ranks that are gone (heartbeats in
 torchrun's store) in one line; trainer rank 0 passes its line to the rollout ranks with STOP; a dead rollout rank is
 named by its receiving thread ("rollout rank 2 is gone"), an error on one by the line it sent ("rollout rank 2
-failed: ..."), a dead trainer rank 0 by the rollout ranks' weight receivers ("trainer rank 0 is gone").
+failed: ...", after which trainer rank 0 STOPs the other rollout ranks at once), a dead trainer rank 0 by the rollout
+ranks ("trainer rank 0 is gone"). Every such end is one line per rank, no traceback, the rank's threads joined and
+its exit code (trainer/async_exit.py: also the watchdog and SIGTERM paths).
 """
 from __future__ import annotations
 
@@ -67,28 +69,31 @@ from typing import Optional
 import torch.distributed as dist
 
 from megatron_searchr1 import interrupt
-from megatron_searchr1.cli import stderr_line
 from megatron_searchr1.data.rl_data import dp_shard
 from megatron_searchr1.rollout.async_buffer import AsyncBuffer, BufferClosed, GeneratedBatch, lag, version_metrics
 from megatron_searchr1.rollout.batch_parts import PartAssembler, assemble_report, contributors
 from megatron_searchr1.rollout.remote_sync import (BATCHES_TAG, DONE, ROLLOUT, Bridge, Heartbeat, RolePlan,
-                                                   WeightSender, bridge_backend, init_role_world, name_ranks,
-                                                   recv_object, send_object)
+                                                   WeightSender, bridge_backend, heartbeat_counts, heartbeat_store,
+                                                   init_role_world, recv_object, send_object)
 from megatron_searchr1.search.client import RetrievalDown
+from megatron_searchr1.trainer.async_exit import Exit, stopping_line
 from megatron_searchr1.trainer.rl import Trainer
 from megatron_searchr1.trainer.rollout_rank import serve_rollouts
 
 
 def run_disaggregated(cfg) -> int:
     """The whole job on this rank: join its role world, then train (AsyncTrainer) or generate (serve_rollouts).
-    A failure here is reported with the ranks that are gone, when a peer's death caused it (`stopping_line`)."""
+    Returns 0 after a clean run; any other end is one line on stderr and an exit code (`leave`)."""
+    from megatron_searchr1.cli import RETRIEVAL_DOWN_EXIT, UsageError
     from megatron_searchr1.megatron.initialize import resolve_device
 
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     plan, device = RolePlan(world, cfg.parallel.rollout_ranks), resolve_device()
     backend = bridge_backend(cfg.parallel.bridge_backend, device)  # nccl without CUDA: one error line, exit 2
-    bridge = init_role_world(plan, rank, device, cfg.parallel.timeout_minutes, backend)
+    bridge = join_role_world(cfg, plan, rank, device, backend)
     heartbeat = Heartbeat(bridge.store, rank)
+    exit = Exit(bridge, heartbeat)
+    exit.watch()
     try:
         if bridge.role == ROLLOUT:
             serve_rollouts(cfg, bridge)
@@ -97,39 +102,32 @@ def run_disaggregated(cfg) -> int:
             try:
                 trainer.fit()
             except BaseException as e:
-                trainer.close(reason=stopping_line(bridge, heartbeat, e) or type(e).__name__)  # rollout ranks stop
+                if not isinstance(e, KeyboardInterrupt):
+                    trainer.close(reason=stopping_line(bridge, heartbeat, e) or type(e).__name__)  # rollout ranks stop
                 raise
             trainer.close()
-    except Exception as e:
-        line = stopping_line(bridge, heartbeat, e)
-        if line is None:
-            raise
-        stderr_line(line)
-        raise RuntimeError(line) from e
+    except UsageError as e:
+        exit.leave(2, "error: " + " ".join(str(e).split()))
+    except RetrievalDown as e:
+        exit.leave(RETRIEVAL_DOWN_EXIT, "error: " + " ".join(str(e).split()))
+    except Exception as e:  # noqa: BLE001 (one line naming the dead rank, or the error: no traceback)
+        exit.leave(1, stopping_line(bridge, heartbeat, e))
+    exit.done()
     heartbeat.done()
     return 0
 
 
-def stopping_line(bridge: Bridge, heartbeat: Heartbeat, error: BaseException) -> Optional[str]:
-    """One line for the failure `error` on this rank, naming the ranks that are gone when there are any
-    (heartbeats; found once, kept on the error); None for Ctrl-C, a lost retrieval server and a user mistake,
-    which have lines of their own (interrupt.py, cli.run_main)."""
-    from megatron_searchr1.cli import UsageError
+def join_role_world(cfg, plan: RolePlan, rank: int, device: str, backend: str) -> Bridge:
+    """The CUDA environment Megatron needs (trainer ranks: CUDA_DEVICE_MAX_CONNECTIONS=1 at TP > 1), then the role
+    world (remote_sync.init_role_world, whose first CUDA call is torch.cuda.set_device). The order matters: the
+    driver reads CUDA_DEVICE_MAX_CONNECTIONS once, when the context is made, so set after set_device it is ignored
+    and Megatron's TP communication may overlap the wrong way (megatron/initialize.py cuda_env)."""
+    from megatron_searchr1.megatron.initialize import apply_cuda_env, cuda_env
 
-    if isinstance(error, (KeyboardInterrupt, RetrievalDown, UsageError)):
-        return None
-    if getattr(error, "stopping_line", None):
-        return error.stopping_line
-    me = f"rank {bridge.rank} ({bridge.role})"
-    text = str(error).splitlines()[0] if str(error) else ""
-    gone = heartbeat.gone(range(bridge.plan.world))
-    line = (f"{me}: {name_ranks(bridge.plan, gone)} is gone; stopping ({type(error).__name__}: {text})" if gone
-            else f"{me}: stopping on {type(error).__name__}: {text}")
-    try:
-        error.stopping_line = line
-    except AttributeError:
-        pass
-    return line
+    if plan.role(rank) != ROLLOUT:  # vLLM on the rollout ranks sets up its own
+        p = cfg.parallel
+        apply_cuda_env(cuda_env(device, p.tp, p.sequence_parallel))
+    return init_role_world(plan, rank, device, cfg.parallel.timeout_minutes, backend)
 
 
 def staleness_metrics(lags: list[int], max_staleness: int) -> dict[str, float]:
@@ -150,6 +148,16 @@ def staleness_metrics(lags: list[int], max_staleness: int) -> dict[str, float]:
 # ----------------------------------------------------------------------------------------------------------------
 # The trainer side
 # ----------------------------------------------------------------------------------------------------------------
+WAIT_ROUND_SECONDS = 30.0
+"""Trainer rank 0 waits for a batch in rounds this long, each ending in a broadcast to the other trainer ranks."""
+
+WAIT_NOTE_SECONDS = 60.0
+"""How often trainer rank 0 says it is still waiting for a batch."""
+
+CLOSE_SECONDS = 600.0
+"""How long trainer rank 0's close() waits for every rollout rank's DONE (each finishes or abandons its share first)."""
+
+
 class RemoteRollout:
     """The trainer ranks' stand-in for a RolloutWorker: `sync` sends the weights, `take(step)` returns this DP
     rank's share of the step's batch; `sleep` / `mark_stale` have nothing to do (no local engine). On trainer rank 0
@@ -197,6 +205,8 @@ class RemoteRollout:
         self._threads = [threading.Thread(target=self._receive, args=(src,), name=f"parts-from-{src}", daemon=True)
                          for src in range(1, k + 1)]
         self._threads.append(threading.Thread(target=self._assemble, name="batch-assembler", daemon=True))
+        for thread in self._threads:  # a receiving thread ends on its rank's DONE or a failed receive
+            self.bridge.own(thread, self.finish_batches)
         for thread in self._threads:
             thread.start()
 
@@ -220,13 +230,21 @@ class RemoteRollout:
                     with self._cond:
                         where = (f" while the trainer waited for batch {self._assembler.next}"
                                  if not self._batches_done else "")
-                    self._fail(f"{name} is gone{where} ({type(e).__name__}: "
-                               f"{str(e).splitlines()[0] if str(e) else ''})")
+                    why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                    minutes = self.bridge.timeout.total_seconds() / 60
+                    if "timed out" in why.lower() and self._beating(src):  # alive, only slow: say which knob
+                        self._fail(f"{name} sent nothing for parallel.timeout_minutes={minutes:g}{where}, though it "
+                                   "is alive: raise parallel.timeout_minutes if its batches take longer")
+                    else:
+                        self._fail(f"{name} is gone{where} ({why})")
+                    self._stop_rollout_ranks(f"{name} is gone" if "timed out" not in why.lower()
+                                             else f"{name} timed out")
                     return
                 if msg == DONE:
                     return
                 if isinstance(msg, dict) and "error" in msg:
                     self._fail(f"{name} failed: {msg['error']}")
+                    self._stop_rollout_ranks(f"{name} failed: {msg['error']}")
                     return
                 with self._cond:
                     if isinstance(msg, dict) and "val" in msg:
@@ -240,6 +258,25 @@ class RemoteRollout:
             with self._cond:
                 self._live.discard(src)
                 self._cond.notify_all()
+
+    def _beating(self, src: int) -> bool:
+        """Whether bridge rank `src`'s heartbeat moves (over 3 s)."""
+        rank = self.bridge.plan.global_rank(src)
+        try:
+            beats = heartbeat_store(self.bridge.store)
+            before = heartbeat_counts(beats, [rank])[rank][0]
+            time.sleep(3.0)
+            return heartbeat_counts(beats, [rank])[rank][0] != before
+        except Exception:  # noqa: BLE001 (no store: nothing to tell)
+            return False
+
+    def _stop_rollout_ranks(self, reason: str) -> None:
+        """A rollout rank failed or is gone: STOP the others now (with `reason`) rather than after the trainer's
+        step ends, and answer a failed rank, whose weight receiver waits for STOP before it exits."""
+        with self._cond:
+            if self._batches_done:  # the run is ending anyway: close() sends STOP
+                return
+        self.sender.close(reason=reason, wait=False)
 
     def _add_val_part(self, msg: dict) -> None:
         """(Under the condition.) Keep a validation part; the report is complete once every rollout rank's is in."""
@@ -306,21 +343,38 @@ class RemoteRollout:
     def take(self, step: int) -> tuple[GeneratedBatch, float, int]:
         """The batch step `step` trains, the same on every trainer rank: rank 0 takes it from the buffer and
         broadcasts it (or the error that stops the run, so no rank is left waiting). Returns (batch, seconds
-        waited, batches dropped so far)."""
+        waited, batches dropped so far).
+
+        Rank 0 waits in rounds of WAIT_ROUND_SECONDS and tells the other trainer ranks after each, so no collective
+        of theirs waits long enough to time out (parallel.timeout_minutes) while the rollout ranks are slow but
+        alive: the first batch waits for their engines to start. Rank 0 says how long it has waited, once a minute;
+        what bounds the wait is a rollout rank that fails, dies (its channel, the heartbeats) or sends nothing for
+        parallel.timeout_minutes (its channel's timeout, `_receive`)."""
         start = time.perf_counter()
-        box: list = [None]
-        if self.leader:
-            try:
-                batch = self.buffer.take(step, check=self.sender.raise_if_failed)
-                box[0] = (batch, self.buffer.dropped)
-            except (BufferClosed, RuntimeError) as e:
-                box[0] = ("error", str(e))
-        if dist.get_world_size() > 1:
-            dist.broadcast_object_list(box, src=0)
-        if box[0][0] == "error":
-            raise RuntimeError(f"step {step}: {box[0][1]}")
-        batch, dropped = box[0]
-        return batch, time.perf_counter() - start, dropped
+        said = start
+        while True:
+            box: list = [None]
+            if self.leader:
+                try:
+                    batch = self.buffer.take(step, timeout=WAIT_ROUND_SECONDS, check=self.sender.raise_if_failed)
+                    box[0] = (batch, self.buffer.dropped)
+                except TimeoutError:
+                    box[0] = ("wait", None)
+                    if time.perf_counter() - said >= WAIT_NOTE_SECONDS:
+                        said = time.perf_counter()
+                        first = " (the first: their engines start up, then generate it)" if self.version == 0 else ""
+                        print(f"rank 0 (trainer): step {step} has waited {said - start:.0f} s for batch {step - 1}"
+                              f" from the rollout ranks{first}", flush=True)
+                except (BufferClosed, RuntimeError) as e:
+                    box[0] = ("error", str(e))
+            if dist.get_world_size() > 1:
+                dist.broadcast_object_list(box, src=0)
+            if box[0][0] == "wait":
+                continue
+            if box[0][0] == "error":
+                raise RuntimeError(f"step {step}: {box[0][1]}")
+            batch, dropped = box[0]
+            return batch, time.perf_counter() - start, dropped
 
     def finish_batches(self) -> None:
         """No batch is trained any more: the buffer closes, the receiving threads discard parts from now on (and
@@ -337,7 +391,8 @@ class RemoteRollout:
         self._closed = True
         self.finish_batches()
         self.sender.close(reason=reason)
-        deadline = time.monotonic() + self.bridge.timeout.total_seconds()
+        # each rollout rank answers STOP with DONE within a share's generation; a dead one's receive fails at once
+        deadline = time.monotonic() + min(self.bridge.timeout.total_seconds(), CLOSE_SECONDS)
         for thread in self._threads:
             thread.join(timeout=max(deadline - time.monotonic(), 0.0))
 

@@ -229,6 +229,20 @@ def engine_kwargs(cfg: Config, rank: int) -> dict:
     return kw
 
 
+def start_rollout(offload: GenerationOffload, make_engine_fn, make_worker):
+    """Build the engine and its RolloutWorker, in verl's order when the opt-in offloads are on: the trainer's
+    offloadable state (model.*_offload) leaves the GPU first, because vLLM measures the free GPU memory while it
+    builds the engine (and refuses to start when rollout.gpu_memory_utilization of it is not free); then the engine
+    sleeps and the state comes back (the first step's sync wakes it), so a resume loads into the state as usual."""
+    if offload.enabled:
+        offload.before_wake()
+        offload.after_sync()
+    worker = make_worker(make_engine_fn())
+    if offload.enabled:
+        worker.sleep()
+    return worker
+
+
 def build_roles(cfg: Config) -> Roles:
     p, o, a, r, t = cfg.parallel, cfg.optim, cfg.algo, cfg.rollout, cfg.trainer
     # tokenizer and data first: a tokenizer-less model directory or prompts that all exceed the budget are one
@@ -288,13 +302,14 @@ def build_roles(cfg: Config) -> Roles:
             server, url = launch_server(cfg)
         client = RetrievalClient(url, topk=cfg.retrieval.topk, timeout=cfg.retrieval.timeout,
                                  doc_ids=r.protocol == "tool_calls")  # the open tool takes the ids results carry
-        engine = make_engine(r.engine, hf_dir, **engine_kwargs(cfg, rank))
         offload = GenerationOffload(cfg.model, actor=actor, actor_opt=actor_opt,
                                     critic=critic.model if critic else None,
                                     critic_opt=critic.optimizer if critic else None,
                                     ref=reference.model if isinstance(reference, Policy) else None)  # LoRA: none
-        worker = RolloutWorker(cfg, engine, tokenizer, client, stop_token_ids(tokenizer, hf_dir), rank=rank,
-                               world=world, offload=offload, server=server)
+        worker = start_rollout(offload, lambda: make_engine(r.engine, hf_dir, **engine_kwargs(cfg, rank)),
+                               lambda engine: RolloutWorker(cfg, engine, tokenizer, client,
+                                                            stop_token_ids(tokenizer, hf_dir), rank=rank,
+                                                            world=world, offload=offload, server=server))
 
     kl_ctrl = (AdaptiveKLController(a.kl_coef, a.target_kl, a.kl_horizon) if a.kl_ctrl == "adaptive"
                else FixedKLController(a.kl_coef))

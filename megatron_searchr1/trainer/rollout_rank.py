@@ -27,7 +27,9 @@ Partial rollouts (`rollout.partial`): newer weights are also loaded between two 
 
 The end: after its last batch the rank validates what is still due until the trainer says STOP, then sends DONE on
 the batches channel (trainer rank 0 drains until every rank said it); on an error it sends the error first, so
-trainer rank 0 reports it as one line naming this rank, and fails.
+trainer rank 0 reports it as one line naming this rank (and answers with STOP at once), and fails. On every path the
+rank stops what it started (`_Started`): its weight receiver's thread is ended and joined (a thread left in a gloo
+receive while the interpreter finalises aborts the process), the engine, the client and a launched server closed.
 """
 from __future__ import annotations
 
@@ -67,9 +69,40 @@ def check_engine_weights(engine, pairs: list) -> tuple[float, int]:
     return max(float((got[n] - sent[n].float()).abs().max()) for n in names), len(names)
 
 
+RECEIVER_JOIN_SECONDS = 10.0
+"""How long a rollout rank that stops waits for its weight receiver's thread to end (trainer rank 0 answers its error or
+DONE with STOP at once; a dead trainer closes the connection): trainer/async_rl.py exits hard if it is still alive."""
+
+
+class _Started:
+    """What a rollout rank started and must stop on every exit path (module doc): the weight receiver's thread, the
+    engine, the retrieval client, the retrieval server it launched."""
+
+    receiver = engine = client = server = None
+
+    def close(self) -> None:
+        steps = [("receiver", lambda: self.receiver.close(timeout=RECEIVER_JOIN_SECONDS)),
+                 ("engine", lambda: self.engine.close() if hasattr(self.engine, "close") else None),
+                 ("client", lambda: self.client.close()), ("server", lambda: self.server.stop())]
+        for name, stop in steps:
+            if getattr(self, name) is not None:
+                try:
+                    stop()
+                except Exception:  # noqa: BLE001 (the rank is stopping; the error that stopped it is the one to report)
+                    pass
+
+
 def serve_rollouts(cfg, bridge: Bridge) -> None:
     """A rollout rank's whole run (module doc): its share of each batch, with the newest weights it has, within the
-    bound."""
+    bound. Whatever it started is stopped, and its threads joined, on every exit path."""
+    started = _Started()
+    try:
+        _serve(cfg, bridge, started)
+    finally:
+        started.close()
+
+
+def _serve(cfg, bridge: Bridge, started: _Started) -> None:
     from megatron_searchr1.data.rl_data import PromptSampler
     from megatron_searchr1.models.convert import load_hf_config
     from megatron_searchr1.rollout import loop
@@ -88,16 +121,17 @@ def serve_rollouts(cfg, bridge: Bridge) -> None:
     hf_config = load_hf_config(cfg.model.path)
     tokenizer = load_tokenizer(cfg.model.path, hf_config, cfg.data.chat_template)
     data = load_data(cfg, tokenizer, log=False)
-    receiver = WeightReceiver(bridge)
-    server, url = None, q.url
+    receiver = started.receiver = WeightReceiver(bridge)
+    url = q.url
     if q.launch:  # the rollout ranks are the only clients: the first of them on each node starts its server
-        server, url = launch_server(cfg)
-        if server is not None:
+        started.server, url = launch_server(cfg)
+        if started.server is not None:
             print(f"rank {bridge.rank} (rollout): started the retrieval server {url} for this node's rollout ranks",
                   flush=True)
-    engine = make_engine(r.engine, cfg.model.path, **engine_kwargs(cfg, dist.get_rank()))
+    engine = started.engine = make_engine(r.engine, cfg.model.path, **engine_kwargs(cfg, dist.get_rank()))
     receiver.engine_ready.set()  # weights over NCCL: its buffers come after vLLM took its share of the GPU
-    client = RetrievalClient(url, topk=q.topk, timeout=q.timeout, doc_ids=r.protocol == "tool_calls")
+    client = started.client = RetrievalClient(url, topk=q.topk, timeout=q.timeout,
+                                              doc_ids=r.protocol == "tool_calls")
     guard = SearchGuard(client.search, url, q.max_error_rate, q.max_failed_rounds)
     settings, val_settings = settings_from_config(r, stop_token_ids(tokenizer, cfg.model.path), t.seed,
                                                   tools_url=client.base_url)
@@ -106,12 +140,11 @@ def serve_rollouts(cfg, bridge: Bridge) -> None:
         """Validate this rank's share of the rows with each version the trainer marked, and send it to trainer rank
         0 (which assembles the report from every rank's part)."""
         while (due := receiver.take_due()) is not None:
-            validate(*due)
+            interrupt.note(f"validating version {due.version}")
+            receiver.load_due(engine, due)  # frees its host slot: the next version may be waiting for it
+            validate(due.version)
 
-    def validate(version: int, buckets: list) -> None:
-        interrupt.note(f"validating version {version}")
-        if receiver.applied_version != version:
-            receiver.load(engine, version, buckets)
+    def validate(version: int) -> None:
         rows = [data.val[i] for i in share(len(data.val), me, plan.rollout_ranks)]
         records, samples = [], []
         for start in range(0, len(rows), cfg.data.val_batch_size):
@@ -138,9 +171,9 @@ def serve_rollouts(cfg, bridge: Bridge) -> None:
         """Load the newest weights received, if newer than the engine's (before a share; with rollout.partial also
         between the turns of one), and check them; the version the engine holds."""
         nonlocal check
-        loaded = receiver.apply(engine)
+        loaded = receiver.apply(engine, inspect=lambda pairs: check_engine_weights(engine, pairs))
         if loaded is not None:
-            check = check_engine_weights(engine, loaded[1])
+            check = loaded[1]
         return receiver.applied_version
 
     def sync_check() -> dict:
@@ -158,8 +191,8 @@ def serve_rollouts(cfg, bridge: Bridge) -> None:
             batch = sampler.next_batch()
             rows = [data.train[batch[i]] for i in mine]
             interrupt.note(f"generating batch {b} of {t.total_steps}")
-            if (receiver.stopped or not receiver.wait_for(required_version(b, r.max_staleness, first_version))
-                    or receiver.stopped):
+            if (receiver.stopped or not receiver.wait_for(required_version(b, r.max_staleness, first_version),
+                                                          serve=validate_due) or receiver.stopped):
                 break  # the trainer stopped early (trainer.stop_on_collapse, or an error: stop_reason)
             validate_due()
             version = weights()  # the oldest version of this share's tokens
@@ -193,11 +226,6 @@ def serve_rollouts(cfg, bridge: Bridge) -> None:
             pass
         raise
     send_object(bridge.batches, DONE, 0, BATCHES_TAG)  # trainer rank 0 drains until it hears this
-    if hasattr(engine, "close"):
-        engine.close()
-    client.close()
-    if server is not None:
-        server.stop()
     if receiver.stop_reason:
         err = RuntimeError(f"rank {bridge.rank} (rollout): trainer rank 0 stopped the run: {receiver.stop_reason}")
         err.stopping_line = str(err)  # run_disaggregated prints it as it is

@@ -109,6 +109,14 @@ def stream_groups(rk: StreamRank) -> None:
     rounds, waited = 0, 0.0
     carried = [0, 0]  # search counts taken before a validation (which takes its own), not yet sent
 
+    def validate_due() -> None:
+        """Validate what the trainer marked (the pool is empty): the search counts of this batch's groups so far are
+        kept apart from validation's."""
+        failed, searched, _, _ = rk.guard.take()
+        carried[0] += failed
+        carried[1] += searched
+        rk.validate_due()
+
     def rows_of(b: int, j: int):
         nonlocal next_draw
         while next_draw <= b:  # the data cursor: batch b is the b-th draw
@@ -154,10 +162,7 @@ def stream_groups(rk: StreamRank) -> None:
             occupied = len(pool) + len(finished)
             draining = bool(receiver.due)  # a validation waits for the pool to drain
             if not occupied and draining:
-                failed, searched, _, _ = rk.guard.take()  # this batch's groups' so far, kept apart from validation's
-                carried[0] += failed
-                carried[1] += searched
-                rk.validate_due()
+                validate_due()
             if r.partial or not occupied:
                 version = rk.weights()
             else:
@@ -176,7 +181,7 @@ def stream_groups(rk: StreamRank) -> None:
                     need = required_version(todo[-1][0], r.max_staleness, rk.first_version)
                     interrupt.note(f"generating batch {todo[-1][0]} of {total}")
                     start = time.time()
-                    if not receiver.wait_for(need) or receiver.stopped:
+                    if not receiver.wait_for(need, serve=validate_due) or receiver.stopped:  # the pool is empty
                         return
                     waited += time.time() - start
                 continue

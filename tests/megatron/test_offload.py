@@ -137,6 +137,76 @@ def test_offload_reload_is_bit_identical_and_training_continues_identically(mega
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("dtype, dist_opt", [(torch.bfloat16, False), (torch.bfloat16, True), (torch.float32, False)])
+def test_offload_round_trip_with_transformer_engines_fused_adam_layout(megatron_world, monkeypatch, dtype, dist_opt):
+    """The GPU optimizer's state layout (TE FusedAdam: step in the param groups, master_param in the state, scales
+    beside it; tests/megatron/te_layout_adam.py) through the same offload: every state tensor and scale is emptied and
+    comes back bit-identical, the group step is untouched, and training continues as a twin that never offloaded."""
+    from megatron_searchr1.megatron.offload import _optimizer_tensors
+    from tests.megatron.te_layout_adam import TeLayoutAdam, te_layout_adam
+
+    with te_layout_adam(monkeypatch):
+        model, opt = _actor(dtype, dist_opt)
+        twin, twin_opt = _actor(dtype, dist_opt, state=model.module.state_dict())
+    inner = [o.optimizer for o in getattr(opt, "chained_optimizers", [opt])]
+    assert all(isinstance(o, TeLayoutAdam) for o in inner)
+    for m, o in ((model, opt), (twin, twin_opt)):
+        _step(m, o, seed=1)
+    for o in inner:  # the layout: no per-parameter step, a step per non-empty group, master weights in the state
+        o.master_weights = True
+        for group in o.param_groups:
+            for p in group["params"]:
+                o.state[p]["master_param"] = p.detach().clone().float() + 1
+                o._scales.setdefault(p, {})["exp_avg"] = torch.full([1], 2.0)
+        assert all("step" not in st for st in o.state.values())
+    steps = [g.get("step") for o in inner for g in o.param_groups]
+    assert 1 in steps
+    states = [t.clone() for t in _optimizer_tensors(opt)]
+    masters = [st["master_param"] for o in inner for st in o.state.values()]
+    scales = [s["exp_avg"] for o in inner for s in o._scales.values()]
+    off = GenerationOffload(_flags(optimizer_offload=True), actor=model, actor_opt=opt)
+    off.before_wake()
+    assert all(_nbytes(t) == 0 for t in masters + scales), "TE's master_param or _scales stayed on the device"
+    assert all(_nbytes(t) == 0 for t in _optimizer_tensors(opt))
+    moved = off.reload()["optimizer"]
+    assert moved == sum(t.numel() * t.element_size() for t in states)
+    assert all(torch.equal(a, b) for a, b in zip(_optimizer_tensors(opt), states, strict=True))
+    assert [g.get("step") for o in inner for g in o.param_groups] == steps
+    for o in inner:
+        o.master_weights = False
+        for st in o.state.values():
+            del st["master_param"]
+        o._scales.clear()
+    for m, o in ((model, opt), (twin, twin_opt)):
+        _step(m, o, seed=2)
+    for (n, p), q in zip(model.named_parameters(), twin.parameters()):
+        assert torch.equal(p, q), n
+
+
+def test_a_float8_state_wrapper_is_offloaded_through_its_inner_data():
+    """TE keeps an fp8 Adam state as a Float8Tensor, a wrapper whose bytes are its `_data` (and `_scale_inv`): the
+    offload empties and restores those."""
+    from megatron_searchr1.megatron.offload import _state_tensors, offload_optimizer
+
+    class Float8Like(torch.Tensor):
+        @staticmethod
+        def __new__(cls, data, scale_inv):
+            t = torch.Tensor._make_subclass(cls, torch.empty(0), False)
+            t._data, t._scale_inv = data, scale_inv
+            return t
+
+    data, scale = torch.arange(16, dtype=torch.uint8), torch.tensor([0.5])
+    fp8 = Float8Like(data, scale)
+    assert _state_tensors(fp8) == [data, scale] and _state_tensors(data) == [data]
+    param = torch.nn.Parameter(torch.zeros(16))
+    inner = SimpleNamespace(state={param: {"exp_avg": fp8}})
+    stash = Stash()
+    offload_optimizer(SimpleNamespace(optimizer=inner), stash)
+    assert _nbytes(data) == 0 and _nbytes(scale) == 0 and stash.moved_bytes == {"optimizer": 16 + 4}
+    stash.reload()
+    assert torch.equal(fp8._data, torch.arange(16, dtype=torch.uint8)) and torch.equal(fp8._scale_inv, scale)
+
+
 FLAGS = {"param_offload": {"params"}, "grad_offload": {"grads"}, "optimizer_offload": {"optimizer"},
          "ref_offload": {"ref"}}
 

@@ -72,16 +72,20 @@ class GlooBus:
 class NcclBus:
     """Broadcasts among `members` bridge ranks as an NCCL group does them: the n-th broadcast of every member is one
     collective, complete once all members issued it (a missing member: never), the root's bytes then copied into the
-    others; a byte count that differs from the root's is an error. `log[rank]` = [(root, nbytes, dtype, device)]."""
+    others; a byte count that differs from the root's is an error. `log[rank]` = [(root, nbytes, dtype, device)];
+    `aborted` = the ranks whose communicator was aborted (ProcessGroupNCCL.abort), in order."""
 
     def __init__(self, members: int):
-        self.members, self.log, self.calls, self.delivered = members, {}, {}, set()
+        self.members, self.log, self.calls, self.delivered, self.aborted = members, {}, {}, set(), []
         self.lock = threading.Lock()
 
     def group(self, rank: int):
         bus = self
 
         class Group:
+            def abort(self):
+                bus.aborted.append(rank)
+
             def broadcast(self, tensor, root):
                 with bus.lock:
                     mine = bus.log.setdefault(rank, [])
@@ -196,7 +200,7 @@ def test_every_rollout_rank_takes_every_broadcast_in_the_senders_order(fake_gpu)
         assert [(root, n) for root, n, _, _ in nccl.log[b]] == [(0, n) for n in sizes], b
         assert all(dtype == torch.uint8 for _, _, dtype, _ in nccl.log[b])
     for b, r in receivers.items():
-        version, got = r._latest
+        version, got, _ = r._latest
         assert version == 2 and [f.tolist() for _, f in got] == [f.tolist() for _, f in versions[2]]
         assert r.received_bytes == sum(sizes) and r.stopped and r.stop_reason is None
         objs = gloo_objects(gloo, b)  # only headers and STOP over gloo
@@ -253,11 +257,15 @@ def test_a_rank_gone_during_a_broadcast_lets_close_stop_the_others(fake_gpu):
     for b in (1, 3):  # both wait in the broadcast that rank 2 never joins
         while b not in nccl.log:
             threading.Event().wait(0.01)
-    sender.close(reason="rank 2 (rollout) is gone", timeout=30)
+    assert nccl.aborted == []
+    sender.close(reason="rollout rank 2 is gone", timeout=30)
     assert not sender._thread.is_alive() and "abandoned" in str(sender._error)
     for b in (1, 3):
         receivers[b].wait_stop(timeout=30)
-        assert receivers[b].stop_reason == "rank 2 (rollout) is gone"
+        assert receivers[b].stop_reason == "rollout rank 2 is gone"
+    # every side that gave up its broadcast aborted its communicator: no NCCL kernel is left waiting for the watchdog
+    # (engine.close() and the exit would wait with it for parallel.timeout_minutes)
+    assert sorted(nccl.aborted) == [0, 1, 3]
 
 
 def test_a_silent_trainer_ends_a_receiver_waiting_in_a_broadcast(fake_gpu, monkeypatch):
@@ -272,11 +280,13 @@ def test_a_silent_trainer_ends_a_receiver_waiting_in_a_broadcast(fake_gpu, monke
                             remote_sync.WEIGHTS_TAG)  # the header, and then trainer rank 0 says nothing more
     with pytest.raises(RuntimeError, match="trainer rank 0 is gone.*heartbeat stood still"):
         receiver.wait_for(1, timeout=30)
+    assert nccl.aborted == [1]  # the broadcast given up: its communicator aborted
 
 
-def test_the_backend_follows_the_device_and_nccl_needs_cuda():
+def test_auto_is_the_tested_transport_on_every_device_and_nccl_needs_cuda():
+    # the NCCL path has run on fake groups only: auto stays on gloo on CUDA too until a GPU run passes; nccl is opt-in
     pairs = [("auto", "cuda"), ("auto", "cpu"), ("gloo", "cuda"), ("gloo", "cpu"), ("nccl", "cuda")]
-    assert [bridge_backend(c, d) for c, d in pairs] == ["nccl", "gloo", "gloo", "gloo", "nccl"]
+    assert [bridge_backend(c, d) for c, d in pairs] == ["gloo", "gloo", "gloo", "gloo", "nccl"]
     with pytest.raises(UsageError, match=r"^parallel.bridge_backend=nccl needs CUDA, but this run's device is cpu"):
         bridge_backend("nccl", "cpu")
     assert load_config(None, []).parallel.bridge_backend == "auto"

@@ -53,7 +53,7 @@ def _rank(rank: int, port: int, out: str, backend: str) -> None:
         receiver.engine_ready.set()
         assert receiver.wait_for(2, timeout=120)
         receiver.wait_stop(timeout=120)
-        version, buckets = receiver._latest
+        version, buckets, _ = receiver._latest
         assert version == 2 and receiver.stopped and receiver.stop_reason is None
         for (layout, flat), pairs in zip(buckets, weights(2), strict=True):
             assert flat.is_pinned() == gpu and flat.device.type == "cpu"

@@ -1,10 +1,12 @@
 """`python -m megatron_searchr1.train ...` in which one rank dies hard (os._exit(9), no message): the rollout rank (the
 last one) as it starts generating its second batch (streamed groups: at its fourth turn of the pool), or, with
-ASYNC_DIE_RANK=1, trainer rank 1 as it takes its second batch. tests/trainer/test_async_rl.py checks that every
+ASYNC_DIE_RANK=1 (or 0), that trainer rank as it takes its second batch. With ASYNC_KILL_SERVER_PID nobody dies: the
+rollout rank SIGKILLs that retrieval server as it starts its second batch, and searches through its guard. tests/trainer/test_async_rl.py checks that every
 other rank stops with an error naming the dead one instead of waiting."""
 from __future__ import annotations
 
 import os
+import signal
 import sys
 
 from megatron_searchr1.rollout import loop
@@ -12,7 +14,20 @@ from megatron_searchr1.rollout import loop
 if __name__ == "__main__":
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     die = int(os.environ.get("ASYNC_DIE_RANK", world - 1))
-    if rank == die == world - 1:
+    server_pid = int(os.environ.get("ASYNC_KILL_SERVER_PID", "0"))
+    if server_pid and rank == world - 1:  # the rollout rank SIGKILLs the retrieval server as it starts batch 1
+        real, calls = loop.run_rollout, []
+
+        def killing_run_rollout(*args, **kw):
+            calls.append(1)
+            if len(calls) == 2:
+                os.kill(server_pid, signal.SIGKILL)
+                for _ in range(3):  # the tiny random policy seldom searches: ask through the rank's own guard
+                    args[2](["who wrote it"])
+            return real(*args, **kw)
+
+        loop.run_rollout = killing_run_rollout
+    elif rank == die == world - 1:
         real, calls = loop.run_rollout, []
 
         def dying_run_rollout(*args, **kw):

@@ -121,3 +121,44 @@ def test_load_tokenizer_refuses_what_cannot_drive_the_model(tmp_path):
     empty.mkdir()
     with pytest.raises(UsageError, match="has no tokenizer files"):
         build.load_tokenizer(str(empty), fits)
+
+
+@pytest.mark.parametrize("flags", [{}, {"param_offload": True, "grad_offload": True, "optimizer_offload": True}])
+def test_the_engine_is_built_after_the_offload_and_sleeps_before_the_state_returns(flags):
+    """vLLM measures the free GPU memory while it builds the engine: with offload flags on, the trainer's state is
+    offloaded before the engine is built (verl's order), then the engine sleeps and the state comes back; without
+    flags nothing moves and the engine stays as built."""
+    from types import SimpleNamespace
+
+    from megatron_searchr1.megatron.offload import GenerationOffload
+
+    calls = []
+
+    class Recorded(GenerationOffload):
+        def before_wake(self):
+            calls.append("offload state")
+
+        def after_sync(self):
+            calls.append("offload params") if self.params else None
+
+        def reload(self):
+            calls.append("reload")
+            return {}
+
+    cfg = SimpleNamespace(param_offload=False, grad_offload=False, optimizer_offload=False, ref_offload=False)
+    offload = Recorded(SimpleNamespace(**{**vars(cfg), **flags}), actor=None, actor_opt=None)
+
+    class Worker:
+        def __init__(self, engine):
+            calls.append(f"worker over {engine}")
+
+        def sleep(self):
+            calls.append("engine sleeps")
+            offload.reload()
+
+    build.start_rollout(offload, lambda: calls.append("build engine") or "engine", Worker)
+    if flags:
+        assert calls == ["offload state", "offload params", "build engine", "worker over engine", "engine sleeps",
+                         "reload"]
+    else:
+        assert calls == ["build engine", "worker over engine"]
