@@ -296,8 +296,8 @@ def bridge_check(model_dir: str, args, write) -> None:
     from megatron_searchr1.megatron.initialize import initialize_megatron, resolve_device
     from megatron_searchr1.models.convert import DTYPES, bind_mapping, load_hf_config
     from megatron_searchr1.models.forward import unwrap
-    from megatron_searchr1.rollout.remote_sync import (ROLLOUT, RolePlan, WeightReceiver, WeightSender,
-                                                       bridge_backend, init_role_world)
+    from megatron_searchr1.rollout.remote_receiver import WeightReceiver
+    from megatron_searchr1.rollout.remote_sync import ROLLOUT, RolePlan, WeightSender, bridge_backend, init_role_world
     from megatron_searchr1.trainer.build import actor_settings
     from megatron_searchr1.trainer.roles import Policy, build_actor
     from megatron_searchr1.trainer.sources import weights_loader

@@ -17,7 +17,7 @@ model, and vLLM holds most of the rollout GPU.
 
 NCCL does not notice a dead peer (a broadcast waits for the group's timeout), so both sides poll their broadcast and
 call a `check` between polls that raises to give up: the sender's when close() was given an error, a receiver's when
-trainer rank 0 wrote STOP into torchrun's store or its heartbeat stood still (remote_sync.WeightReceiver). What that
+trainer rank 0 wrote STOP into torchrun's store or its heartbeat stood still (remote_receiver.WeightReceiver). What that
 check raises passes through `receive_bucket`; any other failure there is the receiving rank's own (`LocalFailure`),
 not a gone trainer.
 

@@ -6,7 +6,8 @@ and the weights and batches that cross it.
     dist.get_world_size()                               # 2 on a trainer rank, 1 on the rollout rank
     sender = WeightSender(bridge, bucket_bytes=64 << 20, dtype=torch.float32)   # trainer ranks
     sender.send(policy, version=3)                      # every trainer rank: the gather; rank 0 queues the send
-    receiver = WeightReceiver(bridge)                    # a rollout rank: a thread keeps the newest version
+    receiver = WeightReceiver(bridge)                    # a rollout rank (rollout/remote_receiver.py): a thread
+                                                        # keeps the newest version
     receiver.wait_for(version=2); receiver.apply(engine) # between generate calls
     send_object(bridge.batches, msg, dst=0); recv_object(bridge.batches, src)   # batches, rollout -> trainer
 
@@ -556,4 +557,3 @@ GONE_SECONDS = 10.0
 """A rollout rank in an NCCL broadcast calls trainer rank 0 gone when its heartbeat stood still this long."""
 
 
-from megatron_searchr1.rollout.remote_receiver import WeightReceiver  # noqa: E402,F401 (the rollout side, re-exported)

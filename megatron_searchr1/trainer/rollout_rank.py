@@ -41,7 +41,8 @@ import torch.distributed as dist
 from megatron_searchr1 import interrupt
 from megatron_searchr1.rollout.async_buffer import GeneratedBatch, required_version, sample_version
 from megatron_searchr1.rollout.batch_parts import share
-from megatron_searchr1.rollout.remote_sync import BATCHES_TAG, DONE, Bridge, WeightReceiver, recv_object, send_object
+from megatron_searchr1.rollout.remote_receiver import WeightReceiver
+from megatron_searchr1.rollout.remote_sync import BATCHES_TAG, DONE, Bridge, recv_object, send_object
 from megatron_searchr1.trainer.rollout_stream import StreamRank, stream_groups
 
 CHECKED_TENSORS = 4

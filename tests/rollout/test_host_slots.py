@@ -15,7 +15,8 @@ import torch.distributed as dist
 
 from megatron_searchr1.rollout import remote_sync
 from megatron_searchr1.rollout.host_slots import HOST_SLOTS, HostSlots, version_bytes
-from megatron_searchr1.rollout.remote_sync import Bridge, RolePlan, WeightReceiver, WeightSender
+from megatron_searchr1.rollout.remote_receiver import WeightReceiver
+from megatron_searchr1.rollout.remote_sync import Bridge, RolePlan, WeightSender
 from megatron_searchr1.rollout.weight_sync import unpack_bucket
 from tests.rollout.test_remote_nccl import GlooBus, buckets_of, queue_version
 from tests.test_plan import megatron_world  # noqa: F401 (fixture)

@@ -19,8 +19,8 @@ import torch.distributed as dist
 from megatron_searchr1.cli import UsageError
 from megatron_searchr1.config import ConfigError, load_config
 from megatron_searchr1.rollout import remote_nccl, remote_sync
-from megatron_searchr1.rollout.remote_sync import (STOP, STOP_KEY, Bridge, RolePlan, WeightReceiver, WeightSender,
-                                                   bridge_backend)
+from megatron_searchr1.rollout.remote_receiver import WeightReceiver
+from megatron_searchr1.rollout.remote_sync import STOP, STOP_KEY, Bridge, RolePlan, WeightSender, bridge_backend
 from megatron_searchr1.rollout.weight_sync import layout_bucket, pack_bucket
 
 GPU = 3  # the bridge's fake CUDA device index (LOCAL_RANK)

@@ -23,8 +23,8 @@ def weights(version: int) -> list[list[tuple[str, torch.Tensor]]]:
 
 
 def _rank(rank: int, port: int, out: str, backend: str) -> None:
-    from megatron_searchr1.rollout.remote_sync import (RolePlan, WeightReceiver, WeightSender, _BucketCollector,
-                                                       init_role_world)
+    from megatron_searchr1.rollout.remote_receiver import WeightReceiver
+    from megatron_searchr1.rollout.remote_sync import RolePlan, WeightSender, _BucketCollector, init_role_world
     from megatron_searchr1.rollout.weight_sync import unpack_bucket
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",

@@ -17,9 +17,9 @@ import time
 
 def hold_batch_one_for_new_weights() -> None:
     """The last rollout rank: before its part of batch 1's second turn, wait (up to 5 minutes) for a version newer than the engine's."""
-    from megatron_searchr1.rollout import loop, remote_sync
+    from megatron_searchr1.rollout import loop, remote_receiver
 
-    receivers, real_init, real_run, batches = [], remote_sync.WeightReceiver.__init__, loop.run_rollout, []
+    receivers, real_init, real_run, batches = [], remote_receiver.WeightReceiver.__init__, loop.run_rollout, []
 
     def init(self, *args, **kw):
         real_init(self, *args, **kw)
@@ -41,7 +41,7 @@ def hold_batch_one_for_new_weights() -> None:
 
         return real_run(*args, weights=held, **kw)
 
-    remote_sync.WeightReceiver.__init__ = init
+    remote_receiver.WeightReceiver.__init__ = init
     loop.run_rollout = run_rollout  # serve_rollouts calls it through the module
 
 

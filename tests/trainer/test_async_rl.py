@@ -290,7 +290,8 @@ def test_weight_receiver_keeps_every_version_marked_for_validation_in_order():
 
     import torch
 
-    from megatron_searchr1.rollout.remote_sync import STOP, Bridge, RolePlan, WeightReceiver
+    from megatron_searchr1.rollout.remote_receiver import WeightReceiver
+    from megatron_searchr1.rollout.remote_sync import STOP, Bridge, RolePlan
 
     def message(obj):
         data = pickle.dumps(obj)
