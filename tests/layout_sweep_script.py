@@ -49,9 +49,9 @@ def one_by_one(engine, tokenizer, search, trajs, settings, progress=None) -> Rol
 _score_trajectories = losses.score_trajectories
 
 
-def even_token_share(trajs, tokenizer, algo) -> list[dict]:
+def even_token_share(trajs, tokenizer, algo, **kw) -> list[dict]:
     """The trainer's score records, with score = share of even token ids among the generated (mask 1) tokens."""
-    scores = _score_trajectories(trajs, tokenizer, algo)
+    scores = _score_trajectories(trajs, tokenizer, algo, **kw)
     for tr, sc in zip(trajs, scores):
         gen = [t for t, m in zip(tr.response_ids, tr.loss_mask) if m]
         sc["score"] = sum(t % 2 == 0 for t in gen) / max(len(gen), 1)

@@ -77,8 +77,8 @@ def dapo_step(trainer) -> None:
         calls.append(sorted([uid, k] for uid, k in Counter(str(t.uid) for t in trajs).items()))
         return trajs, metrics
 
-    def dapo_scores(trajs, tokenizer, a):
-        scores = score(trajs, tokenizer, a)
+    def dapo_scores(trajs, tokenizer, a, **kw):
+        scores = score(trajs, tokenizer, a, **kw)
         informative = len(calls) >= DAPO_INFORMATIVE_FROM[rt.dp_rank]
         for t, sc in zip(trajs, scores):
             sc["score"] = 1.0 if informative and t.sample == 0 else 0.0
