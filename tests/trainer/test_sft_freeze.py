@@ -7,6 +7,7 @@ matches LLaMA-Factory's rule for last / first N layers, module subsets and extra
 from __future__ import annotations
 
 import json
+import re
 import os
 
 import pytest
@@ -19,6 +20,17 @@ from tests.rl_fixtures import run_module
 pytestmark = pytest.mark.slow
 EXAMPLE = os.path.join(REPO, "examples", "qwen3_lora_sft.yaml")
 LAYERS = 4
+
+
+def with_keys(text: str, extra: dict) -> str:
+    """`text` with each top-level key of `extra` set: an existing line replaced (a key given twice is refused), a
+    new one appended."""
+    for k, v in extra.items():
+        line = f"{k}: {v}"
+        text, n = re.subn(rf"(?m)^{re.escape(k)}:.*$", line.replace("\\", "\\\\"), text)
+        if not n:
+            text += f"\n{line}\n"
+    return text
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +65,7 @@ def freeze_yaml(root, name: str, **extra) -> str:
                      ("logging_steps: 10", "logging_steps: 1")):
         assert old in text, old
         text = text.replace(old, new)
-    text += "".join(f"\n{k}: {v}\n" for k, v in extra.items())
+    text = with_keys(text, extra)
     path = root / f"{name}.yaml"
     path.write_text(text)
     return str(path)

@@ -6,6 +6,7 @@ its loss; under torchrun at TP=2 it follows the TP=1 run.
 from __future__ import annotations
 
 import json
+import re
 import os
 
 import numpy as np
@@ -18,6 +19,17 @@ from tests.rl_fixtures import run_module
 
 pytestmark = pytest.mark.slow
 EXAMPLE = os.path.join(REPO, "examples", "qwen3_lora_sft.yaml")
+
+
+def with_keys(text: str, extra: dict) -> str:
+    """`text` with each top-level key of `extra` set: an existing line replaced (a key given twice is refused), a
+    new one appended."""
+    for k, v in extra.items():
+        line = f"{k}: {v}"
+        text, n = re.subn(rf"(?m)^{re.escape(k)}:.*$", line.replace("\\", "\\\\"), text)
+        if not n:
+            text += f"\n{line}\n"
+    return text
 
 
 @pytest.fixture(scope="module")
@@ -54,8 +66,7 @@ def seed_yaml(root, name: str, dropout: float = 0.1, **extra) -> str:
                      ("logging_steps: 10", "logging_steps: 1")):
         assert old in text, old
         text = text.replace(old, new)
-    for k, v in extra.items():
-        text += f"\n{k}: {v}\n"
+    text = with_keys(text, extra)
     path = root / f"{name}.yaml"
     path.write_text(text)
     return str(path)
