@@ -83,7 +83,7 @@ def test_a_killed_rollout_rank_is_one_line_per_trainer_rank(world, tiny_model, t
     assert proc.returncode != 0, log[-4000:]
     for r in (0, 1):
         lines = our_lines(texts[r], r)
-        assert len(lines) == 1 and re.search(r"rollout rank 2 is gone", lines[0]), (lines, log[-5000:])
+        assert len(lines) == 1 and re.search(r"rollout rank 2 (is|are) gone", lines[0])  # torchrun may SIGTERM rank 0 first: both named, (lines, log[-5000:])
     if shape == "two-nodes":  # (under torchrun its own ChildFailedError report follows ours)
         assert all(no_traceback_of_ours(texts[r]) for r in (0, 1)), log[-5000:]
     assert "megatron_searchr1/" not in log and "terminate called" not in log, log[-5000:]
