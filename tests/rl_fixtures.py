@@ -10,6 +10,7 @@ end of the session. Everything lives under one session temp dir so several test 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -177,3 +178,14 @@ def wait_for(predicate, timeout: float, every: float = 0.2) -> bool:
             return True
         time.sleep(every)
     return predicate()
+
+
+def with_keys(text: str, extra: dict) -> str:
+    """`text` with each top-level key of `extra` set: an existing line replaced (a key given twice is refused), a
+    new one appended."""
+    for k, v in extra.items():
+        line = f"{k}: {v}"
+        text, n = re.subn(rf"(?m)^{re.escape(k)}:.*$", line.replace("\\", "\\\\"), text)
+        if not n:
+            text += f"\n{line}\n"
+    return text

@@ -6,7 +6,6 @@ its loss; under torchrun at TP=2 it follows the TP=1 run.
 from __future__ import annotations
 
 import json
-import re
 import os
 
 import numpy as np
@@ -15,21 +14,10 @@ import torch
 
 from tests.dist_utils import REPO
 from tests.models.test_gpt import megatron_tp1  # noqa: F401  (fixture)
-from tests.rl_fixtures import run_module
+from tests.rl_fixtures import run_module, with_keys
 
 pytestmark = pytest.mark.slow
 EXAMPLE = os.path.join(REPO, "examples", "qwen3_lora_sft.yaml")
-
-
-def with_keys(text: str, extra: dict) -> str:
-    """`text` with each top-level key of `extra` set: an existing line replaced (a key given twice is refused), a
-    new one appended."""
-    for k, v in extra.items():
-        line = f"{k}: {v}"
-        text, n = re.subn(rf"(?m)^{re.escape(k)}:.*$", line.replace("\\", "\\\\"), text)
-        if not n:
-            text += f"\n{line}\n"
-    return text
 
 
 @pytest.fixture(scope="module")
