@@ -34,6 +34,7 @@ from megatron.core.distributed import DistributedDataParallel
 from megatron_searchr1.checkpoint import CheckpointError, RoleState
 from megatron_searchr1.megatron import schedule
 from megatron_searchr1.megatron.batching import make_micro_batches
+from megatron_searchr1.rollout.engines import vllm_routing
 from megatron_searchr1.megatron.optimizer import wrap_ddp
 from megatron_searchr1.models.convert import DTYPES, write_hf_dir
 from megatron_searchr1.models import lora, lora_export
@@ -304,6 +305,8 @@ class RolloutWorker:
         # one seed per engine: DP ranks and shards draw different noise
         settings = dataclasses.replace(self.train_settings, seed=self.layout.sampling_seed(seed, self.rank))
         stats = loop.run_rollout(self.engine, self.tokenizer, self.search, mine, settings)
+        if self.cfg.algo.routing_replay:  # the engine's experts per token travel with the trajectories
+            vllm_routing.attach(self.engine, mine)
         metrics = stats.as_metrics(mine)
         group = mpu.get_model_parallel_group()
         if dist.get_world_size(group) > 1:

@@ -110,6 +110,15 @@ class RoutingRecorder:
         self.step.clear()
 
 
+def attach(engine, trajs) -> None:
+    """Give each finished trajectory its tokens' expert ids (prompt + response, `Trajectory.routed_experts`), from
+    `engine.routed_experts`; call it before the engine's next weight sync drops the records."""
+    trajs = list(trajs)
+    if trajs:
+        for t, ids in zip(trajs, engine.routed_experts([list(t.prompt_ids) + list(t.response_ids) for t in trajs])):
+            t.routed_experts = ids
+
+
 # -- inside the vLLM worker (collective_rpc) ---------------------------------------------------------------------
 def install(worker) -> list[int]:
     """Bind the recorder to every MoE layer's router and wrap the runner's forward; returns the MoE layer ids."""
