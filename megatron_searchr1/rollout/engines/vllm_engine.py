@@ -40,7 +40,8 @@ Semantics (the same as the `hf` reference engine, which cross-checks them):
 
 Also here: KV sessions (`kv_sessions=True`, the default where vLLM has them: vllm_sessions.py), the CPU backend's
 workarounds (vllm_cpu.py), the arguments GPUs get otherwise than the CPU (vllm_args.py), a padded vocabulary's mask
-(vllm_vocab_mask.py), MoE experts after a sync (vllm_moe.py), sleep mode (`sleep`/`wake_up`).
+(vllm_vocab_mask.py), MoE experts after a sync (vllm_moe.py), the experts each token was routed to for the
+trainer's routing replay (`routing_capture`, vllm_routing.py), sleep mode (`sleep`/`wake_up`).
 """
 from __future__ import annotations
 

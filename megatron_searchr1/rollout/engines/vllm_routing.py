@@ -110,13 +110,31 @@ class RoutingRecorder:
         self.step.clear()
 
 
-def attach(engine, trajs) -> None:
+def needed_positions(prompt_len: int, loss_mask: Sequence[int]) -> int:
+    """How many leading positions of a trajectory reach the log-prob of one of its sampled tokens: those before its
+    last sampled token (causal attention: later tokens, the last sampled one included, change no such log-prob; the
+    engine never computes them when the trajectory ends with them, e.g. an observation cut by the length budget).
+
+    >>> needed_positions(3, [1, 1, 0, 0]), needed_positions(3, [0, 0])
+    (4, 0)
+    """
+    last = max((i for i, m in enumerate(loss_mask) if m), default=None)
+    return 0 if last is None else prompt_len + last
+
+
+def attach(engine, trajs) -> tuple[int, int]:
     """Give each finished trajectory its tokens' expert ids (prompt + response, `Trajectory.routed_experts`), from
-    `engine.routed_experts`; call it before the engine's next weight sync drops the records."""
-    trajs = list(trajs)
+    `engine.routed_experts`; call it before the engine's next weight sync drops the records. Returns (needed
+    positions without engine ids, needed positions) over the trajectories (`needed_positions`): 0 missing when the
+    capture saw everything that matters."""
+    trajs, missing, total = list(trajs), 0, 0
     if trajs:
         for t, ids in zip(trajs, engine.routed_experts([list(t.prompt_ids) + list(t.response_ids) for t in trajs])):
             t.routed_experts = ids
+            n = needed_positions(len(t.prompt_ids), t.loss_mask)
+            missing += int((ids[:n].flatten(1) < 0).all(dim=1).sum())
+            total += n
+    return missing, total
 
 
 # -- inside the vLLM worker (collective_rpc) ---------------------------------------------------------------------

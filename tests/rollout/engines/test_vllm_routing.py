@@ -83,6 +83,14 @@ def test_attach_sets_each_trajectory_its_whole_sequence():
     t1, t2 = Trajectory(prompt_ids=[1, 2]), Trajectory(prompt_ids=[3])
     t1.extend([4, 5, 6], 1)
     eng = Engine()
-    attach(eng, [t1, t2])
+    assert attach(eng, [t1, t2]) == (0, 4)  # t1: positions 0..3 reach its last sampled token; t2 samples none
     assert eng.seqs == [[1, 2, 4, 5, 6], [3]]
     assert t1.routed_experts.shape == (5, 1, 1) and t2.routed_experts.flatten().tolist() == [1]
+
+    class Gappy(Engine):  # no ids at position 1 (counted: it reaches the sampled tokens) and 4 (the last: not)
+        def routed_experts(self, seqs):
+            out = super().routed_experts(seqs)
+            out[0][[1, 4]] = -1
+            return out
+
+    assert attach(Gappy(), [t1]) == (1, 4)
