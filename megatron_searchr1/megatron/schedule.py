@@ -60,8 +60,8 @@ from megatron_searchr1.collectives import collective_device
 from megatron_searchr1.megatron.batching import MicroBatch, make_micro_batches, restore_order
 from megatron_searchr1.megatron.moe_metrics import moe_step_metrics, start_moe_step
 from megatron_searchr1.megatron.optimizer import current_lr
-from megatron_searchr1.megatron.routing_replay import replay_routing
 from megatron_searchr1.megatron.outputs import is_critic, model_outputs, unwrap
+from megatron_searchr1.megatron.routing_replay import replay_routing
 
 LossFn = Callable[[dict, MicroBatch], tuple[torch.Tensor, dict]]
 

@@ -55,7 +55,7 @@ def to_sequences(trajs: Sequence[Trajectory], drop_search_errors: bool = True) -
             mask = torch.zeros_like(mask)
         seqs.append(TrainSequence(prompt_ids=list(t.prompt_ids), response_ids=list(t.response_ids), loss_mask=mask,
                                   engine_log_probs=torch.tensor(t.logprobs, dtype=torch.float32),
-                                  routed_experts=getattr(t, "routed_experts", None)))  # MoE routing replay
+                                  routed_experts=t.routed_experts))  # MoE routing replay
     return seqs
 
 

@@ -34,7 +34,6 @@ from megatron.core.distributed import DistributedDataParallel
 from megatron_searchr1.checkpoint import CheckpointError, RoleState
 from megatron_searchr1.megatron import schedule
 from megatron_searchr1.megatron.batching import make_micro_batches
-from megatron_searchr1.rollout.engines import vllm_routing
 from megatron_searchr1.megatron.optimizer import wrap_ddp
 from megatron_searchr1.models.convert import DTYPES, write_hf_dir
 from megatron_searchr1.models import lora, lora_export
@@ -44,6 +43,7 @@ from megatron_searchr1.models.gpt import build_gpt_model
 from megatron_searchr1.rollout import loop, weight_sync
 from megatron_searchr1.rollout.engine import sleep_engine, wake_and_sync
 from megatron_searchr1.rollout.engine_groups import EngineLayout
+from megatron_searchr1.rollout.engines import vllm_routing
 from megatron_searchr1.rollout.loop import RolloutStats, Trajectory, settings_from_config
 from megatron_searchr1.search.client import RetrievalDown, SearchGuard
 from megatron_searchr1.trainer import losses, reports, sources

@@ -94,3 +94,22 @@ def test_attach_sets_each_trajectory_its_whole_sequence():
             return out
 
     assert attach(Gappy(), [t1]) == (1, 4)
+
+
+def test_the_seams_the_capture_binds_to_are_the_gpu_runners_too():
+    """install() wraps `_model_forward` and reads `query_start_loc` / `input_batch`: the CPU runner inherits all of
+    them from the GPU runner (so the capture runs unchanged on CUDA's V1 runner), and vLLM's routers report their
+    logical ids through `capture_fn` before the EPLB remap."""
+    pytest.importorskip("vllm")
+    import inspect
+
+    from vllm.model_executor.layers.fused_moe.router.base_router import BaseRouter
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    assert issubclass(CPUModelRunner, GPUModelRunner) and "_model_forward" not in vars(CPUModelRunner)
+    src = inspect.getsource(GPUModelRunner)
+    assert "self._model_forward(" in src and "self.query_start_loc" in src and "positions=positions" in src
+    select = inspect.getsource(BaseRouter._select_experts)
+    assert hasattr(BaseRouter, "set_capture_fn")
+    assert select.index("self.capture_fn(topk_ids)") < select.index("self._apply_eplb_mapping(topk_ids)")
