@@ -551,8 +551,9 @@ class Config:
             self.algo.rollout_correction = "token_tis" if disagg else "none"
         if self.algo.routing_replay:  # what a replay needs besides an MoE model (validate() reads config.json)
             check(self.rollout.engine == "vllm",
-                  f"algo.routing_replay replays the experts the vllm engine records; rollout.engine={self.rollout.engine}"
-                  f" records none: set rollout.engine=vllm or algo.routing_replay=false")
+                  f"algo.routing_replay replays the experts the vllm engine records; "
+                  f"rollout.engine={self.rollout.engine} records none: set rollout.engine=vllm or "
+                  f"algo.routing_replay=false")
             check(not self.rollout.tree.enabled and not self.rollout.partial,
                   "algo.routing_replay does not cover tree rollouts or rollout.partial yet (a tree's shared prefixes "
                   "and a mid-trajectory weight load need their own stitching): set rollout.tree.trees=0 and "

@@ -65,7 +65,8 @@ def replay_targets(routed: torch.Tensor, columns: Sequence[int], tp_rank: int = 
     return [flat[:, c] for c in columns]
 
 
-def merge_topk(scores: torch.Tensor, own: torch.Tensor, target: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+def merge_topk(scores: torch.Tensor, own: torch.Tensor,
+               target: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """(values, ids): `target`'s ids where a token has them (no -1), the router's `own` elsewhere; values are
     `scores` at those ids. scores (N, E), own and target (N, K).
 

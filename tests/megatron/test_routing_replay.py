@@ -73,7 +73,8 @@ def test_micro_batches_carry_routed_ids_padded_with_minus_one():
     assert torch.equal(mb.routed_experts[0], r1) and torch.equal(mb.routed_experts[1, :3], r2)
     assert (mb.routed_experts[1, 3:] == -1).all()
     padded = mb.padded_to(4)  # sequence parallelism pads the columns: the ids follow, -1
-    assert padded.input_ids.shape[1] == padded.routed_experts.shape[1] == 8 and (padded.routed_experts[:, 5:] == -1).all()
+    assert padded.input_ids.shape[1] == padded.routed_experts.shape[1] == 8
+    assert (padded.routed_experts[:, 5:] == -1).all()
     assert "routed_experts" not in mb.fields  # not a per-response-token field
     with pytest.raises(ValueError, match="has 4 positions but the sequence has 5 tokens"):
         make_micro_batches([TrainSequence(prompt_ids=[1, 2], response_ids=[3, 4, 5], loss_mask=torch.ones(3),

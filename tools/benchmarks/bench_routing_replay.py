@@ -26,7 +26,8 @@ import tempfile
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[1], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[1],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--hf-dir", default=None, help="a Qwen3-MoE checkpoint; default: a tiny random one in a temp dir")
     ap.add_argument("--engine-dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--groups", type=int, default=3, help="prompts (each sampled --n times)")
@@ -149,8 +150,8 @@ def main(argv=None):
         torch.distributed.barrier()  # rank 0 holds the temp model until every rank is done
         destroy_megatron()
         return
-    print(f"engine {a.engine_dtype}, trainer float32 at TP={a.tp}; {len(trajs)} trajectories, {rows[0]['tokens']} sampled tokens, "
-          f"{rows[0]['pairs']} (token, MoE layer) pairs routed by the engine; positions without engine ids per "
+    print(f"engine {a.engine_dtype}, trainer float32 at TP={a.tp}; {len(trajs)} trajectories, "
+          f"{rows[0]['tokens']} sampled tokens, {rows[0]['pairs']} (token, MoE layer) pairs routed by the engine; positions without engine ids per "
           f"trajectory: {sorted(set(missing))}")
     print(f"{'mode':<8} {'gap mean':>10} {'gap max':>10} {'experts = engine':>17}")
     for r in rows:
