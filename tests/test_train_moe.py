@@ -27,7 +27,7 @@ def ep2_run(world, tiny_moe, server, rl_root):
     out = os.path.join(rl_root, "grpo_moe")
     run_module("megatron_searchr1.train", rl_args(world, tiny_moe, server, out, "trainer.total_steps=3",
                                                   "parallel.tp=1", "parallel.ep=2", "trainer.save_freq=0",
-                                                  "trainer.export_hf=false"), nproc=2)
+                                                  "trainer.export_hf=false", "algo.routing_replay=true"), nproc=2)
     return out
 
 
@@ -35,13 +35,16 @@ def ep2_run(world, tiny_moe, server, rl_root):
 def test_grpo_two_steps_at_ep2(ep2_run):
     """GRPO steps at parallel.ep=2: the experts split over the two ranks, synced to each rank's vLLM engine
     (rollout/weight_sync.sync_expert_weights) after each update: the engine's log-probs stay the trainer's, and
-    the load-balancing metrics are logged."""
+    the load-balancing metrics are logged. With algo.routing_replay each engine records its experts per token and
+    the reference and update forwards replay them under the expert all-to-all (megatron/routing_replay.py)."""
     from megatron_searchr1.metrics import read_scalars
 
     scalars = read_scalars(os.path.join(ep2_run, "tensorboard"))
     assert [s for s, _ in scalars["reward/mean"]] == [1, 2, 3]
     assert all(v < 1e-3 for _, v in scalars["train/logprob_gap_engine"]), scalars["train/logprob_gap_engine"]
     assert "actor/moe/load_balancing_loss" in scalars and "actor/moe/tokens_per_expert/layer_1/max" in scalars
+    # routing replay: the engine recorded the experts of every token that reaches a sampled token's log-prob
+    assert [v for _, v in scalars["rollout/routing_unrecorded"]] == [0.0] * 3, scalars["rollout/routing_unrecorded"]
 
 
 
@@ -58,7 +61,7 @@ def test_resume_at_ep1_continues_an_ep2_run(ep2_run, world, tiny_moe, server, rl
     from megatron_searchr1.checkpoint import latest_step
 
     out = os.path.join(rl_root, "grpo_moe_resumed")
-    common = ("parallel.tp=1", "trainer.export_hf=false")
+    common = ("parallel.tp=1", "trainer.export_hf=false", "algo.routing_replay=true")
     run_module("megatron_searchr1.train", rl_args(world, tiny_moe, server, out, "trainer.total_steps=2",
                                                   "parallel.ep=2", *common), nproc=2)
     proc = run_module("megatron_searchr1.train", rl_args(world, tiny_moe, server, out, "trainer.total_steps=3",

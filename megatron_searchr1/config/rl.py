@@ -328,6 +328,9 @@ class AlgoConfig:
     """Lower end of the MIS / IcePop / geo_mask band (None = the mode's default: 1/high, 0.5, 0.999)."""
     rollout_correction_high: Optional[float] = None
     """Upper end of the MIS / IcePop / geo_mask band (None = the mode's default: cap, 2, 1.001)."""
+    routing_replay: bool = False
+    """MoE models: the trainer's routers take the experts the vLLM engine chose per token (old-log-prob, reference
+    and update forwards; megatron/routing_replay.py). Needed for algo.llds on MoE."""
     llds: LLDSConfig = field(default_factory=LLDSConfig)
     """LLDS, the lazy-likelihood-displacement regulariser (coef 0 = off)."""
     filter_groups: bool = False
@@ -546,6 +549,18 @@ class Config:
         if self.algo.rollout_correction == "auto":
             disagg = self.parallel.rollout_placement == "disaggregated"
             self.algo.rollout_correction = "token_tis" if disagg else "none"
+        if self.algo.routing_replay:  # what a replay needs besides an MoE model (validate() reads config.json)
+            check(self.rollout.engine == "vllm",
+                  f"algo.routing_replay replays the experts the vllm engine records; "
+                  f"rollout.engine={self.rollout.engine} records none: set rollout.engine=vllm or "
+                  f"algo.routing_replay=false")
+            check(not self.rollout.tree.enabled and not self.rollout.partial,
+                  "algo.routing_replay does not cover tree rollouts or rollout.partial yet (a tree's shared prefixes "
+                  "and a mid-trajectory weight load need their own stitching): set rollout.tree.trees=0 and "
+                  "rollout.partial=false, or algo.routing_replay=false")
+            check(self.model.recompute != "full",
+                  "algo.routing_replay with model.recompute=full is not supported (the recompute in backward routes "
+                  "again after later micro-batches set their ids): set model.recompute=selective or none")
 
     def trainer_world(self, world_size: int) -> int:
         """How many of `world_size` ranks train: all of them (colocated), or all but parallel.rollout_ranks."""
@@ -673,9 +688,12 @@ class Config:
         # LLDS compares per-token likelihoods across updates; on MoE models the router may send a token to other
         # experts in training than at rollout, which the paper handles by replaying the engine's routing
         experts = hf.get("num_experts") or hf.get("num_local_experts") or hf.get("n_routed_experts")
-        check(not (a.llds.enabled and experts),
-              f"algo.llds on a MoE model ({experts} experts) needs rollout routing replay, which this trainer does "
-              "not have: set algo.llds.coef=0 (and answer_coef=null) or use a dense model")
+        check(not (a.llds.enabled and experts and not a.routing_replay),
+              f"algo.llds on a MoE model ({experts} experts) needs rollout routing replay: set "
+              "algo.routing_replay=true (or algo.llds.coef=0 and answer_coef=null)")
+        check(not a.routing_replay or bool(experts),
+              f"algo.routing_replay replays the experts of a mixture-of-experts model; {self.model.path} is dense "
+              "(its config.json names no num_experts): set algo.routing_replay=false")
         if self.model.megatron_ckpt:
             check(os.path.isdir(self.model.megatron_ckpt),
                   f"model.megatron_ckpt={self.model.megatron_ckpt!r} does not exist")

@@ -67,9 +67,14 @@ class TrainSequence:
     returns: Optional[torch.Tensor] = None
     token_rewards: Optional[torch.Tensor] = None
     """The per-token reward the advantages were computed from (outcome score, minus the KL penalty in the reward)."""
+    routed_experts: Optional[torch.Tensor] = None
+    """MoE routing replay: (P + R, moe_layers, topk) int expert ids the engine routed each token of prompt AND
+    response to, -1 where it computed none (megatron/routing_replay.py). Not a per-response-token field."""
 
 
-TOKEN_FIELDS = tuple(f.name for f in dataclasses.fields(TrainSequence))[2:]
+WHOLE_SEQUENCE_FIELDS = ("routed_experts",)
+"""TrainSequence fields that cover every token (prompt and response), collated to (b, T, ...) apart."""
+TOKEN_FIELDS = tuple(f.name for f in dataclasses.fields(TrainSequence) if f.name not in WHOLE_SEQUENCE_FIELDS)[2:]
 """The per-response-token fields of a TrainSequence: what a MicroBatch may hold in `fields`."""
 
 
@@ -185,6 +190,8 @@ class MicroBatch:
     """loss-mask tokens in the whole mini-batch, summed over micro-batches and DP ranks."""
     global_num_seqs: int = 0
     """sequences in the whole mini-batch, summed over DP ranks."""
+    routed_experts: Optional[torch.Tensor] = None
+    """(b, T, moe_layers, topk) the engine's expert ids per input position, -1 on padding (routing replay)."""
 
     def __getitem__(self, key: str) -> torch.Tensor:
         return self.fields[key]
@@ -240,7 +247,10 @@ class MicroBatch:
         if extra == 0:
             return self
         pad = self.input_ids.new_zeros(self.input_ids.shape[0], extra)
-        return dataclasses.replace(self, input_ids=torch.cat([self.input_ids, pad], dim=1))
+        routed = self.routed_experts
+        if routed is not None:
+            routed = torch.cat([routed, routed.new_full((routed.shape[0], extra, *routed.shape[2:]), -1)], dim=1)
+        return dataclasses.replace(self, input_ids=torch.cat([self.input_ids, pad], dim=1), routed_experts=routed)
 
     def to(self, device) -> "MicroBatch":
         """A copy with every tensor on `device`."""
@@ -249,6 +259,7 @@ class MicroBatch:
             self, input_ids=move(self.input_ids), prompt_lens=move(self.prompt_lens),
             response_lens=move(self.response_lens), response_mask=move(self.response_mask),
             fields={k: move(v) for k, v in self.fields.items()},
+            routed_experts=None if self.routed_experts is None else move(self.routed_experts),
         )
 
 
@@ -281,10 +292,38 @@ def _collate(seqs: Sequence[TrainSequence], indices: list[int], pad_id: int) -> 
                                  f"response has {len(r)} tokens: per-token fields cover the response only")
             out[row, : len(r)] = v.detach().cpu()
         fields[key] = out
+    for row, i in enumerate(indices):
+        routed = seqs[i].routed_experts
+        if routed is not None and routed.shape[0] != len(prompts[row]) + len(responses[row]):
+            raise ValueError(f"routed_experts of sequence {i} has {routed.shape[0]} positions but the sequence has "
+                             f"{len(prompts[row]) + len(responses[row])} tokens (prompt + response)")
     return MicroBatch(indices=list(indices), input_ids=input_ids,
                       prompt_lens=torch.tensor([len(p) for p in prompts], dtype=torch.long),
                       response_lens=torch.tensor([len(r) for r in responses], dtype=torch.long),
-                      response_mask=response_mask, fields=fields)
+                      response_mask=response_mask, fields=fields,
+                      routed_experts=collate_routed([seqs[i].routed_experts for i in indices], T))
+
+
+def collate_routed(routed: Sequence[Optional[torch.Tensor]], T: int) -> Optional[torch.Tensor]:
+    """The rows' (n_i, L, K) routed expert ids as one (b, T, L, K) tensor, -1 past each row's end; None when no row
+    has them.
+
+    >>> collate_routed([torch.zeros(2, 1, 1, dtype=torch.int16), torch.ones(1, 1, 1, dtype=torch.int16)], 3)[..., 0, 0]
+    tensor([[ 0,  0, -1],
+            [ 1, -1, -1]], dtype=torch.int16)
+    """
+    if all(r is None for r in routed):
+        return None
+    if any(r is None for r in routed):
+        raise ValueError("routed_experts is set on some sequences of a micro-batch and not on others (routing "
+                         "replay needs the engine's ids for every trajectory)")
+    shape = {tuple(r.shape[1:]) for r in routed}
+    if len(shape) != 1:
+        raise ValueError(f"routed_experts of one micro-batch have different (layers, topk) shapes: {sorted(shape)}")
+    out = torch.full((len(routed), T, *shape.pop()), -1, dtype=routed[0].dtype)
+    for row, r in enumerate(routed):
+        out[row, : r.shape[0]] = r
+    return out
 
 
 def make_micro_batches(seqs: Sequence[Union[TrainSequence, Mapping[str, Any]]], max_tokens_per_micro_batch: int,

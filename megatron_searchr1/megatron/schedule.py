@@ -61,6 +61,7 @@ from megatron_searchr1.megatron.batching import MicroBatch, make_micro_batches, 
 from megatron_searchr1.megatron.moe_metrics import moe_step_metrics, start_moe_step
 from megatron_searchr1.megatron.optimizer import current_lr
 from megatron_searchr1.megatron.outputs import is_critic, model_outputs, unwrap
+from megatron_searchr1.megatron.routing_replay import replay_routing
 
 LossFn = Callable[[dict, MicroBatch], tuple[torch.Tensor, dict]]
 
@@ -148,7 +149,7 @@ def _run_schedule(model, micro_batches: Sequence[MicroBatch], forward_only: bool
     def forward_step(data_iterator, model_chunk):
         mb, padding = next(data_iterator)
         mb = mb.to(device)
-        with _routers_in_eval(model_chunk, padding):
+        with _routers_in_eval(model_chunk, padding), replay_routing(model_chunk, mb.routed_experts):
             output = model_chunk(mb.input_ids, None, None)  # right-padded: RoPE positions 0..T-1, causal attention
         if padding:
             return output, lambda out, non_loss_data=False: post_padding(out)

@@ -96,6 +96,9 @@ class Trajectory:
     """The text inside <answer> ... </answer>, when the sample answered."""
     meta: dict = field(default_factory=dict)
     """What the trainer carries along (data_source, ground truth, question)."""
+    routed_experts: Optional[object] = None
+    """MoE routing replay: the engine's expert ids of every prompt and response token, (n, MoE layers, topk) int16,
+    -1 where the engine computed none; set when the rollout ends (rollout/engines/vllm_routing.py attach)."""
 
     @property
     def active(self) -> bool:

@@ -224,6 +224,8 @@ def engine_kwargs(cfg: Config, rank: int) -> dict:
         kw.update(tensor_parallel_size=r.engine_tp, max_model_len=cfg.data.max_prompt_length + r.max_response_length,
                   seed=t.seed + rank // r.engine_tp, gpu_memory_utilization=r.gpu_memory_utilization,
                   enforce_eager=r.enforce_eager, kv_sessions=None if r.kv_sessions else False, load_format="dummy")
+        if cfg.algo.routing_replay:  # record each token's experts for the trainer's replay (vllm_routing.py)
+            kw["routing_capture"] = True
         if not torch.cuda.is_available():
             kw["kv_cache_gib"] = r.kv_cache_gib
     return kw
@@ -286,6 +288,12 @@ def build_roles(cfg: Config) -> Roles:
         reference = Policy(build_reference(hf_config, **settings, load_weights=load_actor,
                                            tokenizer_vocab_size=len(tokenizer)), mapping=mapping,
                            hf_config=hf_config, hf_dir=hf_dir, dtype=dtype, source=model_source)
+    if a.routing_replay:  # MoE: the old-log-prob, reference and update forwards replay the engine's experts
+        from megatron_searchr1.megatron.routing_replay import enable_routing_replay
+
+        for role in (policy, reference):
+            if isinstance(role, Policy):
+                enable_routing_replay(role.model)
     critic = None
     if a.uses_critic:
         critic_model = build_critic(hf_config, **settings,

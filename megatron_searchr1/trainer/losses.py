@@ -54,7 +54,8 @@ def to_sequences(trajs: Sequence[Trajectory], drop_search_errors: bool = True) -
         if drop_search_errors and t.finish_reason == "search_error":
             mask = torch.zeros_like(mask)
         seqs.append(TrainSequence(prompt_ids=list(t.prompt_ids), response_ids=list(t.response_ids), loss_mask=mask,
-                                  engine_log_probs=torch.tensor(t.logprobs, dtype=torch.float32)))
+                                  engine_log_probs=torch.tensor(t.logprobs, dtype=torch.float32),
+                                  routed_experts=t.routed_experts))  # MoE routing replay
     return seqs
 
 

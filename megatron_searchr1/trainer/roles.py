@@ -43,6 +43,7 @@ from megatron_searchr1.models.gpt import build_gpt_model
 from megatron_searchr1.rollout import loop, weight_sync
 from megatron_searchr1.rollout.engine import sleep_engine, wake_and_sync
 from megatron_searchr1.rollout.engine_groups import EngineLayout
+from megatron_searchr1.rollout.engines import vllm_routing
 from megatron_searchr1.rollout.loop import RolloutStats, Trajectory, settings_from_config
 from megatron_searchr1.search.client import RetrievalDown, SearchGuard
 from megatron_searchr1.trainer import losses, reports, sources
@@ -304,6 +305,7 @@ class RolloutWorker:
         # one seed per engine: DP ranks and shards draw different noise
         settings = dataclasses.replace(self.train_settings, seed=self.layout.sampling_seed(seed, self.rank))
         stats = loop.run_rollout(self.engine, self.tokenizer, self.search, mine, settings)
+        unrecorded = vllm_routing.attach(self.engine, mine) if self.cfg.algo.routing_replay else None
         metrics = stats.as_metrics(mine)
         group = mpu.get_model_parallel_group()
         if dist.get_world_size(group) > 1:
@@ -315,6 +317,8 @@ class RolloutWorker:
                        "rollout/computed_tokens": metrics["rollout/computed_tokens"]}
         failed, searched = self._check_retrieval("a training step")
         metrics["rollout/search_error_rate"] = failed / max(searched, 1)  # the whole step's, the same on every rank
+        if unrecorded is not None:  # routing replay: tokens before a sampled one that have no engine experts (0 = all)
+            metrics["rollout/routing_unrecorded"] = unrecorded[0] / max(unrecorded[1], 1)
         return trajs, metrics
 
     def _generate_trees(self, trajs: list, seed: int) -> tuple[list, dict]:

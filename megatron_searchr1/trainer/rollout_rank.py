@@ -41,6 +41,7 @@ import torch.distributed as dist
 from megatron_searchr1 import interrupt
 from megatron_searchr1.rollout.async_buffer import GeneratedBatch, required_version, sample_version
 from megatron_searchr1.rollout.batch_parts import share
+from megatron_searchr1.rollout.engines import vllm_routing
 from megatron_searchr1.rollout.remote_receiver import WeightReceiver
 from megatron_searchr1.rollout.remote_sync import BATCHES_TAG, DONE, Bridge, recv_object, send_object
 from megatron_searchr1.trainer.rollout_stream import StreamRank, stream_groups
@@ -202,6 +203,8 @@ def _serve(cfg, bridge: Bridge, started: _Started) -> None:
             seed = step_seed(t.seed, b + 1) + me * SHARE_SEED_STRIDE  # batch b is trained at step b+1
             stats = loop.run_rollout(engine, tokenizer, guard, trajs, dataclasses.replace(settings, seed=seed),
                                      weights=weights if r.partial else lambda: version)
+            if cfg.algo.routing_replay:  # the engine's experts per token travel with the trajectories
+                vllm_routing.attach(engine, trajs)
             for tr in trajs:  # per sample, its oldest token's version (the staleness histogram) and its maker
                 tr.meta["policy_version"] = sample_version(tr.versions, tr.loss_mask, default=version)
                 tr.meta["rollout_rank"] = bridge.rank

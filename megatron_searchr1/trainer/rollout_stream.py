@@ -34,6 +34,7 @@ from typing import Any, Callable
 
 from megatron_searchr1 import interrupt
 from megatron_searchr1.rollout.async_buffer import GeneratedBatch, required_version, sample_version
+from megatron_searchr1.rollout.engines import vllm_routing
 from megatron_searchr1.rollout.loop import RolloutStats
 from megatron_searchr1.rollout.remote_sync import BATCHES_TAG, send_object
 from megatron_searchr1.rollout.stream_groups import in_flight_capacity, may_start, stream_of
@@ -194,6 +195,8 @@ def stream_groups(rk: StreamRank) -> None:
             rounds += 1
             now = time.time()
             for g in [g for g in pool if not any(t.active for t in g.trajs)]:
+                if rk.cfg.algo.routing_replay:  # before the next weight load drops the engine's records
+                    vllm_routing.attach(rk.engine, g.trajs)
                 pool.remove(g)
                 finished.append((release_time(g, now), g))
     finally:

@@ -40,7 +40,8 @@ Semantics (the same as the `hf` reference engine, which cross-checks them):
 
 Also here: KV sessions (`kv_sessions=True`, the default where vLLM has them: vllm_sessions.py), the CPU backend's
 workarounds (vllm_cpu.py), the arguments GPUs get otherwise than the CPU (vllm_args.py), a padded vocabulary's mask
-(vllm_vocab_mask.py), MoE experts after a sync (vllm_moe.py), sleep mode (`sleep`/`wake_up`).
+(vllm_vocab_mask.py), MoE experts after a sync (vllm_moe.py), the experts each token was routed to for the
+trainer's routing replay (`routing_capture`, vllm_routing.py), sleep mode (`sleep`/`wake_up`).
 """
 from __future__ import annotations
 
@@ -196,7 +197,7 @@ class VLLMEngine:
                  max_model_len: Optional[int] = None, seed: int = 0, enable_prefix_caching: bool = True,
                  enable_sleep_mode: Optional[bool] = None, enforce_eager: Optional[bool] = None,
                  tokenizer: Optional[str] = None, kv_sessions: Optional[bool] = None,
-                 seed_per_request: bool = False, **llm_kwargs):
+                 seed_per_request: bool = False, routing_capture: bool = False, **llm_kwargs):
         """
         model_dir: a Hugging Face checkpoint directory (config, tokenizer, weights).
         tensor_parallel_size: vLLM's TP, independent of the trainer's TP/PP; >1 spans torchrun ranks.
@@ -216,6 +217,8 @@ class VLLMEngine:
         seed_per_request: give each request its own seed (derive_seed(params.seed, index)): a sample independent of
             the rest of the batch, at the cost of vLLM's per-request sampling loop. False (default): one seeded
             random stream per generate() call (the module docstring).
+        routing_capture: record the experts each token was routed to (MoE models; vllm_routing.py), for
+            `routed_experts()` and the trainer's routing replay.
         llm_kwargs: passed to vllm.LLM as they are (async_scheduling=True is refused: vllm_args.PLATFORM_ARGS).
         """
         vllm = _import_vllm()
@@ -274,6 +277,15 @@ class VLLMEngine:
             if problem:
                 self.close()
                 raise ValueError(problem)
+        self.routing_layers: Optional[list[int]] = None
+        """With routing_capture: vLLM's layer index of each MoE layer (the columns of routed_experts())."""
+        if routing_capture:
+            from megatron_searchr1.rollout.engines import vllm_routing
+
+            if not self._has_experts:
+                self.close()
+                raise ValueError(f"routing_capture=True: {model_dir} is not a mixture of experts (nothing to record)")
+            self.routing_layers = self.llm.collective_rpc(vllm_routing.install)[0]
         if self.keeps_sessions and self.sessions.scheduler() is None:
             if kv_sessions_asked:
                 raise ValueError("kv_sessions=True: this vLLM's engine core is not reachable in-process (sessions are "
@@ -353,6 +365,16 @@ class VLLMEngine:
                                    num_cached_tokens=out.num_cached_tokens or 0))
         return gens
 
+    def routed_experts(self, seqs: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+        """Per token sequence (prompt + response), the experts the engine routed each token to: (n, MoE layers, topk)
+        int16, -1 where the engine computed no such token (vllm_routing.py). Needs routing_capture=True."""
+        if self.routing_layers is None:
+            raise RuntimeError("VLLMEngine.routed_experts() needs an engine started with routing_capture=True")
+        from megatron_searchr1.rollout.engines import vllm_routing
+
+        found = self.llm.collective_rpc(vllm_routing.fetch, args=([list(map(int, s)) for s in seqs],))[0]
+        return [torch.from_numpy(a) for a in found]
+
     # -- weights ----------------------------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Hand (HF name, full tensor) pairs to the model's own loader (it shards for vLLM TP and stacks qkv).
@@ -373,6 +395,10 @@ class VLLMEngine:
             self._reloading = False
         self._weights_dropped = False
         self.sessions.end()
+        if self.routing_layers is not None:  # ids routed by the old weights describe another network
+            from megatron_searchr1.rollout.engines import vllm_routing
+
+            self.llm.collective_rpc(vllm_routing.reset)
         if not self.llm.reset_prefix_cache():
             raise RuntimeError("vLLM could not reset its prefix cache (requests still running?)")
 
