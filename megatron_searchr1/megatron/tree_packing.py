@@ -106,18 +106,22 @@ def plan_packs(seqs: Sequence[TrainSequence], keys: Sequence[Hashable], max_toke
     groups: dict[Hashable, list[int]] = {}
     for i, k in enumerate(keys):
         groups.setdefault(k, []).append(i)
-    full = lambda i: list(_as_long(seqs[i].prompt_ids).tolist()) + list(_as_long(seqs[i].response_ids).tolist())  # noqa: E731
     rows = []
     for members in groups.values():
+        ids = {i: _as_long(seqs[i].prompt_ids).tolist() + _as_long(seqs[i].response_ids).tolist() for i in members}
+        whole = pack_rows([ids[i] for i in members], members)
+        if len(whole.tokens) <= max_tokens:
+            rows.append(whole)
+            continue
         current: list[int] = []
         for i in members:
-            trial = pack_rows([full(j) for j in current + [i]], current + [i])
+            trial = pack_rows([ids[j] for j in current + [i]], current + [i])
             if current and len(trial.tokens) > max_tokens:
-                rows.append(pack_rows([full(j) for j in current], current))
+                rows.append(pack_rows([ids[j] for j in current], current))
                 current = [i]
             else:
                 current.append(i)
-        rows.append(pack_rows([full(j) for j in current], current))
+        rows.append(pack_rows([ids[j] for j in current], current))
     return rows
 
 

@@ -151,7 +151,8 @@ class Trainer:
             seqs = losses.to_sequences(trajs, r.drop_search_errors)
             roll_metrics.update(losses.shape_overlong(trajs, scores, seqs, a, r.max_response_length))  # 5. DAPO
             # rollout.tree.pack_forward: a tree's leaves as one packed row in these forwards (tree_packing.py)
-            pack = {"pack_keys": [tr.meta["tree"].tree for tr in trajs]} if r.tree.pack_forward else {}
+            forwards = not self.on_policy() or self.reference is not None or self.critic is not None
+            pack = {"pack_keys": [tr.meta["tree"].tree for tr in trajs]} if r.tree.pack_forward and forwards else {}
             with timer() as t_old:                                                                    # forwards
                 if not self.on_policy():  # else the update's own forward gives them (losses.actor_loss_fn)
                     for s, lp in zip(seqs, self.policy.log_probs(seqs, budget, r.temperature, **pack)):
