@@ -1,6 +1,6 @@
-"""rollout.tree.pack_forward inside the real Trainer under torchrun (gloo), TP=2 with sequence parallelism: the PPO
-step's metrics with packed forwards equal the per-leaf run's, and the packed forwards of the actor, the reference and
-the critic equal their per-leaf forwards on the step's leaves (tests/megatron/tree_pack_script.py)."""
+"""rollout.tree.pack_forward inside the real Trainer under torchrun (gloo), TP=2 with sequence parallelism and PP=2:
+the PPO step's metrics with packed forwards equal the per-leaf run's, and the packed forwards of the actor, the
+reference and the critic equal their per-leaf forwards on the step's leaves (tests/megatron/tree_pack_script.py)."""
 from __future__ import annotations
 
 import json
@@ -20,7 +20,7 @@ SAME = ["actor/loss", "actor/pg_loss", "actor/grad_norm", "actor/kl_loss", "acto
 
 
 @pytest.mark.slow
-def test_packed_forwards_give_the_per_leaf_step_at_tp2_with_sequence_parallelism(world, tiny_model, server, rl_root):
+def test_packed_forwards_give_the_per_leaf_step_at_tp2_sp_and_pp2(world, tiny_model, server, rl_root):
     out = os.path.join(rl_root, "tree_pack_tp2")
     os.makedirs(out, exist_ok=True)
     config, *overrides = rl_args(
@@ -46,6 +46,12 @@ def test_packed_forwards_give_the_per_leaf_step_at_tp2_with_sequence_parallelism
     assert per_leaf["actor/grad_norm"] > 0 and per_leaf["critic/grad_norm"] > 0
     for key in SAME:
         assert packed[key] == pytest.approx(per_leaf[key], rel=1e-4, abs=1e-6), (key, packed[key], per_leaf[key])
-    d = res["direct"]
-    assert d["critic_scale"] > 0 and d["actor_scale"] > 0
-    assert d["actor"] < 1e-4 and d["reference"] < 1e-4 and d["critic"] < 1e-3 * d["critic_scale"], d
+    # PP=2: the stages share one packed plan; the same step (layouts agree to 1e-4, tests/test_layout_sweep.py)
+    pp2 = res["packed_pp2"]["metrics"]
+    assert 0 < pp2["tree/packed_forward_token_ratio"] < 1
+    for key in SAME:
+        assert pp2[key] == pytest.approx(per_leaf[key], rel=1e-4, abs=1e-6), (key, pp2[key], per_leaf[key])
+    for run in ("packed", "packed_pp2"):
+        d = res[run]["direct"]
+        assert d["critic_scale"] > 0 and d["actor_scale"] > 0
+        assert d["actor"] < 1e-4 and d["reference"] < 1e-4 and d["critic"] < 1e-3 * d["critic_scale"], (run, d)

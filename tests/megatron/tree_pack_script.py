@@ -1,5 +1,6 @@
 """torchrun worker for tests/megatron/test_tree_packing_tp2.py: one PPO step of the real Trainer with tree rollouts,
-once with each leaf its own sequence and once with rollout.tree.pack_forward=true, in one launch.
+at TP=2 (sequence parallel) once with each leaf its own sequence and once with rollout.tree.pack_forward=true, then
+packed at PP=2, in one launch.
 
     torchrun --standalone --nproc_per_node 2 -m tests.megatron.tree_pack_script --out OUT CONFIG KEY=VALUE ...
 
@@ -33,9 +34,10 @@ def main() -> None:
     dist.init_process_group("gloo")
     world = dist.get_world_size()
     result = {}
-    for pack in (False, True):
-        name = "packed" if pack else "per_leaf"
-        cfg = load_config(args.config, [*args.overrides, f"rollout.tree.pack_forward={str(pack).lower()}",
+    runs = (("per_leaf", False, []), ("packed", True, []),
+            ("packed_pp2", True, ["parallel.tp=1", "parallel.pp=2", "parallel.sequence_parallel=false"]))
+    for name, pack, layout in runs:
+        cfg = load_config(args.config, [*args.overrides, *layout, f"rollout.tree.pack_forward={str(pack).lower()}",
                                         f"trainer.output_dir={os.path.join(args.out, name)}"])
         cfg.validate(world_size=world)
         trainer = Trainer(cfg)
@@ -60,7 +62,7 @@ def main() -> None:
                 a, b = call(), call(pack_keys=keys)
                 diffs[role] = max(float((x - y).abs().max()) for x, y in zip(a, b))
                 diffs[role + "_scale"] = max(float(x.abs().max()) for x in a)
-            result["direct"] = diffs
+            result[name]["direct"] = diffs
             result["leaves"] = len(seqs)
             result["trees"] = len(set(keys))
         trainer.close()
