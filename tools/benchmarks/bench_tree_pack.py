@@ -75,11 +75,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--prompts", type=at_least(1), default=8, help="questions per shape")
     p.add_argument("--trees", type=at_least(1), default=2, help="M: trees per prompt")
     p.add_argument("--rounds", type=at_least(0), default=1, help="L: expansion rounds")
-    p.add_argument("--samples", type=at_least(1), default=3, help="N: forks per tree per round (leaves per tree: 1 + L*N)")
+    p.add_argument("--samples", type=at_least(1), default=3,
+                   help="N: forks per tree per round (leaves per tree: 1 + L*N)")
     p.add_argument("--shapes", default="demo,search-r1", help="comma-separated: demo, search-r1")
     p.add_argument("--time-trees", type=at_least(0), default=4, help="trees per shape whose forward is timed (0: none)")
     p.add_argument("--max-tokens", type=at_least(1), default=16384, help="max_tokens_per_micro_batch of both arms")
-    p.add_argument("--layers", type=at_least(1), default=4, help="layers of the timed model (the demo's sizes otherwise)")
+    p.add_argument("--layers", type=at_least(1), default=4,
+                   help="layers of the timed model (the demo's sizes otherwise)")
     p.add_argument("--repeats", type=at_least(1), default=3, help="timed repeats (the fastest counts)")
     p.add_argument("--seed", type=int, default=1, help="world and sampling seed")
     a = p.parse_args(argv)
