@@ -9,7 +9,7 @@ import torch
 
 from megatron_searchr1.megatron import tree_packing
 from megatron_searchr1.megatron.batching import TrainSequence
-from tests.models.test_gpt import VOCAB, megatron_tp1, tiny_config  # noqa: F401  (fixture)
+from tests.models.test_gpt import megatron_tp1, tiny_config  # noqa: F401  (fixture)
 
 P = [11, 12, 13, 14, 15]          # tree a's prompt
 A = [21, 22, 23, 24]              # turn 1 (shared by leaves 0-2)

@@ -13,7 +13,6 @@ import argparse
 import json
 import os
 
-import torch
 import torch.distributed as dist
 
 import megatron_searchr1.trainer.losses as losses
