@@ -183,6 +183,7 @@ def _cases(t: str) -> list[tuple[str, list[str], str]]:
         ("bench_rollout-range", [PY, "tools/benchmarks/bench_rollout.py", "--work-dir", f"{t}/roll", "--prompts", "0"],
          "--prompts"),
         ("bench_weight_sync-range", [PY, "tools/benchmarks/bench_weight_sync.py", "--iters", "0"], "--iters"),
+        ("bench_tree_pack-range", [PY, "tools/benchmarks/bench_tree_pack.py", "--prompts", "0"], "--prompts"),
         ("bench_megatron_vs_hf-range", [PY, "tools/benchmarks/bench_megatron_vs_hf.py", "--layers", "0"],
          "--layers"),
     ]

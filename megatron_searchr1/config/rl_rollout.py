@@ -30,6 +30,10 @@ class TreeConfig:
     least sure; the root weighs the mean of the others)."""
     max_leaves: int = 0
     """Leaves kept per tree, drawn at random when more grew (the repository's ts_k); 0 = all 1 + rounds * samples."""
+    pack_forward: bool = False
+    """Pack each tree's leaves into one sequence in the old-log-prob, reference and critic forwards, so shared
+    prefixes are computed once (megatron/tree_packing.py; exact to fp32 rounding; local attention spec only, not
+    Transformer Engine). Off: each leaf is its own sequence, as in the update."""
 
     def __post_init__(self):
         check(self.trees >= 0, f"rollout.tree.trees must be >= 0 (0 = off), got {self.trees}")
@@ -38,6 +42,9 @@ class TreeConfig:
         check(self.select in TREE_SELECT,
               f"rollout.tree.select must be one of {', '.join(TREE_SELECT)}, got {self.select!r}")
         check(self.max_leaves >= 0, f"rollout.tree.max_leaves must be >= 0 (0 = no cap), got {self.max_leaves}")
+        check(not self.pack_forward or self.trees > 0,
+              "rollout.tree.pack_forward=true packs the leaves of tree rollouts: set rollout.tree.trees >= 1 or "
+              "rollout.tree.pack_forward=false")
 
     @property
     def enabled(self) -> bool:

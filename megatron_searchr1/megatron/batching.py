@@ -230,6 +230,16 @@ class MicroBatch:
         pos = self.prompt_lens.unsqueeze(1) - 1 + j  # (b, R)
         return pos.clamp(max=self.input_ids.shape[1] - 1)
 
+    def response_rows(self) -> torch.Tensor:
+        """(b, R) long: the row of the model's output holding each response position (row i; a packed micro-batch,
+        megatron/tree_packing.py, maps several leaves to one row)."""
+        return torch.arange(self.num_rows, device=self.input_ids.device).unsqueeze(1).expand_as(self.response_mask)
+
+    def run(self, model_chunk: torch.nn.Module) -> torch.Tensor:
+        """The model stage's output for this micro-batch: right-padded, so RoPE positions 0..T-1, causal attention
+        (a packed micro-batch passes its positions and mask)."""
+        return model_chunk(self.input_ids, None, None)
+
     def response_targets(self) -> torch.Tensor:
         """(b, R) long: the response token ids, 0 on padding."""
         pos = (self.response_positions() + 1).clamp(max=self.input_ids.shape[1] - 1)

@@ -28,9 +28,7 @@ def is_critic(model: torch.nn.Module) -> bool:
 
 def _at_response_positions(x: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
     """x (b, T, ...) -> (b, R, ...): x[i, prompt_len_i - 1 + j] (a copy; backward scatters into x's gradient)."""
-    pos = mb.response_positions()  # (b, R)
-    rows = torch.arange(pos.shape[0], device=pos.device).unsqueeze(1).expand_as(pos)
-    return x[rows, pos]
+    return x[mb.response_rows(), mb.response_positions()]  # rows, positions: (b, R)
 
 
 def response_log_probs(logits: torch.Tensor, mb: MicroBatch, *, real_vocab_size: int, temperature: float = 1.0,

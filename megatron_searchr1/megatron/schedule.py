@@ -150,7 +150,7 @@ def _run_schedule(model, micro_batches: Sequence[MicroBatch], forward_only: bool
         mb, padding = next(data_iterator)
         mb = mb.to(device)
         with _routers_in_eval(model_chunk, padding), replay_routing(model_chunk, mb.routed_experts):
-            output = model_chunk(mb.input_ids, None, None)  # right-padded: RoPE positions 0..T-1, causal attention
+            output = mb.run(model_chunk)  # right-padded: RoPE positions 0..T-1, causal (packed: its mask)
         if padding:
             return output, lambda out, non_loss_data=False: post_padding(out)
         return output, lambda out, non_loss_data=False: post(out, mb)
@@ -161,7 +161,7 @@ def _run_schedule(model, micro_batches: Sequence[MicroBatch], forward_only: bool
         model=[model],
         num_microbatches=len(micro_batches),
         seq_length=max(mb.input_ids.shape[1] for mb, _ in micro_batches),  # shapes travel: variable_seq_lengths
-        micro_batch_size=max(mb.num_rows for mb, _ in micro_batches),
+        micro_batch_size=max(mb.input_ids.shape[0] for mb, _ in micro_batches),
         forward_only=forward_only,
         collect_non_loss_data=forward_only,
     )

@@ -38,6 +38,7 @@ from megatron_searchr1.checkpoint import (
 from megatron_searchr1.config import Config, save_config
 from megatron_searchr1.console import progress
 from megatron_searchr1.data.rl_data import dp_shard
+from megatron_searchr1.megatron import tree_packing
 from megatron_searchr1.megatron.batching import TrainSequence, make_micro_batches, split_mini_batches
 from megatron_searchr1.metrics import LogStorageError, mean_over_ranks, timer
 from megatron_searchr1.search.client import RetrievalDown
@@ -149,16 +150,22 @@ class Trainer:
             worker.sleep()                                                                            # 4.
             seqs = losses.to_sequences(trajs, r.drop_search_errors)
             roll_metrics.update(losses.shape_overlong(trajs, scores, seqs, a, r.max_response_length))  # 5. DAPO
+            # rollout.tree.pack_forward: a tree's leaves as one packed row in these forwards (tree_packing.py)
+            forwards = not self.on_policy() or self.reference is not None or self.critic is not None
+            pack = {"pack_keys": [tr.meta["tree"].tree for tr in trajs]} if r.tree.pack_forward and forwards else {}
             with timer() as t_old:                                                                    # forwards
                 if not self.on_policy():  # else the update's own forward gives them (losses.actor_loss_fn)
-                    for s, lp in zip(seqs, self.policy.log_probs(seqs, budget, r.temperature)):
+                    for s, lp in zip(seqs, self.policy.log_probs(seqs, budget, r.temperature, **pack)):
                         s.old_log_probs = lp
                 if self.reference is not None:
-                    for s, lp in zip(seqs, self.reference.log_probs(seqs, budget, r.temperature)):
+                    for s, lp in zip(seqs, self.reference.log_probs(seqs, budget, r.temperature, **pack)):
                         s.ref_log_probs = lp
                 if self.critic is not None:
-                    for s, v in zip(seqs, self.critic.values(seqs, budget)):
+                    for s, v in zip(seqs, self.critic.values(seqs, budget, **pack)):
                         s.values = v
+            if pack:
+                packed, per_leaf = tree_packing.forward_token_counts(seqs, pack["pack_keys"], budget)
+                roll_metrics["tree/packed_forward_token_ratio"] = packed / max(per_leaf, 1)
             # 6. advantages: whitening and the advantage metrics over the whole batch (a sum over DP; every rank
             # takes part, also one whose trajectories were all dropped)
             adv_metrics = losses.add_advantages(seqs, [x["score"] for x in scores], group_ids, a,

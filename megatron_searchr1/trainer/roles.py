@@ -32,7 +32,7 @@ from megatron.core import parallel_state as mpu
 from megatron.core.distributed import DistributedDataParallel
 
 from megatron_searchr1.checkpoint import CheckpointError, RoleState
-from megatron_searchr1.megatron import schedule
+from megatron_searchr1.megatron import schedule, tree_packing
 from megatron_searchr1.megatron.batching import make_micro_batches
 from megatron_searchr1.megatron.optimizer import wrap_ddp
 from megatron_searchr1.models.convert import DTYPES, write_hf_dir
@@ -92,6 +92,16 @@ def build_critic(hf_config, *, params_dtype: torch.dtype = torch.float32, load_w
     return wrap_ddp(model, use_distributed_optimizer=use_distributed_optimizer)
 
 
+def _forward_batches(model, seqs: list, budget: int, pad_id: int, pack_keys: Optional[list]) -> list:
+    """Micro-batches for a forward-only pass: one sequence per row, or with `pack_keys` (rollout.tree.pack_forward)
+    the sequences of one key (a tree's leaves) packed into one row whose shared prefixes are computed once
+    (megatron/tree_packing.py); the results read back per sequence either way."""
+    if pack_keys is None:
+        return make_micro_batches(seqs, budget, pad_id=pad_id)
+    tree_packing.check_packable(model)
+    return tree_packing.packed_micro_batches(seqs, pack_keys, budget, pad_id=pad_id)
+
+
 @dataclasses.dataclass(eq=False)
 class Policy:
     """A causal LM on Megatron: the actor (with optimizer and LR schedule), the frozen reference (`optimizer`
@@ -112,12 +122,13 @@ class Policy:
         return self.optimizer is None
 
     def log_probs(self, seqs: list, max_tokens_per_micro_batch: int, temperature: float = 1.0, *,
-                  with_entropy: bool = False, pad_id: int = 0):
+                  with_entropy: bool = False, pad_id: int = 0, pack_keys: Optional[list] = None):
         """Log-probs of each sequence's response tokens: list[Tensor(len(response_ids))] fp32 on the CPU, in input
         order, the same on every rank of the model-parallel group; (log_probs, entropies) with `with_entropy`.
+        `pack_keys` (one tree id per sequence): the leaves of each tree packed into one row (_forward_batches).
 
         Every rank of the model-parallel group must pass the same `seqs` (its DP rank's share)."""
-        mbs = make_micro_batches(seqs, max_tokens_per_micro_batch, pad_id=pad_id)
+        mbs = _forward_batches(self.model, seqs, max_tokens_per_micro_batch, pad_id, pack_keys)
         out = schedule.forward_per_sequence(self.model, mbs, temperature=temperature, with_entropy=with_entropy)
         return (out["log_probs"], out["entropy"]) if with_entropy else out["log_probs"]
 
@@ -197,10 +208,11 @@ class Critic:
     optimizer: Any = None
     scheduler: Any = None
 
-    def values(self, seqs: list, max_tokens_per_micro_batch: int, *, pad_id: int = 0) -> list:
+    def values(self, seqs: list, max_tokens_per_micro_batch: int, *, pad_id: int = 0,
+               pack_keys: Optional[list] = None) -> list:
         """Values per response token: list[Tensor(len(response_ids))] fp32 on the CPU, in input order, the same on
-        every rank of the model-parallel group (which must all pass the same `seqs`)."""
-        mbs = make_micro_batches(seqs, max_tokens_per_micro_batch, pad_id=pad_id)
+        every rank of the model-parallel group (which must all pass the same `seqs`); `pack_keys` as log_probs'."""
+        mbs = _forward_batches(self.model, seqs, max_tokens_per_micro_batch, pad_id, pack_keys)
         return schedule.forward_per_sequence(self.model, mbs)["values"]
 
     def update(self, micro_batches: list, loss_fn, **kw) -> dict:

