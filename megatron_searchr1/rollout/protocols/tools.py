@@ -36,9 +36,9 @@ from megatron_searchr1.search.client import is_search_failure
 _TYPES = {"string": str, "integer": int, "number": (int, float), "boolean": bool, "array": list, "object": dict}
 
 
-def check_arguments(schema: dict, args: dict) -> Optional[str]:
-    """Why `args` do not match the object schema `schema` (required keys, property types, enums, unknown keys when
-    additionalProperties is false), or None.
+def check_arguments(schema: dict, args: dict, where: str = "") -> Optional[str]:
+    """Why `args` do not match the object schema `schema` (required keys, property types, enums, minimums, unknown
+    keys when additionalProperties is false; nested objects and array items alike), or None.
 
     >>> check_arguments(BUILTIN["open"].parameters, {"doc_id": "7", "offset": 3}) is None
     True
@@ -46,28 +46,46 @@ def check_arguments(schema: dict, args: dict) -> Optional[str]:
     "missing required argument 'doc_id'"
     >>> check_arguments(BUILTIN["search"].parameters, {"query": 5})
     "argument 'query' must be a string, got 5"
+    >>> nested = {"type": "object", "properties": {"where": {"type": "object", "required": ["unit"],
+    ...           "properties": {"unit": {"type": "string", "enum": ["km", "mi"]}}}}}
+    >>> check_arguments(nested, {"where": {"unit": "m"}})
+    "argument 'where.unit' must be one of ['km', 'mi'], got \"m\""
     """
     props = schema.get("properties", {}) or {}
     for key in schema.get("required", []) or []:
         if key not in args:
-            return f"missing required argument {key!r}"
+            return f"missing required argument {where + key!r}"
     for key, value in args.items():
+        name = where + key
         if key not in props:
             if schema.get("additionalProperties") is False:
-                return f"unknown argument {key!r} (arguments: {', '.join(props) or 'none'})"
+                return f"unknown argument {name!r} (arguments: {', '.join(props) or 'none'})"
             continue
-        p = props[key] or {}
-        kind = p.get("type")
-        kinds = kind if isinstance(kind, list) else [kind] if kind else []
-        if kinds and not any(isinstance(value, _TYPES.get(k, object)) and not (k in ("integer", "number")
-                                                                               and isinstance(value, bool))
-                             for k in kinds):
-            return f"argument {key!r} must be {'an' if kinds[0][0] in 'aeiou' else 'a'} {' or '.join(kinds)}, " \
-                   f"got {json.dumps(value)}"
-        if "enum" in p and value not in p["enum"]:
-            return f"argument {key!r} must be one of {p['enum']}, got {json.dumps(value)}"
-        if "minimum" in p and isinstance(value, (int, float)) and value < p["minimum"]:
-            return f"argument {key!r} must be >= {p['minimum']}, got {value}"
+        why = _check_value(props[key] or {}, value, name)
+        if why:
+            return why
+    return None
+
+
+def _check_value(p: dict, value, name: str) -> Optional[str]:
+    kind = p.get("type")
+    kinds = kind if isinstance(kind, list) else [kind] if kind else []
+    if kinds and not any(isinstance(value, _TYPES.get(k, object)) and not (k in ("integer", "number")
+                                                                           and isinstance(value, bool))
+                         for k in kinds):
+        return f"argument {name!r} must be {'an' if kinds[0][0] in 'aeiou' else 'a'} {' or '.join(kinds)}, " \
+               f"got {json.dumps(value)}"
+    if "enum" in p and value not in p["enum"]:
+        return f"argument {name!r} must be one of {p['enum']}, got {json.dumps(value)}"
+    if "minimum" in p and isinstance(value, (int, float)) and value < p["minimum"]:
+        return f"argument {name!r} must be >= {p['minimum']}, got {value}"
+    if isinstance(value, dict) and ("properties" in p or "required" in p):
+        return check_arguments(p, value, name + ".")
+    if isinstance(value, list) and isinstance(p.get("items"), dict):
+        for i, item in enumerate(value):
+            why = _check_value(p["items"], item, f"{name}[{i}]")
+            if why:
+                return why
     return None
 
 
