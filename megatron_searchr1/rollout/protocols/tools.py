@@ -48,8 +48,8 @@ def check_arguments(schema: dict, args: dict, where: str = "") -> Optional[str]:
     "argument 'query' must be a string, got 5"
     >>> nested = {"type": "object", "properties": {"where": {"type": "object", "required": ["unit"],
     ...           "properties": {"unit": {"type": "string", "enum": ["km", "mi"]}}}}}
-    >>> check_arguments(nested, {"where": {"unit": "m"}})
-    "argument 'where.unit' must be one of ['km', 'mi'], got \"m\""
+    >>> print(check_arguments(nested, {"where": {"unit": "m"}}))
+    argument 'where.unit' must be one of ['km', 'mi'], got "m"
     """
     props = schema.get("properties", {}) or {}
     for key in schema.get("required", []) or []:
