@@ -116,7 +116,8 @@ class RolloutConfig:
     model's chat template with the tools' JSON schemas, calls in its own format; examples/tool_calls.md)."""
     tool_parser: str = "hermes"
     """tool_calls: the format the model writes calls in: hermes (<tool_call>{json}</tool_call>: Qwen2.5/Qwen3),
-    qwen3_coder (<tool_call><function=..><parameter=..>: Qwen3-Coder/Qwen3.5), llama3_json (a bare JSON call: Llama
+    qwen3_coder (<tool_call><function=..><parameter=..>: Qwen3-Coder/Qwen3.5), glm45
+    (<tool_call>NAME<arg_key>..: GLM-4.5/4.6/4.7), llama3_json (a bare JSON call: Llama
     3.1-3.3), mistral ([TOOL_CALLS][...]), or auto (picked from the chat template's text)."""
     chat_template_kwargs: dict = field(default_factory=dict)
     """tool_calls: extra variables for every render of the chat template, the prompt's and the tool deltas' (e.g.

@@ -7,7 +7,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-TOOL_PARSERS = ("hermes", "qwen3_coder", "llama3_json", "mistral", "auto")
+TOOL_PARSERS = ("hermes", "qwen3_coder", "glm45", "llama3_json", "mistral", "auto")
 """The call formats rollout/protocols/parsers.py reads (rollout.tool_parser; auto: picked from the chat template)."""
 
 

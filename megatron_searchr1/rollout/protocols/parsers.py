@@ -18,6 +18,8 @@ Formats (`rollout.tool_parser`; `auto` picks one from the chat template's text, 
 - ``llama3_json``: a bare `{"name": ..., "parameters": {...}}` as the whole turn (several joined by `;`), optionally
   after `<|python_tag|>`, ending at the end of the turn (`<|eot_id|>`; `<|eom_id|>` too, which the templates never
   write after a JSON call: its tool message follows as after `<|eot_id|>`). Llama 3.1 / 3.2 / 3.3.
+- ``glm45``: `<tool_call>NAME\n<arg_key>KEY</arg_key>\n<arg_value>VALUE</arg_value>\n...</tool_call>` (GLM-4.5 / 4.6 /
+  4.7): values are raw text unless JSON, typed by the tool's schema as qwen3_coder's.
 - ``mistral``: `[TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]` (v3 tokenizers: Mistral-7B-v0.3, Nemo) or
   `[TOOL_CALLS]NAME[ARGS]{...}` per call (v11+ tokenizers), ending at the eos.
 
@@ -229,6 +231,53 @@ class Qwen3CoderParser(ToolCallParser):
         return f"{self.call_start}\n<function={name}>\n{params}</function>\n{self.call_end}"
 
 
+class Glm45Parser(ToolCallParser):
+    """`<tool_call>NAME<arg_key>KEY</arg_key><arg_value>VALUE</arg_value>...</tool_call>`, values typed by the tool's
+    schema.
+
+    >>> schema = {"type": "function", "function": {"name": "open", "parameters": {"type": "object", "properties": {
+    ...     "doc_id": {"type": "string"}, "offset": {"type": "integer"}}}}}
+    >>> p = Glm45Parser([schema])
+    >>> p.render_call("open", {"doc_id": "7", "offset": 40})
+    '<tool_call>open\\n<arg_key>doc_id</arg_key>\\n<arg_value>7</arg_value>\\n<arg_key>offset</arg_key>\\n<arg_value>40</arg_value>\\n</tool_call>'
+    >>> content, calls = p.parse("Reading.<tool_call>open<arg_key>doc_id</arg_key><arg_value>7</arg_value></tool_call>")
+    >>> content, calls[0].name, calls[0].arguments, calls[0].error
+    ('Reading.', 'open', {'doc_id': '7'}, None)
+    """
+
+    name = "glm45"
+    call_start = "<tool_call>"
+    call_end = "</tool_call>"
+    _block = re.compile(r"<tool_call>(.*?)(</tool_call>|$)", re.DOTALL)
+    _arg = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
+
+    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
+        calls = []
+        for m in self._block.finditer(text):
+            if not m.group(2):
+                calls.append(ToolCall(raw=m.group(0), error="the call is not closed with </tool_call>"))
+                continue
+            body = m.group(1)
+            name = body.split("<arg_key>", 1)[0].strip()
+            rest = body[len(body.split("<arg_key>", 1)[0]):]
+            if not name or "\n" in name or self._arg.sub("", rest).strip():
+                calls.append(ToolCall(name=name if "\n" not in name else "", raw=m.group(0), error=(
+                    "the call must be <tool_call>NAME\n<arg_key>KEY</arg_key>\n<arg_value>VALUE</arg_value>\n"
+                    "</tool_call>")))
+                continue
+            props = (self.params.get(name) or {}).get("properties") or {}
+            args = {a.group(1).strip(): _typed(a.group(2), props.get(a.group(1).strip(), {}))
+                    for a in self._arg.finditer(rest)}
+            calls.append(ToolCall(name=name, arguments=args, raw=m.group(0)))
+        return self._block.sub("", text).strip(), calls
+
+    def render_call(self, name: str, arguments: dict) -> str:
+        args = "".join(f"<arg_key>{k}</arg_key>\n<arg_value>"
+                       f"{v if isinstance(v, str) else json.dumps(v, ensure_ascii=False)}</arg_value>\n"
+                       for k, v in arguments.items())
+        return f"{self.call_start}{name}\n{args}{self.call_end}"
+
+
 class Llama3JsonParser(ToolCallParser):
     """A turn that is a JSON call (or several joined by `;`): `{"name": ..., "parameters": {...}}`.
 
@@ -304,7 +353,7 @@ class MistralParser(ToolCallParser):
 
 
 PARSERS: dict[str, type[ToolCallParser]] = {"hermes": HermesParser, "qwen3_coder": Qwen3CoderParser,
-                                            "llama3_json": Llama3JsonParser, "mistral": MistralParser}
+                                            "llama3_json": Llama3JsonParser, "mistral": MistralParser, "glm45": Glm45Parser}
 
 
 def get_parser(name: str, schemas: Sequence[dict] = ()) -> ToolCallParser:
@@ -324,6 +373,8 @@ def detect_parser(template: str) -> Optional[str]:
     """
     if "<function=" in template and "<parameter=" in template:
         return "qwen3_coder"
+    if "<arg_key>" in template and "<arg_value>" in template:
+        return "glm45"
     if "<tool_call>" in template:
         return "hermes"
     if "[TOOL_CALLS]" in template:

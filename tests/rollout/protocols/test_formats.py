@@ -184,3 +184,26 @@ def test_qwen3_with_thinking_off_keeps_generation_ids_turn_by_turn(base_tok):
     assert deltas(tok, engine) == [
         f"<|im_end|>\n<|im_start|>user\n<tool_response>\n{r}\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
         "<think>\n\n</think>\n\n" for r in (DOCS["who founded acme?"].strip(), PAGES["7"])]
+
+
+@pytest.mark.parametrize("fmt, text, error", [
+    ("qwen3_coder", "<tool_call>\n<parameter=q>\nx\n</parameter>\n</tool_call>", "the call must be <tool_call>\n<function"),
+    ("qwen3_coder", "<tool_call>\n<function=search>\n<parameter=query>\nx", "the call is not closed with </tool_call>"),
+    ("glm45", "<tool_call>search\n<arg_key>query</arg_key>x</tool_call>", "the call must be <tool_call>NAME"),
+    ("llama3_json", '{"name": "search", "parameters": {"query": ', "the call is not JSON"),
+    ("llama3_json", '<|python_tag|>search.call(query="x")', 'the call must be a JSON object {"name"'),
+    ("mistral", '[TOOL_CALLS] [{"name": "search", "arguments": {"query": "x"}', "the call is not JSON"),
+])
+def test_every_format_reports_a_call_it_cannot_read_instead_of_dropping_it(fmt, text, error):
+    content, calls = get_parser(fmt, [t.schema() for t in TOOLS]).parse(text)
+    assert len(calls) == 1 and calls[0].arguments is None and calls[0].error.startswith(error), calls
+
+
+@pytest.mark.parametrize("fmt", ["hermes", "qwen3_coder", "glm45", "llama3_json", "mistral"])
+def test_every_format_reads_back_the_calls_it_writes_typed_by_the_schema(fmt):
+    p = get_parser(fmt, [t.schema() for t in TOOLS])
+    args = {"city": "Oslo", "mode": "walk", "where": {"near": "the harbour", "radius_km": 2}}
+    content, calls = p.parse("Planning.\n" + p.render_call("route", args) if fmt != "llama3_json"
+                             else p.render_call("route", args))
+    assert [(c.name, c.arguments, c.error) for c in calls] == [("route", args, None)]
+    assert content == ("" if fmt == "llama3_json" else "Planning.")
