@@ -184,8 +184,17 @@ class Qwen3CoderParser(ToolCallParser):
     ...     "doc_id": {"type": "string"}, "offset": {"type": "integer"}}}}}
     >>> p = Qwen3CoderParser([schema])
     >>> text = p.render_call("open", {"doc_id": "7", "offset": 40})
-    >>> text
-    '<tool_call>\\n<function=open>\\n<parameter=doc_id>\\n7\\n</parameter>\\n<parameter=offset>\\n40\\n</parameter>\\n</function>\\n</tool_call>'
+    >>> print(text)
+    <tool_call>
+    <function=open>
+    <parameter=doc_id>
+    7
+    </parameter>
+    <parameter=offset>
+    40
+    </parameter>
+    </function>
+    </tool_call>
     >>> content, calls = p.parse("I read it.\\n\\n" + text)
     >>> content, calls[0].name, calls[0].arguments, calls[0].error
     ('I read it.', 'open', {'doc_id': '7', 'offset': 40}, None)
@@ -238,8 +247,13 @@ class Glm45Parser(ToolCallParser):
     >>> schema = {"type": "function", "function": {"name": "open", "parameters": {"type": "object", "properties": {
     ...     "doc_id": {"type": "string"}, "offset": {"type": "integer"}}}}}
     >>> p = Glm45Parser([schema])
-    >>> p.render_call("open", {"doc_id": "7", "offset": 40})
-    '<tool_call>open\\n<arg_key>doc_id</arg_key>\\n<arg_value>7</arg_value>\\n<arg_key>offset</arg_key>\\n<arg_value>40</arg_value>\\n</tool_call>'
+    >>> print(p.render_call("open", {"doc_id": "7", "offset": 40}))
+    <tool_call>open
+    <arg_key>doc_id</arg_key>
+    <arg_value>7</arg_value>
+    <arg_key>offset</arg_key>
+    <arg_value>40</arg_value>
+    </tool_call>
     >>> content, calls = p.parse("Reading.<tool_call>open<arg_key>doc_id</arg_key><arg_value>7</arg_value></tool_call>")
     >>> content, calls[0].name, calls[0].arguments, calls[0].error
     ('Reading.', 'open', {'doc_id': '7'}, None)
@@ -353,7 +367,8 @@ class MistralParser(ToolCallParser):
 
 
 PARSERS: dict[str, type[ToolCallParser]] = {"hermes": HermesParser, "qwen3_coder": Qwen3CoderParser,
-                                            "llama3_json": Llama3JsonParser, "mistral": MistralParser, "glm45": Glm45Parser}
+                                            "glm45": Glm45Parser, "llama3_json": Llama3JsonParser,
+                                            "mistral": MistralParser}
 
 
 def get_parser(name: str, schemas: Sequence[dict] = ()) -> ToolCallParser:

@@ -102,8 +102,8 @@ class ToolCallsProtocol(Protocol):
             text = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else str(tokenizer.chat_template)
             parser = detect_parser(text)
             if parser is None:
-                raise TemplateError("rollout.tool_parser=auto: the chat template writes tool calls in none of the known "
-                                    f"formats ({', '.join(PARSERS)}); name the format with rollout.tool_parser")
+                raise TemplateError("rollout.tool_parser=auto: the chat template writes tool calls in none of the "
+                                    f"known formats ({', '.join(PARSERS)}); name the format with rollout.tool_parser")
         self.box = ToolBox(spec.tools, spec.tools_url, spec.tool_timeout)
         self.schemas = self.box.schemas()
         self.parser = get_parser(parser, self.schemas)
@@ -240,7 +240,8 @@ class ToolCallsProtocol(Protocol):
         if end is None:  # cut at the length limit: nothing the template can close
             return Action("invalid", calls=calls, stop=None)
         if calls:
-            for e in filter(None, (end, self.parser.stop_tokens.get(end))):  # a stop token the template writes as another text
+            # a stop token the template writes as another text (Llama's <|eom_id|>) is followed as that text is
+            for e in filter(None, (end, self.parser.stop_tokens.get(end))):
                 try:
                     self.delta(len(calls), e)
                     return Action("calls", calls=calls, stop=e)

@@ -187,7 +187,8 @@ def test_qwen3_with_thinking_off_keeps_generation_ids_turn_by_turn(base_tok):
 
 
 @pytest.mark.parametrize("fmt, text, error", [
-    ("qwen3_coder", "<tool_call>\n<parameter=q>\nx\n</parameter>\n</tool_call>", "the call must be <tool_call>\n<function"),
+    ("qwen3_coder", "<tool_call>\n<parameter=q>\nx\n</parameter>\n</tool_call>",
+     "the call must be <tool_call>\n<function"),
     ("qwen3_coder", "<tool_call>\n<function=search>\n<parameter=query>\nx", "the call is not closed with </tool_call>"),
     ("glm45", "<tool_call>search\n<arg_key>query</arg_key>x</tool_call>", "the call must be <tool_call>NAME"),
     ("llama3_json", '{"name": "search", "parameters": {"query": ', "the call is not JSON"),
