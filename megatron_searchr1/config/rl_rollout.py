@@ -122,7 +122,13 @@ class RolloutConfig:
     """How the policy calls tools: search_r1 (Search-R1's <search>/<information>/<answer> tags) or tool_calls (the
     model's chat template with the tools' JSON schemas, calls in its own format; examples/tool_calls.md)."""
     tool_parser: str = "hermes"
-    """tool_calls: the format the model writes calls in (hermes: <tool_call>{json}</tool_call>, Qwen2.5/Qwen3)."""
+    """tool_calls: the format the model writes calls in: hermes (<tool_call>{json}</tool_call>: Qwen2.5/Qwen3),
+    qwen3_coder (<tool_call><function=..><parameter=..>: Qwen3-Coder/Qwen3.5), glm45
+    (<tool_call>NAME<arg_key>..: GLM-4.5/4.6/4.7), llama3_json (a bare JSON call: Llama
+    3.1-3.3), mistral ([TOOL_CALLS][...]), or auto (picked from the chat template's text)."""
+    chat_template_kwargs: dict = field(default_factory=dict)
+    """tool_calls: extra variables for every render of the chat template, the prompt's and the tool deltas' (e.g.
+    {enable_thinking: false} for Qwen3); scalars only."""
     tools: list[Any] = field(default_factory=lambda: ["search", "open"])
     """tool_calls: the tools, by built-in name (search, open) or declared {name, description, parameters (JSON
     schema), endpoint (search | http(s)://... | /path on the retrieval server | python:module:function), options}."""
@@ -164,6 +170,11 @@ class RolloutConfig:
         if self.protocol == "tool_calls":
             check(self.tool_parser in TOOL_PARSERS,
                   f"rollout.tool_parser must be one of {', '.join(TOOL_PARSERS)}, got {self.tool_parser!r}")
+            check(isinstance(self.chat_template_kwargs, dict) and all(
+                isinstance(k, str) and (v is None or isinstance(v, (bool, int, float, str)))
+                for k, v in self.chat_template_kwargs.items()),
+                "rollout.chat_template_kwargs must map names to scalars (true/false, numbers, strings), e.g. "
+                f"{{enable_thinking: false}}, got {self.chat_template_kwargs!r}")
             try:
                 specs = tool_specs(self.tools)
             except ValueError as e:

@@ -7,8 +7,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-TOOL_PARSERS = ("hermes",)
-"""The call formats rollout/protocols/parsers.py reads (rollout.tool_parser)."""
+TOOL_PARSERS = ("hermes", "qwen3_coder", "glm45", "llama3_json", "mistral", "auto")
+"""The call formats rollout/protocols/parsers.py reads (rollout.tool_parser; auto: picked from the chat template)."""
 
 
 @dataclass(frozen=True)

@@ -152,7 +152,8 @@ def protocol_from_config(r: RolloutConfig, tools_url: Optional[str] = None) -> P
     """config.rollout's protocol fields as a ProtocolSpec; `tools_url`: the retrieval server's root, where `/path`
     tool endpoints (the built-in `open`) live."""
     return ProtocolSpec(r.protocol, r.tool_parser, tool_specs(r.tools) if r.protocol == "tool_calls" else (),
-                        r.max_invalid_calls, r.stop_at_call_end, tools_url, r.tool_timeout)
+                        r.max_invalid_calls, r.stop_at_call_end, tools_url, r.tool_timeout,
+                        tuple(sorted(r.chat_template_kwargs.items())))
 
 
 def settings_from_config(r: RolloutConfig, stop_token_ids: Sequence[int],

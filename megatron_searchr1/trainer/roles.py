@@ -259,6 +259,7 @@ class RolloutWorker:
                 pg = dist.new_group(ranks, backend="gloo")
                 if rank in ranks:
                     self.search_group = pg
+        self.searcher = EngineSearcher(self)  # what the loop searches and calls tools through
         self.synced = False  # the engine holds the actor's current weights
         self.asleep = False
 
@@ -316,7 +317,7 @@ class RolloutWorker:
         mine = shard.take(trajs)
         # one seed per engine: DP ranks and shards draw different noise
         settings = dataclasses.replace(self.train_settings, seed=self.layout.sampling_seed(seed, self.rank))
-        stats = loop.run_rollout(self.engine, self.tokenizer, self.search, mine, settings)
+        stats = loop.run_rollout(self.engine, self.tokenizer, self.searcher, mine, settings)
         unrecorded = vllm_routing.attach(self.engine, mine) if self.cfg.algo.routing_replay else None
         metrics = stats.as_metrics(mine)
         group = mpu.get_model_parallel_group()
@@ -344,7 +345,7 @@ class RolloutWorker:
         shard = self.layout.shard(self.rank, "replica")
         settings = dataclasses.replace(self.train_settings, seed=self.layout.sampling_seed(seed, self.rank))
         trees, stats = tree_rollout.grow_trees(
-            self.engine, self.tokenizer, self.search, shard.take(roots), settings,
+            self.engine, self.tokenizer, self.searcher, shard.take(roots), settings,
             tree_rollout.TreeSettings(c.rounds, c.samples, c.select, c.max_leaves))
         mine = [t for tr in trees for t in tr]
         metrics = {**stats.as_metrics(mine), **tree_rollout.tree_metrics(trees)}
@@ -370,7 +371,7 @@ class RolloutWorker:
         judge_down = None  # reward=judge: a judge failure on any rank stops every rank, after the loop (the shards
         for start in range(0, len(mine), batch_size):  # may differ in batches, so no collective inside it)
             trajs = self.make_trajectories(mine[start:start + batch_size], 1)
-            loop.run_rollout(self.engine, self.tokenizer, self.search, trajs, self.val_settings)
+            loop.run_rollout(self.engine, self.tokenizer, self.searcher, trajs, self.val_settings)
             try:
                 scores = losses.score_trajectories(trajs, self.tokenizer, self.cfg.algo)
             except RetrievalDown as e:  # JudgeDown
@@ -410,6 +411,16 @@ class RolloutWorker:
                                f"{self.search_leader} searched {len(box[0])}: the engine's ranks diverged")
         return box[0]
 
+    def run_once(self, fn):
+        """fn() on this engine's first rank, its result on every rank of the engine (the loop's non-search tools:
+        each rank of an engine runs the same trajectories, and a tool with side effects or a cost must be called once
+        per engine, as a search is)."""
+        if self.search_group is None:
+            return fn()
+        box = [fn() if self.rank == self.search_leader else None]
+        dist.broadcast_object_list(box, src=self.search_leader, group=self.search_group)
+        return box[0]
+
     def _check_retrieval(self, where: str) -> tuple[int, int]:
         """Every rank's failure counts since the last check, summed (each search counted once: only engines'
         first ranks search); raises RetrievalDown on every rank together when the run must stop."""
@@ -438,3 +449,18 @@ class RolloutWorker:
             self.client.close()
         if self.server is not None:
             self.server.stop()
+
+
+class EngineSearcher:
+    """The loop's searcher for one rank of an engine: `searcher(queries)` is RolloutWorker.search and
+    `searcher.once(fn)` RolloutWorker.run_once (rollout/protocols/tools.py ToolBox.run calls the other tools in
+    it)."""
+
+    def __init__(self, worker):
+        self.worker = worker
+
+    def __call__(self, queries: list[str]) -> list[str]:
+        return self.worker.search(queries)
+
+    def once(self, fn):
+        return self.worker.run_once(fn)

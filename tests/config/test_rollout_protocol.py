@@ -30,7 +30,20 @@ def test_search_r1_is_the_default_and_tool_calls_reads_declared_tools(tmp_path):
     (["rollout.protocol=tool_calls", "rollout.tools=[browse]"], "unknown built-in tool 'browse'"),
     (["rollout.protocol=tool_calls", "rollout.tools=[]"], "needs at least one tool"),
     (["rollout.max_invalid_calls=0"], "rollout.max_invalid_calls must be >= 1"),
+    (["rollout.protocol=tool_calls", "rollout.chat_template_kwargs={x: [1]}"],
+     "rollout.chat_template_kwargs must map names to scalars"),
 ])
 def test_bad_protocol_settings_say_what_to_change(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config(None, overrides)
+
+
+def test_chat_template_kwargs_and_the_parser_reach_the_loops_spec(tmp_path):
+    cfg = load_config(None, ["rollout.protocol=tool_calls", "rollout.tool_parser=llama3_json",
+                             "rollout.chat_template_kwargs={enable_thinking: false, date_string: 1 Jan 2026}"])
+    spec = settings_from_config(cfg.rollout, [], None)[0].protocol_spec
+    assert spec.tool_parser == "llama3_json"
+    assert spec.chat_template_kwargs == (("date_string", "1 Jan 2026"), ("enable_thinking", False))
+    hash(spec)  # LoopSettings carries it
+    save_config(cfg, str(tmp_path / "saved.yaml"))
+    assert load_config(str(tmp_path / "saved.yaml")) == cfg

@@ -35,7 +35,7 @@ class ProtocolSpec:
     name: str = "search_r1"
     """search_r1 | tool_calls."""
     tool_parser: str = "hermes"
-    """tool_calls: the format calls are written in (parsers.py)."""
+    """tool_calls: the format calls are written in (parsers.py; auto: picked from the chat template)."""
     tools: tuple[ToolSpec, ...] = ()
     """tool_calls: the tools, in the order the prompt lists them."""
     max_invalid_calls: int = 3
@@ -46,6 +46,9 @@ class ProtocolSpec:
     """Where `/path` tool endpoints live (the retrieval server's root)."""
     tool_timeout: float = 60.0
     """Seconds per tool request."""
+    chat_template_kwargs: tuple = ()
+    """tool_calls: (key, value) pairs passed to every render of the chat template, the prompt's and the deltas'
+    (e.g. (("enable_thinking", False),) for Qwen3)."""
 
 
 @dataclass

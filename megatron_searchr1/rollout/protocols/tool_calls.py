@@ -35,7 +35,7 @@ from typing import Callable, Optional, Sequence
 
 from megatron_searchr1.data.prompts import ANSWER_END, ANSWER_START, THINK_END
 from megatron_searchr1.rollout.protocols import Action, Protocol, ProtocolSpec
-from megatron_searchr1.rollout.protocols.parsers import ToolCall, get_parser
+from megatron_searchr1.rollout.protocols.parsers import PARSERS, ToolCall, detect_parser, get_parser
 from megatron_searchr1.rollout.protocols.tools import ToolBox
 
 TOOL_INSTRUCTION = (
@@ -56,6 +56,14 @@ class TemplateError(ValueError):
 
 _MARK = "ToolResultMarker{}Z"  # letters and digits: a template passes it through (or JSON-quotes it)
 _QUESTION = "Which probe question is this?"
+
+
+def _history() -> list[dict]:
+    """The dummy prompt the deltas are derived after: shaped like a real one (tool_calls_messages), a system message
+    and a question, so a template that moves the system message or the tools block once the conversation goes on is
+    caught."""
+    return [{"role": "system", "content": "Probe instruction."}, {"role": "user", "content": _QUESTION}]
+
 # Assistant stubs tried in order: templates that drop reasoning from turns before the last query render a stub
 # without reasoning differently once a tool message follows it (Qwen3), a stub with reasoning alike.
 _STUBS = ("<think>\nprobe reasoning\n</think>\n\nprobe text", "probe text", "")
@@ -88,21 +96,31 @@ class ToolCallsProtocol(Protocol):
                                 "use rollout.protocol=search_r1, or give the tokenizer its model's tool-calling template")
         if not spec.tools:
             raise TemplateError("rollout.protocol=tool_calls needs at least one tool in rollout.tools")
-        self.parser = get_parser(spec.tool_parser)
+        self.template_kwargs = dict(spec.chat_template_kwargs)
+        parser = spec.tool_parser
+        if parser == "auto":
+            text = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else str(tokenizer.chat_template)
+            parser = detect_parser(text)
+            if parser is None:
+                raise TemplateError("rollout.tool_parser=auto: the chat template writes tool calls in none of the "
+                                    f"known formats ({', '.join(PARSERS)}); name the format with rollout.tool_parser")
         self.box = ToolBox(spec.tools, spec.tools_url, spec.tool_timeout)
         self.schemas = self.box.schemas()
-        self.stop_strings = (self.parser.call_end,) if spec.stop_at_call_end else ()
+        self.parser = get_parser(parser, self.schemas)
+        self.stop_strings = (self.parser.call_end,) if spec.stop_at_call_end and self.parser.call_end else ()
         eos = tokenizer.eos_token_id
-        self.stop_token_ids = (eos,) if isinstance(eos, int) else ()
-        probe = self._render([{"role": "user", "content": _QUESTION}], True)
+        vocab = tokenizer.get_vocab()
+        self.stop_token_ids = ((eos,) if isinstance(eos, int) else ()) + tuple(
+            vocab[t] for t in self.parser.stop_tokens if t in vocab and vocab[t] != eos)
+        probe = self._render(_history(), True)
         missing = [s.name for s in spec.tools if s.name not in probe]
         if missing:
             raise TemplateError(f"the tokenizer's chat template does not render tools (rendered with tools=..., the "
                                 f"prompt never names {', '.join(missing)}): it is no tool-calling template; use "
                                 "rollout.protocol=search_r1, or give the tokenizer its model's tool-calling template")
         self._escape = self._content_escape()
-        self._deltas: dict[tuple[int, str], tuple[str, ...]] = {}
-        ends = [self.parser.call_end] if spec.stop_at_call_end else []
+        self._deltas: dict[tuple[int, str], object] = {}  # segments, or the TemplateError that refused them
+        ends = [self.parser.call_end] if spec.stop_at_call_end and self.parser.call_end else []
         if isinstance(tokenizer.eos_token, str):
             ends.append(tokenizer.eos_token)
         for end in ends:  # refuse a template now, not in the middle of a run
@@ -112,7 +130,7 @@ class ToolCallsProtocol(Protocol):
     def _render(self, messages: list[dict], generation_prompt: bool) -> str:
         try:
             return self.tokenizer.apply_chat_template(messages, tools=self.schemas, tokenize=False,
-                                                      add_generation_prompt=generation_prompt)
+                                                      add_generation_prompt=generation_prompt, **self.template_kwargs)
         except Exception as e:  # noqa: BLE001 - jinja raises its own classes (TemplateError, UndefinedError, ...)
             raise TemplateError(f"the tokenizer's chat template fails on a tool-calling conversation "
                                 f"({type(e).__name__}: {e}); use rollout.protocol=search_r1 or a template with tool "
@@ -139,7 +157,7 @@ class ToolCallsProtocol(Protocol):
         text = 'line "one"\nline two'
         stub, tools = self._stub(_STUBS[1], 1)
         tools[0]["content"] = text
-        rendered = self._render([{"role": "user", "content": _QUESTION}, stub, *tools], True)
+        rendered = self._render(_history() + [stub, *tools], True)
         if text in rendered:
             return lambda s: s
         if json.dumps(text)[1:-1] in rendered:
@@ -151,18 +169,23 @@ class ToolCallsProtocol(Protocol):
         """The k+1 text segments around k tool results, after a turn that ended with the text `end` (module doc)."""
         key = (k, end)
         if key not in self._deltas:
-            self._deltas[key] = self._derive(k, end)
-        return self._deltas[key]
+            try:
+                self._deltas[key] = self._derive(k, end)
+            except TemplateError as e:  # derived once either way: a refused end is refused again without renders
+                self._deltas[key] = e
+        got = self._deltas[key]
+        if isinstance(got, TemplateError):
+            raise got
+        return got
 
     def _derive(self, k: int, end: str) -> tuple[str, ...]:
         why = []
         for content in _STUBS:
             try:
-                short = self._delta_after([{"role": "user", "content": _QUESTION}], content, k, end)
+                short = self._delta_after(_history(), content, k, end)
                 earlier_stub, earlier_tools = self._stub(content, 1)
                 earlier_tools[0]["content"] = "earlier result"
-                longer = self._delta_after([{"role": "user", "content": _QUESTION}, earlier_stub, *earlier_tools],
-                                           content, k, end)
+                longer = self._delta_after(_history() + [earlier_stub, *earlier_tools], content, k, end)
             except TemplateError as e:
                 why.append(str(e))
                 continue
@@ -176,7 +199,13 @@ class ToolCallsProtocol(Protocol):
 
     def _delta_after(self, history: list[dict], content: str, k: int, end: str) -> tuple[str, ...]:
         stub, tools = self._stub(content, k)
+        before = self._render(history, False)
         p0 = self._render(history + [stub], False)
+        if not p0.startswith(before):
+            raise TemplateError("the conversation before an assistant turn renders differently once the turn follows "
+                                "it (the template moves text, e.g. the system message or the tools block, to the last "
+                                "user message), so the prompt generation started from is not what the template puts "
+                                "before the calls")
         p1 = self._render(history + [stub] + tools, True)
         at = p0.rfind(end)
         if at < 0:
@@ -211,12 +240,15 @@ class ToolCallsProtocol(Protocol):
         if end is None:  # cut at the length limit: nothing the template can close
             return Action("invalid", calls=calls, stop=None)
         if calls:
-            try:  # a turn closed by a token the template never ends an assistant turn with cannot be followed
-                self.delta(len(calls), end)
-            except TemplateError:
-                return Action("invalid", calls=calls, stop=None)
-            return Action("calls", calls=calls, stop=end)
-        if end == self.parser.call_end:  # a closing string without a call before it
+            # a stop token the template writes as another text (Llama's <|eom_id|>) is followed as that text is
+            for e in filter(None, (end, self.parser.stop_tokens.get(end))):
+                try:
+                    self.delta(len(calls), e)
+                    return Action("calls", calls=calls, stop=e)
+                except TemplateError:  # a turn closed by a token the template never ends a turn with (or more
+                    continue           # calls than it renders in a turn) cannot be followed
+            return Action("invalid", calls=calls, stop=None)
+        if self.parser.call_end and end == self.parser.call_end:  # a closing string without a call before it
             return Action("calls", calls=[ToolCall(raw=text, error=f"{end} without {self.parser.call_start}")],
                           stop=end)
         return Action("answer", answer=final_answer(content), stop=end)

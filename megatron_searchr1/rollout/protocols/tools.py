@@ -36,9 +36,9 @@ from megatron_searchr1.search.client import is_search_failure
 _TYPES = {"string": str, "integer": int, "number": (int, float), "boolean": bool, "array": list, "object": dict}
 
 
-def check_arguments(schema: dict, args: dict) -> Optional[str]:
-    """Why `args` do not match the object schema `schema` (required keys, property types, enums, unknown keys when
-    additionalProperties is false), or None.
+def check_arguments(schema: dict, args: dict, where: str = "") -> Optional[str]:
+    """Why `args` do not match the object schema `schema` (required keys, property types, enums, minimums, unknown
+    keys when additionalProperties is false; nested objects and array items alike), or None.
 
     >>> check_arguments(BUILTIN["open"].parameters, {"doc_id": "7", "offset": 3}) is None
     True
@@ -46,28 +46,46 @@ def check_arguments(schema: dict, args: dict) -> Optional[str]:
     "missing required argument 'doc_id'"
     >>> check_arguments(BUILTIN["search"].parameters, {"query": 5})
     "argument 'query' must be a string, got 5"
+    >>> nested = {"type": "object", "properties": {"where": {"type": "object", "required": ["unit"],
+    ...           "properties": {"unit": {"type": "string", "enum": ["km", "mi"]}}}}}
+    >>> print(check_arguments(nested, {"where": {"unit": "m"}}))
+    argument 'where.unit' must be one of ['km', 'mi'], got "m"
     """
     props = schema.get("properties", {}) or {}
     for key in schema.get("required", []) or []:
         if key not in args:
-            return f"missing required argument {key!r}"
+            return f"missing required argument {where + key!r}"
     for key, value in args.items():
+        name = where + key
         if key not in props:
             if schema.get("additionalProperties") is False:
-                return f"unknown argument {key!r} (arguments: {', '.join(props) or 'none'})"
+                return f"unknown argument {name!r} (arguments: {', '.join(props) or 'none'})"
             continue
-        p = props[key] or {}
-        kind = p.get("type")
-        kinds = kind if isinstance(kind, list) else [kind] if kind else []
-        if kinds and not any(isinstance(value, _TYPES.get(k, object)) and not (k in ("integer", "number")
-                                                                               and isinstance(value, bool))
-                             for k in kinds):
-            return f"argument {key!r} must be {'an' if kinds[0][0] in 'aeiou' else 'a'} {' or '.join(kinds)}, " \
-                   f"got {json.dumps(value)}"
-        if "enum" in p and value not in p["enum"]:
-            return f"argument {key!r} must be one of {p['enum']}, got {json.dumps(value)}"
-        if "minimum" in p and isinstance(value, (int, float)) and value < p["minimum"]:
-            return f"argument {key!r} must be >= {p['minimum']}, got {value}"
+        why = _check_value(props[key] or {}, value, name)
+        if why:
+            return why
+    return None
+
+
+def _check_value(p: dict, value, name: str) -> Optional[str]:
+    kind = p.get("type")
+    kinds = kind if isinstance(kind, list) else [kind] if kind else []
+    if kinds and not any(isinstance(value, _TYPES.get(k, object)) and not (k in ("integer", "number")
+                                                                           and isinstance(value, bool))
+                         for k in kinds):
+        return f"argument {name!r} must be {'an' if kinds[0][0] in 'aeiou' else 'a'} {' or '.join(kinds)}, " \
+               f"got {json.dumps(value)}"
+    if "enum" in p and value not in p["enum"]:
+        return f"argument {name!r} must be one of {p['enum']}, got {json.dumps(value)}"
+    if "minimum" in p and isinstance(value, (int, float)) and value < p["minimum"]:
+        return f"argument {name!r} must be >= {p['minimum']}, got {value}"
+    if isinstance(value, dict) and ("properties" in p or "required" in p):
+        return check_arguments(p, value, name + ".")
+    if isinstance(value, list) and isinstance(p.get("items"), dict):
+        for i, item in enumerate(value):
+            why = _check_value(p["items"], item, f"{name}[{i}]")
+            if why:
+                return why
     return None
 
 
@@ -118,7 +136,11 @@ class ToolBox:
         return call
 
     def run(self, calls: Sequence[ToolCall], search: Callable[[list[str]], list[str]]) -> list[Outcome]:
-        """One Outcome per call, in order."""
+        """One Outcome per call, in order. When the rollout runs on several ranks of one engine (engine_tp > 1),
+        every rank holds the same trajectories and runs this with the same calls: the search goes through `search`
+        (which asks on the engine's first rank and shares the results), and the other tools' calls run inside
+        `search.once(fn)` when the searcher has it (fn on the engine's first rank, its result on every rank), so a
+        tool with side effects or a cost is called once per engine, not once per rank."""
         out: list[Optional[Outcome]] = [None] * len(calls)
         by_tool: dict[str, list[int]] = {}
         for i, c in enumerate(calls):
@@ -127,24 +149,35 @@ class ToolBox:
                 out[i] = Outcome(INVALID + c.error, "invalid")
             else:
                 by_tool.setdefault(c.name, []).append(i)
+        texts: dict[str, list] = {}
         for name, idx in by_tool.items():
-            spec = self.specs[name]
-            args = [calls[i].arguments for i in idx]
-            if spec.endpoint == "search":  # the searcher never raises but to stop the run (a dead retriever)
-                texts = list(search([str(a["query"]).strip() for a in args]))
-                if len(texts) != len(idx):
-                    raise RuntimeError(f"search returned {len(texts)} results for {len(idx)} queries")
-            else:
-                try:
-                    texts = self._call(spec, args)
-                    if len(texts) != len(idx):
-                        raise RuntimeError(f"{len(texts)} results for {len(idx)} calls")
-                except Exception as e:  # noqa: BLE001 - a tool's failure is an observation, the run goes on
-                    texts = [TOOL_FAILED + f"{name}: {type(e).__name__}: {e}"] * len(idx)
-            for i, text in zip(idx, texts):
+            if self.specs[name].endpoint == "search":  # the searcher never raises but to stop the run
+                args = [calls[i].arguments for i in idx]
+                texts[name] = list(search([str(a["query"]).strip() for a in args]))
+                if len(texts[name]) != len(idx):
+                    raise RuntimeError(f"search returned {len(texts[name])} results for {len(idx)} queries")
+        others = {name: [calls[i].arguments for i in idx] for name, idx in by_tool.items() if name not in texts}
+        if others:  # one round per turn for all other tools (a collective when `once` shares it)
+            once = getattr(search, "once", None)
+            texts.update(once(lambda: self._call_all(others)) if once is not None else self._call_all(others))
+        for name, idx in by_tool.items():
+            for i, text in zip(idx, texts[name]):
                 text = text if isinstance(text, str) else json.dumps(text, ensure_ascii=False)
                 out[i] = Outcome(text, "failed" if is_tool_failure(text) else "ok")
         return out  # type: ignore[return-value]
+
+    def _call_all(self, args_of: dict[str, list[dict]]) -> dict[str, list]:
+        """Every non-search tool's calls of a turn -> their results; a tool's failure is its calls' observation."""
+        out = {}
+        for name, args in args_of.items():
+            try:
+                got = self._call(self.specs[name], args)
+                if len(got) != len(args):
+                    raise RuntimeError(f"{len(got)} results for {len(args)} calls")
+            except Exception as e:  # noqa: BLE001 - a tool's failure is an observation, the run goes on
+                got = [TOOL_FAILED + f"{name}: {type(e).__name__}: {e}"] * len(args)
+            out[name] = got
+        return out
 
     def _call(self, spec: ToolSpec, args: list[dict]) -> list[str]:
         ep = spec.endpoint

@@ -221,7 +221,7 @@ def test_a_template_whose_tool_message_rewrites_what_came_before_is_refused(base
     tok = with_template(base_tok, "qwen2_5")
     # a (made-up) template that counts the messages in its system block: every tool message changes the text before
     tok.chat_template = "{{- 'turns: ' + (messages|length|string) + '\n' }}" + tok.chat_template
-    with pytest.raises(TemplateError, match="not a clean suffix.*changes the text rendered before it"):
+    with pytest.raises(TemplateError, match="not a clean suffix.*renders differently once the turn follows it"):
         ToolCallsProtocol(tok, ProtocolSpec("tool_calls", tools=TOOLS))
 
 

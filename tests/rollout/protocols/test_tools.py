@@ -79,4 +79,21 @@ def test_hermes_parser_reads_every_call_and_reports_unreadable_ones():
     assert calls[3].error == "the call is not closed with </tool_call>"
     with pytest.raises(ValueError, match="unknown tool-call parser 'qwen9'; choose one of hermes"):
         get_parser("qwen9")
-    assert set(parsers.PARSERS) == set(config_tools.TOOL_PARSERS)  # the config's list is the parsers'
+    assert set(parsers.PARSERS) | {"auto"} == set(config_tools.TOOL_PARSERS)  # the config's list is the parsers'
+
+
+@pytest.mark.slow
+def test_an_engines_ranks_call_a_tool_once_and_share_its_results_under_torchrun(tmp_path):
+    """rollout.engine_tp=2: both ranks of the engine run the same tool rounds (as the loop does on each); the Python
+    tool runs on the engine's first rank only, once per call, and both ranks get its results, as searches are."""
+    from tests.dist_utils import REPO, rank_results, run_torchrun
+
+    out = run_torchrun(REPO / "tests/rollout/protocols/tool_once_script.py", 2, str(tmp_path), timeout=600)
+    res = {r["rank"]: r for r in rank_results(out)}
+    assert sorted(res) == [0, 1]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rank0"]  # rank 1 never called it
+    assert (tmp_path / "rank0").read_text().split() == ["Oslo", "Rome", "Pisa"]  # once per call
+    assert res[0]["texts"] == res[1]["texts"] == [
+        ["Oslo by walk, planned on rank 0", 'Doc 1(id: 1, Title: "X") acme (searched on rank 0)\n',
+         "Rome by train, planned on rank 0"], ["Pisa by walk, planned on rank 0"]]
+    assert (res[0]["searched"], res[1]["searched"]) == (["acme"], [])
