@@ -47,7 +47,7 @@ class SFTDataConfig:
     tool_parser: str = "hermes"
     """Tool records: the call format, as rollout.tool_parser (LLaMA-Factory's tool_format: qwen = hermes, ...)."""
     chat_template_kwargs: dict = field(default_factory=dict)
-    """Tool records: extra chat-template variables, as rollout.chat_template_kwargs (LLaMA-Factory's enable_thinking)."""
+    """Tool records: extra chat-template variables, as rollout.chat_template_kwargs (LLaMA-Factory: enable_thinking)."""
     stop_at_call_end: bool = True
     """Tool records: one call per turn, ended at the call's closing string, as rollout.stop_at_call_end."""
 

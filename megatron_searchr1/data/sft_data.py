@@ -395,7 +395,7 @@ def tokenize_tool_calls(messages: list[dict], tokenizer, tools: list[dict], wher
             action = proto.read(seg, eos, proto.stop_token_ids)
             if action.kind != "answer":
                 raise SFTDataError(f"{where}: the rollout reads the final message as {action.kind} in the "
-                                   f"{parser.name} format, not as the answer: rewrite it (or send it as a function_call)")
+                                   f"{parser.name} format, not as the answer: rewrite it (or make it a function_call)")
             ids, mask = ids + seg, mask + [1] * len(seg)
             continue
         try:
@@ -407,7 +407,8 @@ def tokenize_tool_calls(messages: list[dict], tokenizer, tools: list[dict], wher
             raise SFTDataError(f"{where}: {len(calls)} calls in one turn, but the rollout stops at the end of a call "
                                "(rollout.stop_at_call_end): one call per function_call turn")
         if not all(isinstance(c, dict) and isinstance(c.get("name"), str) for c in calls):
-            raise SFTDataError(f"{where}: a function_call is {{\"name\": ..., \"arguments\": {{...}}}} or a list of them")
+            raise SFTDataError(f"{where}: a function_call is {{\"name\": ..., \"arguments\": {{...}}}} or a list of "
+                               "them")
         args = [json.loads(c["arguments"]) if isinstance(c.get("arguments"), str) else c.get("arguments", {})
                 for c in calls]
         text = "\n".join(parser.render_call(c["name"], a) for c, a in zip(calls, args))

@@ -132,7 +132,8 @@ def test_qwen3_sft_ids_are_the_rollouts_with_thinking_off(base_tok, tmp_path):  
     assert ex.loss_mask == [0] * len(t.prompt_ids) + t.loss_mask
     learned = [i for i, m in zip(ex.input_ids, ex.loss_mask) if m]
     assert tok.decode(learned, skip_special_tokens=False) == "".join(turns)
-    assert tok.decode(ex.input_ids, skip_special_tokens=False).count("<|im_start|>assistant\n<think>\n\n</think>\n\n") == 3
+    opener = "<|im_start|>assistant\n<think>\n\n</think>\n\n"  # the prompt's and the two deltas'
+    assert tok.decode(ex.input_ids, skip_special_tokens=False).count(opener) == 3
     (thinking,) = load_sft_dataset(_write(tmp_path, [RECORD]), ["t"], tok, max_length=4096)  # the kwargs matter
     assert thinking.input_ids != ex.input_ids
 
