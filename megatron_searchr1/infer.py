@@ -4,14 +4,18 @@ r"""Ask a trained model a question with a live retrieval server, and watch it se
         --question "In which year was the university attended by the CEO of Quorvin Labs founded?"
     python tools/infer.py --model runs/demo/rl/checkpoints ...      # a Megatron checkpoint (converted first)
     python tools/infer.py --model DIR --protocol tool_calls --tools search,open --question "..."   # native tool calls
+    python tools/infer.py --model DIR --protocol tool_calls --tool-parser auto \
+        --chat-template-kwargs '{"enable_thinking": false}' --question "..."      # Qwen3, thinking off
 
 Runs the same rollout loop as training (rollout/loop.py) on vLLM (`--engine hf` for the transformers reference),
 greedy by default, and prints each generated turn and each observation as it was appended to the context.
 `--protocol tool_calls`: the model's own chat template with the tools' schemas, calls in its own format, results as
 the template's tool messages (rollout/protocols/tool_calls.py); search results carry the document ids `open` takes.
+Give it the settings the model was trained with (rollout.tool_parser, rollout.chat_template_kwargs).
 """
 from __future__ import annotations
 
+import json
 import os
 import sys
 from typing import Optional, Sequence
@@ -55,9 +59,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--protocol", default="search_r1", choices=["search_r1", "tool_calls"],
                    help="how the model calls tools: Search-R1's tags, or its chat template's tool calls")
     p.add_argument("--tools", default="search,open", help="tool_calls: comma list of built-in tools (search, open)")
-    p.add_argument("--tool-parser", default="hermes", help="tool_calls: the format the model writes calls in")
+    p.add_argument("--tool-parser", default="hermes",
+                   help="tool_calls: the format the model writes calls in (rollout.tool_parser): hermes, qwen3_coder, "
+                        "glm45, llama3_json, mistral, or auto (picked from the chat template)")
+    p.add_argument("--chat-template-kwargs", default="{}",
+                   help='tool_calls: a JSON object of extra chat-template variables for every render '
+                        '(rollout.chat_template_kwargs), e.g. \'{"enable_thinking": false}\'')
     a = p.parse_args(argv)
     specs = ()
+    try:
+        template_kwargs = json.loads(a.chat_template_kwargs)
+    except json.JSONDecodeError as e:
+        raise UsageError(f"--chat-template-kwargs is not JSON ({e.msg}): pass an object, e.g. "
+                         "'{\"enable_thinking\": false}'") from None
+    if not isinstance(template_kwargs, dict) or not all(
+            v is None or isinstance(v, (bool, int, float, str)) for v in template_kwargs.values()):
+        raise UsageError("--chat-template-kwargs must be a JSON object of scalars, e.g. '{\"enable_thinking\": false}'")
     if a.protocol == "tool_calls":
         from megatron_searchr1.config.tools import TOOL_PARSERS, tool_specs
 
@@ -95,7 +112,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     with tempfile.TemporaryDirectory() as work:
         model_dir = _resolve_model(a.model, work)
         tok = AutoTokenizer.from_pretrained(model_dir)
-        spec = ProtocolSpec(a.protocol, a.tool_parser, specs, tools_url=client.base_url)
+        spec = ProtocolSpec(a.protocol, a.tool_parser, specs, tools_url=client.base_url,
+                            chat_template_kwargs=tuple(sorted(template_kwargs.items())))
         if a.protocol == "tool_calls":
             try:
                 prompt = build_protocol(spec, tok).render_prompt(tool_calls_messages(normalize_question(a.question)))

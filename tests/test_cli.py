@@ -174,6 +174,9 @@ def _cases(t: str) -> list[tuple[str, list[str], str]]:
         ("infer-missing", [PY, "tools/infer.py", "--model", m, "--question", "q"], "--model"),
         ("infer-range", console("searchr1-infer", "--model", f"{t}/empty", "--question", "q", "--topk", "0"),
          "--topk"),
+        ("infer-template-kwargs", console("searchr1-infer", "--model", f"{t}/empty", "--question", "q", "--protocol",
+                                          "tool_calls", "--chat-template-kwargs", "{enable_thinking: false}"),
+         "--chat-template-kwargs is not JSON"),
         ("cpu_demo-range", console("searchr1-cpu-demo", "--work-dir", f"{t}/demo", "--sft-steps", "0"),
          "--sft-steps"),
         # benchmarks (no input paths: sizes only)

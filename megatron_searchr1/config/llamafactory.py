@@ -21,6 +21,10 @@ What each key becomes (LLaMA-Factory's defaults when absent, so the same YAML tr
     template                    data.template (sharegpt tool records, `tools` + function_call / observation, are
                                 tokenized with the tokenizer's own chat template, as the tool_calls rollout renders
                                 them: data/sft_data.py layout 3)
+    tool_format                 data.tool_parser of tool records: qwen -> hermes, llama3 -> llama3_json, mistral,
+                                glm4_moe -> glm45 (LLaMA-Factory's other formats have no parser here)
+    enable_thinking             data.chat_template_kwargs.enable_thinking of tool records (set it as the rollout's
+                                rollout.chat_template_kwargs)
     cutoff_len                  data.max_length (default 2048); longer examples are DROPPED and counted, not cut
     max_samples                 data.max_samples
     train_on_prompt             data.train_on_prompt (default false: the loss on the assistant's tokens only)
@@ -53,7 +57,8 @@ from megatron_searchr1.config.loader import ConfigError
 SECTIONS = ("data", "model", "parallel", "optim", "trainer", "logging")
 KEYS = ("model_name_or_path", "stage", "do_train", "finetuning_type", "lora_rank", "lora_alpha", "lora_dropout",
         "lora_target", "freeze_trainable_layers", "freeze_trainable_modules", "freeze_extra_modules", "dataset",
-        "dataset_dir", "template", "cutoff_len", "max_samples", "train_on_prompt", "eval_dataset", "eval_steps",
+        "dataset_dir", "template", "tool_format", "enable_thinking", "cutoff_len", "max_samples", "train_on_prompt",
+        "eval_dataset", "eval_steps",
         "per_device_train_batch_size", "gradient_accumulation_steps", "learning_rate", "weight_decay", "adam_beta1",
         "adam_beta2", "max_grad_norm", "num_train_epochs", "max_steps", "lr_scheduler_type", "warmup_ratio", "bf16",
         "fp16", "output_dir", "logging_steps", "save_steps", "save_total_limit", "seed", "plot_loss", "report_to",
@@ -63,6 +68,8 @@ KEYS = ("model_name_or_path", "stage", "do_train", "finetuning_type", "lora_rank
 IGNORED = ("trust_remote_code", "preprocessing_num_workers", "dataloader_num_workers", "ddp_timeout", "save_only_model",
            "overwrite_cache", "logging_dir", "run_name", "flash_attn", "disable_tqdm", "use_fast_tokenizer",
            "dataloader_pin_memory", "gradient_checkpointing", "ddp_find_unused_parameters")
+TOOL_FORMATS = {"qwen": "hermes", "llama3": "llama3_json", "mistral": "mistral", "glm4_moe": "glm45"}
+"""LLaMA-Factory's tool_format -> our parser (rollout/protocols/parsers.py)."""
 SCHEDULERS = {"cosine": ("cosine", True), "linear": ("linear", True), "constant": ("constant", False),
               "constant_with_warmup": ("constant", True)}
 
@@ -156,6 +163,14 @@ def translate(raw: dict, world_size: int | None = None, say=print) -> dict:
     put("data.dataset_dir", str(lf.get("dataset_dir", "data")))
     if "template" in lf:
         put("data.template", str(lf["template"]))
+    if lf.get("tool_format") is not None:
+        fmt = str(lf["tool_format"])
+        if fmt not in TOOL_FORMATS:
+            raise ConfigError(f"tool_format: {fmt!r} has no parser here: choose one of {', '.join(TOOL_FORMATS)}, or "
+                              "set data.tool_parser to the rollout's rollout.tool_parser")
+        put("data.tool_parser", TOOL_FORMATS[fmt])
+    if lf.get("enable_thinking") is not None:
+        put("data.chat_template_kwargs.enable_thinking", _bool("enable_thinking", lf["enable_thinking"]))
     cutoff = _num("cutoff_len", lf.get("cutoff_len", 2048), int)
     put("data.max_length", cutoff)
     if lf.get("max_samples") is not None:

@@ -13,6 +13,7 @@ from typing import Optional
 
 from megatron_searchr1.config.loader import check
 from megatron_searchr1.config.rl import LoggingConfig, ModelConfig, OptimConfig, ParallelConfig
+from megatron_searchr1.config.tools import TOOL_PARSERS
 
 TEMPLATES = ("qwen3_nothink", "qwen", "default", "alpaca")
 
@@ -43,6 +44,12 @@ class SFTDataConfig:
     steps the trainer reports their loss and their exact share (trainer/sft.py); empty = no validation."""
     val_max_samples: Optional[int] = None
     """Validate on at most this many records of each validation dataset, the first ones."""
+    tool_parser: str = "hermes"
+    """Tool records: the call format, as rollout.tool_parser (LLaMA-Factory's tool_format: qwen = hermes, ...)."""
+    chat_template_kwargs: dict = field(default_factory=dict)
+    """Tool records: extra chat-template variables, as rollout.chat_template_kwargs (LLaMA-Factory: enable_thinking)."""
+    stop_at_call_end: bool = True
+    """Tool records: one call per turn, ended at the call's closing string, as rollout.stop_at_call_end."""
 
     def __post_init__(self):
         check(self.max_length >= 16, f"data.max_length must be >= 16, got {self.max_length}")
@@ -53,6 +60,14 @@ class SFTDataConfig:
         check(self.max_samples is None or self.max_samples >= 1, "data.max_samples must be >= 1 (or null)")
         check(self.val_max_samples is None or self.val_max_samples >= 1,
               "data.val_max_samples must be >= 1 (or null)")
+        check(self.tool_parser in TOOL_PARSERS,
+              f"data.tool_parser must be one of {', '.join(TOOL_PARSERS)} (the rollout's rollout.tool_parser), got "
+              f"{self.tool_parser!r}")
+        check(isinstance(self.chat_template_kwargs, dict) and all(
+            isinstance(k, str) and (v is None or isinstance(v, (bool, int, float, str)))
+            for k, v in self.chat_template_kwargs.items()),
+            "data.chat_template_kwargs must map names to scalars, as rollout.chat_template_kwargs (e.g. "
+            f"{{enable_thinking: false}}), got {self.chat_template_kwargs!r}")
 
 
 @dataclass

@@ -36,12 +36,17 @@ tokenised in one of two layouts:
    this layout: the search loop has a single question, and a chat template's tool turn is a format RL never sees.
 
 3. **Tool-calling layout** (a sharegpt record with a `tools` column: LLaMA-Factory's tool data, `function_call` and
-   `observation` turns): exactly what the rollout's tool_calls protocol produces (rollout/protocols/tool_calls.py):
-   the prompt rendered once by the chat template with the record's tools, each `function_call` (LLaMA-Factory's
-   JSON: `{"name", "arguments"}` or a list of them) written in the model's call format (hermes:
-   `<tool_call>{json}</tool_call>`), the following `observation` appended as the template's tool-message delta
-   (mask 0), the final answer closed by the eos (mask 1, as the engine generates it). One call per turn, as the
-   rollout stops at the end of a call (`tokenize_tool_calls(stop_at_call_end=False)`: several calls, then the eos).
+   `observation` turns): exactly what the rollout's tool_calls protocol produces (rollout/protocols/tool_calls.py)
+   with the same settings (`tool_parser`, `stop_at_call_end`, `chat_template_kwargs`: the SFT config's data.* copies
+   of the rollout.* fields): the prompt rendered once by the chat template with the record's tools and the kwargs,
+   each `function_call` (LLaMA-Factory's JSON: `{"name", "arguments"}` or a list of them) written in the parser's
+   call format, ended as the engine ends it (at the closing string, e.g. hermes' `</tool_call>`, when the rollout
+   stops there; else with the token that ends the turn: the format's own end-of-call token when the tokenizer has
+   one, Llama's `<|eom_id|>`, else the eos), the following `observation` appended as the template's tool-message
+   delta after that end (mask 0), the final answer closed by the eos (mask 1, as the engine generates it). Each turn
+   is read back by the rollout's own reader, so a turn the rollout would not follow (an answer that parses as a
+   call, two calls where the template renders one) is refused. One call per turn when the rollout stops at the end
+   of a call (`stop_at_call_end=True` with a closing string).
 
 `loss_mask[i]` is aligned with `input_ids[i]`: 1 when token i is one the model must learn to produce (the trainer
 shifts it against the logits). Examples longer than `max_length` are dropped and counted, never truncated: a cut
@@ -336,10 +341,26 @@ def tokenize_chat(messages: list[dict], tokenizer, where: str = "conversation", 
     return ids, mask
 
 
+def _call_stop_token(proto, tokenizer) -> int:
+    """The token a turn of calls ends with when no closing string stops it: the format's own end-of-call token when
+    the tokenizer has one (Llama's `<|eom_id|>`: the template writes `<|eot_id|>` in its place, and the rollout
+    follows it with the delta after that text), else the eos."""
+    vocab = tokenizer.get_vocab()
+    for token in proto.parser.stop_tokens:
+        if token in vocab:
+            return vocab[token]
+    return tokenizer.eos_token_id
+
+
 def tokenize_tool_calls(messages: list[dict], tokenizer, tools: list[dict], where: str = "conversation",
-                        tool_parser: str = "hermes", stop_at_call_end: bool = True) -> tuple[list[int], list[int]]:
-    """Tool-calling layout (module doc): the ids the tool_calls rollout produces for this conversation."""
-    from megatron_searchr1.rollout.protocols import Action, ProtocolSpec, build_protocol
+                        tool_parser: str = "hermes", stop_at_call_end: bool = True,
+                        chat_template_kwargs: dict | None = None) -> tuple[list[int], list[int]]:
+    """Tool-calling layout (module doc): the ids the tool_calls rollout produces for this conversation.
+
+    `tool_parser`, `stop_at_call_end`, `chat_template_kwargs`: the rollout's settings (rollout.tool_parser, ...);
+    each generated turn goes through the rollout's own reader (`Protocol.read`), so a turn the rollout would read
+    otherwise (an answer that parses as a call, calls the template cannot follow) is refused, not trained on."""
+    from megatron_searchr1.rollout.protocols import ProtocolSpec, build_protocol
     from megatron_searchr1.rollout.protocols.tools import ToolSpec
 
     _check_order(messages, where)
@@ -348,12 +369,18 @@ def tokenize_tool_calls(messages: list[dict], tokenizer, tools: list[dict], wher
     specs = tuple(ToolSpec(t["name"], t.get("description", ""), t.get("parameters") or {"type": "object",
                                                                                          "properties": {}})
                   for t in tools)
+    kwargs = tuple(sorted((chat_template_kwargs or {}).items()))
     try:
         proto = build_protocol(ProtocolSpec("tool_calls", tool_parser=tool_parser, tools=specs,
-                                            stop_at_call_end=stop_at_call_end), tokenizer)
+                                            stop_at_call_end=stop_at_call_end, chat_template_kwargs=kwargs), tokenizer)
     except ValueError as e:
         raise SFTDataError(f"{where}: {e}") from None
     eos = tokenizer.eos_token_id
+    if not isinstance(eos, int):
+        raise SFTDataError(f"{where}: the tokenizer has no eos token, which ends the final answer's turn")
+    parser = proto.parser
+    by_string = stop_at_call_end and bool(parser.call_end)  # the engine stops at the call's closing string
+    call_stop = _call_stop_token(proto, tokenizer)
     n_prompt = 2 if messages[0]["role"] == "system" else 1
     ids = proto.prompt_ids(messages[:n_prompt])
     mask = [0] * len(ids)
@@ -365,6 +392,10 @@ def tokenize_tool_calls(messages: list[dict], tokenizer, tools: list[dict], wher
             if k != len(body) - 1:
                 raise SFTDataError(f"{where}: an assistant message that calls no tool must be the last (the answer)")
             seg = _ids(tokenizer, m["content"]) + [eos]
+            action = proto.read(seg, eos, proto.stop_token_ids)
+            if action.kind != "answer":
+                raise SFTDataError(f"{where}: the rollout reads the final message as {action.kind} in the "
+                                   f"{parser.name} format, not as the answer: rewrite it (or make it a function_call)")
             ids, mask = ids + seg, mask + [1] * len(seg)
             continue
         try:
@@ -372,23 +403,37 @@ def tokenize_tool_calls(messages: list[dict], tokenizer, tools: list[dict], wher
         except json.JSONDecodeError as e:
             raise SFTDataError(f"{where}: a function_call must be JSON {{\"name\", \"arguments\"}} ({e.msg})") from None
         calls = calls if isinstance(calls, list) else [calls]
-        if stop_at_call_end and len(calls) != 1:
+        if by_string and len(calls) != 1:
             raise SFTDataError(f"{where}: {len(calls)} calls in one turn, but the rollout stops at the end of a call "
                                "(rollout.stop_at_call_end): one call per function_call turn")
         if not all(isinstance(c, dict) and isinstance(c.get("name"), str) for c in calls):
-            raise SFTDataError(f"{where}: a function_call is {{\"name\": ..., \"arguments\": {{...}}}} or a list of them")
+            raise SFTDataError(f"{where}: a function_call is {{\"name\": ..., \"arguments\": {{...}}}} or a list of "
+                               "them")
         args = [json.loads(c["arguments"]) if isinstance(c.get("arguments"), str) else c.get("arguments", {})
                 for c in calls]
-        text = "\n".join(proto.parser.render_call(c["name"], a) for c, a in zip(calls, args))
-        seg = _ids(tokenizer, text) + ([] if stop_at_call_end else [eos])
+        text = "\n".join(parser.render_call(c["name"], a) for c, a in zip(calls, args))
+        # what the engine generates: the calls up to the closing string it stops at, or the calls and the token that
+        # ends the turn (formats whose calls end with the turn: Llama's <|eom_id|>, Mistral's eos)
+        seg = _ids(tokenizer, text) + ([] if by_string else [call_stop])
+        action = proto.read(seg, parser.call_end if by_string else call_stop, proto.stop_token_ids)
+        bad = [c.error for c in action.calls if c.error]
+        if action.kind != "calls" or len(action.calls) != len(calls) or bad:
+            why = bad[0] if bad else (f"it reads {len(action.calls)} calls" if action.kind == "calls" else
+                                      f"it reads the turn as {action.kind}: the chat template cannot follow "
+                                      f"{len(calls)} call(s) in one turn ended by "
+                                      f"{tokenizer.convert_ids_to_tokens(seg[-1])!r}")
+            raise SFTDataError(f"{where}: the rollout cannot follow this function_call written in the {parser.name} "
+                               f"format ({why}); data.tool_parser must be the format of the model's template")
         ids, mask = ids + seg, mask + [1] * len(seg)
         obs = body[k + 1]["content"]
-        results = [obs] if len(calls) == 1 else json.loads(obs)
+        try:
+            results = [obs] if len(calls) == 1 else json.loads(obs)
+        except json.JSONDecodeError:
+            results = None
         if not isinstance(results, list) or len(results) != len(calls):
             raise SFTDataError(f"{where}: {len(calls)} calls need a JSON list of {len(calls)} results in the "
                                "observation after them")
-        end = proto.parser.call_end if stop_at_call_end else tokenizer.eos_token
-        delta = proto.observation_ids(Action("calls", stop=end), [str(r) for r in results], 1 << 30, 1 << 30)
+        delta = proto.observation_ids(action, [str(r) for r in results], 1 << 30, 1 << 30)
         ids, mask = ids + delta, mask + [0] * len(delta)
     return ids, mask
 
@@ -430,15 +475,17 @@ def check_sft_datasets(dataset_info_dir: str, names: list[str], field: str = "da
 
 
 def load_sft_dataset(dataset_info_dir: str, names: list[str], tokenizer, max_length: int, template: str = "",
-                     max_samples: int | None = None) -> SFTDataset:
+                     max_samples: int | None = None, tool_parser: str = "hermes", stop_at_call_end: bool = True,
+                     chat_template_kwargs: dict | None = None) -> SFTDataset:
     """Tokenised examples of the named datasets, in order (dataset by dataset, record by record).
 
     Examples with more than `max_length` tokens are dropped, counted in `.dropped_too_long` per dataset.
     `template`: a LLaMA-Factory template name (data/templates.py): every conversation in the chat layout rendered
     with it (what LLaMA-Factory trains on); empty: the layouts above. Tool records (layout 3) always use the
     tokenizer's own chat template, the one the tool_calls rollout renders, so a LLaMA-Factory YAML's `template`
-    (it names the model family) does not change them. `max_samples`: the first N records of each
-    dataset.
+    (it names the model family) does not change them; `tool_parser`, `stop_at_call_end` and `chat_template_kwargs`
+    do, and must be the rollout's (rollout.tool_parser, ...: the SFT config's data.tool_parser, ...).
+    `max_samples`: the first N records of each dataset.
     """
     render = None
     if template:
@@ -471,7 +518,8 @@ def load_sft_dataset(dataset_info_dir: str, names: list[str], tokenizer, max_len
                             else sharegpt_messages(record, columns, tags, where))
                 tools = sharegpt_tools(record, columns, where) if fmt == "sharegpt" else None
                 if tools:  # the tokenizer's own template, whatever `template` says: what the rollout renders
-                    ids, mask = tokenize_tool_calls(messages, tokenizer, tools, where)
+                    ids, mask = tokenize_tool_calls(messages, tokenizer, tools, where, tool_parser, stop_at_call_end,
+                                                    chat_template_kwargs)
                 elif render is None:
                     ids, mask = tokenize_messages(messages, tokenizer, where)
                 else:

@@ -87,8 +87,10 @@ class SFTTrainer:
         if self.rank == 0:
             save_config(cfg, os.path.join(t.output_dir, "config.yaml"))
 
+        tool_kw = dict(tool_parser=d.tool_parser, stop_at_call_end=d.stop_at_call_end,  # tool records: the rollout's
+                       chat_template_kwargs=dict(d.chat_template_kwargs))
         data = load_sft_dataset(d.dataset_dir, list(d.datasets), self.tokenizer, d.max_length, template=d.template,
-                                max_samples=d.max_samples)
+                                max_samples=d.max_samples, **tool_kw)
         dropped = sum(data.dropped_too_long.values())
         self.say(f"SFT data: {len(data)} examples from {', '.join(d.datasets)}"
                  + (f" ({dropped} longer than data.max_length={d.max_length} dropped)" if dropped else ""))
@@ -100,7 +102,7 @@ class SFTTrainer:
         self.val_seqs = []
         if d.val_datasets:
             val = load_sft_dataset(d.dataset_dir, list(d.val_datasets), self.tokenizer, d.max_length,
-                                   template=d.template, max_samples=d.val_max_samples)
+                                   template=d.template, max_samples=d.val_max_samples, **tool_kw)
             if not val:
                 raise UsageError(f"data.val_datasets={list(d.val_datasets)} hold no example of at most "
                                  f"data.max_length={d.max_length} tokens")
