@@ -4,6 +4,13 @@
     bash examples/cpu_demo.sh --seed 1 --work-dir runs/cpu_demo_1      # another world (the warm-up's move with it)
     python -m megatron_searchr1.demo --size ci --work-dir /tmp/demo     # the reduced run CI executes
     python -m megatron_searchr1.demo --make-base examples/demo_base     # rebuild the shipped base (~40 min)
+    bash examples/cpu_demo.sh --protocol tool_calls --seed 1 --work-dir runs/cpu_demo_tc_1   # JSON tool calls
+
+`--protocol` (default search_r1, Search-R1's tags) says how the policy calls the search engine in every stage:
+tool_calls writes the worlds' prompts and gold trajectories in the tool-calling format (LLaMA-Factory tool data),
+gives the model's tokenizer a chat template with tool calling (`demo_sizes.TOOL_TEMPLATE`, Qwen2.5's layout), and
+rolls out with rollout.protocol=tool_calls and the `search` tool (`demo_sizes.protocol_overrides`); the base is the
+same, the warm-up teaches it the format.
 
 Stages (each skipped when its output exists, so an interrupted demo continues; --fresh starts over):
   1. world      the RL world (seed --seed): a synthetic world (fictional entities: no model can know the answers)
@@ -50,7 +57,8 @@ from typing import Iterator, Optional, Sequence
 from megatron_searchr1.cli import ArgumentParser, UsageError, run_main, stderr_line
 from megatron_searchr1.demo_report import base_summary, render, sft_result, summarize
 from megatron_searchr1.demo_sizes import (
-    BASE_DIR, BASE_SEED, EXAMPLES, MODEL_ARGS, SFT_SEED_OFFSET, SIZES, Size, base_seeds, check_base, world_seeds,
+    BASE_DIR, BASE_SEED, EXAMPLES, MODEL_ARGS, PROTOCOLS, SFT_SEED_OFFSET, SIZES, TOOL_TEMPLATE, Size, base_seeds,
+    check_base, protocol_overrides, sft_protocol_overrides, world_seeds,
 )
 
 GRPO_YAML = os.path.join(EXAMPLES, "grpo_tiny_cpu.yaml")
@@ -59,6 +67,7 @@ DEMO_OWNED = {
     "model.megatron_ckpt": "the warm-up's checkpoint: pass --base DIR for another start",
     "trainer.output_dir": "<work dir>/grpo: pass --work-dir",
     "retrieval.url": "the demo's own retrieval server over the RL world's index",
+    "rollout.protocol": "pass --protocol (the worlds' data and the warm-up follow it)",
 }
 """GRPO-stage fields the demo sets from its own stages; an --rl override of one is refused (what it would break)."""
 
@@ -90,6 +99,9 @@ class Plan:
     """The warm-up's learning rate (from the base or from a random model)."""
     sft_val_freq: int
     """Validate the warm-up every this many steps."""
+    protocol: str = "search_r1"
+    """--protocol: how the policy calls the search engine, in every stage's data, warm-up and rollouts: search_r1
+    (Search-R1's tags) or tool_calls (the tokenizer's chat template with tool calling, `TOOL_TEMPLATE`)."""
     timings: dict[str, float] = field(default_factory=dict)
     """Seconds per stage, for the report."""
     started: float = field(default_factory=time.time)
@@ -145,13 +157,14 @@ def run(plan: Plan) -> None:
     sft_dir = stage_sft(plan, model, warm_up_data)
     if plan.make_base:
         write_base(sft_dir, os.path.abspath(plan.make_base), size=plan.size_name, sft_seeds=plan.sft_seeds,
-                   val_seed=plan.val_seed, seconds=time.time() - plan.started, steps=plan.sft_steps)
+                   val_seed=plan.val_seed, seconds=time.time() - plan.started, steps=plan.sft_steps,
+                   protocol=plan.protocol)
         return
     with stage_server(plan) as url:
         stage_no_search(plan, model, sft_dir, url)
         stage_grpo(plan, model, sft_dir, url)
     report = summarize(plan.work, plan.timings, time.time() - plan.started, seed=plan.size.seed,
-                       base=plan.base or "scratch")
+                       base=plan.base or "scratch", protocol=plan.protocol)
     print(render(report), flush=True)
 
 
@@ -172,6 +185,9 @@ def stage_worlds(plan: Plan) -> tuple[str, list[str], list[str]]:
     rl_world = "" if plan.make_base else f"RL world seed {size.seed}; "
     what = (f"{len(worlds)} synthetic worlds ({rl_world}warm-up worlds {', '.join(map(str, plan.sft_seeds))}"
             + (f"; warm-up validation {plan.val_seed}" if size.sft_val else "") + "), BM25 indexes, gold trajectories")
+    if plan.protocol != "search_r1":  # the prompts and the gold trajectories in the protocol's format
+        worlds = [(name, (*args, "--protocol", plan.protocol)) for name, args in worlds]
+        what += f" in the {plan.protocol} protocol"
     with plan.stage(1, "world", what, plan.eta("world")):
         _make_worlds(worlds, plan.work)
         sft_data, names = _sft_dataset_dir(plan.sft_worlds + plan.val_worlds, plan.path("sft_data"))
@@ -187,19 +203,35 @@ def stage_model(plan: Plan) -> str:
         what, eta = f"the base model from {plan.base}{base_summary(plan.base)}", None
     else:
         what, eta = f"a BPE tokenizer and a random {plan.size.model_layers}-layer Qwen2", plan.eta("model")
+    if plan.protocol == "tool_calls":
+        what += f", its tokenizer given the chat template with tool calling {os.path.relpath(TOOL_TEMPLATE)}"
     with plan.stage(2, "model", what, eta):
-        if os.path.isfile(os.path.join(model, "model.safetensors")):
-            return model
-        if plan.base:
-            shutil.copytree(plan.base, model, dirs_exist_ok=True)
-        else:
-            from megatron_searchr1.models.tiny import TinyModelConfig, make_tiny_model
+        if not os.path.isfile(os.path.join(model, "model.safetensors")):
+            if plan.base:
+                shutil.copytree(plan.base, model, dirs_exist_ok=True)
+            else:
+                from megatron_searchr1.models.tiny import TinyModelConfig, make_tiny_model
 
-            text = plan.path("world_text.txt")
-            world_text(plan.world, text, plan.sft_worlds)
-            make_tiny_model(TinyModelConfig(output_dir=model, text_files=[text], num_layers=plan.size.model_layers,
-                                            **MODEL_ARGS))
+                text = plan.path("world_text.txt")
+                world_text(plan.world, text, plan.sft_worlds)
+                make_tiny_model(TinyModelConfig(output_dir=model, text_files=[text],
+                                                num_layers=plan.size.model_layers, **MODEL_ARGS))
+        if plan.protocol == "tool_calls":
+            set_chat_template(model, TOOL_TEMPLATE)
     return model
+
+
+def set_chat_template(model: str, template: str) -> None:
+    """Give the tokenizer in `model` the chat template in file `template` (chat_template.jinja, which transformers
+    reads; a `chat_template` in tokenizer_config.json would take precedence, so it is dropped). The vocabulary stays
+    as it is: the tool-calling text is plain text to a byte-level BPE."""
+    cfg_path = os.path.join(model, "tokenizer_config.json")
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+    if cfg.pop("chat_template", None) is not None:
+        with open(cfg_path, "w") as f:
+            json.dump(cfg, f, indent=2)
+    shutil.copyfile(template, os.path.join(model, "chat_template.jinja"))
 
 
 def stage_sft(plan: Plan, model: str, warm_up_data: tuple[str, list[str], list[str]]) -> str:
@@ -223,6 +255,7 @@ def stage_sft(plan: Plan, model: str, warm_up_data: tuple[str, list[str], list[s
             f"data.dataset_dir={sft_data}", f"data.datasets=[{','.join(sft_names)}]",
             f"trainer.output_dir={sft_dir}", f"optim.lr={plan.sft_lr}", "logging.plot=true",
             f"trainer.total_steps={plan.sft_steps}", f"data.batch_size={size.sft_batch}",
+            *sft_protocol_overrides(plan.protocol),
             f"data.train_on_prompt={str(size.sft_loss_on_passages).lower()}", *val_args]), plan.path("sft.log"))
     return sft_dir
 
@@ -280,7 +313,7 @@ def _rl_common(plan: Plan, model: str, sft_dir: str, url: str) -> list[str]:
     return [f"model.path={model}", f"retrieval.url={url}", f"model.megatron_ckpt={sft_dir}",
             f"data.train_files=[{world}/train.parquet]",
             f"data.val_files=[{world}/validation.parquet,{world}/test.parquet]",
-            f"data.val_max_samples={plan.size.val_samples}"]
+            f"data.val_max_samples={plan.size.val_samples}", *protocol_overrides(plan.protocol)]
 
 
 def grpo_sizes(size: Size) -> list[str]:
@@ -291,7 +324,7 @@ def grpo_sizes(size: Size) -> list[str]:
 
 
 def write_base(sft_dir: str, out: str, size: str, sft_seeds: list[int], val_seed: int, seconds: float,
-               steps: int) -> None:
+               steps: int, protocol: str = "search_r1") -> None:
     """Copy the warm-up's HF export and its loss picture into `out` with base.json: the worlds it read, its last
     validation and the command that rebuilds it."""
     os.makedirs(out, exist_ok=True)
@@ -300,8 +333,9 @@ def write_base(sft_dir: str, out: str, size: str, sft_seeds: list[int], val_seed
     if os.path.isfile(os.path.join(sft_dir, "training_loss.png")):  # how the base learned to read, to look at
         shutil.copy2(os.path.join(sft_dir, "training_loss.png"), os.path.join(out, "training_loss.png"))
     done = sft_result(sft_dir)
-    info = {"built_by": f"python -m megatron_searchr1.demo --size {size} --make-base <DIR> --sft-steps {steps}",
-            "sft_worlds": sft_seeds, "val_world": val_seed, "steps": done["steps"],
+    flag = "" if protocol == "search_r1" else f" --protocol {protocol}"
+    info = {"built_by": f"python -m megatron_searchr1.demo --size {size} --make-base <DIR> --sft-steps {steps}{flag}",
+            **({} if protocol == "search_r1" else {"protocol": protocol}), "sft_worlds": sft_seeds, "val_world": val_seed, "steps": done["steps"],
             "val_exact": done.get("val_exact"), "seconds": round(seconds)}
     with open(os.path.join(out, "base.json"), "w") as f:
         json.dump(info, f, indent=2)
@@ -483,6 +517,10 @@ def parse_args(argv: Optional[Sequence[str]]) -> Plan:
     p.add_argument("--make-base", default=None, metavar="DIR",
                    help="instead of the demo, build a base into DIR: the warm-up from scratch on the base's own "
                         f"worlds (seeds {BASE_SEED}+), its HF export and base.json (~40 min at --size full)")
+    p.add_argument("--protocol", default="search_r1", choices=PROTOCOLS,
+                   help="how the policy calls the search engine, in the worlds' data, the warm-up and the rollouts: "
+                        "Search-R1's tags, or tool calls in the tokenizer's chat template (the base's tokenizer is "
+                        "given examples/demo_base_tool_calls.jinja; examples/tool_calls.md)")
     p.add_argument("--sft-steps", type=int, default=None, help="override the size's SFT steps (the cap)")
     p.add_argument("--grpo-steps", type=int, default=None, help="override the size's GRPO steps")
     p.add_argument("--rl", action="append", default=[], metavar="KEY=VALUE",
@@ -509,7 +547,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> Plan:
                    **({"sft_steps": a.sft_steps, "scratch_sft_steps": a.sft_steps} if a.sft_steps else {}),
                    **({"grpo_steps": a.grpo_steps} if a.grpo_steps else {}),
                    **({"seed": a.seed} if a.seed is not None else {})})
-    check_rl_overrides(size, a.rl)
+    check_rl_overrides(size, a.rl, a.protocol)
     work = a.work_dir or ("runs/cpu_demo_base" if a.make_base else "runs/cpu_demo")
     check_dir_target(work, "--work-dir")
     # the warm-up's plan: from the base (a short fine-tune) or from a random model (--base scratch, --make-base)
@@ -519,7 +557,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> Plan:
     sft_seeds, val_seed = base_seeds(n_sft) if a.make_base else world_seeds(size.seed, n_sft)
     return Plan(size_name=a.size, size=size, work=os.path.abspath(work), fresh=a.fresh, base=base,
                 make_base=a.make_base, rl=list(a.rl), sft_seeds=sft_seeds, val_seed=val_seed, sft_steps=steps,
-                sft_lr=lr, sft_val_freq=val_freq)
+                sft_lr=lr, sft_val_freq=val_freq, protocol=a.protocol)
 
 
 def check_dir_target(path: str, flag: str) -> None:
@@ -537,7 +575,7 @@ def check_dir_target(path: str, flag: str) -> None:
         raise UsageError(f"{flag} {path}: {probe} is not writable: choose another {flag}")
 
 
-def check_rl_overrides(size: Size, overrides: Sequence[str]) -> None:
+def check_rl_overrides(size: Size, overrides: Sequence[str], protocol: str = "search_r1") -> None:
     """Raise UsageError unless the GRPO stage's config with `overrides` (the --rl flags) is valid, as `train` checks
     its own: the fields and their rules (the config layer imports no torch), and the data files the overrides name
     (the demo's own are written by its stages, so they are not there yet). Checked before any stage runs, not
@@ -552,7 +590,7 @@ def check_rl_overrides(size: Size, overrides: Sequence[str]) -> None:
         if key in DEMO_OWNED:
             raise UsageError(f"--rl {key}: the demo sets it for the GRPO stage ({DEMO_OWNED[key]})")
     try:
-        cfg = load_config(GRPO_YAML, [*grpo_sizes(size), *overrides])
+        cfg = load_config(GRPO_YAML, [*grpo_sizes(size), *protocol_overrides(protocol), *overrides])
         cfg.validate(world_size=2, check_files=False)
     except (ConfigError, ValueError) as e:
         raise UsageError(f"--rl: {e}") from None
@@ -569,13 +607,18 @@ def prepare_work_dir(plan: Plan) -> None:
     if plan.fresh and os.path.isdir(plan.work):
         shutil.rmtree(plan.work)
     os.makedirs(plan.work, exist_ok=True)
-    _check_same_run(plan.work, None if plan.make_base else plan.size.seed, plan.base, bool(plan.make_base))
+    _check_same_run(plan.work, None if plan.make_base else plan.size.seed, plan.base, bool(plan.make_base),
+                    plan.protocol)
 
 
-def _check_same_run(work: str, seed: Optional[int], base: Optional[str], make_base: bool) -> None:
-    """A work dir belongs to one seed and one base: continuing it under others would mix two runs' stages."""
+def _check_same_run(work: str, seed: Optional[int], base: Optional[str], make_base: bool,
+                    protocol: str = "search_r1") -> None:
+    """A work dir belongs to one seed, one base and one protocol: continuing it under others would mix two runs'
+    stages (a seed.json without a protocol is Search-R1's, written before there were two)."""
     path = os.path.join(work, "seed.json")
     run = {"seed": seed, "base": base or ("make-base" if make_base else "scratch")}
+    if protocol != "search_r1":
+        run["protocol"] = protocol
     if os.path.isfile(path):
         with open(path) as f:
             had = json.load(f)
@@ -590,6 +633,10 @@ def _check_same_run(work: str, seed: Optional[int], base: Optional[str], make_ba
             again = "--make-base" if had["base"] == "make-base" else f"--base {had['base']}"
             raise UsageError(f"{work} holds a run from base {had['base']}: pass {again} to continue it, --fresh to "
                              "start over, or another --work-dir")
+        if had.get("protocol", "search_r1") != protocol:
+            raise UsageError(f"{work} holds a run in the {had.get('protocol', 'search_r1')} protocol: pass --protocol "
+                             f"{had.get('protocol', 'search_r1')} to continue it, --fresh to start over, or another "
+                             "--work-dir")
     else:
         with open(path, "w") as f:
             json.dump(run, f)

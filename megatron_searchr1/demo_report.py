@@ -27,7 +27,7 @@ def _cells(table: dict) -> dict:
 
 
 def summarize(work: str, timings: dict, total: float, seed: Optional[int] = None,
-              base: Optional[str] = None) -> dict:
+              base: Optional[str] = None, protocol: str = "search_r1") -> dict:
     """Before/after/no-search EM per split and hop count, sample trajectories, paths; written to report.json."""
     grpo = _read_reports(os.path.join(work, "grpo", "val_report.jsonl"))
     no_search = _read_reports(os.path.join(work, "no_search", "val_report.jsonl"))
@@ -36,7 +36,7 @@ def summarize(work: str, timings: dict, total: float, seed: Optional[int] = None
     pictures = [os.path.join(work, d, f) for d, f in (("sft", "training_loss.png"), ("grpo", "training_reward.png"),
                                                        ("grpo", "validation_em.png"))]
     report = {
-        "seed": seed, "base": base, "sft_steps": sft_result(os.path.join(work, "sft")),
+        "seed": seed, "base": base, "protocol": protocol, "sft_steps": sft_result(os.path.join(work, "sft")),
         "pictures": [p for p in pictures if os.path.isfile(p)],
         "no_search": _cells(no_search[-1]["table"]), "before_rl": _cells(grpo[0]["table"]),
         "after_rl": _cells(grpo[-1]["table"]), "rl_steps": last_step,
@@ -69,7 +69,8 @@ def render(report: dict) -> str:
     start = "" if not start else (" from scratch" if start == "scratch" else f" from {os.path.basename(start)}")
     read = f" (held-out single-hop trajectories reproduced: {sft['val_exact']:.3f})" if "val_exact" in sft else ""
     warm = f"{sft['steps']} warm-up steps{start}{read}, " if sft.get("steps") else ""
-    lines = ["", f"CPU demo, world seed {report.get('seed')}: exact match (EM) and mean searches, after {warm}"
+    proto = "" if report.get("protocol", "search_r1") == "search_r1" else f" ({report['protocol']} protocol)"
+    lines = ["", f"CPU demo, world seed {report.get('seed')}{proto}: exact match (EM) and mean searches, after {warm}"
                  f"before and after {report['rl_steps']} GRPO steps",
              f"{'questions':<22}{'n':>5}{'no search':>11}{'SFT':>8}{'SFT+RL':>8}{'searches':>10}"]
     for k in rows:

@@ -115,6 +115,29 @@ BASE_SEED = 300_000
 """The base's SFT worlds are BASE_SEED + i and its validation world BASE_SEED + 1000: above every seed a --seed run
 uses (RL < 100000, SFT < 200004, validation < 300000), so no run's RL questions were in the base's training."""
 BASE_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+PROTOCOLS = ("search_r1", "tool_calls")
+"""--protocol: Search-R1's tags (the default), or tool calls in the tokenizer's chat template."""
+TOOL_TEMPLATE = os.path.join(EXAMPLES, "demo_base_tool_calls.jinja")
+"""The chat template with tool calling the demo gives its tokenizer under --protocol tool_calls: Qwen2.5's layout
+(the tools' JSON schemas in the system turn between <tools> tags, calls as <tool_call> JSON </tool_call>, results as
+<tool_response> blocks in a user turn) with a two-line instruction instead of Qwen's paragraph, for a 2,008-token
+vocabulary that spells JSON a character or two per token."""
+
+
+def protocol_overrides(protocol: str) -> list[str]:
+    """The RL stages' config overrides for `protocol` (none for Search-R1's, whose settings the YAML holds). One
+    tool (`search`: the synthetic world's passages are short, `open` has nothing to add); the lengths fit the tool
+    format's longer spelling (measured on the demo's worlds, examples/cpu_demo.md): the prompt with the schema
+    ~390 tokens, a call ~60 (Search-R1's ~12), a 3-hop trajectory ~1,100."""
+    if protocol == "search_r1":
+        return []
+    return ["rollout.protocol=tool_calls", "rollout.tool_parser=hermes", "rollout.tools=[search]",
+            "rollout.max_tokens_per_turn=120", "rollout.max_response_length=1536", "data.max_prompt_length=512"]
+
+
+def sft_protocol_overrides(protocol: str) -> list[str]:
+    """The warm-up's config overrides for `protocol`: room for the tool format's longer trajectories."""
+    return [] if protocol == "search_r1" else ["data.max_length=2048"]
 
 
 def world_seeds(seed: int, n_sft: int) -> tuple[list[int], int]:

@@ -302,3 +302,95 @@ def test_a_stage_reason_and_exit_code(tmp_path, capsys):
     assert err[:-1] == [f"--- the last lines of {log} ---"] + [f"  | {line}" for line in log.read_text().splitlines()]
     assert StageFailed("grpo", -9, str(log)).report() == 137
     assert StageFailed("grpo", 2, str(tmp_path / "none.log")).report() == 2  # a log that is not there: the line only
+
+
+def _plan_commands(tmp_path, monkeypatch, *flags):
+    """Every stage's command of a demo run with `flags`, recorded instead of launched (each stage's outputs faked
+    where the next reads them), and the plan: what each stage is given, in seconds."""
+    from contextlib import contextmanager
+
+    from megatron_searchr1 import demo
+
+    plan = demo.parse_args(["--work-dir", str(tmp_path / "w"), *flags])
+    demo.prepare_work_dir(plan)
+    cmds = {}
+
+    def fake_run(stage, cmd, log_path, env=None, quiet=False):
+        cmds.setdefault(stage, []).append(cmd)
+        if stage == "world":  # what the next stage reads of a world: its SFT data's entry
+            out = cmd[cmd.index("--out-dir") + 1]
+            os.makedirs(os.path.join(out, "sft"), exist_ok=True)
+            with open(os.path.join(out, "sft", "dataset_info.json"), "w") as f:
+                json.dump({"synthetic_sft_train": {"file_name": "train.jsonl", "formatting": "sharegpt"}}, f)
+
+    @contextmanager
+    def fake_server(p):
+        yield "http://127.0.0.1:1"
+
+    monkeypatch.setattr(demo, "_run", fake_run)
+    data = demo.stage_worlds(plan)
+    model = demo.stage_model(plan)  # for real: the base copied (and its tokenizer given the protocol's template)
+    sft_dir = demo.stage_sft(plan, model, data)
+    with fake_server(plan) as url:
+        demo.stage_no_search(plan, model, sft_dir, url)
+        demo.stage_grpo(plan, model, sft_dir, url)
+    return plan, model, cmds
+
+
+def test_the_tool_calls_demo_gives_every_stage_the_protocol(tmp_path, monkeypatch):
+    """--protocol tool_calls: the worlds are written in the protocol (prompts and LLaMA-Factory tool data), the
+    base's tokenizer gets the tool-calling chat template (and the rollout's protocol accepts it: tools rendered, the
+    tool message a clean token delta), the warm-up has room for the longer trajectories, and both RL stages roll
+    out in the protocol with the search tool; Search-R1's commands (the default) carry none of it."""
+    from transformers import AutoTokenizer
+
+    from megatron_searchr1.config.tools import tool_specs
+    from megatron_searchr1.demo_sizes import TOOL_TEMPLATE
+    from megatron_searchr1.rollout.protocols import ProtocolSpec, build_protocol
+
+    plan, model, tc = _plan_commands(tmp_path / "tc", monkeypatch, "--protocol", "tool_calls", "--seed", "1")
+    _, r1_model, r1 = _plan_commands(tmp_path / "r1", monkeypatch, "--seed", "1")
+    assert plan.protocol == "tool_calls" and sorted(tc) == sorted(r1) == ["grpo", "no_search", "sft", "world"]
+    assert len(tc["world"]) == 4 and all(c[-2:] == ["--protocol", "tool_calls"] for c in tc["world"])
+    same = sorted([o.replace("/tc/", "/r1/") for o in c[:-2]] for c in tc["world"])
+    assert same == sorted(r1["world"]) and not any("--protocol" in c for c in r1["world"])
+    tool = ["rollout.protocol=tool_calls", "rollout.tool_parser=hermes", "rollout.tools=[search]"]
+    for stage in ("no_search", "grpo"):
+        (a,), (b,) = tc[stage], r1[stage]
+        assert all(o in a for o in tool) and not any(o.startswith("rollout.protocol") for o in b)
+        b = [o.replace("/r1/", "/tc/") for o in b]
+        extra = [o for o in a if o not in b]
+        assert [o for o in a if o not in extra] == b  # the rest is Search-R1's command
+        assert all(o.startswith(("rollout.", "data.max_prompt_length=")) for o in extra), extra
+    (a,), (b,) = tc["sft"], r1["sft"]
+    assert [o for o in a if o not in b and "/tc/" not in o] == ["data.max_length=2048"]
+
+    with open(TOOL_TEMPLATE) as f:
+        assert open(os.path.join(model, "chat_template.jinja")).read() == f.read()
+    assert not os.path.exists(os.path.join(r1_model, "chat_template.jinja")) or \
+        "tool" not in open(os.path.join(r1_model, "chat_template.jinja")).read()  # Search-R1's base as shipped
+    tok = AutoTokenizer.from_pretrained(model)
+    proto = build_protocol(ProtocolSpec("tool_calls", tools=tool_specs(["search"])), tok)
+    prompt = proto.render_prompt([{"role": "user", "content": "Question: who?"}])
+    assert '"name": "search"' in prompt and prompt.endswith("<|im_start|>assistant\n")
+    assert proto.delta(1, "</tool_call>") == ("<|im_end|>\n<|im_start|>user\n<tool_response>\n",
+                                              "\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
+    call = proto.parser.render_call("search", {"query": "the CEO of Quorvin Labs"})
+    ids = tok.encode(call, add_special_tokens=False)
+    assert tok.decode(ids) == call  # the BPE spells the JSON call exactly, no unknown pieces
+    assert proto.parser.parse(tok.decode(ids))[1][0].arguments == {"query": "the CEO of Quorvin Labs"}
+
+
+def test_a_bad_protocol_is_one_error_line(tmp_path):
+    proc = _demo("--protocol", "tools", "--work-dir", str(tmp_path / "w"))
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: argument --protocol: invalid choice: 'tools'"), lines
+    assert not (tmp_path / "w").exists()
+    (tmp_path / "w").mkdir()  # a Search-R1 run's work dir is not continued in the other protocol
+    (tmp_path / "w" / "seed.json").write_text(json.dumps({"seed": 3, "base": os.path.abspath(
+        os.path.join(REPO, "examples", "demo_base"))}))
+    proc = _demo("--protocol", "tool_calls", "--work-dir", str(tmp_path / "w"))
+    assert (proc.returncode, proc.stderr.strip().splitlines()) == (2, [
+        f"error: {tmp_path / 'w'} holds a run in the search_r1 protocol: pass --protocol search_r1 to continue it, "
+        "--fresh to start over, or another --work-dir"])
