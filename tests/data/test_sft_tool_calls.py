@@ -83,8 +83,8 @@ def test_tool_records_that_the_rollout_could_not_produce_are_refused(base_tok, t
     assert named.input_ids == plain.input_ids and named.loss_mask == plain.loss_mask
 
 
-THOUGHTS = ("<think> I need to find who founded Acme. </think>", "<think> Doc 7 is Acme. Next I need to open it. </think>",
-            "<think> Acme was founded by Bo Lund. </think>")
+THOUGHTS = ("<think> I need to find who founded Acme. </think>",
+            "<think> Doc 7 is Acme. Next I need to open it. </think>", "<think> Acme was founded by Bo Lund. </think>")
 
 
 def _with_thoughts(record):
@@ -97,8 +97,7 @@ def _with_thoughts(record):
 
 
 @pytest.mark.parametrize("template", ["qwen2_5", "qwen3"])
-def test_a_thought_before_the_call_is_model_text_the_rollout_reads_as_the_turns_content(base_tok, tmp_path,
-                                                                                       template):  # noqa: F811
+def test_thought_before_a_call_is_model_text_read_as_the_turns_content(base_tok, tmp_path, template):  # noqa: F811
     tok = with_template(base_tok, template)
     (ex,) = load_sft_dataset(_write(tmp_path, [_with_thoughts(RECORD)]), ["t"], tok, max_length=4096)
     spec = ProtocolSpec("tool_calls", tools=tool_specs(["search", _open_tool()]))
@@ -111,7 +110,7 @@ def test_a_thought_before_the_call_is_model_text_the_rollout_reads_as_the_turns_
     assert ex.loss_mask == [0] * len(t.prompt_ids) + t.loss_mask
     # every thought is in the loss, right before its call (or answer), and the reader keeps it as the turn's content
     masked = tok.decode([i for i, m in zip(ex.input_ids, ex.loss_mask) if m])
-    for thought, turn in zip(THOUGHTS, turns):
+    for thought in THOUGHTS:
         assert f"{thought}\n<" in masked
     proto = build_protocol(spec, tok)
     for thought, turn in zip(THOUGHTS[:2], turns):

@@ -1,6 +1,6 @@
 """The synthetic world's demonstrator in the tool_calls protocol: prompts in the protocol's messages, gold trajectories
-as LLaMA-Factory tool data (function_call / observation, the search tool's schema, results with document ids) that
-the SFT loader tokenizes to the rollout's layout."""
+as LLaMA-Factory tool data (function_call turns led by Search-R1's thought in a think block, observations, the search
+tool's schema, results with document ids) that the SFT loader tokenizes to the rollout's layout."""
 import json
 import os
 import re
