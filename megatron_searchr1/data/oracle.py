@@ -32,11 +32,16 @@ multi-hop questions leaves the decision Search-R1's RL is about (search again, o
 the reward. Single-hop trajectories always search (the warm-up must still know how to search and read).
 
 Either protocol (`protocol`): Search-R1's tags as above, or the tool_calls protocol's (rows made with the
-`tool_calls` template): LLaMA-Factory's own tool data, each search a `function_call` message
-(`{"name": "search", "arguments": {"query": ...}}`), its result an `observation` message (the search tool's text,
-document ids included: pass a searcher that writes them, `retriever_searcher(..., doc_ids=True)`), the answer an
-assistant message, and the record's `tools` (the search tool's schema); `write_sft` declares the `tools` column.
-data/sft_data.py tokenizes such records to the tool_calls rollout's ids.
+`tool_calls` template): LLaMA-Factory's own tool data, each search a `function_call` message holding the same
+thought as Search-R1's turn in a think block, then the call (`<think> I need to find ... </think>\n{"name": "search",
+"arguments": {"query": ...}}`: LLaMA-Factory keeps such a block and renders it before the call, as Qwen's template
+renders an assistant message's content before `<tool_call>`), its result an `observation` message (the search tool's
+text, document ids included: pass a searcher that writes them, `retriever_searcher(..., doc_ids=True)`), the answer
+an assistant message with its thought (as in Search-R1's format), and the record's `tools` (the search tool's
+schema); `write_sft` declares the `tools` column. data/sft_data.py tokenizes such records to the tool_calls
+rollout's ids. The thought is what carries the decision to search again ("X is Y. Next I need to find ...") and the
+name the next query copies; without it a second call would start right after the observation with nothing leading
+to it.
 
 Output: sharegpt-style JSONL (`{"messages": [{"role", "content"}, ...]}` with roles system?/user/assistant/
 observation) and a LLaMA-Factory `dataset_info.json` describing it.
@@ -49,7 +54,7 @@ import random
 import re
 from collections.abc import Callable, Collection
 
-from megatron_searchr1.data.prompts import answer_turn, format_observation, search_turn
+from megatron_searchr1.data.prompts import THINK_END, THINK_START, answer_turn, format_observation, search_turn
 from megatron_searchr1.data.qa import plain
 from megatron_searchr1.data.synthetic import RELATIONS
 from megatron_searchr1.search.client import is_search_failure
@@ -95,6 +100,17 @@ def observed_titles(text: str) -> list[str]:
         if int(m.group(1)) == len(titles) + 1:
             titles.append(m.group(2))
     return titles
+
+
+def call_turn(thought: str, query: str) -> str:
+    """A `function_call` turn's content in the tool_calls protocol: the thought search_turn writes, as a think block
+    (LLaMA-Factory's `<think>...</think>` in a function_call turn, rendered before the call), then the JSON call.
+
+    >>> print(call_turn("I need to find the CEO of Acme.", "Who is the CEO of Acme?"))
+    <think> I need to find the CEO of Acme. </think>
+    {"name": "search", "arguments": {"query": "Who is the CEO of Acme?"}}
+    """
+    return f"{THINK_START} {thought} {THINK_END}\n" + json.dumps({"name": "search", "arguments": {"query": query}})
 
 
 def _fact(hop: dict) -> str:
@@ -151,8 +167,7 @@ def gold_trajectories(rows: list[dict], search: Searcher, gold_text: dict[str, s
         answer = chain[-1]["answer"]
         for h, (hop, text) in enumerate(zip(chain, texts)):
             if protocol == "tool_calls":
-                messages.append({"role": "function_call",
-                                 "content": json.dumps({"name": "search", "arguments": {"query": hop["query"]}})})
+                messages.append({"role": "function_call", "content": call_turn(thought, hop["query"])})
                 messages.append({"role": "observation", "content": text.strip()})
             else:
                 messages.append({"role": "assistant", "content": search_turn(thought, hop["query"])})

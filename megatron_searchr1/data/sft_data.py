@@ -40,10 +40,12 @@ tokenised in one of two layouts:
    with the same settings (`tool_parser`, `stop_at_call_end`, `chat_template_kwargs`: the SFT config's data.* copies
    of the rollout.* fields): the prompt rendered once by the chat template with the record's tools and the kwargs,
    each `function_call` (LLaMA-Factory's JSON: `{"name", "arguments"}` or a list of them) written in the parser's
-   call format, ended as the engine ends it (at the closing string, e.g. hermes' `</tool_call>`, when the rollout
-   stops there; else with the token that ends the turn: the format's own end-of-call token when the tokenizer has
-   one, Llama's `<|eom_id|>`, else the eos), the following `observation` appended as the template's tool-message
-   delta after that end (mask 0), the final answer closed by the eos (mask 1, as the engine generates it). Each turn
+   call format (after the turn's thought when the content starts with one: LLaMA-Factory's `<think>...</think>`
+   block, kept verbatim and followed by "\n" as a chat template renders an assistant message's content before its
+   calls, mask 1: the model writes it), ended as the engine ends it (at the closing string, e.g. hermes'
+   `</tool_call>`, when the rollout stops there; else with the token that ends the turn: the format's own
+   end-of-call token when the tokenizer has one, Llama's `<|eom_id|>`, else the eos), the following `observation`
+   appended as the template's tool-message delta after that end (mask 0), the final answer closed by the eos (mask 1, as the engine generates it). Each turn
    is read back by the rollout's own reader, so a turn the rollout would not follow (an answer that parses as a
    call, two calls where the template renders one) is refused. One call per turn when the rollout stops at the end
    of a call (`stop_at_call_end=True` with a closing string).
@@ -59,7 +61,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Iterator
 
-from megatron_searchr1.data.prompts import render_prompt
+from megatron_searchr1.data.prompts import THINK_END, THINK_START, render_prompt
 
 DATASET_INFO = "dataset_info.json"
 FORMATS = ("alpaca", "sharegpt")
@@ -341,6 +343,30 @@ def tokenize_chat(messages: list[dict], tokenizer, where: str = "conversation", 
     return ids, mask
 
 
+def split_thought(content: str, where: str = "conversation") -> tuple[str, str]:
+    """(thought block, JSON) of a function_call turn's content: LLaMA-Factory's convention, an optional leading
+    `<think>...</think>` block (kept verbatim, "" when absent) and then the call's JSON. Any other text is refused.
+
+    >>> split_thought('<think> I need X. </think>\\n{"name": "search", "arguments": {}}')
+    ('<think> I need X. </think>', '{"name": "search", "arguments": {}}')
+    >>> split_thought('{"name": "search", "arguments": {}}')
+    ('', '{"name": "search", "arguments": {}}')
+    """
+    text = content.strip()
+    thought = ""
+    if text.startswith(THINK_START):
+        end = text.find(THINK_END)
+        if end < 0:
+            raise SFTDataError(f"{where}: a function_call's thought opens with {THINK_START} but never closes with "
+                               f"{THINK_END}: close it before the JSON call")
+        thought, text = text[:end + len(THINK_END)], text[end + len(THINK_END):].strip()
+    if not text.startswith(("{", "[")):
+        raise SFTDataError(f"{where}: a function_call's content is the JSON call ({{\"name\", \"arguments\"}} or a "
+                           f"list of them), optionally after one {THINK_START}...{THINK_END} thought; it has other "
+                           f"text: {text[:60]!r}: put that text inside the thought block or drop it")
+    return thought, text
+
+
 def _call_stop_token(proto, tokenizer) -> int:
     """The token a turn of calls ends with when no closing string stops it: the format's own end-of-call token when
     the tokenizer has one (Llama's `<|eom_id|>`: the template writes `<|eot_id|>` in its place, and the rollout
@@ -398,10 +424,12 @@ def tokenize_tool_calls(messages: list[dict], tokenizer, tools: list[dict], wher
                                    f"{parser.name} format, not as the answer: rewrite it (or make it a function_call)")
             ids, mask = ids + seg, mask + [1] * len(seg)
             continue
+        thought, call_json = split_thought(m["content"], where)
         try:
-            calls = json.loads(m["content"])
+            calls = json.loads(call_json)
         except json.JSONDecodeError as e:
-            raise SFTDataError(f"{where}: a function_call must be JSON {{\"name\", \"arguments\"}} ({e.msg})") from None
+            raise SFTDataError(f"{where}: a function_call must be JSON {{\"name\", \"arguments\"}}, optionally after "
+                               f"a {THINK_START}...{THINK_END} thought ({e.msg})") from None
         calls = calls if isinstance(calls, list) else [calls]
         if by_string and len(calls) != 1:
             raise SFTDataError(f"{where}: {len(calls)} calls in one turn, but the rollout stops at the end of a call "
@@ -412,6 +440,8 @@ def tokenize_tool_calls(messages: list[dict], tokenizer, tools: list[dict], wher
         args = [json.loads(c["arguments"]) if isinstance(c.get("arguments"), str) else c.get("arguments", {})
                 for c in calls]
         text = "\n".join(parser.render_call(c["name"], a) for c, a in zip(calls, args))
+        if thought:  # the model's text before its calls, as a chat template renders content before them
+            text = f"{thought}\n{text}"
         # what the engine generates: the calls up to the closing string it stops at, or the calls and the token that
         # ends the turn (formats whose calls end with the turn: Llama's <|eom_id|>, Mistral's eos)
         seg = _ids(tokenizer, text) + ([] if by_string else [call_stop])

@@ -3,6 +3,7 @@ tokenize to exactly the ids and mask the tool_calls rollout produces for the sam
 templates (hermes), Qwen3's with enable_thinking false, Llama 3.1's (JSON calls ended by <|eom_id|>); the SFT
 config's tool_parser / chat_template_kwargs and LLaMA-Factory's tool_format / enable_thinking."""
 import json
+import re
 
 import pytest
 import yaml
@@ -80,6 +81,57 @@ def test_tool_records_that_the_rollout_could_not_produce_are_refused(base_tok, t
     (plain,) = load_sft_dataset(_write(tmp_path, [RECORD]), ["t"], tok, max_length=4096)
     (named,) = load_sft_dataset(_write(tmp_path, [RECORD]), ["t"], tok, max_length=4096, template="qwen")
     assert named.input_ids == plain.input_ids and named.loss_mask == plain.loss_mask
+
+
+THOUGHTS = ("<think> I need to find who founded Acme. </think>",
+            "<think> Doc 7 is Acme. Next I need to open it. </think>", "<think> Acme was founded by Bo Lund. </think>")
+
+
+def _with_thoughts(record):
+    """RECORD with a thought leading each function_call (LLaMA-Factory's <think> block before the JSON) and the
+    answer."""
+    conv = [dict(m) for m in record["conversations"]]
+    for m, thought in zip([m for m in conv if m["from"] in ("function_call", "gpt")], THOUGHTS):
+        m["value"] = f"{thought}\n{m['value']}"
+    return dict(record, conversations=conv)
+
+
+@pytest.mark.parametrize("template", ["qwen2_5", "qwen3"])
+def test_thought_before_a_call_is_model_text_read_as_the_turns_content(base_tok, tmp_path, template):  # noqa: F811
+    tok = with_template(base_tok, template)
+    (ex,) = load_sft_dataset(_write(tmp_path, [_with_thoughts(RECORD)]), ["t"], tok, max_length=4096)
+    spec = ProtocolSpec("tool_calls", tools=tool_specs(["search", _open_tool()]))
+    turns = [f'{THOUGHTS[0]}\n<tool_call>\n{{"name": "search", "arguments": {{"query": "who founded acme"}}}}\n'
+             '</tool_call>',
+             f'{THOUGHTS[1]}\n<tool_call>\n{{"name": "open", "arguments": {{"doc_id": "7"}}}}\n</tool_call>',
+             f"{THOUGHTS[2]}\n<answer> Bo Lund </answer><|im_end|>"]
+    t = _rollout(tok, spec, turns, tok.eos_token_id)
+    assert ex.input_ids == t.prompt_ids + t.response_ids
+    assert ex.loss_mask == [0] * len(t.prompt_ids) + t.loss_mask
+    # every thought is in the loss, right before its call (or answer), and the reader keeps it as the turn's content
+    masked = tok.decode([i for i, m in zip(ex.input_ids, ex.loss_mask) if m])
+    for thought in THOUGHTS:
+        assert f"{thought}\n<" in masked
+    proto = build_protocol(spec, tok)
+    for thought, turn in zip(THOUGHTS[:2], turns):
+        content, calls = proto.parser.parse(turn)
+        assert content == thought and len(calls) == 1 and calls[0].error is None
+    # LLaMA-Factory's JSON without the thought still tokenizes to the bare call
+    (bare,) = load_sft_dataset(_write(tmp_path, [RECORD]), ["t"], tok, max_length=4096)
+    assert "<think>" not in tok.decode(bare.input_ids[len(t.prompt_ids):])
+
+
+def test_function_call_text_that_is_neither_a_thought_nor_the_call_is_refused(base_tok, tmp_path):  # noqa: F811
+    tok = with_template(base_tok, "qwen2_5")
+    call = RECORD["conversations"][1]["value"]
+    for value, match in ((f"Let me search.\n{call}", "optionally after one <think>...</think> thought; it has other "
+                                                      "text: 'Let me search."),
+                         (f"<think> unclosed\n{call}", "never closes with </think>"),
+                         (f"<think> a </think> and more {call}", "it has other text: 'and more")):
+        conv = [dict(m) for m in RECORD["conversations"]]
+        conv[1]["value"] = value
+        with pytest.raises(SFTDataError, match=re.escape(match)):
+            load_sft_dataset(_write(tmp_path, [dict(RECORD, conversations=conv)]), ["t"], tok, max_length=4096)
 
 
 def _rollout(tok, spec, turns, stop):

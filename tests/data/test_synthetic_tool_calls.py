@@ -1,8 +1,9 @@
 """The synthetic world's demonstrator in the tool_calls protocol: prompts in the protocol's messages, gold trajectories
-as LLaMA-Factory tool data (function_call / observation, the search tool's schema, results with document ids) that
-the SFT loader tokenizes to the rollout's layout."""
+as LLaMA-Factory tool data (function_call turns led by Search-R1's thought in a think block, observations, the search
+tool's schema, results with document ids) that the SFT loader tokenizes to the rollout's layout."""
 import json
 import os
+import re
 
 import pandas as pd
 
@@ -29,8 +30,15 @@ def test_make_world_writes_tool_calls_prompts_and_trajectories(tmp_path, base_to
     rec = records[0]
     turns = rec["messages"][2:]
     assert [m["role"] for m in turns] == ["function_call", "observation"] * rec["searches"] + ["assistant"]
-    call = json.loads(turns[0]["content"])
+    # each call turn carries the Search-R1 demonstration's thought as a think block, then the JSON call
+    thought, sep, call = turns[0]["content"].partition(" </think>\n")
+    assert thought.startswith("<think> I need to find ") and sep
+    call = json.loads(call)
     assert call["name"] == "search" and set(call["arguments"]) == {"query"}
+    # a second call's thought states what the first search found and announces the next search
+    multi = next(r for r in records if r["searches"] >= 2)["messages"][2:]
+    found = re.match(r"<think> .+ is (.+?)\. Next I need to find .+\. </think>\n\{", multi[2]["content"])
+    assert found and found.group(1) in multi[1]["content"]
     assert turns[1]["content"].startswith("Doc 1(id: ")  # the open tool takes the ids the search results carry
     assert turns[-1]["content"].endswith(f"<answer> {rec['answer']} </answer>")
     assert [t["name"] for t in json.loads(rec["tools"])] == ["search"]
@@ -41,3 +49,4 @@ def test_make_world_writes_tool_calls_prompts_and_trajectories(tmp_path, base_to
     assert text.count('<tool_call>\n{"name": "search", "arguments": {"query": ') == rec["searches"]
     masked = tok.decode([i for i, m in zip(examples[0].input_ids, examples[0].loss_mask) if m])
     assert "<tool_response>" not in masked and masked.endswith("</answer><|im_end|>")
+    assert masked.startswith("<think> I need to find ") and masked.count(" </think>\n<tool_call>\n") == rec["searches"]
