@@ -141,6 +141,18 @@ def _json_calls(text: str, raw: str) -> list[ToolCall]:
     return calls
 
 
+def _strip_one_newline(value: str) -> str:
+    """A value written on its own lines (`<parameter=k>\nVALUE\n</parameter>`) without the newline on each side."""
+    value = value[1:] if value.startswith("\n") else value
+    return value[:-1] if value.endswith("\n") else value
+
+
+def _typed_args(params: dict, name: str, pairs) -> dict:
+    """(key, raw text) pairs of one call to tool `name` as its arguments, each typed by the tool's schema."""
+    props = (params.get(name) or {}).get("properties") or {}
+    return {k.strip(): _typed(v, props.get(k.strip(), {})) for k, v in pairs}
+
+
 def _typed(value: str, schema: dict):
     """Raw parameter text as its schema's type (kept as text when it does not convert: the schema check then says
     what is wrong with it).
@@ -223,13 +235,8 @@ class Qwen3CoderParser(ToolCallParser):
             if not f.group(3):
                 calls.append(ToolCall(name=name, raw=m.group(0), error="the call is not closed with </function>"))
                 continue
-            props = (self.params.get(name) or {}).get("properties") or {}
-            args = {}
-            for p in self._param.finditer(f.group(2)):
-                value = p.group(2)
-                value = value[1:] if value.startswith("\n") else value
-                value = value[:-1] if value.endswith("\n") else value
-                args[p.group(1).strip()] = _typed(value, props.get(p.group(1).strip(), {}))
+            args = _typed_args(self.params, name, ((p.group(1), _strip_one_newline(p.group(2)))
+                                                   for p in self._param.finditer(f.group(2))))
             calls.append(ToolCall(name=name, arguments=args, raw=m.group(0)))
         return self._block.sub("", text).strip(), calls
 
@@ -279,9 +286,7 @@ class Glm45Parser(ToolCallParser):
                     "the call must be <tool_call>NAME\n<arg_key>KEY</arg_key>\n<arg_value>VALUE</arg_value>\n"
                     "</tool_call>")))
                 continue
-            props = (self.params.get(name) or {}).get("properties") or {}
-            args = {a.group(1).strip(): _typed(a.group(2), props.get(a.group(1).strip(), {}))
-                    for a in self._arg.finditer(rest)}
+            args = _typed_args(self.params, name, ((a.group(1), a.group(2)) for a in self._arg.finditer(rest)))
             calls.append(ToolCall(name=name, arguments=args, raw=m.group(0)))
         return self._block.sub("", text).strip(), calls
 
